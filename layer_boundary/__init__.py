@@ -1,0 +1,21 @@
+"""layer_boundary: stage boundaries for parallel transformer inference.
+
+Models import the factories, ``StageBoundary``, ``residual.batch`` and the runtime; row
+arithmetic, group selection and collective choice stay inside the package.
+"""
+
+from .contracts import BatchVariant, Owed, ProducerReduction, StageKind
+from .exit import FfnExit, MixerExit
+from .factories import (StageDeclaration, declare_attn, declare_ffn, make_attn_stage,
+                        make_ffn_stage, make_stages)
+from .layout import Layout, SumGroup, TokenAxis
+from .output import HandoffOutput
+from .residual.stream import OwedOutput, ResidualStream
+from .stage import StageBoundary
+
+__all__ = [
+    "BatchVariant", "FfnExit", "HandoffOutput", "Layout", "MixerExit", "Owed", "OwedOutput",
+    "ProducerReduction", "ResidualStream", "StageBoundary", "StageDeclaration", "StageKind",
+    "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
+    "make_ffn_stage", "make_stages",
+]

@@ -1,0 +1,1 @@
+"""Special adapters (attention, CP, TBO, branch, LoRA); none are in this slice yet."""

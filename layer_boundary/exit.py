@@ -1,0 +1,143 @@
+"""Output completion decisions and the scoped compute flags that carry them.
+
+A decision is made once per exit: its flags tell compute which reduction to skip, and its
+``owed`` records exactly what the next boundary must finish. Decisions are built at
+construction; an exit only selects one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .contracts import Owed, ProducerReduction, StageKind
+from .layout import REPLICATED, SumGroup
+from .output import HandoffOutput, sum_owed
+from .runtime.context import NO_FLAGS, ForwardFlags, swap_flags
+from .runtime.ledger import LEDGER
+
+DEFER_ALL_REDUCE = ForwardFlags(fuse_mlp_allreduce=True)
+
+
+@dataclass(frozen=True)
+class ExitDecision:
+    flags: ForwardFlags
+    owed: Owed | None  # what the consumer must still finish
+    label: str
+
+
+@dataclass(frozen=True)
+class ExitPath:
+    """The decisions one stage's output may take in one batch variant."""
+
+    default: ExitDecision
+
+    @property
+    def decisions(self) -> tuple[ExitDecision, ...]:
+        return (self.default,)
+
+    def select(self, forward_batch) -> ExitDecision:
+        return self.default
+
+
+def resolve_exit(decl, following, runtime) -> ExitPath:
+    """Pick the output handoff for ``decl`` given the consumer described by ``following``."""
+    parallel = runtime.parallel
+    if decl.kind is StageKind.ATTN:
+        owed = sum_owed(parallel, SumGroup.ATTN_TP, REPLICATED)
+        if owed is None:
+            return ExitPath(ExitDecision(NO_FLAGS, None, "complete (attn_tp=1)"))
+        if decl.reduction is ProducerReduction.PARTIAL:
+            return ExitPath(ExitDecision(NO_FLAGS, owed, "partial: attn_tp sum owed"))
+        # A single-stage mixer always leaves its sum to an FFN's input, and to another mixer's
+        # input only where that input can all-reduce it (never under attention DP).
+        if following is not None and following.kind is StageKind.FFN:
+            return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, "attn_tp sum left to FFN input"))
+        if (following is not None and not decl.terminal and runtime.allreduce_fusion
+                and parallel.dims.attn_dp == 1):
+            return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, "attn_tp sum left to mixer input"))
+        return ExitPath(ExitDecision(NO_FLAGS, None, "all_reduce(attn_tp) in compute"))
+
+    owed = sum_owed(parallel, SumGroup.TP, REPLICATED)
+    if owed is None:
+        return ExitPath(ExitDecision(NO_FLAGS, None, "complete (tp=1)"))
+    # LOCAL_TAIL adds its tail after its own sum, so that sum is never deferred.
+    if (decl.reduction is ProducerReduction.SCOPED and not decl.terminal
+            and following is not None and runtime.allreduce_fusion):
+        return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, "all_reduce(tp) deferred to next input"))
+    return ExitPath(ExitDecision(NO_FLAGS, None, "all_reduce(tp) in compute"))
+
+
+class StageExit:
+    """Scope around an FFN's or mixer's compute: publishes the decision's flags, restores them."""
+
+    __slots__ = ("_stream", "_path", "_forward_batch", "_update", "_site", "_decision",
+                 "_previous", "_state")
+
+    def __init__(self, stream, path: ExitPath, forward_batch, update, site: str) -> None:
+        self._stream, self._path, self._forward_batch = stream, path, forward_batch
+        self._update, self._site = update, site
+        self._decision: ExitDecision | None = None
+        self._previous = None
+        self._state = "new"
+
+    def __enter__(self):
+        if self._state != "new":
+            raise RuntimeError("an exit scope can be entered once")
+        self._decision = self._path.select(self._forward_batch)
+        self._previous = swap_flags(self._decision.flags)
+        LEDGER.site = self._site
+        self._state = "open"
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        swap_flags(self._previous)
+        self._state = "failed" if exc_type is not None else "computed"
+        return False
+
+    @property
+    def decision(self) -> ExitDecision:
+        if self._decision is None:
+            raise RuntimeError("the exit decision is made when its scope is entered")
+        return self._decision
+
+    @property
+    def fuse_mlp_allreduce(self) -> bool:
+        return self.decision.flags.fuse_mlp_allreduce
+
+    @property
+    def mlp_reduce_scatter(self) -> bool:
+        return self.decision.flags.mlp_reduce_scatter
+
+    @property
+    def defer_moe_finalize(self) -> bool:
+        return self.decision.flags.defer_moe_finalize
+
+    @property
+    def skips_reduction(self) -> bool:
+        return self.decision.flags.skips_reduction
+
+    def finish(self, hidden_states):
+        """Record compute's output with the decided owed work; return what to pass on."""
+        if self._state == "failed":
+            raise RuntimeError("finish() called after the exit's computation raised")
+        if self._state == "new":
+            raise RuntimeError("finish() called before the exit scope was entered")
+        if self._state == "finished":
+            raise RuntimeError("finish() called twice on one exit")
+        if isinstance(hidden_states, HandoffOutput) and not self.defer_moe_finalize:
+            raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
+                               "publish defer_moe_finalize")
+        self._state = "finished"
+        return self._stream.leave(hidden_states, self._decision.owed, self._update)
+
+
+class FfnExit(StageExit):
+    """Exit of an FFN: publishes fuse_mlp_allreduce, mlp_reduce_scatter, defer_moe_finalize."""
+
+    __slots__ = ()
+
+
+class MixerExit(StageExit):
+    """Exit of a single-stage mixer: publishes fuse_mlp_allreduce, exposed as skips_reduction."""
+
+    __slots__ = ()

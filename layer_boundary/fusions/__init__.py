@@ -1,0 +1,1 @@
+"""Fusion providers; none are in this slice yet."""

@@ -1,0 +1,94 @@
+"""Per-forward residual state and the ownership of outstanding work.
+
+A stream is initial (nothing yet), written (a residual, nothing pending) or pending (a
+producer's contribution, maybe a residual). The model passes back exactly the object each
+boundary call returned; the stream checks that by identity, so another microbatch's output or a
+rebound tensor raises instead of silently applying the wrong pending work.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..contracts import Owed
+
+NOT_OURS = ("output does not belong to this residual stream; "
+            "change layer outputs through boundary accessors")
+
+
+class StreamState(enum.Enum):
+    INITIAL = "initial"
+    WRITTEN = "written"
+    PENDING = "pending"
+
+
+@dataclass(eq=False)
+class Contribution:
+    """A producer's actual output: its value, the work it still owes, and its residual update."""
+
+    value: object  # torch.Tensor, or a HandoffOutput for producer-specific finalize work
+    owed: Owed | None
+    update: object  # StageUpdate
+
+
+class OwedOutput:
+    """Opaque handle for an output whose reduction is still owed. Not a tensor on purpose."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: "ResidualStream") -> None:
+        self._stream = stream
+
+    def __repr__(self) -> str:
+        return "OwedOutput(<pass to the next boundary or a residual accessor>)"
+
+
+class _InCompute:
+    """Handle while a stage computes: its prepared input is no layer output."""
+
+    def __repr__(self) -> str:
+        return "<stage computing>"
+
+
+IN_COMPUTE = _InCompute()
+
+
+class ResidualStream:
+    __slots__ = ("residual", "contribution", "handle")
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None
+        self.contribution: Contribution | None = None
+        self.handle: object = None  # what the model must pass to the next call
+
+    @property
+    def state(self) -> StreamState:
+        if self.contribution is not None:
+            return StreamState.PENDING
+        return StreamState.INITIAL if self.residual is None else StreamState.WRITTEN
+
+    def check(self, hidden) -> None:
+        """Raise unless ``hidden`` is the object the last boundary call returned."""
+        if self.handle is None:  # initial stream: the stack-entry tensor is new by nature
+            if isinstance(hidden, OwedOutput) or self.contribution is not None:
+                raise RuntimeError(NOT_OURS)
+            return
+        if hidden is not self.handle:
+            raise RuntimeError(NOT_OURS)
+
+    def leave(self, value, owed: Owed | None, update) -> object:
+        """Record a producer's output; return what the model passes on."""
+        self.contribution = Contribution(value, owed, update)
+        self.handle = OwedOutput(self) if owed is not None else value
+        return self.handle
+
+    def write(self, residual: torch.Tensor, handle: object) -> None:
+        """Residual written, nothing pending; ``handle`` is what the model holds next."""
+        self.residual, self.contribution, self.handle = residual, None, handle
+
+    def arrive(self) -> "ResidualStream":
+        """A fresh stream for another microbatch (two-batch overlap splits into these)."""
+        return ResidualStream()

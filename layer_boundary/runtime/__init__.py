@@ -1,0 +1,1 @@
+"""The host runtime that plays the engine's part: topology, batches, flags, layers, ledger."""

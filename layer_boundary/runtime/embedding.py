@@ -1,0 +1,57 @@
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is padded to a multiple of the group size and split in contiguous ranges;
+padded rows are zero and their logits are sliced off after the gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import all_reduce_rows, gather_last_dim
+from .ledger import ledger_site
+from .parallel import Group
+
+
+class VocabParallelEmbedding(nn.Module):
+    """out[t] = E[ids[t]]: each rank looks up its vocab range, the group sums; rows unchanged."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: Group, dtype=torch.float32):
+        super().__init__()
+        self.group, self.vocab_size = group, vocab_size
+        self.per_rank = -(-vocab_size // group.size)
+        self.start = group.rank * self.per_rank
+        self.end = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(
+                f"embedding weight has {loaded.shape[0]} rows but vocab_size is {self.vocab_size}")
+        param.data.zero_()
+        param.data[: self.end - self.start].copy_(loaded[self.start:self.end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        outside = (input_ids < self.start) | (input_ids >= self.end)
+        local = (input_ids - self.start).masked_fill(outside, 0)
+        out = nn.functional.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        with ledger_site("embed"):
+            return all_reduce_rows(out, self.group)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits[t] = h[t] @ E.T over the full vocabulary: vocab slices gathered; rows unchanged."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(hidden, self.weight)
+        with ledger_site("lm_head"):
+            logits = gather_last_dim(logits, self.group)
+        return logits[..., : self.vocab_size]

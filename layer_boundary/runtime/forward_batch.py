@@ -1,0 +1,73 @@
+"""ForwardBatch: the batch facts a forward reads, and the residual stream it carries."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill (possibly continuing a cached prefix)
+    DECODE = "decode"  # one new token per request
+
+
+class BatchVariant(enum.Enum):
+    """Row variants a stage plan may support; the value is how errors name it."""
+
+    ORDINARY = "ordinary"
+    CP = "CP"
+    INPUT_SCATTERED = "input-scattered"
+    SEQUENCE_PARALLEL = "sequence-parallel"
+
+
+@dataclass(eq=False)
+class ForwardBatch:
+    """This rank's requests for one forward.
+
+    ``input_ids``/``positions`` hold this attention-DP rank's tokens, requests concatenated.
+    ``dp_token_counts`` holds every attention-DP rank's token count in DP rank order (any may
+    be 0); it is what boundaries use to place rows, so it must agree on all ranks.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    seq_lens: tuple[int, ...]  # per request: total length after this forward
+    extend_lens: tuple[int, ...]  # per request: tokens in this forward
+    dp_token_counts: tuple[int, ...]
+    req_slots: tuple[int, ...] = ()  # KV cache slot of each request
+    kv_cache: object = None
+    variant: BatchVariant = BatchVariant.ORDINARY
+    residual_stream: object = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prefix_lens(self) -> tuple[int, ...]:
+        return tuple(s - e for s, e in zip(self.seq_lens, self.extend_lens))
+
+    @classmethod
+    def build(cls, mode: ForwardMode, requests: list[list[int]], prefix_lens: list[int],
+              dp_token_counts: tuple[int, ...] | None = None, req_slots=None, kv_cache=None,
+              device: torch.device | str = "cpu") -> "ForwardBatch":
+        """Batch of ``requests`` (token ids new in this forward) after ``prefix_lens`` cached ones."""
+        ids = [t for r in requests for t in r]
+        pos = [p + i for r, p in zip(requests, prefix_lens) for i in range(len(r))]
+        extend = tuple(len(r) for r in requests)
+        if dp_token_counts is None:
+            dp_token_counts = (len(ids),)
+        return cls(
+            mode=mode,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            seq_lens=tuple(p + e for p, e in zip(prefix_lens, extend)),
+            extend_lens=extend,
+            dp_token_counts=tuple(dp_token_counts),
+            req_slots=tuple(req_slots if req_slots is not None else range(len(requests))),
+            kv_cache=kv_cache,
+        )

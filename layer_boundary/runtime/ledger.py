@@ -1,0 +1,79 @@
+"""Communication ledger: every collective a forward runs, with the site that ran it.
+
+Each entry records what the path logically moves (kind, group, element count, dtype) and the
+ring-formula bytes for that kind, so tests can compare a forward against a path's analytic
+collective list and the command line can report volume per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter", ...
+    group: str  # the runtime group's name ("tp", "attn_tp", "attn_dp")
+    group_size: int
+    numel: int  # logical elements of the full (unsplit) tensor the collective acts on
+    dtype: torch.dtype
+    site: str  # "<stage name>.<phase>" or a runtime label ("embed", "lm_head")
+
+    @property
+    def bytes(self) -> int:
+        """Per-rank bytes sent by a ring implementation of this collective."""
+        size = self.numel * self.dtype.itemsize
+        n = self.group_size
+        if self.kind == "all_reduce":
+            return 2 * (n - 1) * size // n
+        return (n - 1) * size // n
+
+
+class Ledger:
+    """Process-wide recorder; off unless a caller turns it on."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.entries: list[LedgerEntry] = []
+        self.site = "model"
+
+    def record(self, kind: str, group, numel: int, dtype: torch.dtype) -> None:
+        if self.enabled:
+            self.entries.append(LedgerEntry(kind, group.name, group.size, numel, dtype, self.site))
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Record the collectives of the enclosed block; yields the list being filled."""
+        previous = (self.enabled, self.entries)
+        self.enabled, self.entries = True, []
+        try:
+            yield self.entries
+        finally:
+            self.enabled, self.entries = previous
+
+
+LEDGER = Ledger()
+
+
+@contextlib.contextmanager
+def ledger_site(site: str):
+    """Attribute the collectives of the enclosed block to ``site``."""
+    previous = LEDGER.site
+    LEDGER.site = site
+    try:
+        yield
+    finally:
+        LEDGER.site = previous
+
+
+def summarize(entries) -> dict[str, dict[str, int]]:
+    """{kind: {"count", "bytes"}} over ``entries``."""
+    out: dict[str, dict[str, int]] = {}
+    for e in entries:
+        slot = out.setdefault(e.kind, {"count": 0, "bytes": 0})
+        slot["count"] += 1
+        slot["bytes"] += e.bytes
+    return out

@@ -1,0 +1,114 @@
+"""Tensor-parallel linear layers that honour the boundary's forward flags.
+
+Each layer owns the shard of the full weight that its group rank holds and a
+``weight_loader(param, full_tensor[, shard_id])`` that cuts that shard from a checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import all_reduce_rows, gather_last_dim
+from .context import get_forward
+from .parallel import Group
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d != 0:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[:, shard] = x @ W[shard].T: output features split over ``group``; rows unchanged."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
+                 gather_output: bool = False, dtype=torch.float32, name: str = "linear"):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.out_per_rank = _divide(out_features, group.size, f"{name} output size")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        start = self.group.rank * self.out_per_rank
+        param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight, self.bias)
+        return gather_last_dim(y, self.group) if self.gather_output else y
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; query heads split over ``group``, kv heads split or replicated.
+
+    When the group is larger than the number of kv heads, each kv head is replicated on
+    ``group.size // num_kv_heads`` consecutive ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 group: Group, bias: bool = False, dtype=torch.float32):
+        tp = group.size
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        if tp >= num_kv_heads:
+            _divide(tp, num_kv_heads, "num_key_value_heads replication: tp")
+            self.num_kv_heads, self.kv_replicas = 1, tp // num_kv_heads
+        else:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        per_rank_out = self.q_size + 2 * self.kv_size
+        super().__init__(hidden_size, per_rank_out * tp, group, bias=bias, dtype=dtype, name="qkv")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        rank = self.group.rank
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, rank * self.q_size
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, start = self.kv_size, (rank // self.kv_replicas) * self.kv_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ``group`` of x[:, shard] @ W[:, shard].T; rows unchanged.
+
+    With ``reduce_results=False`` it always returns this rank's partial sum (an attention
+    output under a PARTIAL contract). Otherwise it reduces unless the open exit scope
+    published ``fuse_mlp_allreduce`` or ``mlp_reduce_scatter``: then the boundary owns the sum.
+    The bias is added on group rank 0 only, so it survives any later sum exactly once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
+                 reduce_results: bool = True, dtype=torch.float32, name: str = "linear"):
+        super().__init__()
+        self.group, self.reduce_results = group, reduce_results
+        self.in_per_rank = _divide(in_features, group.size, f"{name} input size")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(1, self.group.rank * self.in_per_rank, self.in_per_rank))
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.group.rank == 0 else None
+        y = nn.functional.linear(x, self.weight, bias)
+        if self.reduce_results and not get_forward().skips_reduction:
+            y = all_reduce_rows(y, self.group)
+        return y

@@ -1,0 +1,237 @@
+"""Topology: validated parallel degrees, the process groups they imply, and process start-up.
+
+Rank order (DESIGN.md): ``world = pp x tp``; inside a TP group ``tp = attn_dp x attn_cp x
+attn_tp`` with dp-major order, then cp, then attention TP fastest.  Every rank builds every
+group in the same order, once, here; nothing else in the package creates groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class TopologyError(ValueError):
+    """A parallel degree that does not fit the world or the model."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Parallel degrees, checked against each other and the world size in one place."""
+
+    world_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    attn_dp: int = 1
+    attn_cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "attn_dp", "attn_cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+        if self.pp * self.tp != self.world_size:
+            raise TopologyError(
+                f"world_size {self.world_size} != pp {self.pp} x tp {self.tp}"
+            )
+        if self.tp % (self.attn_dp * self.attn_cp) != 0:
+            raise TopologyError(
+                f"tp {self.tp} is not divisible by attn_dp {self.attn_dp} x attn_cp {self.attn_cp}"
+            )
+
+    @property
+    def attn_tp(self) -> int:
+        return self.tp // (self.attn_dp * self.attn_cp)
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """One process group as this rank sees it. A size-1 group carries no torch group."""
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int  # this process's index inside ``ranks``
+    pg: object = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True, eq=False)
+class Parallel:
+    """All groups of one topology for this rank (torchtitan's ParallelDims plus its mesh)."""
+
+    dims: ParallelDims
+    rank: int
+    tp: Group  # full tensor-parallel group (dense FFN sums)
+    attn_tp: Group  # attention tensor-parallel group inside one attention-DP rank
+    attn_dp: Group  # same attention-TP index across attention-DP ranks
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.attn_tp.rank
+
+    @property
+    def attn_dp_rank(self) -> int:
+        # dp-major rank order inside the TP group
+        return self.tp.rank // (self.dims.attn_cp * self.dims.attn_tp)
+
+
+def _local_group(name: str) -> Group:
+    return Group(name=name, ranks=(0,), rank=0, pg=None)
+
+
+def _new_groups(name: str, all_ranks: list[list[int]], rank: int) -> Group:
+    """Create every group of one kind (all ranks call this in the same order); keep ours."""
+    mine = None
+    for ranks in all_ranks:
+        pg = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = Group(name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=pg)
+    assert mine is not None, f"rank {rank} is in no {name} group"
+    return mine
+
+
+_PARALLEL_CACHE: dict[ParallelDims, Parallel] = {}
+
+
+def build_parallel(dims: ParallelDims) -> Parallel:
+    """Groups for ``dims``; built once per process and topology, then reused."""
+    cached = _PARALLEL_CACHE.get(dims)
+    if cached is not None:
+        return cached
+    if dims.world_size == 1:
+        par = Parallel(dims, 0, _local_group("tp"), _local_group("attn_tp"), _local_group("attn_dp"))
+        _PARALLEL_CACHE[dims] = par
+        return par
+    if not dist.is_initialized():
+        raise TopologyError(
+            f"world_size {dims.world_size} needs torch.distributed to be initialised"
+        )
+    if dist.get_world_size() != dims.world_size:
+        raise TopologyError(
+            f"world_size {dims.world_size} != torch.distributed world size {dist.get_world_size()}"
+        )
+    rank = dist.get_rank()
+    tp, attn_tp_size = dims.tp, dims.attn_tp
+    tp_groups = [list(range(p * tp, (p + 1) * tp)) for p in range(dims.pp)]
+    attn_tp_groups = [
+        list(range(base + j * attn_tp_size, base + (j + 1) * attn_tp_size))
+        for base in range(0, dims.world_size, tp)
+        for j in range(tp // attn_tp_size)
+    ]
+    stride = dims.attn_cp * attn_tp_size
+    attn_dp_groups = [
+        list(range(base + off, base + tp, stride))
+        for base in range(0, dims.world_size, tp)
+        for off in range(stride)
+    ]
+    par = Parallel(
+        dims,
+        rank,
+        _new_groups("tp", tp_groups, rank),
+        _new_groups("attn_tp", attn_tp_groups, rank),
+        _new_groups("attn_dp", attn_dp_groups, rank),
+    )
+    _PARALLEL_CACHE[dims] = par
+    return par
+
+
+# ---------------------------------------------------------------- process start-up
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None,
+                     init_method: str | None = None, backend: str = "gloo",
+                     timeout_s: float = 120.0) -> tuple[int, int]:
+    """Initialise torch.distributed once: from torchrun's environment or explicit arguments."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank is None:
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        init_method = "env://"
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    return rank, world_size
+
+
+def _spawn_entry(rank, world_size, port, fn, args, queue):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}")
+    try:
+        result = fn(*args)
+        queue.put((rank, "ok", result))
+    except BaseException as exc:  # report, then let the others time out rather than hang
+        import traceback
+
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
+    """Run ``fn(*args)`` on ``world_size`` local CPU ranks over gloo; return per-rank results."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    first_error = None
+    while len(results) + len(errors) < world_size:
+        if not queue.empty():
+            rank, status, payload = queue.get()
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}: {payload}")
+                first_error = first_error or time.monotonic()
+            continue
+        now = time.monotonic()
+        # peers of a failed rank sit in a collective until gloo's timeout: do not wait for them
+        if now > deadline or (first_error and now - first_error > 10):
+            break
+        if not any(p.is_alive() for p in procs) and queue.empty():
+            break
+        time.sleep(0.01)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    if len(results) < world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise RuntimeError(f"ranks {missing} did not report a result")
+    return [results[r] for r in range(world_size)]
