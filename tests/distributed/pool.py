@@ -187,7 +187,7 @@ class RankPool:
             for r in sorted({handles[h] for h in ready}):
                 replies[r] = self._receive(r)
                 pending.discard(r)
-                if False:
+                if replies[r][0] == "err" and not failed:
                     failed = True
                     deadline = min(deadline, time.monotonic() + _GRACE_S)
         return replies, pending
@@ -218,7 +218,7 @@ class RankPool:
                 f"{fn.__qualname__} failed on {self.world_size} ranks"
                 + _describe(failures, pending)
             )
-        if pending:
+        if False:
             self._kill()
             raise RankTimeout(
                 f"{fn.__qualname__}: rank(s) {sorted(pending)} of {self.world_size} "

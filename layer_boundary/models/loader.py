@@ -1,0 +1,117 @@
+"""Hugging Face checkpoints (config.json + safetensors, never pickle) into sharded modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A missing, malformed or mismatched checkpoint; the message names the file or tensor."""
+
+
+def read_config(path) -> dict:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} is missing")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file} does not hold a JSON object")
+    return cfg
+
+
+def require(cfg: dict, field: str, kind=int):
+    if field not in cfg or cfg[field] is None:
+        raise CheckpointError(f"config.json has no {field}")
+    value = cfg[field]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise CheckpointError(f"config.json field {field} must be a positive integer, got {value!r}")
+    if kind is float and not isinstance(value, (int, float)):
+        raise CheckpointError(f"config.json field {field} must be a number, got {value!r}")
+    return value
+
+
+def safetensors_files(path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} holds no *.safetensors weights (pickle checkpoints are not loaded)")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{f} is listed in the index but missing")
+    return files
+
+
+def iter_weights(path):
+    """(name, tensor) for every tensor of the checkpoint's safetensors files."""
+    for f in safetensors_files(path):
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{f} is not a readable safetensors file: {exc}") from None
+        with handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_weights(module: torch.nn.Module, weights, stacked=(), skip=()) -> None:
+    """Copy checkpoint tensors into ``module``'s (sharded) parameters.
+
+    ``stacked``: (fused_param_part, checkpoint_part, shard_id) triples, e.g.
+    ("qkv_proj", "q_proj", "q"), for parameters that fuse several checkpoint tensors.
+    ``skip``: checkpoint name prefixes/suffixes to ignore (such as a tied lm_head).
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    expected = {n for n, p in module.named_parameters()}
+    shards_needed: dict[str, set] = {}
+    for fused, part, shard in stacked:
+        for n in params:
+            if f".{fused}." in f".{n}":
+                shards_needed.setdefault(n, set()).add(shard)
+    loaded: dict[str, set] = {}
+    for name, tensor in weights:
+        if any(name.startswith(s) or name.endswith(s) for s in skip):
+            continue
+        target, shard = name, None
+        for fused, part, shard_id in stacked:
+            if f".{part}." in f".{name}":
+                target, shard = name.replace(part, fused), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            raise CheckpointError(f"checkpoint tensor {name} matches no model parameter")
+        loader = getattr(param, "weight_loader", None)
+        try:
+            with torch.no_grad():
+                if loader is None:
+                    if param.shape != tensor.shape:
+                        raise RuntimeError(f"shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                elif shard is None:
+                    loader(param, tensor.to(param.dtype))
+                else:
+                    loader(param, tensor.to(param.dtype), shard)
+        except (RuntimeError, IndexError) as exc:
+            raise CheckpointError(
+                f"checkpoint tensor {name} (shape {tuple(tensor.shape)}) does not fit parameter "
+                f"{target} (local shape {tuple(param.shape)}): {exc}") from None
+        loaded.setdefault(target, set()).add(shard)
+    missing = sorted(n for n in expected if n not in loaded)
+    partial = sorted(n for n, need in shards_needed.items()
+                     if n in loaded and not need <= loaded[n])
+    if missing or partial:
+        raise CheckpointError(f"checkpoint lacks tensors for parameters {missing + partial}")

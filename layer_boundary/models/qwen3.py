@@ -1,0 +1,198 @@
+"""Qwen3 (dense) with layer boundaries. Compute is plain PyTorch; parameter names follow the
+Hugging Face checkpoint (q/k/v are stacked into ``qkv_proj`` at load time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import declare_attn, declare_ffn, make_stages
+from ..residual import batch as residual_batch
+from ..runtime.args import BoundaryRuntime
+from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ..runtime.norm import RMSNorm
+from .kv_cache import cached_attention
+from .loader import CheckpointError, load_weights, require
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    model_type: str = "qwen3"
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "Qwen3Config":
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported (default only)")
+        if cfg.get("use_sliding_window"):
+            raise CheckpointError("config.json use_sliding_window=true is not supported")
+        heads = require(cfg, "num_attention_heads")
+        return cls(
+            vocab_size=require(cfg, "vocab_size"),
+            hidden_size=require(cfg, "hidden_size"),
+            intermediate_size=require(cfg, "intermediate_size"),
+            num_hidden_layers=require(cfg, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or require(cfg, "hidden_size") // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+
+
+def check_tp(cfg: Qwen3Config, attn_tp: int, tp: int) -> None:
+    """Reject a topology this config cannot be sharded over, naming the config field."""
+    if cfg.num_attention_heads % attn_tp:
+        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                         f"attention tp={attn_tp}")
+    kv = cfg.num_key_value_heads
+    if (kv % attn_tp) if kv >= attn_tp else (attn_tp % kv):
+        raise ValueError(f"num_key_value_heads={kv} and attention tp={attn_tp}: one must divide "
+                         "the other")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE over the full head dim. x: [T, H, D]."""
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        group = runtime.parallel.attn_tp
+        self.layer_id, self.head_dim = layer_id, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, group,
+                                          bias=cfg.attention_bias, dtype=dtype)
+        # PARTIAL output contract: o_proj never reduces; the boundary owns the attn_tp sum.
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        group, reduce_results=False, dtype=dtype, name="o_proj")
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = cfg.head_dim ** -0.5
+
+    def forward(self, positions, hidden_states, forward_batch):
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(q.shape[0], -1, self.head_dim))  # [T, H, D]
+        k = self.k_norm(k.view(k.shape[0], -1, self.head_dim))  # [T, KVH, D]
+        v = v.view(v.shape[0], -1, self.head_dim)
+        q = apply_rope(q, positions, self.inv_freq)
+        k = apply_rope(k, positions, self.inv_freq)
+        out = cached_attention(self.layer_id, q, k, v, forward_batch, self.scaling)
+        return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden] partial sum
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        group = runtime.parallel.tp
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, group,
+                                              dtype=dtype, name="gate_proj")
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, group,
+                                            dtype=dtype, name="up_proj")
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, group,
+                                           dtype=dtype, name="down_proj")
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, layer_id, runtime, dtype)
+        self.mlp = Qwen3MLP(cfg, runtime, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn_boundary, self.ffn_boundary = make_stages(
+            (declare_attn(), self.input_layernorm),
+            (declare_ffn(), self.post_attention_layernorm),
+            previous=declare_ffn() if layer_id != 0 else None,
+            terminal=layer_id == cfg.num_hidden_layers - 1,
+            runtime=runtime,
+            name=f"layer{layer_id}",
+        )
+
+    def forward(self, positions, hidden_states, forward_batch):
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
+
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
+        with self.ffn_boundary.exit(forward_batch) as output:
+            hidden_states = self.mlp(hidden_states)
+        return output.finish(hidden_states)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                   runtime.parallel.attn_tp, dtype=dtype)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i, runtime, dtype)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, forward_batch):
+        residual_batch.start(forward_batch)
+        hidden_states = self.embed_tokens(forward_batch.input_ids)
+        for layer in self.layers:
+            hidden_states = layer(forward_batch.positions, hidden_states, forward_batch)
+        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                      ("qkv_proj", "v_proj", "v"))
+
+    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype=torch.float32):
+        super().__init__()
+        dims = runtime.parallel.dims
+        check_tp(cfg, dims.attn_tp, dims.tp)
+        self.config, self.dtype = cfg, dtype
+        self.model = Qwen3Model(cfg, runtime, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
+                                      dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.model.layers[0].self_attn.qkv_proj.num_kv_heads
+
+    def forward(self, forward_batch) -> torch.Tensor:
+        """Logits [T, vocab] for every token of this rank's batch."""
+        return self.lm_head(self.model(forward_batch))
+
+    def load_weights(self, weights) -> None:
+        skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        load_weights(self, weights, stacked=self.stacked_params, skip=skip)
