@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
 from dataclasses import dataclass, field
@@ -183,7 +184,9 @@ def _spawn_entry(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}")
     try:
-        result = fn(*args)
+        # plain pickle copies tensors by value; the queue's pickler would share file
+        # descriptors that vanish when this process exits
+        result = pickle.dumps(fn(*args))
         queue.put((rank, "ok", result))
     except BaseException as exc:  # report, then let the others time out rather than hang
         import traceback
@@ -213,7 +216,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
         if not queue.empty():
             rank, status, payload = queue.get()
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank}: {payload}")
                 first_error = first_error or time.monotonic()

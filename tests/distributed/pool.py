@@ -218,7 +218,7 @@ class RankPool:
                 f"{fn.__qualname__} failed on {self.world_size} ranks"
                 + _describe(failures, pending)
             )
-        if False:
+        if pending:
             self._kill()
             raise RankTimeout(
                 f"{fn.__qualname__}: rank(s) {sorted(pending)} of {self.world_size} "
