@@ -27,7 +27,7 @@ def requests_of(dp_rank: int, dp: int, n: int) -> list[int]:
 
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp: int = 1,
-                    dp_rank: int = 0, keep_logits: bool = True) -> Generation:
+                    dp_rank: int = 0, keep_logits: bool = True, on_step=None) -> Generation:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     for i, p in enumerate(prompts):
@@ -46,6 +46,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
     generated = [[] for _ in mine]
     logits_out = [[] for _ in mine]
     for step in range(max_new_tokens):
+        if on_step is not None:
+            on_step(step)
         mode = ForwardMode.EXTEND if step == 0 else ForwardMode.DECODE
         batch = ForwardBatch.build(mode, new_tokens, prefix, dp_token_counts=counts_of(step),
                                    kv_cache=cache, device=model.lm_head.weight.device)

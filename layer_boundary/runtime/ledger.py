@@ -21,6 +21,7 @@ class LedgerEntry:
     numel: int  # logical elements of the full (unsplit) tensor the collective acts on
     dtype: torch.dtype
     site: str  # "<stage name>.<phase>" or a runtime label ("embed", "lm_head")
+    step: int = 0  # which forward of a generation (0 = prefill)
 
     @property
     def bytes(self) -> int:
@@ -39,10 +40,12 @@ class Ledger:
         self.enabled = False
         self.entries: list[LedgerEntry] = []
         self.site = "model"
+        self.step = 0
 
     def record(self, kind: str, group, numel: int, dtype: torch.dtype) -> None:
         if self.enabled:
-            self.entries.append(LedgerEntry(kind, group.name, group.size, numel, dtype, self.site))
+            self.entries.append(LedgerEntry(kind, group.name, group.size, numel, dtype,
+                                           self.site, self.step))
 
     @contextlib.contextmanager
     def recording(self):

@@ -1,0 +1,240 @@
+"""``layer-boundary run | plan``: the main job and its report.
+
+``run`` spawns its own CPU ranks (gloo on loopback), or joins the ranks ``torchrun`` started.
+Only rank 0 reports, through logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import torch
+
+from .construction import UnsupportedBoundary
+from .models.loader import CheckpointError
+from .runtime.args import BOUNDARY_REDUCTIONS
+from .runtime.ledger import summarize
+from .runtime.parallel import TopologyError
+
+log = logging.getLogger("layer_boundary")
+
+FP32_TOLERANCE = 1e-5
+BF16_TOLERANCE = 5e-2  # bf16 rounds at 2^-8 relative; logits of unit scale stay within this
+
+
+class UsageError(ValueError):
+    """A bad command-line argument."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _prompt_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids {text!r} must be comma-separated integers") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} needs non-negative token ids")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layer-boundary", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate on parallel CPU ranks and check parity with world 1")
+    run.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
+    run.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default 2)")
+    run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
+                     help='token ids of one prompt, e.g. "1,2,3" (repeatable)')
+    run.add_argument("--prompt", action="append", default=None,
+                     help="a text prompt (repeatable; needs tokenizer.json in the checkpoint)")
+    run.add_argument("--max-new-tokens", type=_positive, default=4)
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--logits-out", help="write per-prompt, per-step logits (safetensors)")
+    run.add_argument("--no-reference", action="store_true", help="skip the world-1 parity run")
+    run.add_argument("--no-allreduce-fusion", action="store_true",
+                     help="complete every FFN all-reduce in compute instead of deferring it")
+    return parser
+
+
+def _setup_logging(rank: int) -> None:
+    log.handlers.clear()
+    log.propagate = False
+    if rank == 0:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    else:
+        log.addHandler(logging.NullHandler())
+        log.setLevel(logging.CRITICAL + 1)
+
+
+def _prompts(args, model_dir) -> tuple[tuple[int, ...], ...]:
+    prompts = list(args.prompt_ids or [])
+    if args.prompt:
+        from pathlib import Path
+
+        tok_file = Path(model_dir) / "tokenizer.json"
+        if not tok_file.is_file():
+            raise UsageError(f"--prompt needs {tok_file}; pass --prompt-ids instead")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise UsageError("--prompt needs the 'tokenizers' package; pass --prompt-ids") from None
+        tok = Tokenizer.from_file(str(tok_file))
+        prompts += [tuple(tok.encode(text).ids) for text in args.prompt]
+    if not prompts:
+        prompts = [(1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8)]
+    return tuple(prompts)
+
+
+def _spec(args):
+    from .models import load_config
+    from .models.qwen3 import check_tp
+    from .models.tiny import builtin_checkpoint
+    from .runner import RunSpec
+
+    model_dir = args.model or str(builtin_checkpoint())
+    cfg = load_config(model_dir)
+    prompts = _prompts(args, model_dir)
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if t >= cfg.vocab_size]
+        if bad:
+            raise UsageError(f"prompt {i} has token ids {bad} outside vocab_size={cfg.vocab_size}")
+    tp = args.tp or 2
+    check_tp(cfg, tp, tp)
+    return RunSpec(model_dir=str(model_dir), tp=tp, dp=1,
+                   boundary_reduction=args.boundary_reduction, dtype=args.dtype,
+                   prompts=prompts, max_new_tokens=args.max_new_tokens,
+                   allreduce_fusion=not args.no_allreduce_fusion)
+
+
+def _report(args, spec, results, reference) -> int:
+    from .runner import merge, parity
+
+    run = merge(results)
+    rank0 = results[0]
+    verdict = parity(run, reference) if reference is not None else None
+    collectives = summarize(rank0.ledger)
+    if args.logits_out:
+        from safetensors.torch import save_file
+
+        save_file({f"prompt{i}.step{j}": logit.float().contiguous()
+                   for i, steps in zip(run.request_ids, run.logits)
+                   for j, logit in enumerate(steps)}, args.logits_out)
+    tol = FP32_TOLERANCE if spec.dtype == "float32" else BF16_TOLERANCE
+    ok = verdict is None or (verdict["tokens_match"] and verdict["max_abs_diff"] <= tol)
+    if args.json:
+        log.info(json.dumps({
+            "tp": spec.tp, "dp": spec.dp, "boundary_reduction": rank0.resolved_reduction,
+            "dtype": spec.dtype,
+            "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g}
+                        for i, g in zip(run.request_ids, run.generated)],
+            "parity": verdict, "collectives": collectives}))
+        return 0 if ok else 1
+    log.info("layer-boundary run: %s  tp=%d dp=%d  boundary_reduction=%s (asked %s)  dtype=%s",
+             spec.model_dir, spec.tp, spec.dp, rank0.resolved_reduction,
+             spec.boundary_reduction, spec.dtype)
+    for i, g in zip(run.request_ids, run.generated):
+        log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
+    if verdict is None:
+        log.info("parity: not checked")
+    else:
+        log.info("parity vs world 1: %s (tokens %s, max |logit diff| %.3g, tolerance %.0e)",
+                 "PASS" if ok else "FAIL", "match" if verdict["tokens_match"] else "DIFFER",
+                 verdict["max_abs_diff"], tol)
+    log.info("\nboundary paths (per stage):")
+    log.info("  %-12s %-34s %s", "stage", "prepare", "exit")
+    for row in rank0.plan:
+        log.info("  %-12s %-34s %s", row["stage"], row["entry"], row["exit"])
+    log.info("\ncollectives per forward on rank 0 (count x kind, bytes; step 0 = prefill):")
+    for step in sorted({e.step for e in rank0.ledger})[:2]:
+        log.info("  step %d:", step)
+        per_site: dict[str, dict] = {}
+        for e in rank0.ledger:
+            if e.step == step:
+                per_site.setdefault(e.site, []).append(e)
+        for site, entries in per_site.items():
+            desc = ", ".join(f"{v['count']}x {k} {v['bytes']} B"
+                             for k, v in summarize(entries).items())
+            log.info("    %-22s %s", site, desc)
+    log.info("\ncollectives over the run: %s", ", ".join(
+        f"{k}: {v['count']} ({v['bytes']} B)" for k, v in collectives.items()) or "none")
+    return 0 if ok else 1
+
+
+def _rank_entry(spec):
+    from .runner import run_rank
+
+    torch.manual_seed(0)
+    return run_rank(spec)
+
+
+def cmd_run(args) -> int:
+    from .runtime.parallel import init_distributed, launched_by_torchrun, spawn
+    from .runner import RunSpec, run_rank
+
+    if launched_by_torchrun():
+        rank, world = init_distributed()
+        _setup_logging(rank)
+        if args.tp is None:
+            args.tp = world
+        spec = _spec(args)
+        if spec.tp != world:
+            raise TopologyError(f"--tp {spec.tp} != torchrun world size {world}")
+        import torch.distributed as dist
+
+        result = run_rank(spec, world)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        code = 0
+        if rank == 0:
+            reference = None if args.no_reference else _reference(spec)
+            code = _report(args, spec, gathered, reference)
+        dist.barrier()
+        dist.destroy_process_group()
+        return code
+    _setup_logging(0)
+    spec = _spec(args)
+    results = [run_rank(spec)] if spec.tp == 1 else spawn(_rank_entry, spec.tp, spec)
+    reference = None if args.no_reference or spec.tp == 1 else _reference(spec)
+    return _report(args, spec, results, reference)
+
+
+def _reference(spec):
+    """The same requests on one rank, in this process (size-1 groups need no torch.distributed)."""
+    from dataclasses import replace
+
+    from .runner import merge, run_rank
+
+    return merge([run_rank(replace(spec, tp=1, dp=1), world_size=1)])
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+    except (CheckpointError, TopologyError, UnsupportedBoundary, UsageError, ValueError) as exc:
+        print(f"layer-boundary: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The built-in tiny random Qwen3 checkpoint, in the Hugging Face layout (config.json +
+model.safetensors), written without transformers so the main job needs only torch."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "dtype": "float32",
+}
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("LAYER_BOUNDARY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "layer_boundary")
+    return Path(root)
+
+
+def qwen3_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights with unit-scale activations, so greedy tokens are not near ties."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale):
+        return torch.randn(*shape, generator=gen) * scale
+
+    def norm_weight(n):
+        return 1.0 + rand(n, scale=0.1)
+
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nh, kv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    t = {"model.embed_tokens.weight": rand(vocab, h, scale=1.0),
+         "model.norm.weight": norm_weight(h)}
+    if not cfg.get("tie_word_embeddings"):
+        t["lm_head.weight"] = rand(vocab, h, scale=h ** -0.5)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm_weight(h)
+        t[p + "post_attention_layernorm.weight"] = norm_weight(h)
+        t[p + "self_attn.q_proj.weight"] = rand(nh * hd, h, scale=h ** -0.5)
+        t[p + "self_attn.k_proj.weight"] = rand(kv * hd, h, scale=h ** -0.5)
+        t[p + "self_attn.v_proj.weight"] = rand(kv * hd, h, scale=h ** -0.5)
+        t[p + "self_attn.o_proj.weight"] = rand(h, nh * hd, scale=(nh * hd) ** -0.5)
+        t[p + "self_attn.q_norm.weight"] = norm_weight(hd)
+        t[p + "self_attn.k_norm.weight"] = norm_weight(hd)
+        t[p + "mlp.gate_proj.weight"] = rand(inter, h, scale=h ** -0.5)
+        t[p + "mlp.up_proj.weight"] = rand(inter, h, scale=h ** -0.5)
+        t[p + "mlp.down_proj.weight"] = rand(h, inter, scale=inter ** -0.5)
+    return t
+
+
+def write_tiny_qwen3(path, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random Qwen3 checkpoint to ``path`` (config fields may be overridden)."""
+    path = Path(path)
+    cfg = dict(TINY_QWEN3, **overrides)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in qwen3_tensors(cfg, seed).items()}
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, path / "model.safetensors")  # last, so a half-written folder is never used
+    return path
+
+
+def builtin_checkpoint() -> Path:
+    """The main job's checkpoint, written to the cache folder on first use."""
+    path = default_cache_dir() / "tiny-qwen3"
+    if not (path / "model.safetensors").is_file():
+        write_tiny_qwen3(path)
+    return path

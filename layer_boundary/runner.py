@@ -1,0 +1,113 @@
+"""One rank's share of a generation run, and the merge of every rank's share.
+
+The command line and the multi-rank tests both use this, so what the tests prove is what
+``layer-boundary run`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .models import load_model, model_type_of
+from .models.generate import Generation, greedy_generate
+from .runtime.args import BoundaryRuntime, resolve_boundary_reduction
+from .runtime.ledger import LEDGER, LedgerEntry
+from .runtime.parallel import ParallelDims, build_parallel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model_dir: str
+    tp: int = 1
+    dp: int = 1
+    boundary_reduction: str = "auto"
+    dtype: str = "float32"
+    prompts: tuple = ((1, 2, 3),)
+    max_new_tokens: int = 4
+    allreduce_fusion: bool = True
+
+    def dims(self, world_size: int | None = None) -> ParallelDims:
+        return ParallelDims(world_size=world_size or self.tp, tp=self.tp, attn_dp=self.dp)
+
+
+@dataclass
+class RankResult:
+    rank: int
+    dp_rank: int
+    attn_tp_rank: int
+    generation: Generation
+    ledger: list[LedgerEntry]
+    plan: list[dict]
+    streams_released: bool
+    resolved_reduction: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
+    policy = resolve_boundary_reduction(spec.boundary_reduction, model_type_of(spec.model_dir))
+    return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
+                           allreduce_fusion=spec.allreduce_fusion)
+
+
+def plan_rows(model) -> list[dict]:
+    rows = []
+    for layer in model.model.layers:
+        for boundary in (layer.attn_boundary, layer.ffn_boundary):
+            rows.append(boundary.describe())
+    return rows
+
+
+class _ReleaseCheck:
+    """Wraps the model to record whether every forward released its residual stream."""
+
+    def __init__(self, model) -> None:
+        self.model, self.released = model, True
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, forward_batch):
+        out = self.model(forward_batch)
+        self.released &= forward_batch.residual_stream is None
+        return out
+
+
+def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
+    """This rank's part of ``spec``: build, load, generate, with the ledger recording."""
+    runtime = make_runtime(spec, world_size)
+    par = runtime.parallel
+    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype])
+    checked = _ReleaseCheck(model)
+    with LEDGER.recording() as entries:
+        gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
+                              dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
+                              on_step=_set_ledger_step)
+    return RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
+                      plan_rows(model), checked.released, runtime.boundary_reduction)
+
+
+def _set_ledger_step(step: int) -> None:
+    LEDGER.step = step
+
+
+def merge(results: list[RankResult]) -> Generation:
+    """Every request's tokens and logits, in prompt order, from each DP rank's first TP rank."""
+    by_request = {}
+    for r in results:
+        if r.attn_tp_rank != 0:
+            continue
+        for j, req in enumerate(r.generation.request_ids):
+            by_request[req] = (r.generation.generated[j], r.generation.logits[j])
+    order = sorted(by_request)
+    return Generation(order, [by_request[i][0] for i in order], [by_request[i][1] for i in order])
+
+
+def parity(run: Generation, reference: Generation) -> dict:
+    diffs = [float((a.float() - b.float()).abs().max())
+             for la, lb in zip(run.logits, reference.logits) for a, b in zip(la, lb)]
+    return {"tokens_match": run.generated == reference.generated,
+            "max_abs_diff": max(diffs) if diffs else 0.0}
