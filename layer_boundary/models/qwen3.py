@@ -90,7 +90,8 @@ class Qwen3Attention(nn.Module):
                                           bias=cfg.attention_bias, dtype=dtype)
         # PARTIAL output contract: o_proj never reduces; the boundary owns the attn_tp sum.
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        group, reduce_results=False, dtype=dtype, name="o_proj")
+                                        group, bias=cfg.attention_bias, reduce_results=False,
+                                        dtype=dtype, name="o_proj")
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))

@@ -1,0 +1,21 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/checkpoints.py for the rank workers too
+os.environ.setdefault("LAYER_BOUNDARY_CACHE", str(Path(__file__).parent.parent / ".cache"))
+
+from checkpoints import hf_qwen3  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """The default tiny checkpoint the multi-rank tests share (untied, rope_theta 1e4)."""
+    return hf_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tied_dir(tmp_path_factory) -> Path:
+    return hf_qwen3(tmp_path_factory.mktemp("qwen3_tied"), seed=1, tie=True, rope_theta=1e6)
