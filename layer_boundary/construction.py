@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .contracts import (BatchVariant, EdgeDecl, ProducerReduction, StageDecl, StageInput,
-                        StageKind, StageOutput)
-from .exit import ExitPath, resolve_exit
+from .boundary import make_boundary, make_output_boundary, static_owed
+from .contracts import BatchVariant, EdgeDecl, StageDecl, StageInput, StageKind, StageOutput
+from .exit import ExitPath
 from .layout import REPLICATED, SumGroup
-from .output import all_reduce_completion, sum_owed
 from .prepare import EntryPath
 
 
@@ -50,16 +49,6 @@ class StagePlan:
                 "entry": path.entry.describe(), "exit": path.exit.default.label}
 
 
-def _static_owed(parallel, declaration):
-    """The sum a producer always leaves, which a pipeline receiver must re-declare."""
-    prev = declaration.previous
-    if prev is None or prev.kind is not StageKind.ATTN:
-        return None
-    if prev.reduction is ProducerReduction.PARTIAL or declaration.kind is StageKind.FFN:
-        return sum_owed(parallel, SumGroup.ATTN_TP, REPLICATED)
-    return None
-
-
 def build_plan(name: str, declaration, norm, following, runtime) -> StagePlan:
     dims = runtime.parallel.dims
     if dims.attn_dp > 1 or dims.attn_cp > 1 or dims.pp > 1:
@@ -69,28 +58,16 @@ def build_plan(name: str, declaration, norm, following, runtime) -> StagePlan:
     if declaration.sparse:
         raise UnsupportedBoundary(f"stage {name}: sparse FFN stages have no boundary path yet")
 
-    exit_path = resolve_exit(declaration, following, runtime)
-    producer = None
-    completions = {}
-    if declaration.previous is not None:
-        # Derive what the declared producer may leave, exactly as its own plan decides it.
-        producer_exit = resolve_exit(declaration.previous, declaration, runtime)
-        for decision in producer_exit.decisions:
-            if decision.owed is not None:
-                completions[decision.owed] = all_reduce_completion(decision.owed)
-        producer = StageOutput(REPLICATED, declaration.previous.reduction,
-                               SumGroup.ATTN_TP if declaration.previous.kind is StageKind.ATTN
-                               else SumGroup.TP)
-    static = _static_owed(runtime.parallel, declaration)
-    if static is not None:
-        completions.setdefault(static, all_reduce_completion(static))
-    stage_input = StageInput(REPLICATED, static)
-    own_sum = SumGroup.ATTN_TP if declaration.kind is StageKind.ATTN else SumGroup.TP
+    exit_path = make_output_boundary(declaration, following, runtime)
+    entry = make_boundary(name, declaration, norm, runtime)
+    prev = declaration.previous
+    producer = None if prev is None else StageOutput(
+        REPLICATED, prev.reduction, SumGroup.ATTN_TP if prev.kind is StageKind.ATTN else SumGroup.TP)
+    stage_input = StageInput(REPLICATED, static_owed(runtime, declaration))
     stage_output = StageOutput(
-        REPLICATED, declaration.reduction, own_sum,
+        REPLICATED, declaration.reduction,
+        SumGroup.ATTN_TP if declaration.kind is StageKind.ATTN else SumGroup.TP,
         leaves_for_all_reduce=any(d.owed is not None for d in exit_path.decisions))
-    entry = EntryPath(name, declaration.residual.read, norm,
-                      stack_entry=declaration.previous is None, completions=completions)
     variant = BatchVariant.ORDINARY
     path = StagePath(StageDecl(variant, stage_input, stage_output),
                      EdgeDecl(producer, stage_input, REPLICATED, REPLICATED), entry, exit_path)

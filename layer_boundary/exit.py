@@ -9,14 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .contracts import Owed, ProducerReduction, StageKind
-from .layout import REPLICATED, SumGroup
-from .output import HandoffOutput, sum_owed
-from .runtime.context import NO_FLAGS, ForwardFlags, swap_flags
+from .contracts import Owed
+from .output import HandoffOutput
+from .runtime.context import ForwardFlags, swap_flags
 from .runtime.ledger import LEDGER
-
-DEFER_ALL_REDUCE = ForwardFlags(fuse_mlp_allreduce=True)
-
 
 @dataclass(frozen=True)
 class ExitDecision:
@@ -37,34 +33,6 @@ class ExitPath:
 
     def select(self, forward_batch) -> ExitDecision:
         return self.default
-
-
-def resolve_exit(decl, following, runtime) -> ExitPath:
-    """Pick the output handoff for ``decl`` given the consumer described by ``following``."""
-    parallel = runtime.parallel
-    if decl.kind is StageKind.ATTN:
-        owed = sum_owed(parallel, SumGroup.ATTN_TP, REPLICATED)
-        if owed is None:
-            return ExitPath(ExitDecision(NO_FLAGS, None, "complete (attn_tp=1)"))
-        if decl.reduction is ProducerReduction.PARTIAL:
-            return ExitPath(ExitDecision(NO_FLAGS, owed, "partial: attn_tp sum owed"))
-        # A single-stage mixer always leaves its sum to an FFN's input, and to another mixer's
-        # input only where that input can all-reduce it (never under attention DP).
-        if following is not None and following.kind is StageKind.FFN:
-            return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, "attn_tp sum left to FFN input"))
-        if (following is not None and not decl.terminal and runtime.allreduce_fusion
-                and parallel.dims.attn_dp == 1):
-            return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, "attn_tp sum left to mixer input"))
-        return ExitPath(ExitDecision(NO_FLAGS, None, "all_reduce(attn_tp) in compute"))
-
-    owed = sum_owed(parallel, SumGroup.TP, REPLICATED)
-    if owed is None:
-        return ExitPath(ExitDecision(NO_FLAGS, None, "complete (tp=1)"))
-    # LOCAL_TAIL adds its tail after its own sum, so that sum is never deferred.
-    if (decl.reduction is ProducerReduction.SCOPED and not decl.terminal
-            and following is not None and runtime.allreduce_fusion):
-        return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, "all_reduce(tp) deferred to next input"))
-    return ExitPath(ExitDecision(NO_FLAGS, None, "all_reduce(tp) in compute"))
 
 
 class StageExit:
