@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .layout import Layout, SumGroup
-from .runtime.parallel import Group
+from .layout import Layout, Rows, SumGroup
 from .runtime.forward_batch import BatchVariant
 
 __all__ = ["BatchVariant", "ProducerReduction", "StageKind", "Owed", "StageInput",
@@ -28,15 +27,17 @@ class StageKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Owed:
-    """Work a specific output still requires: a sum over ``group`` of rows laid out as ``rows``."""
+    """Work a specific output still requires: a sum over ``group`` of its ``rows``.
+
+    Where the sum lands (all-reduce onto local rows, reduce-scatter onto scattered ones) is
+    the consumer's choice for the forward's row mode, not the producer's.
+    """
 
     group: SumGroup
-    rows: Layout
-    # the runtime group of ``group``: what an unfused completion all-reduces over
-    via: Group | None = field(default=None, compare=False, repr=False)
+    rows: Rows
 
     def __str__(self) -> str:
-        return f"sum over {self.group.value} on {self.rows} rows"
+        return f"sum over {self.group.value} of {self.rows.value} rows"
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ construction; an exit only selects one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .contracts import Owed
+from .layout import Rows
 from .output import HandoffOutput
 from .runtime.context import ForwardFlags, swap_flags
 from .runtime.ledger import LEDGER
@@ -18,12 +20,15 @@ from .runtime.ledger import LEDGER
 class ExitDecision:
     flags: ForwardFlags
     owed: Owed | None  # what the consumer must still finish
+    rows: Rows  # where compute's output rows are
     label: str
+    # a complete output on global rows goes back to the layer's handoff rows at finish()
+    finish_move: Callable | None = None
 
 
 @dataclass(frozen=True)
 class ExitPath:
-    """The decisions one stage's output may take in one batch variant."""
+    """The decisions one stage's output may take in one batch variant and row mode."""
 
     default: ExitDecision
 
@@ -96,7 +101,11 @@ class StageExit:
             raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
                                "publish defer_moe_finalize")
         self._state = "finished"
-        return self._stream.leave(hidden_states, self._decision.owed, self._update)
+        decision = self._decision
+        if decision.finish_move is not None:
+            hidden_states = decision.finish_move(self._forward_batch.rows, hidden_states)
+            return self._stream.leave(hidden_states, None, self._update, Rows.LOCAL)
+        return self._stream.leave(hidden_states, decision.owed, self._update, decision.rows)
 
 
 class FfnExit(StageExit):

@@ -1,34 +1,55 @@
-"""Consumer input preparation: complete owed work, apply the update, read, move rows."""
+"""Consumer input preparation: complete owed work, apply the update, read, move rows.
+
+Order per call: finish what the producer owes onto the rows the residual update runs on,
+bring the residual there, update and read, then move the read to the rows compute consumes.
+"""
 
 from __future__ import annotations
 
-from .output import CompletionStep, HandoffOutput
+from .layout import Rows, SumGroup
+from .output import HandoffOutput, completion, describe_move, input_move
 from .residual.stream import IN_COMPUTE
+
+_ATTN_PARTIAL = (SumGroup.ATTN_TP, Rows.LOCAL)
 
 
 class EntryPath:
-    """A consumer's prebuilt input path for one batch variant.
+    """A consumer's prebuilt input path for one batch variant and row mode.
 
-    ``completions`` maps every ``Owed`` the declared producer may leave to the step that
-    finishes it on this consumer's rows; anything else arriving means the model declared a
-    different neighbour than the one that ran.
+    ``arrivals`` maps every (owed sum group, rows) the declared producer can leave to the
+    movement that brings it onto ``update_rows``; anything else arriving means the model
+    declared a different neighbour than the one that ran.
     """
 
-    __slots__ = ("stage", "read", "norm", "stack_entry", "completions")
+    __slots__ = ("stage", "mode", "read", "norm", "stack_entry", "update_rows", "compute_rows",
+                 "arrivals", "move_input", "sum_before_read", "_align_residual")
 
-    def __init__(self, stage: str, read, norm, stack_entry: bool,
-                 completions: dict) -> None:
-        self.stage, self.read, self.norm = stage, read, norm
-        self.stack_entry, self.completions = stack_entry, completions
+    def __init__(self, stage: str, mode, read, norm, *, stack_entry: bool, update_rows: Rows,
+                 compute_rows: Rows, arrivals: dict, sum_before_read: bool) -> None:
+        self.stage, self.mode, self.read, self.norm = stage, mode, read, norm
+        self.stack_entry, self.update_rows, self.compute_rows = stack_entry, update_rows, compute_rows
+        self.arrivals = arrivals
+        self.move_input = input_move(update_rows, compute_rows)
+        # attention DP with a plain update: add the residual on one attention-TP rank and let a
+        # single TP all-reduce sum the partials and gather every DP rank's rows at once
+        self.sum_before_read = sum_before_read
+        self._align_residual = {rows: completion(None, rows, update_rows)
+                                for rows in (Rows.LOCAL, Rows.SCATTERED)}
 
-    def run(self, stream, hidden):
+    def run(self, stream, hidden, batch_rows):
         stream.check(hidden)
         contribution = stream.contribution
         if contribution is None:
             if stream.residual is not None:
-                compute_input, residual = self.read.read(stream.residual, self.norm)
+                residual = self._residual_on_update_rows(stream, batch_rows)
+                compute_input, residual = self.read.read(residual, self.norm)
+                compute_input = self.move_input(batch_rows, compute_input)
+                rows = self.update_rows
             elif self.stack_entry:
+                # the embedding arrives on local rows; the residual starts there
                 compute_input, residual = self.read.enter(hidden, self.norm)
+                compute_input = input_move(Rows.LOCAL, self.compute_rows)(batch_rows, compute_input)
+                rows = Rows.LOCAL
             else:
                 raise RuntimeError(f"stage {self.stage} has a previous producer but the stream "
                                    "holds no residual; pipeline receivers enter through from_pp()")
@@ -36,19 +57,52 @@ class EntryPath:
             value = contribution.value
             if isinstance(value, HandoffOutput):
                 value = value.complete()
-            if contribution.owed is not None:
-                step: CompletionStep | None = self.completions.get(contribution.owed)
-                if step is None:
+            owed = contribution.owed
+            key = (None if owed is None else owed.group, contribution.rows)
+            if (self.sum_before_read and key == _ATTN_PARTIAL and contribution.update.plain
+                    and stream.residual_rows is Rows.LOCAL and stream.residual is not None):
+                compute_input, residual = self._sum_with_residual(stream, value, batch_rows)
+                rows = Rows.LOCAL
+            else:
+                move = self.arrivals.get(key)
+                if move is None:
                     raise RuntimeError(
-                        f"stage {self.stage} cannot complete the {contribution.owed} its input "
-                        "carries; its previous declaration does not match the producer that ran")
-                value = step.run(value)
-            compute_input, residual = self.read.update_and_read(
-                contribution.update, stream.residual, value, self.norm)
-        stream.write(residual, IN_COMPUTE)
+                        f"stage {self.stage} cannot complete an output with "
+                        f"{contribution.owed or 'nothing'} owed on {contribution.rows.value} rows; "
+                        "its previous declaration does not match the producer that ran")
+                value = move(batch_rows, value)
+                residual = (self._residual_on_update_rows(stream, batch_rows)
+                            if stream.residual is not None else None)
+                compute_input, residual = self.read.update_and_read(
+                    contribution.update, residual, value, self.norm)
+                compute_input = self.move_input(batch_rows, compute_input)
+                rows = self.update_rows
+        stream.write(residual, IN_COMPUTE, rows)
         return compute_input
 
+    def _residual_on_update_rows(self, stream, batch_rows):
+        return self._align_residual[stream.residual_rows](batch_rows, stream.residual)
+
+    def _sum_with_residual(self, stream, partial, batch_rows):
+        residual = stream.residual
+        if batch_rows.tp_rank == 0:  # a plain add may move before the sum, on one rank only
+            partial = (partial.float() + residual.float()).to(residual.dtype)
+        else:
+            partial = partial.to(residual.dtype)
+        total = batch_rows.sum_local_partial_to_global(partial)
+        compute_input, _ = self.read.read(total, self.norm)
+        return compute_input, batch_rows.global_to_local(total).clone()
+
     def describe(self) -> str:
-        steps = [repr(s) for s in self.completions.values()]
-        head = "enter" if self.stack_entry else "read"
-        return "+".join(steps + [f"{head}:{type(self.read).__name__}"])
+        if self.stack_entry and not self.arrivals:
+            head = "enter"
+        else:
+            steps = sorted({describe_move(m, self.mode) for m in self.arrivals.values()} - {"-"})
+            head = "|".join(steps) or "complete"
+            if self.sum_before_read:
+                head = "add on attn_tp rank 0+all_reduce(tp) gather"
+        move = describe_move(self.move_input, self.mode)
+        tail = "" if move == "-" else f" -> {move}"
+        return f"{head} -> add+norm on {self.update_rows.value}{tail}"
+
+

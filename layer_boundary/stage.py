@@ -7,7 +7,8 @@ import torch
 from .construction import build_plan
 from .contracts import ProducerReduction, StageKind
 from .exit import FfnExit, MixerExit
-from .residual.stream import IN_COMPUTE, OwedOutput
+from .layout import Rows
+from .residual.stream import IN_COMPUTE, OwedOutput, StreamState
 from .runtime.args import get_runtime
 from .runtime.ledger import LEDGER
 
@@ -65,14 +66,18 @@ class StageBoundary:
         if capture_output is not None and self.declaration.kind is not StageKind.ATTN:
             raise TypeError("FFN prepare() does not accept capture_output")
         stream = stream_of(forward_batch)
-        path = self.plan.select(forward_batch)
+        path, rows = self.plan.select(forward_batch)
         LEDGER.site = self._prepare_site
-        if capture_output is not None and stream.state.value == "initial":
-            capture_output(hidden_states, owned=False)
+        if capture_output is not None and stream.state is StreamState.INITIAL:
+            capture_output(hidden_states, owned=False)  # stack entry: the input, before enter
             capture_output = None
-        compute_input = path.entry.run(stream, hidden_states)
+        compute_input = path.entry.run(stream, hidden_states, rows)
         if capture_output is not None:
-            capture_output(stream.residual, owned=False)
+            # the updated residual, back on the producer's (local) rows
+            if stream.residual_rows is Rows.LOCAL:
+                capture_output(stream.residual, owned=False)
+            else:
+                capture_output(rows.scattered_to_local(stream.residual), owned=True)
         LEDGER.site = self._compute_site
         return compute_input
 
@@ -86,9 +91,9 @@ class StageBoundary:
             raise RuntimeError(f"finish() on stage {self.name} without its prepare()")
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"finish() takes the compute output tensor, got {type(hidden_states).__name__}")
-        path = self.plan.select(forward_batch)
+        path, _ = self.plan.select(forward_batch)
         LEDGER.site = self._finish_site
-        return stream.leave(hidden_states, path.exit.default.owed, self._update)
+        return stream.leave(hidden_states, path.exit.default.owed, self._update, Rows.LOCAL)
 
     def exit(self, forward_batch):
         """Scope for an FFN's or mixer's compute; call the returned object's finish() once."""
@@ -97,11 +102,12 @@ class StageBoundary:
         stream = stream_of(forward_batch)
         if stream.handle is not IN_COMPUTE:
             raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
-        path = self.plan.select(forward_batch)
+        path, _ = self.plan.select(forward_batch)
         return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site)
 
-    def describe(self, variant=None) -> dict:
-        return self.plan.describe() if variant is None else self.plan.describe(variant)
+    def describe(self, mode=None) -> dict:
+        """This stage's paths in row mode ``mode`` (default: all-reduce) as a table row."""
+        return self.plan.describe() if mode is None else self.plan.describe(mode)
 
 
 __all__ = ["StageBoundary", "OwedOutput", "START_FIRST", "BRANCH_ENTRY"]

@@ -52,7 +52,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         batch = ForwardBatch.build(mode, new_tokens, prefix, dp_token_counts=counts_of(step),
                                    kv_cache=cache, device=model.lm_head.weight.device)
         logits = model(batch)  # [T, vocab]
-        last = torch.tensor(batch.extend_lens).cumsum(0) - 1
+        last = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
         picked = logits[last].float()
         for j in range(len(mine)):
             token = int(picked[j].argmax())

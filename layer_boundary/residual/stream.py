@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contracts import Owed
+from ..layout import Rows
 
 NOT_OURS = ("output does not belong to this residual stream; "
             "change layer outputs through boundary accessors")
@@ -32,6 +33,7 @@ class Contribution:
     value: object  # torch.Tensor, or a HandoffOutput for producer-specific finalize work
     owed: Owed | None
     update: object  # StageUpdate
+    rows: Rows = Rows.LOCAL  # where ``value``'s rows are
 
 
 class OwedOutput:
@@ -57,10 +59,11 @@ IN_COMPUTE = _InCompute()
 
 
 class ResidualStream:
-    __slots__ = ("residual", "contribution", "handle")
+    __slots__ = ("residual", "residual_rows", "contribution", "handle")
 
     def __init__(self) -> None:
         self.residual: torch.Tensor | None = None
+        self.residual_rows = Rows.LOCAL
         self.contribution: Contribution | None = None
         self.handle: object = None  # what the model must pass to the next call
 
@@ -79,15 +82,16 @@ class ResidualStream:
         if hidden is not self.handle:
             raise RuntimeError(NOT_OURS)
 
-    def leave(self, value, owed: Owed | None, update) -> object:
-        """Record a producer's output; return what the model passes on."""
-        self.contribution = Contribution(value, owed, update)
+    def leave(self, value, owed: Owed | None, update, rows: Rows = Rows.LOCAL) -> object:
+        """Record a producer's output on ``rows``; return what the model passes on."""
+        self.contribution = Contribution(value, owed, update, rows)
         self.handle = OwedOutput(self) if owed is not None else value
         return self.handle
 
-    def write(self, residual: torch.Tensor, handle: object) -> None:
-        """Residual written, nothing pending; ``handle`` is what the model holds next."""
-        self.residual, self.contribution, self.handle = residual, None, handle
+    def write(self, residual: torch.Tensor, handle: object, rows: Rows = Rows.LOCAL) -> None:
+        """Residual written on ``rows``, nothing pending; ``handle`` is what the model holds next."""
+        self.residual, self.residual_rows = residual, rows
+        self.contribution, self.handle = None, handle
 
     def arrive(self) -> "ResidualStream":
         """A fresh stream for another microbatch (two-batch overlap splits into these)."""

@@ -38,6 +38,8 @@ class BoundaryRuntime:
     # Permit a producer to leave a single all-reduce to the next stage's input, where it can
     # join the consumer's add+norm (spec: reduction fusion has its own enablement).
     allreduce_fusion: bool = True
+    # Permit fixed-size reduce-scatter to pad DP segments to a multiple of attention TP.
+    rs_padding: bool = True
 
     def __post_init__(self) -> None:
         if self.boundary_reduction not in BOUNDARY_REDUCTIONS[:-1]:

@@ -41,6 +41,7 @@ class ForwardBatch:
     kv_cache: object = None
     variant: BatchVariant = BatchVariant.ORDINARY
     residual_stream: object = None
+    rows: object = None  # BatchRows: set by the first boundary of the forward
     extra: dict = field(default_factory=dict)
 
     @property

@@ -48,7 +48,8 @@ def test_ledger_matches_analytic_list(qwen3_dir, tp, deferred):
 
 @pytest.mark.timeout(120)
 def test_each_ffn_output_is_summed_exactly_once(qwen3_dir):
-    spec = RunSpec(str(qwen3_dir), tp=2, prompts=PROMPTS, max_new_tokens=1)
+    spec = RunSpec(str(qwen3_dir), tp=2, boundary_reduction="ar", prompts=PROMPTS,
+                   max_new_tokens=1)
     (r0, _) = get_pool(2).run(run_rank, spec)
     cfg = load_config(qwen3_dir)
     ffn_sums = [e.site for e in r0.ledger if e.group == "tp"]
