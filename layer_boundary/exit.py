@@ -43,12 +43,13 @@ class ExitPath:
 class StageExit:
     """Scope around an FFN's or mixer's compute: publishes the decision's flags, restores them."""
 
-    __slots__ = ("_stream", "_path", "_forward_batch", "_update", "_site", "_decision",
-                 "_previous", "_state")
+    __slots__ = ("_stream", "_path", "_forward_batch", "_update", "_site", "_finish_site",
+                 "_decision", "_previous", "_state")
 
-    def __init__(self, stream, path: ExitPath, forward_batch, update, site: str) -> None:
+    def __init__(self, stream, path: ExitPath, forward_batch, update, site: str,
+                 finish_site: str) -> None:
         self._stream, self._path, self._forward_batch = stream, path, forward_batch
-        self._update, self._site = update, site
+        self._update, self._site, self._finish_site = update, site, finish_site
         self._decision: ExitDecision | None = None
         self._previous = None
         self._state = "new"
@@ -101,11 +102,15 @@ class StageExit:
             raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
                                "publish defer_moe_finalize")
         self._state = "finished"
-        decision = self._decision
+        decision, rows = self._decision, self._forward_batch.rows
         if decision.finish_move is not None:
-            hidden_states = decision.finish_move(self._forward_batch.rows, hidden_states)
-            return self._stream.leave(hidden_states, None, self._update, Rows.LOCAL)
-        return self._stream.leave(hidden_states, decision.owed, self._update, decision.rows)
+            hidden_states = decision.finish_move(rows, hidden_states)
+            handle = self._stream.leave(hidden_states, None, self._update, Rows.LOCAL)
+        else:
+            handle = self._stream.leave(hidden_states, decision.owed, self._update, decision.rows)
+        if LEDGER.traces is not None:
+            LEDGER.trace(self._finish_site, self._stream, rows)
+        return handle
 
 
 class FfnExit(StageExit):

@@ -6,10 +6,12 @@ The command line and the multi-rank tests both use this, so what the tests prove
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
+from .layout import RowMode
 from .models import load_model, model_type_of
 from .models.generate import Generation, greedy_generate
 from .runtime.args import BoundaryRuntime, resolve_boundary_reduction
@@ -29,6 +31,8 @@ class RunSpec:
     prompts: tuple = ((1, 2, 3),)
     max_new_tokens: int = 4
     allreduce_fusion: bool = True
+    rs_padding: bool = True
+    trace: bool = False  # record the residual stream after every boundary call
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size or self.tp, tp=self.tp, attn_dp=self.dp)
@@ -44,28 +48,27 @@ class RankResult:
     plan: list[dict]
     streams_released: bool
     resolved_reduction: str = ""
-    extra: dict = field(default_factory=dict)
+    modes: list[str] = field(default_factory=list)  # row mode of each forward
+    traces: list = field(default_factory=list)
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
     policy = resolve_boundary_reduction(spec.boundary_reduction, model_type_of(spec.model_dir))
     return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
-                           allreduce_fusion=spec.allreduce_fusion)
+                           allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
 
 
-def plan_rows(model) -> list[dict]:
-    rows = []
-    for layer in model.model.layers:
-        for boundary in (layer.attn_boundary, layer.ffn_boundary):
-            rows.append(boundary.describe())
-    return rows
+def plan_rows(model, mode: RowMode = RowMode.AR) -> list[dict]:
+    """One row per stage: what its prepare and exit do in row mode ``mode``."""
+    return [boundary.describe(mode) for layer in model.model.layers
+            for boundary in (layer.attn_boundary, layer.ffn_boundary)]
 
 
-class _ReleaseCheck:
-    """Wraps the model to record whether every forward released its residual stream."""
+class _ForwardCheck:
+    """Wraps the model to record each forward's row mode and whether it released its stream."""
 
     def __init__(self, model) -> None:
-        self.model, self.released = model, True
+        self.model, self.released, self.modes = model, True, []
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -73,6 +76,7 @@ class _ReleaseCheck:
     def __call__(self, forward_batch):
         out = self.model(forward_batch)
         self.released &= forward_batch.residual_stream is None
+        self.modes.append(forward_batch.rows.mode.value)
         return out
 
 
@@ -81,13 +85,15 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     runtime = make_runtime(spec, world_size)
     par = runtime.parallel
     model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype])
-    checked = _ReleaseCheck(model)
-    with LEDGER.recording() as entries:
+    checked = _ForwardCheck(model)
+    with LEDGER.recording() as entries, contextlib.ExitStack() as stack:
+        traces = stack.enter_context(LEDGER.tracing()) if spec.trace else []
         gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
                               dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
                               on_step=_set_ledger_step)
     return RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
-                      plan_rows(model), checked.released, runtime.boundary_reduction)
+                      plan_rows(model, RowMode(checked.modes[0])), checked.released, runtime.boundary_reduction,
+                      checked.modes, list(traces))
 
 
 def _set_ledger_step(step: int) -> None:

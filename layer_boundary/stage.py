@@ -78,6 +78,8 @@ class StageBoundary:
                 capture_output(stream.residual, owned=False)
             else:
                 capture_output(rows.scattered_to_local(stream.residual), owned=True)
+        if LEDGER.traces is not None:
+            LEDGER.trace(self._prepare_site, stream, rows)
         LEDGER.site = self._compute_site
         return compute_input
 
@@ -91,9 +93,12 @@ class StageBoundary:
             raise RuntimeError(f"finish() on stage {self.name} without its prepare()")
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"finish() takes the compute output tensor, got {type(hidden_states).__name__}")
-        path, _ = self.plan.select(forward_batch)
+        path, rows = self.plan.select(forward_batch)
         LEDGER.site = self._finish_site
-        return stream.leave(hidden_states, path.exit.default.owed, self._update, Rows.LOCAL)
+        handle = stream.leave(hidden_states, path.exit.default.owed, self._update, Rows.LOCAL)
+        if LEDGER.traces is not None:
+            LEDGER.trace(self._finish_site, stream, rows)
+        return handle
 
     def exit(self, forward_batch):
         """Scope for an FFN's or mixer's compute; call the returned object's finish() once."""
@@ -103,7 +108,8 @@ class StageBoundary:
         if stream.handle is not IN_COMPUTE:
             raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
         path, _ = self.plan.select(forward_batch)
-        return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site)
+        return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site,
+                              self._finish_site)
 
     def describe(self, mode=None) -> dict:
         """This stage's paths in row mode ``mode`` (default: all-reduce) as a table row."""

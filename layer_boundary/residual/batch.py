@@ -140,10 +140,13 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
                                                           norm_module)
     if out is None:
         out = residual if (skip_empty and residual.shape[0] == 0) else norm_module(residual)
-    if stream.residual_rows is not Rows.LOCAL:
+    local = stream.residual_rows is Rows.LOCAL
+    if not local:
         out = to_local(stream, out, rows)
-        residual = None if capture_output is None else to_local(stream, residual, rows)
     if capture_output is not None:
-        capture_output(residual, owned=False)
+        capture_output(to_local(stream, residual, rows), owned=not local)
+    if LEDGER.traces is not None:
+        stream.write(residual, None, stream.residual_rows)
+        LEDGER.trace("final_norm", stream, rows)
     forward_batch.residual_stream = None
     return out

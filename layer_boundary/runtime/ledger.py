@@ -33,6 +33,19 @@ class LedgerEntry:
         return (n - 1) * size // n
 
 
+@dataclass(frozen=True)
+class StreamTrace:
+    """The residual stream right after one boundary call (for tests and debugging)."""
+
+    site: str
+    step: int
+    state: str  # "initial" | "written" | "pending"
+    residual_rows: str  # "local" | "scattered"
+    row_ids: torch.Tensor | None  # global token row of each residual row (-1: padding)
+    residual: torch.Tensor | None
+    owed: str | None  # what the pending contribution still owes
+
+
 class Ledger:
     """Process-wide recorder; off unless a caller turns it on."""
 
@@ -41,6 +54,26 @@ class Ledger:
         self.entries: list[LedgerEntry] = []
         self.site = "model"
         self.step = 0
+        self.traces: list[StreamTrace] | None = None  # stream states, when tracing
+
+    @contextlib.contextmanager
+    def tracing(self):
+        """Record the residual stream after every boundary call of the enclosed block."""
+        previous = self.traces
+        self.traces = []
+        try:
+            yield self.traces
+        finally:
+            self.traces = previous
+
+    def trace(self, site: str, stream, batch_rows) -> None:
+        residual = stream.residual
+        c = stream.contribution
+        self.traces.append(StreamTrace(
+            site, self.step, stream.state.value, stream.residual_rows.value,
+            None if residual is None else batch_rows.global_indices(stream.residual_rows),
+            None if residual is None else residual.detach().clone(),
+            None if c is None or c.owed is None else str(c.owed)))
 
     def record(self, kind: str, group, numel: int, dtype: torch.dtype) -> None:
         if self.enabled:
