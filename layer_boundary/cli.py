@@ -98,20 +98,25 @@ def _prompts(args, model_dir) -> tuple[tuple[int, ...], ...]:
             raise UsageError("--prompt needs the 'tokenizers' package; pass --prompt-ids") from None
         tok = Tokenizer.from_file(str(tok_file))
         prompts += [tuple(tok.encode(text).ids) for text in args.prompt]
-    if not prompts:
-        prompts = [(1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8)]
     return tuple(prompts)
+
+
+# Used when no prompt is given; ids are taken modulo the checkpoint's vocabulary.
+DEFAULT_PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8))
 
 
 def _spec(args):
     from .models import load_config
+    from .models.loader import safetensors_files
     from .models.qwen3 import check_tp
     from .models.tiny import builtin_checkpoint
     from .runner import RunSpec
 
     model_dir = args.model or str(builtin_checkpoint())
     cfg = load_config(model_dir)
-    prompts = _prompts(args, model_dir)
+    safetensors_files(model_dir)  # a missing weights file is a one-line error before any rank
+    prompts = _prompts(args, model_dir) or tuple(
+        tuple(t % cfg.vocab_size for t in p) for p in DEFAULT_PROMPTS)
     for i, p in enumerate(prompts):
         bad = [t for t in p if t >= cfg.vocab_size]
         if bad:

@@ -76,10 +76,13 @@ def write_tiny_qwen3(path, seed: int = 0, **overrides) -> Path:
     cfg = dict(TINY_QWEN3, **overrides)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in qwen3_tensors(cfg, seed).items()}
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, path / "model.safetensors")  # last, so a half-written folder is never used
+    # per-process temporary names: several ranks may write the same folder at once, and
+    # each rename is atomic; the weights land last, so a half-written folder is never used
+    tmp_cfg, tmp_weights = path / f"config.json.{os.getpid()}", path / f"model.safetensors.{os.getpid()}"
+    tmp_cfg.write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+    os.replace(tmp_cfg, path / "config.json")
+    os.replace(tmp_weights, path / "model.safetensors")
     return path
 
 

@@ -180,19 +180,25 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     return rank, world_size
 
 
+class RankError(RuntimeError):
+    """A spawned rank failed; carries the first rank's exception when it can be re-raised."""
+
+
 def _spawn_entry(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}")
     try:
         # plain pickle copies tensors by value; the queue's pickler would share file
         # descriptors that vanish when this process exits
-        result = pickle.dumps(fn(*args))
-        queue.put((rank, "ok", result))
-    except BaseException as exc:  # report, then let the others time out rather than hang
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
+    except Exception as exc:  # report to the parent, which decides what the user sees
         import traceback
 
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
+        try:
+            payload = pickle.dumps(exc)
+        except Exception:
+            payload = None
+        queue.put((rank, "error", (payload, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
     finally:
         dist.destroy_process_group()
 
@@ -218,7 +224,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:
-                errors.append(f"rank {rank}: {payload}")
+                errors.append((rank, *payload))
                 first_error = first_error or time.monotonic()
             continue
         now = time.monotonic()
@@ -233,7 +239,11 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
         if p.is_alive():
             p.kill()
     if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+        rank, exc, text = min(errors, key=lambda e: e[0])
+        exc = pickle.loads(exc) if exc is not None else None
+        if isinstance(exc, ValueError):  # a bad input: the same one-line error as in-process
+            raise exc
+        raise RankError("a rank failed:\n" + "\n".join(f"rank {r}: {t}" for r, _, t in errors))
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))
         raise RuntimeError(f"ranks {missing} did not report a result")

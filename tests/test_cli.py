@@ -1,0 +1,387 @@
+"""``layer-boundary run`` end to end: real processes, real ranks, no mocks.
+
+Each job runs once per module (fixtures) and several tests read its output, because a
+multi-rank run costs seconds on a small CPU machine.  Bad-input cases that fail before any
+rank starts call ``main()`` in this process; one of them also runs as a subprocess so the
+console behaviour (exit status, bare stderr) is pinned as a user sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from layer_boundary.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT_S = 240
+JSON_KEYS = {"tp", "dp", "boundary_reduction", "dtype", "prompts", "parity", "collectives"}
+RESOLVED_REDUCTIONS = {"ar", "rs", "rsv", "rs+rsv"}
+PROMPTS = [[1, 2, 3], [9, 8]]
+PROMPT_ARGS = ["--prompt-ids", "1,2,3", "--prompt-ids", "9,8"]
+NEW_TOKENS = 3  # not the default (4), so the length check sees the option
+
+
+def _env(cache: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["LAYER_BOUNDARY_CACHE"] = str(cache)
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _cli(*args, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "layer_boundary", "run", *map(str, args)],
+                          cwd=REPO, env=_env(cache), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_json_object(proc: subprocess.CompletedProcess) -> dict:
+    """The whole of stdout must parse as a single JSON object (a second one is 'Extra data')."""
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    report = json.loads(proc.stdout)
+    assert isinstance(report, dict)
+    return report
+
+
+def _generated(report: dict) -> list[list[int]]:
+    return [p["generated_ids"] for p in report["prompts"]]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ------------------------------------------------------------------ jobs, run once each
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lb_cache")
+
+
+@pytest.fixture(scope="module")
+def default_run(cache_dir):
+    """``layer-boundary run`` with no arguments, into an empty cache."""
+    assert not any(cache_dir.iterdir())  # the run, not an earlier test, must write the checkpoint
+    return _cli(cache=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def builtin_dir(default_run, cache_dir) -> Path:
+    configs = list(cache_dir.rglob("config.json"))
+    assert len(configs) == 1, f"expected one checkpoint in the cache, found {configs}"
+    return configs[0].parent
+
+
+@pytest.fixture(scope="module")
+def default_json(builtin_dir, cache_dir):
+    """The default job again, with ``--json``; the cached checkpoint must be reused as is."""
+    weights = builtin_dir / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    proc = _cli("--json", "--max-new-tokens", NEW_TOKENS, cache=cache_dir)
+    return proc, before, weights.stat().st_mtime_ns
+
+
+@pytest.fixture(scope="module")
+def tp_runs(qwen3_dir, tmp_path_factory, cache_dir):
+    """The same prompts on the HF-saved checkpoint at tp 2 (with parity), 4 and 1."""
+    out = tmp_path_factory.mktemp("logits")
+    runs = {}
+    for tp, extra in ((2, []), (4, ["--no-reference"]), (1, [])):
+        logits = out / f"tp{tp}.safetensors"
+        proc = _cli("--model", qwen3_dir, "--tp", tp, *PROMPT_ARGS, "--max-new-tokens",
+                    NEW_TOKENS, "--json", "--logits-out", logits, *extra, cache=cache_dir)
+        runs[tp] = (_one_json_object(proc), logits)
+    return runs
+
+
+@pytest.fixture
+def restore_logger():
+    """main() points the package logger at the current stdout; later tests must not inherit it."""
+    log = logging.getLogger("layer_boundary")
+    saved = log.handlers[:], log.propagate, log.level
+    yield
+    log.handlers[:], log.propagate = saved[0], saved[1]
+    log.setLevel(saved[2])
+
+
+# ------------------------------------------------------------------ the default job
+
+
+@pytest.mark.timeout(300)
+def test_default_run_writes_the_builtin_checkpoint_in_hf_layout(default_run, builtin_dir):
+    assert default_run.returncode == 0, default_run.stderr
+    cfg = json.loads((builtin_dir / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3"
+    weights = load_file(str(builtin_dir / "model.safetensors"))
+    assert weights["model.embed_tokens.weight"].shape == (cfg["vocab_size"], cfg["hidden_size"])
+    for i in range(cfg["num_hidden_layers"]):
+        assert f"model.layers.{i}.self_attn.q_proj.weight" in weights
+
+
+@pytest.mark.timeout(300)
+def test_default_run_prints_tokens_parity_plan_and_collectives(default_run, builtin_dir):
+    out = default_run.stdout
+    assert default_run.returncode == 0, default_run.stderr
+    assert "Traceback" not in default_run.stderr
+    assert re.search(r"\btp=2\b", out), out
+
+    generated = re.findall(r"prompt \d+ \[[\d, ]+\] -> generated \[([\d, ]+)\]", out)
+    assert generated, out
+    assert all(len(g.split(",")) == 4 for g in generated)  # default --max-new-tokens
+
+    assert re.search(r"parity.*\bPASS\b", out), out
+
+    # one table row per stage: an attention and an FFN boundary in every layer
+    n_layers = json.loads((builtin_dir / "config.json").read_text())["num_hidden_layers"]
+    for i in range(n_layers):
+        for part in ("attn", "ffn"):
+            assert re.search(rf"^\s+layer{i}\.{part}\s+\S", out, re.M), f"no row layer{i}.{part}"
+
+    per_forward = out[out.index("collectives per forward"):]
+    assert re.search(r"step 0:", per_forward)
+    assert re.search(r"\d+x all_reduce \d+ B", per_forward), per_forward
+
+
+@pytest.mark.timeout(300)
+def test_json_report_has_the_documented_shape_and_passes_parity(default_json, builtin_dir):
+    proc, _, _ = default_json
+    report = _one_json_object(proc)
+    vocab = json.loads((builtin_dir / "config.json").read_text())["vocab_size"]
+
+    assert set(report) == JSON_KEYS
+    assert report["tp"] == 2 and _is_int(report["tp"])
+    assert _is_int(report["dp"])
+    assert report["boundary_reduction"] in RESOLVED_REDUCTIONS
+    assert report["dtype"] == "float32"
+
+    assert isinstance(report["prompts"], list) and report["prompts"]
+    for p in report["prompts"]:
+        assert set(p) == {"prompt_ids", "generated_ids"}
+        assert p["prompt_ids"] and all(_is_int(t) for t in p["prompt_ids"])
+        assert len(p["generated_ids"]) == NEW_TOKENS
+        assert all(_is_int(t) and 0 <= t < vocab for t in p["generated_ids"])
+
+    parity = report["parity"]
+    assert set(parity) == {"tokens_match", "max_abs_diff"}
+    assert parity["tokens_match"] is True
+    assert isinstance(parity["max_abs_diff"], float)
+    assert 0.0 <= parity["max_abs_diff"] <= 1e-5
+
+    assert "all_reduce" in report["collectives"]
+    for kind, c in report["collectives"].items():
+        assert set(c) == {"count", "bytes"}, kind
+        assert _is_int(c["count"]) and c["count"] > 0, kind
+        assert _is_int(c["bytes"]) and c["bytes"] > 0, kind
+
+
+@pytest.mark.timeout(300)
+def test_json_run_reuses_the_cached_checkpoint(default_json):
+    _, before, after = default_json
+    assert before == after
+
+
+@pytest.mark.timeout(300)
+def test_json_and_text_reports_agree_on_tokens(default_run, default_json):
+    # greedy decoding is deterministic, so 3 new tokens are a prefix of the 4 the text run made
+    text_ids = [[int(t) for t in g.split(",")] for g in re.findall(
+        r"-> generated \[([\d, ]+)\]", default_run.stdout)]
+    json_ids = _generated(_one_json_object(default_json[0]))
+    assert [g[:NEW_TOKENS] for g in text_ids] == json_ids
+
+
+# ------------------------------------------------------------------ tp sizes, logits
+
+
+@pytest.mark.timeout(300)
+def test_tp_2_4_and_1_generate_the_same_tokens(tp_runs):
+    generated = {tp: _generated(report) for tp, (report, _) in tp_runs.items()}
+    assert generated[2] == generated[1]
+    assert generated[4] == generated[1]
+    for report, _ in tp_runs.values():
+        assert [p["prompt_ids"] for p in report["prompts"]] == PROMPTS
+        assert all(len(g) == NEW_TOKENS for g in _generated(report))
+
+
+@pytest.mark.timeout(300)
+def test_tp_sizes_are_reported(tp_runs):
+    assert {tp: r["tp"] for tp, (r, _) in tp_runs.items()} == {2: 2, 4: 4, 1: 1}
+
+
+@pytest.mark.timeout(300)
+def test_parity_on_the_hf_checkpoint_and_none_without_reference(tp_runs):
+    parity = tp_runs[2][0]["parity"]
+    assert parity["tokens_match"] is True and parity["max_abs_diff"] <= 1e-5
+    assert tp_runs[4][0]["parity"] is None  # --no-reference
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp", [2, 1])
+def test_logits_out_holds_one_fp32_vocab_vector_per_prompt_and_step(tp_runs, qwen3_dir, tp):
+    report, path = tp_runs[tp]
+    vocab = json.loads((Path(qwen3_dir) / "config.json").read_text())["vocab_size"]
+    logits = load_file(str(path))
+    assert set(logits) == {f"prompt{i}.step{j}"
+                           for i in range(len(PROMPTS)) for j in range(NEW_TOKENS)}
+    for i, generated in enumerate(_generated(report)):
+        for j, token in enumerate(generated):
+            step = logits[f"prompt{i}.step{j}"]
+            assert step.dtype.is_floating_point and step.element_size() == 4  # float32
+            assert step.shape == (vocab,)
+            assert int(step.argmax()) == token, (i, j)
+
+
+@pytest.mark.timeout(300)
+def test_logits_out_agrees_across_tp(tp_runs):
+    tp2, tp1 = (load_file(str(tp_runs[tp][1])) for tp in (2, 1))
+    for key in tp1:
+        assert (tp2[key] - tp1[key]).abs().max() <= 1e-5, key
+
+
+# ------------------------------------------------------------------ dtype, torchrun
+
+
+@pytest.mark.timeout(300)
+def test_bfloat16_runs_and_reports_its_dtype(qwen3_dir, cache_dir):
+    proc = _cli("--model", qwen3_dir, "--dtype", "bfloat16", "--prompt-ids", "1,2,3",
+                "--max-new-tokens", 2, "--json", cache=cache_dir)
+    # exit 1 is a legitimate parity FAIL for bf16; anything else is a crash or a usage error
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["dtype"] == "bfloat16"
+    assert [len(g) for g in _generated(report)] == [2]
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_processes_report_once_with_parity(builtin_dir, cache_dir, default_json):
+    # builtin_dir first: two torchrun ranks must not both be writing the cache checkpoint
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "layer_boundary", "run", "--json",
+         "--max-new-tokens", str(NEW_TOKENS)],
+        cwd=REPO, env=_env(cache_dir), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    report = _one_json_object(proc)
+    assert report["tp"] == 2
+    assert report["parity"]["tokens_match"] is True
+    assert report["parity"]["max_abs_diff"] <= 1e-5
+    assert _generated(report) == _generated(_one_json_object(default_json[0]))
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _write(folder: Path, config_text: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if config_text is not None:
+        (folder / "config.json").write_text(config_text)
+    return folder
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("layer-boundary: error:"), err
+    return lines[0]
+
+
+def test_missing_checkpoint_dir_as_a_user_sees_it(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    proc = _cli("--model", missing, cache=tmp_path / "cache")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert str(missing) in _one_line_error(proc.stderr)
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing_dir", "{path}"),
+    ("malformed_json", "config.json"),
+    ("unsupported_model_type", "llama"),
+    ("no_safetensors_tp1", "safetensors"),
+])
+def test_bad_checkpoint_is_a_one_line_error(tmp_path, qwen3_dir, capsys, restore_logger,
+                                            case, needle):
+    folder = tmp_path / "ckpt"
+    extra = []
+    if case == "malformed_json":
+        _write(folder, '{"model_type": "qwen3",\n')
+    elif case == "unsupported_model_type":
+        _write(folder, json.dumps({"model_type": "llama", "vocab_size": 96}))
+    elif case == "no_safetensors_tp1":
+        _write(folder, (Path(qwen3_dir) / "config.json").read_text())
+        extra = ["--tp", "1"]  # the world-1 path loads in this process
+
+    # small prompt ids: the default prompts do not fit this checkpoint's 96-token vocabulary.
+    # An exception escaping main() would be a traceback for the user; here it fails the test.
+    code = main(["run", "--model", str(folder), "--prompt-ids", "1,2,3", *extra])
+
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert needle.format(path=folder) in _one_line_error(err)
+    if case == "unsupported_model_type":
+        assert "model_type" in err
+    assert out == ""
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_without_safetensors_at_default_tp_is_a_one_line_error(tmp_path, qwen3_dir):
+    folder = _write(tmp_path / "ckpt", (Path(qwen3_dir) / "config.json").read_text())
+    proc = _cli("--model", folder, "--prompt-ids", "1,2,3", cache=tmp_path / "cache")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2
+    assert "safetensors" in _one_line_error(proc.stderr)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tp", "3", "--prompt-ids", "1,2,3"], "num_attention_heads"),
+    (["--prompt-ids", "1,{vocab}"], "vocab_size"),
+])
+def test_input_the_model_cannot_take_is_a_one_line_error(qwen3_dir, capsys, restore_logger,
+                                                         args, needle):
+    cfg = json.loads((Path(qwen3_dir) / "config.json").read_text())
+    assert cfg["num_attention_heads"] % 3 != 0  # the premise of the --tp 3 case
+    args = [a.format(vocab=cfg["vocab_size"]) for a in args]
+
+    code = main(["run", "--model", str(qwen3_dir), *args])  # must return, not raise
+
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert needle in _one_line_error(err)
+    assert out == ""
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--prompt-ids", "1,x"], "--prompt-ids"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_bad_option_value_is_an_argparse_error(capsys, args, option):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *args])
+
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert "Traceback" not in err
+    assert err.startswith("usage:")
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, err
+    assert option in error_lines[0]
+    assert out == ""
