@@ -86,11 +86,13 @@ def make_boundary(name: str, decl, norm, runtime, mode: RowMode = RowMode.AR) ->
     leave, the residual update rows, and the move to compute's rows."""
     target = update_rows(mode)
     arrivals = {}
+    producer_keys = []
     if decl.previous is not None:
         for decision in make_output_boundary(decl.previous, decl, runtime, mode).decisions:
             key = (None if decision.owed is None else decision.owed.group,
                    decision.rows if decision.finish_move is None else Rows.LOCAL)
             arrivals[key] = completion(key[0], key[1], target)
+            producer_keys.append(key)
         # accessors (complete_output, add_to_output) may finish the sum before this input
         arrivals.setdefault((None, Rows.LOCAL), completion(None, Rows.LOCAL, target))
         arrivals.setdefault((None, target), completion(None, target, target))
@@ -102,4 +104,5 @@ def make_boundary(name: str, decl, norm, runtime, mode: RowMode = RowMode.AR) ->
                        and not decl.residual.read.before_gather)
     return EntryPath(name, mode, decl.residual.read, norm, stack_entry=decl.previous is None,
                      update_rows=target, compute_rows=compute_rows(decl), arrivals=arrivals,
-                     sum_before_read=sum_before_read)
+                     producer_keys=tuple(producer_keys), sum_before_read=sum_before_read,
+                     attn_dp=dims.attn_dp)

@@ -17,7 +17,7 @@ from .construction import UnsupportedBoundary
 from .models.loader import CheckpointError
 from .runtime.args import BOUNDARY_REDUCTIONS
 from .runtime.ledger import summarize
-from .runtime.parallel import TopologyError
+from .runtime.parallel import ParallelDims, TopologyError
 
 log = logging.getLogger("layer_boundary")
 
@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate on parallel CPU ranks and check parity with world 1")
     run.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
-    run.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default 2)")
+    run.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default 4)")
+    run.add_argument("--dp", type=_positive, default=None,
+                     help="attention data-parallel size, dividing tp (default 2; prompt i runs "
+                          "on DP rank i mod dp)")
     run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
@@ -68,7 +71,30 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-reference", action="store_true", help="skip the world-1 parity run")
     run.add_argument("--no-allreduce-fusion", action="store_true",
                      help="complete every FFN all-reduce in compute instead of deferring it")
+    run.add_argument("--no-rs-padding", action="store_true",
+                     help="forbid padding rows for fixed-size reduce-scatter (rs falls back)")
+
+    plan = sub.add_parser("plan", help="print the per-stage boundary paths for a batch shape")
+    plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
+    plan.add_argument("--tp", type=_positive, default=4)
+    plan.add_argument("--dp", type=_positive, default=2)
+    plan.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
+    plan.add_argument("--tokens", type=_token_counts, default=None,
+                      help='tokens per attention-DP rank, e.g. "5,0,3,1" (default: 4 per rank)')
+    plan.add_argument("--no-allreduce-fusion", action="store_true")
+    plan.add_argument("--no-rs-padding", action="store_true")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens {text!r} must be comma-separated integers") from None
+    if min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"--tokens {text!r} has a negative count")
+    return counts
 
 
 def _setup_logging(rank: int) -> None:
@@ -121,12 +147,15 @@ def _spec(args):
         bad = [t for t in p if t >= cfg.vocab_size]
         if bad:
             raise UsageError(f"prompt {i} has token ids {bad} outside vocab_size={cfg.vocab_size}")
-    tp = args.tp or 2
-    check_tp(cfg, tp, tp)
-    return RunSpec(model_dir=str(model_dir), tp=tp, dp=1,
+    tp = args.tp or 4
+    dp = args.dp or (2 if tp % 2 == 0 else 1)
+    ParallelDims(world_size=tp, tp=tp, attn_dp=dp)  # names the factor that does not fit
+    check_tp(cfg, tp // dp, tp)
+    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp,
                    boundary_reduction=args.boundary_reduction, dtype=args.dtype,
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
-                   allreduce_fusion=not args.no_allreduce_fusion)
+                   allreduce_fusion=not args.no_allreduce_fusion,
+                   rs_padding=not args.no_rs_padding)
 
 
 def _report(args, spec, results, reference) -> int:
@@ -163,10 +192,9 @@ def _report(args, spec, results, reference) -> int:
         log.info("parity vs world 1: %s (tokens %s, max |logit diff| %.3g, tolerance %.0e)",
                  "PASS" if ok else "FAIL", "match" if verdict["tokens_match"] else "DIFFER",
                  verdict["max_abs_diff"], tol)
-    log.info("\nboundary paths (per stage):")
-    log.info("  %-12s %-34s %s", "stage", "prepare", "exit")
-    for row in rank0.plan:
-        log.info("  %-12s %-34s %s", row["stage"], row["entry"], row["exit"])
+    log.info("\nboundary paths (per stage; row mode per forward: %s):",
+             ", ".join(f"step {i} {m}" for i, m in enumerate(rank0.modes)))
+    _plan_table(rank0.plan)
     log.info("\ncollectives per forward on rank 0 (count x kind, bytes; step 0 = prefill):")
     for step in sorted({e.step for e in rank0.ledger})[:2]:
         log.info("  step %d:", step)
@@ -181,6 +209,60 @@ def _report(args, spec, results, reference) -> int:
     log.info("\ncollectives over the run: %s", ", ".join(
         f"{k}: {v['count']} ({v['bytes']} B)" for k, v in collectives.items()) or "none")
     return 0 if ok else 1
+
+
+def _plan_table(rows) -> None:
+    width = max(len(r["entry"]) for r in rows)
+    log.info("  %-12s %-*s  %s", "stage", width, "prepare", "exit")
+    for row in rows:
+        log.info("  %-12s %-*s  %s", row["stage"], width, row["entry"], row["exit"])
+
+
+def cmd_plan(args) -> int:
+    """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
+    from .construction import select_mode
+    from .layout import BatchRows
+    from .models import load_config, model_type_of
+    from .models.qwen3 import Qwen3ForCausalLM, check_tp
+    from .models.tiny import builtin_checkpoint
+    from .runner import plan_rows
+    from .runtime.args import BoundaryRuntime, resolve_boundary_reduction
+    from .runtime.parallel import virtual_parallel
+
+    _setup_logging(0)
+    model_dir = args.model or str(builtin_checkpoint())
+    cfg = load_config(model_dir)
+    dims = ParallelDims(world_size=args.tp, tp=args.tp, attn_dp=args.dp)
+    check_tp(cfg, dims.attn_tp, dims.tp)
+    counts = args.tokens if args.tokens is not None else (4,) * args.dp
+    if len(counts) != args.dp:
+        raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
+    policy = resolve_boundary_reduction(args.boundary_reduction, model_type_of(model_dir))
+    runtime = BoundaryRuntime(virtual_parallel(dims), boundary_reduction=policy,
+                              allreduce_fusion=not args.no_allreduce_fusion,
+                              rs_padding=not args.no_rs_padding)
+    with torch.device("meta"):  # boundaries are built at construction; no weights needed
+        model = Qwen3ForCausalLM(cfg, runtime)
+    mode, reason = select_mode(runtime, counts)
+    table = plan_rows(model, mode)
+    per_rank = []
+    for rank in range(dims.tp):
+        rows = BatchRows(mode, counts, virtual_parallel(dims, rank))
+        per_rank.append({"rank": rank, "dp_rank": rows.dp_rank, "local": rows.local,
+                         "scattered": rows.scattered_rows, "global": rows.total})
+    if args.json:
+        log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "attn_tp": dims.attn_tp,
+                             "boundary_reduction": policy, "tokens": list(counts),
+                             "mode": mode.value, "reason": reason, "ranks": per_rank,
+                             "stages": table}))
+        return 0
+    log.info("layer-boundary plan: %s  tp=%d dp=%d attn_tp=%d  boundary_reduction=%s (asked %s)",
+             model_dir, dims.tp, dims.attn_dp, dims.attn_tp, policy, args.boundary_reduction)
+    log.info("tokens per DP rank %s -> row mode %s (%s)", list(counts), mode.value, reason)
+    log.info("rows per rank (local / scattered / global): %s", ", ".join(
+        f"r{r['rank']} {r['local']}/{r['scattered']}/{r['global']}" for r in per_rank))
+    _plan_table(table)
+    return 0
 
 
 def _rank_entry(spec):
@@ -235,6 +317,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "plan":
+            return cmd_plan(args)
     except (CheckpointError, TopologyError, UnsupportedBoundary, UsageError, ValueError) as exc:
         print(f"layer-boundary: error: {exc}", file=sys.stderr)
         return 2

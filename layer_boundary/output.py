@@ -65,7 +65,7 @@ _NAMES = {
     "all_gather(attn_tp)", BatchRows.global_to_local: "slice", _global_to_scattered: "slice",
     BatchRows.sum_local_partial: "all_reduce(attn_tp)",
     BatchRows.sum_global_partial_to_local: "all_reduce(tp)+slice",
-    BatchRows.local_to_global: "all_gather(attn_dp)",
+    BatchRows.local_to_global: "all_gather_v(attn_dp)",
     BatchRows.scattered_to_global: "all_gather(tp)",
 }
 
@@ -84,11 +84,18 @@ def input_move(src: Rows, dst: Rows) -> Callable:
     return _INPUT_MOVES[(src, dst)]
 
 
-def describe_move(fn: Callable, mode) -> str:
-    """A short name of a movement for plan tables."""
+def describe_move(fn: Callable, mode, attn_dp: int = 1) -> str:
+    """A short name of a movement for plan tables (slices and gathers over one DP rank drop)."""
+    if attn_dp == 1 and fn in (BatchRows.local_to_global, BatchRows.global_to_local):
+        return "-"
+    if attn_dp == 1 and fn is BatchRows.sum_global_partial_to_local:
+        return "all_reduce(tp)"
     if fn in (BatchRows.sum_local_partial_to_scattered, BatchRows.sum_global_partial_to_scattered):
         group = "attn_tp" if fn is BatchRows.sum_local_partial_to_scattered else "tp"
         return f"{'reduce_scatter' if mode.value == 'rs' else 'reduce_scatter_v'}({group})"
+    if fn in (BatchRows.scattered_to_local, BatchRows.scattered_to_global):
+        group = "attn_tp" if fn is BatchRows.scattered_to_local else "tp"
+        return f"{'all_gather' if mode.value == 'rs' else 'all_gather_v'}({group})"
     return _NAMES.get(fn, getattr(fn, "__name__", "?"))
 
 

@@ -22,13 +22,17 @@ class EntryPath:
     """
 
     __slots__ = ("stage", "mode", "read", "norm", "stack_entry", "update_rows", "compute_rows",
-                 "arrivals", "move_input", "sum_before_read", "_align_residual")
+                 "arrivals", "producer_keys", "move_input", "sum_before_read", "_align_residual",
+                 "attn_dp")
 
     def __init__(self, stage: str, mode, read, norm, *, stack_entry: bool, update_rows: Rows,
-                 compute_rows: Rows, arrivals: dict, sum_before_read: bool) -> None:
+                 compute_rows: Rows, arrivals: dict, producer_keys: tuple,
+                 sum_before_read: bool, attn_dp: int = 1) -> None:
         self.stage, self.mode, self.read, self.norm = stage, mode, read, norm
         self.stack_entry, self.update_rows, self.compute_rows = stack_entry, update_rows, compute_rows
         self.arrivals = arrivals
+        self.producer_keys = producer_keys  # what the declared producer leaves, for plans
+        self.attn_dp = attn_dp
         self.move_input = input_move(update_rows, compute_rows)
         # attention DP with a plain update: add the residual on one attention-TP rank and let a
         # single TP all-reduce sum the partials and gather every DP rank's rows at once
@@ -94,15 +98,17 @@ class EntryPath:
         return compute_input, batch_rows.global_to_local(total).clone()
 
     def describe(self) -> str:
-        if self.stack_entry and not self.arrivals:
-            head = "enter"
-        else:
-            steps = sorted({describe_move(m, self.mode) for m in self.arrivals.values()} - {"-"})
-            head = "|".join(steps) or "complete"
-            if self.sum_before_read:
-                head = "add on attn_tp rank 0+all_reduce(tp) gather"
-        move = describe_move(self.move_input, self.mode)
-        tail = "" if move == "-" else f" -> {move}"
-        return f"{head} -> add+norm on {self.update_rows.value}{tail}"
+        """What this path does to the input its declared producer leaves."""
+        dp = self.attn_dp
+        if self.stack_entry:
+            move = describe_move(input_move(Rows.LOCAL, self.compute_rows), self.mode, dp)
+            return "enter: norm on local" + ("" if move == "-" else f" -> {move}")
+        if self.sum_before_read and _ATTN_PARTIAL in self.producer_keys:
+            return "add on attn_tp rank 0 -> all_reduce(tp) sum+gather -> norm on global"
+        steps = [describe_move(self.arrivals[k], self.mode, dp) for k in self.producer_keys]
+        head = " | ".join(s for s in steps if s != "-")
+        move = describe_move(self.move_input, self.mode, dp)
+        return ((f"{head} -> " if head else "") + f"add+norm on {self.update_rows.value}"
+                + ("" if move == "-" else f" -> {move}"))
 
 

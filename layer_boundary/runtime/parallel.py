@@ -107,6 +107,19 @@ def _new_groups(name: str, all_ranks: list[list[int]], rank: int) -> Group:
 _PARALLEL_CACHE: dict[ParallelDims, Parallel] = {}
 
 
+def group_layout(dims: ParallelDims) -> dict[str, list[list[int]]]:
+    """Every group of each kind, as global rank lists, in creation order."""
+    tp, attn_tp = dims.tp, dims.attn_tp
+    stride = dims.attn_cp * attn_tp
+    return {
+        "tp": [list(range(p * tp, (p + 1) * tp)) for p in range(dims.pp)],
+        "attn_tp": [list(range(base + j * attn_tp, base + (j + 1) * attn_tp))
+                    for base in range(0, dims.world_size, tp) for j in range(tp // attn_tp)],
+        "attn_dp": [list(range(base + off, base + tp, stride))
+                    for base in range(0, dims.world_size, tp) for off in range(stride)],
+    }
+
+
 def build_parallel(dims: ParallelDims) -> Parallel:
     """Groups for ``dims``; built once per process and topology, then reused."""
     cached = _PARALLEL_CACHE.get(dims)
@@ -118,35 +131,25 @@ def build_parallel(dims: ParallelDims) -> Parallel:
         return par
     if not dist.is_initialized():
         raise TopologyError(
-            f"world_size {dims.world_size} needs torch.distributed to be initialised"
-        )
+            f"world_size {dims.world_size} needs torch.distributed to be initialised")
     if dist.get_world_size() != dims.world_size:
         raise TopologyError(
-            f"world_size {dims.world_size} != torch.distributed world size {dist.get_world_size()}"
-        )
+            f"world_size {dims.world_size} != torch.distributed world size {dist.get_world_size()}")
     rank = dist.get_rank()
-    tp, attn_tp_size = dims.tp, dims.attn_tp
-    tp_groups = [list(range(p * tp, (p + 1) * tp)) for p in range(dims.pp)]
-    attn_tp_groups = [
-        list(range(base + j * attn_tp_size, base + (j + 1) * attn_tp_size))
-        for base in range(0, dims.world_size, tp)
-        for j in range(tp // attn_tp_size)
-    ]
-    stride = dims.attn_cp * attn_tp_size
-    attn_dp_groups = [
-        list(range(base + off, base + tp, stride))
-        for base in range(0, dims.world_size, tp)
-        for off in range(stride)
-    ]
-    par = Parallel(
-        dims,
-        rank,
-        _new_groups("tp", tp_groups, rank),
-        _new_groups("attn_tp", attn_tp_groups, rank),
-        _new_groups("attn_dp", attn_dp_groups, rank),
-    )
+    groups = {name: _new_groups(name, ranks, rank) for name, ranks in group_layout(dims).items()}
+    par = Parallel(dims, rank, groups["tp"], groups["attn_tp"], groups["attn_dp"])
     _PARALLEL_CACHE[dims] = par
     return par
+
+
+def virtual_parallel(dims: ParallelDims, rank: int = 0) -> Parallel:
+    """Rank ``rank``'s view of ``dims`` without process groups: for plans, never collectives."""
+    def mine(name, all_ranks):
+        ranks = next(r for r in all_ranks if rank in r)
+        return Group(name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=None)
+
+    layout = group_layout(dims)
+    return Parallel(dims, rank, *(mine(n, layout[n]) for n in ("tp", "attn_tp", "attn_dp")))
 
 
 # ---------------------------------------------------------------- process start-up
