@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
     run.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default 4)")
     run.add_argument("--dp", type=_positive, default=None,
-                     help="attention data-parallel size, dividing tp (default 2; prompt i runs "
-                          "on DP rank i mod dp)")
+                     help="attention data-parallel size, dividing tp (default 2 with the default "
+                          "tp, else 1); prompt i runs on DP rank i mod dp")
     run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
@@ -147,8 +147,9 @@ def _spec(args):
         bad = [t for t in p if t >= cfg.vocab_size]
         if bad:
             raise UsageError(f"prompt {i} has token ids {bad} outside vocab_size={cfg.vocab_size}")
+    # the default job is tp=4 dp=2; an explicit --tp alone means pure tensor parallelism
     tp = args.tp or 4
-    dp = args.dp or (2 if tp % 2 == 0 else 1)
+    dp = args.dp or (1 if args.tp else 2)
     ParallelDims(world_size=tp, tp=tp, attn_dp=dp)  # names the factor that does not fit
     check_tp(cfg, tp // dp, tp)
     return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp,

@@ -142,7 +142,7 @@ def test_default_run_prints_tokens_parity_plan_and_collectives(default_run, buil
     out = default_run.stdout
     assert default_run.returncode == 0, default_run.stderr
     assert "Traceback" not in default_run.stderr
-    assert re.search(r"\btp=2\b", out), out
+    assert re.search(r"\btp=4 dp=2\b", out), out  # the default topology
 
     generated = re.findall(r"prompt \d+ \[[\d, ]+\] -> generated \[([\d, ]+)\]", out)
     assert generated, out
@@ -168,8 +168,8 @@ def test_json_report_has_the_documented_shape_and_passes_parity(default_json, bu
     vocab = json.loads((builtin_dir / "config.json").read_text())["vocab_size"]
 
     assert set(report) == JSON_KEYS
-    assert report["tp"] == 2 and _is_int(report["tp"])
-    assert _is_int(report["dp"])
+    assert report["tp"] == 4 and _is_int(report["tp"])
+    assert report["dp"] == 2 and _is_int(report["dp"])
     assert report["boundary_reduction"] in RESOLVED_REDUCTIONS
     assert report["dtype"] == "float32"
 
@@ -272,18 +272,62 @@ def test_bfloat16_runs_and_reports_its_dtype(qwen3_dir, cache_dir):
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_two_processes_report_once_with_parity(builtin_dir, cache_dir, default_json):
+def test_torchrun_four_processes_with_attention_dp_report_once_with_parity(builtin_dir, cache_dir, default_json):
     # builtin_dir first: two torchrun ranks must not both be writing the cache checkpoint
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
          "--master-port", str(_free_port()), "-m", "layer_boundary", "run", "--json",
-         "--max-new-tokens", str(NEW_TOKENS)],
+         "--dp", "2", "--max-new-tokens", str(NEW_TOKENS)],
         cwd=REPO, env=_env(cache_dir), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     report = _one_json_object(proc)
-    assert report["tp"] == 2
+    assert (report["tp"], report["dp"]) == (4, 2)
     assert report["parity"]["tokens_match"] is True
     assert report["parity"]["max_abs_diff"] <= 1e-5
     assert _generated(report) == _generated(_one_json_object(default_json[0]))
+
+
+@pytest.mark.timeout(300)
+def test_attention_dp_with_an_empty_rank_generates_the_world1_tokens(qwen3_dir, cache_dir, tp_runs):
+    # PROMPTS has 2 requests: on 4 DP ranks two ranks run no tokens, yet join every collective
+    proc = _cli("--model", qwen3_dir, "--tp", 4, "--dp", 4, "--boundary-reduction", "rs+rsv",
+                *PROMPT_ARGS, "--max-new-tokens", NEW_TOKENS, "--json", cache=cache_dir)
+    report = _one_json_object(proc)
+    assert (report["tp"], report["dp"]) == (4, 4)
+    assert report["parity"]["tokens_match"] is True and report["parity"]["max_abs_diff"] <= 1e-5
+    assert _generated(report) == _generated(tp_runs[1][0])
+    assert "reduce_scatter" in report["collectives"]
+
+
+# ------------------------------------------------------------------ plan
+
+
+def test_plan_reports_mode_rows_and_one_row_per_stage(qwen3_dir, capsys, restore_logger):
+    assert main(["plan", "--model", str(qwen3_dir), "--tp", "4", "--dp", "4",
+                 "--boundary-reduction", "auto", "--tokens", "5,0,3,1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    layers = json.loads((Path(qwen3_dir) / "config.json").read_text())["num_hidden_layers"]
+    assert plan["mode"] == "rsv" and plan["tokens"] == [5, 0, 3, 1]
+    assert [r["local"] for r in plan["ranks"]] == [5, 0, 3, 1]
+    assert all(r["global"] == 9 for r in plan["ranks"])
+    assert [s["stage"] for s in plan["stages"]] == [
+        f"layer{i}.{k}" for i in range(layers) for k in ("attn", "ffn")]
+
+    assert main(["plan", "--model", str(qwen3_dir), "--tp", "2", "--dp", "1",
+                 "--boundary-reduction", "ar"]) == 0
+    out = capsys.readouterr().out
+    assert "row mode ar" in out
+    assert re.search(r"layer1\.attn\s+all_reduce\(tp\)", out), out  # the deferred FFN sum
+
+
+def test_plan_token_counts_must_match_dp(qwen3_dir, capsys, restore_logger):
+    assert main(["plan", "--model", str(qwen3_dir), "--dp", "2", "--tokens", "1,2,3"]) == 2
+    assert "--tokens gives 3 DP token counts but --dp is 2" in _one_line_error(capsys.readouterr().err)
+
+
+def test_dp_that_does_not_divide_tp_is_a_one_line_error(qwen3_dir, capsys, restore_logger):
+    assert main(["run", "--model", str(qwen3_dir), "--tp", "4", "--dp", "3"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "tp 4" in line and "attn_dp 3" in line
 
 
 # ------------------------------------------------------------------ bad input

@@ -82,13 +82,17 @@ class Ledger:
 
     @contextlib.contextmanager
     def recording(self):
-        """Record the collectives of the enclosed block; yields the list being filled."""
-        previous = (self.enabled, self.entries)
-        self.enabled, self.entries = True, []
+        """Record the collectives of the enclosed block; yields the list being filled.
+
+        A nested recording shadows the outer one for its block. Site and step start fresh
+        and are restored afterwards.
+        """
+        previous = (self.enabled, self.entries, self.site, self.step)
+        self.enabled, self.entries, self.site, self.step = True, [], "model", 0
         try:
             yield self.entries
         finally:
-            self.enabled, self.entries = previous
+            self.enabled, self.entries, self.site, self.step = previous
 
 
 LEDGER = Ledger()

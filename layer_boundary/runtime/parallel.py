@@ -35,7 +35,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "attn_dp", "attn_cp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
         if self.pp * self.tp != self.world_size:
             raise TopologyError(

@@ -1,0 +1,247 @@
+"""The row contracts ops.py states, one line each, checked on real gloo ranks.
+
+all_reduce_rows:  "Rows unchanged; every rank ends with the group sum of its rows (reuses
+                   ``x``'s storage)."
+gather_last_dim:  "Rows unchanged; the last dim becomes the concatenation of every rank's
+                   slice in rank order."
+A size-1 group short-circuits: the input object itself comes back, nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed.pool import get_pool  # tests/ is on sys.path (tests/conftest.py)
+from layer_boundary import ops
+from layer_boundary.ops import all_reduce_rows, gather_last_dim
+from layer_boundary.runtime.ledger import LEDGER
+from layer_boundary.runtime.parallel import Group, ParallelDims, build_parallel
+
+
+def _inputs(world, shape, seed):
+    """Integer-valued float64 tensors, distinct per rank and per row, so sums are exact."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(-1000, 1000, shape, generator=g).double() for _ in range(world)]
+
+
+def _group(kwargs, name):
+    n = dist.get_world_size()
+    return getattr(build_parallel(ParallelDims(world_size=n, **kwargs)), name)
+
+
+def _all_reduce(kwargs, name, xs, transpose):
+    group = _group(kwargs, name)
+    x = xs[dist.get_rank()].clone()
+    if transpose:
+        x = x.t()  # non-contiguous input: the rows are the transpose's rows
+    ptr = x.data_ptr()
+    y = all_reduce_rows(x, group)
+    return group.ranks, y, y.data_ptr() == ptr
+
+
+def _gather(kwargs, name, xs, transpose):
+    group = _group(kwargs, name)
+    x = xs[dist.get_rank()].clone()
+    if transpose:
+        x = x.transpose(-1, -2)
+    before = x.clone()
+    y = gather_last_dim(x, group)
+    return group.ranks, y, torch.equal(x, before)
+
+
+# (world, dims, group): the attn_dp group of tp=4, attn_dp=2 holds world ranks {0, 2} and
+# {1, 3}, so "rank order" there means group-rank order over non-adjacent world ranks.
+GROUPS = [
+    (2, dict(tp=2), "tp"),
+    (4, dict(tp=4), "tp"),
+    (4, dict(tp=4, attn_dp=2), "attn_tp"),
+    (4, dict(tp=4, attn_dp=2), "attn_dp"),
+]
+GROUP_IDS = [f"w{w}-{'-'.join(f'{k}{v}' for k, v in kw.items())}-{name}" for w, kw, name in GROUPS]
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("world, kwargs, name", GROUPS, ids=GROUP_IDS)
+def test_all_reduce_rows_sums_each_row_over_the_group(world, kwargs, name, transpose):
+    xs = _inputs(world, (6, 5), seed=world)
+    results = get_pool(world).run(_all_reduce, kwargs, name, xs, transpose)
+    for r, (ranks, y, same_storage) in enumerate(results):
+        assert r in ranks
+        expected = sum(xs[q] for q in ranks)
+        if transpose:
+            expected = expected.t()
+        assert torch.equal(y, expected), f"rank {r}"
+        if not transpose:
+            assert same_storage, f"rank {r}: result does not reuse the input's storage"
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("world, kwargs, name", GROUPS, ids=GROUP_IDS)
+def test_gather_last_dim_concatenates_in_rank_order(world, kwargs, name, transpose):
+    xs = _inputs(world, (2, 3, 4), seed=10 + world)  # 3-D: the last dim, not dim 1, grows
+    results = get_pool(world).run(_gather, kwargs, name, xs, transpose)
+    for r, (ranks, y, input_kept) in enumerate(results):
+        assert r in ranks
+        parts = [xs[q].transpose(-1, -2) if transpose else xs[q] for q in ranks]
+        assert y.shape == (*parts[0].shape[:-1], parts[0].shape[-1] * len(ranks))
+        assert torch.equal(y, torch.cat(parts, dim=-1)), f"rank {r}"
+        assert input_kept, f"rank {r}: gather_last_dim changed its input"
+
+
+def _empty_rows(kwargs, name):
+    group = _group(kwargs, name)
+    x = torch.empty(0, 3)
+    with LEDGER.recording() as entries:
+        reduced = all_reduce_rows(x, group)
+        gathered = gather_last_dim(x, group)
+    return group.size, reduced.shape, gathered.shape, len(entries)
+
+
+@pytest.mark.parametrize("world, kwargs, name", GROUPS, ids=GROUP_IDS)
+def test_no_rows_anywhere_skip_the_collective_but_keep_the_shapes(world, kwargs, name):
+    for n, reduced, gathered, recorded in get_pool(world).run(_empty_rows, kwargs, name):
+        assert reduced == (0, 3) and gathered == (0, 3 * n) and recorded == 0
+
+
+def _size1_in_world(x):
+    par = build_parallel(ParallelDims(world_size=dist.get_world_size(), tp=4, attn_dp=4))
+    with LEDGER.recording() as entries:
+        same = all_reduce_rows(x, par.attn_tp) is x and gather_last_dim(x, par.attn_tp) is x
+    return par.attn_tp.size, same, len(entries)
+
+
+def test_size1_group_inside_a_world_returns_the_input_itself():
+    results = get_pool(4).run(_size1_in_world, torch.arange(6.0).view(2, 3))
+    assert results == [(1, True, 0)] * 4
+
+
+class _NoDist:
+    def __getattr__(self, name):
+        raise AssertionError(f"a size-1 group touched torch.distributed.{name}")
+
+
+@pytest.mark.parametrize("op", [all_reduce_rows, gather_last_dim])
+def test_size1_group_returns_the_input_object_itself(op, monkeypatch):
+    monkeypatch.setattr(ops, "dist", _NoDist())
+    group = Group("tp", (0,), 0)
+    x = torch.randn(4, 3).t()  # non-contiguous too: no copy may be made
+    with LEDGER.recording() as entries:
+        assert op(x, group) is x
+    assert entries == []
+
+
+# ------------------------------------------------------------------ row-moving collectives
+
+
+def _row_op(kwargs, name, op_name, rows, sizes, width, seed):
+    """Rank side: build this rank's rows, run ``op_name``, return inputs, output and ledger."""
+    group = _group(kwargs, name)
+    if sizes is not None and op_name == "gather_rows_v":
+        rows = sizes[group.rank]
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    x = torch.randint(-1000, 1000, (rows, width), generator=g).double()
+    op = getattr(ops, op_name)
+    with LEDGER.recording() as entries:
+        y = op(x.clone(), group) if sizes is None else op(x.clone(), group, sizes)
+    recorded = [(e.kind, e.group, e.group_size, e.numel) for e in entries]
+    return group.ranks, group.rank, x, y, recorded
+
+
+def _blocks(sizes):
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [slice(s, s + n) for s, n in zip(starts, sizes)]
+
+
+ROW_GROUPS = [
+    (2, dict(tp=2), "tp"),
+    (4, dict(tp=4), "tp"),
+    (4, dict(tp=4, attn_dp=2), "attn_dp"),
+]
+ROW_IDS = [f"w{w}-{'-'.join(f'{k}{v}' for k, v in kw.items())}-{name}"
+           for w, kw, name in ROW_GROUPS]
+
+
+def _group_size(kwargs, name):
+    return {"tp": kwargs["tp"], "attn_dp": kwargs.get("attn_dp", 1),
+            "attn_tp": kwargs["tp"] // kwargs.get("attn_dp", 1)}[name]
+
+
+@pytest.mark.parametrize("block", [3, 0], ids=["rows", "empty"])
+@pytest.mark.parametrize("world, kwargs, name", ROW_GROUPS, ids=ROW_IDS)
+def test_reduce_scatter_rows_gives_rank_i_the_sum_of_block_i(world, kwargs, name, block):
+    n = _group_size(kwargs, name)
+    results = get_pool(world).run(_row_op, kwargs, name, "reduce_scatter_rows", block * n, None,
+                                  4, 1)
+    xs = [x for _, _, x, _, _ in results]
+    for r, (ranks, i, _, y, entries) in enumerate(results):
+        assert ranks[i] == r and len(ranks) == n
+        rows = slice(i * block, (i + 1) * block)
+        assert torch.equal(y, sum(xs[q][rows] for q in ranks)), f"rank {r}"
+        want = [("reduce_scatter", name, n, block * n * 4)] if block else []
+        assert entries == want, f"rank {r}"
+
+
+@pytest.mark.parametrize("world, kwargs, name", ROW_GROUPS, ids=ROW_IDS)
+def test_gather_rows_concatenates_in_group_rank_order(world, kwargs, name):
+    n = _group_size(kwargs, name)
+    results = get_pool(world).run(_row_op, kwargs, name, "gather_rows", 3, None, 4, 2)
+    xs = [x for _, _, x, _, _ in results]
+    for r, (ranks, i, _, y, entries) in enumerate(results):
+        assert ranks[i] == r
+        assert torch.equal(y, torch.cat([xs[q] for q in ranks])), f"rank {r}"
+        assert entries == [("all_gather", name, n, 3 * n * 4)], f"rank {r}"
+
+
+# block sizes per group rank: uneven, with empty blocks first, in the middle and last
+V_SIZES = {2: [(2, 3), (0, 4), (3, 0), (0, 0)], 4: [(3, 0, 2, 1), (0, 0, 0, 5), (1, 1, 1, 1),
+                                                    (0, 0, 0, 0)]}
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("world, kwargs, name", ROW_GROUPS, ids=ROW_IDS)
+def test_reduce_scatter_rows_v_gives_rank_i_the_sum_of_its_block(world, kwargs, name, case):
+    n = _group_size(kwargs, name)
+    sizes = V_SIZES[n][case]
+    results = get_pool(world).run(_row_op, kwargs, name, "reduce_scatter_rows_v", sum(sizes),
+                                  sizes, 4, 3)
+    xs = [x for _, _, x, _, _ in results]
+    for r, (ranks, i, _, y, entries) in enumerate(results):
+        assert ranks[i] == r
+        rows = _blocks(sizes)[i]
+        assert torch.equal(y, sum(xs[q][rows] for q in ranks)), f"rank {r}"
+        want = [("reduce_scatter", name, n, sum(sizes) * 4)] if sum(sizes) else []
+        assert entries == want, f"rank {r}"
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("world, kwargs, name", ROW_GROUPS, ids=ROW_IDS)
+def test_gather_rows_v_concatenates_every_ranks_rows_in_rank_order(world, kwargs, name, case):
+    n = _group_size(kwargs, name)
+    sizes = V_SIZES[n][case]
+    results = get_pool(world).run(_row_op, kwargs, name, "gather_rows_v", None, sizes, 4, 4)
+    xs = [x for _, _, x, _, _ in results]
+    for r, (ranks, i, x, y, entries) in enumerate(results):
+        assert ranks[i] == r and x.shape[0] == sizes[i]
+        assert torch.equal(y, torch.cat([xs[q] for q in ranks])), f"rank {r}"
+        # variable-size collectives record the real rows, not gloo's padding
+        want = [("all_gather", name, n, sum(sizes) * 4)] if sum(sizes) else []
+        assert entries == want, f"rank {r}"
+
+
+def test_reduce_scatter_rows_rejects_rows_the_group_does_not_divide():
+    group = Group("tp", (0, 1, 2), 0)  # raises before any collective
+    with pytest.raises(ValueError, match="3"):
+        ops.reduce_scatter_rows(torch.zeros(4, 2), group)
+
+
+@pytest.mark.parametrize("op, extra", [("reduce_scatter_rows", ()), ("gather_rows", ()),
+                                       ("reduce_scatter_rows_v", ((5,),)),
+                                       ("gather_rows_v", ((5,),))])
+def test_size1_group_row_ops_return_the_input_itself(op, extra, monkeypatch):
+    monkeypatch.setattr(ops, "dist", _NoDist())
+    x = torch.randn(5, 3)
+    with LEDGER.recording() as entries:
+        assert getattr(ops, op)(x, Group("tp", (0,), 0), *extra) is x
+    assert entries == []
