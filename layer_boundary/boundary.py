@@ -32,7 +32,8 @@ def _owed(runtime, which: SumGroup, rows: Rows) -> Owed | None:
     return Owed(which, rows) if sum_group(runtime.parallel, which).size > 1 else None
 
 
-def make_output_boundary(decl, following, runtime, mode: RowMode = RowMode.AR) -> ExitPath:
+def make_output_boundary(decl, following, runtime, mode: RowMode = RowMode.AR,
+                         fusions=None) -> ExitPath:
     """Bind a producer's output transport: the handoff ``decl`` leaves for ``following``."""
     dims = runtime.parallel.dims
     if decl.kind is StageKind.ATTN:
@@ -81,9 +82,12 @@ def static_owed(runtime, decl) -> Owed | None:
     return None
 
 
-def make_boundary(name: str, decl, norm, runtime, mode: RowMode = RowMode.AR) -> EntryPath:
+def make_boundary(name: str, decl, norm, runtime, mode: RowMode = RowMode.AR,
+                  qkv_latent_func=None, fusions=None) -> EntryPath:
     """Bind a consumer's input work in ``mode``: a movement for every output its producer may
-    leave, the residual update rows, and the move to compute's rows."""
+    leave, the residual update rows, and the move to compute's rows. An attention's
+    ``qkv_latent_func`` runs on the read's rows, before any gather, so only the (smaller)
+    latent moves."""
     target = update_rows(mode)
     arrivals = {}
     producer_keys = []
@@ -105,4 +109,4 @@ def make_boundary(name: str, decl, norm, runtime, mode: RowMode = RowMode.AR) ->
     return EntryPath(name, mode, decl.residual.read, norm, stack_entry=decl.previous is None,
                      update_rows=target, compute_rows=compute_rows(decl), arrivals=arrivals,
                      producer_keys=tuple(producer_keys), sum_before_read=sum_before_read,
-                     attn_dp=dims.attn_dp)
+                     attn_dp=dims.attn_dp, latent=qkv_latent_func)

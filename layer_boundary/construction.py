@@ -94,14 +94,13 @@ def supported_modes(runtime) -> list[RowMode]:
     return modes
 
 
-def build_plan(name: str, declaration, norm, following, runtime) -> StagePlan:
+def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func=None,
+               fusions=None) -> StagePlan:
     dims = runtime.parallel.dims
     if dims.attn_cp > 1 or dims.pp > 1:
         raise UnsupportedBoundary(
             f"stage {name}: no boundary path for attn_cp={dims.attn_cp}, pp={dims.pp} yet "
             "(supported: attn_cp=1, pp=1)")
-    if declaration.sparse:
-        raise UnsupportedBoundary(f"stage {name}: sparse FFN stages have no boundary path yet")
     variant = BatchVariant.ORDINARY
     prev = declaration.previous
     own_sum = SumGroup.ATTN_TP if declaration.kind is StageKind.ATTN else SumGroup.TP
@@ -109,8 +108,9 @@ def build_plan(name: str, declaration, norm, following, runtime) -> StagePlan:
     local = Layout.of(TokenAxis.ATTN_DP, sizes=sizes)
     paths = {}
     for mode in supported_modes(runtime):
-        exit_path = make_output_boundary(declaration, following, runtime, mode)
-        entry = make_boundary(name, declaration, norm, runtime, mode)
+        exit_path = make_output_boundary(declaration, following, runtime, mode, fusions=fusions)
+        entry = make_boundary(name, declaration, norm, runtime, mode,
+                              qkv_latent_func=qkv_latent_func, fusions=fusions)
         residual = local if mode is RowMode.AR else Layout.of(
             TokenAxis.ATTN_DP, TokenAxis.ATTN_TP_SCATTER, sizes=sizes)
         compute = local if declaration.kind is StageKind.ATTN else REPLICATED

@@ -23,16 +23,17 @@ class EntryPath:
 
     __slots__ = ("stage", "mode", "read", "norm", "stack_entry", "update_rows", "compute_rows",
                  "arrivals", "producer_keys", "move_input", "sum_before_read", "_align_residual",
-                 "attn_dp")
+                 "attn_dp", "latent")
 
     def __init__(self, stage: str, mode, read, norm, *, stack_entry: bool, update_rows: Rows,
                  compute_rows: Rows, arrivals: dict, producer_keys: tuple,
-                 sum_before_read: bool, attn_dp: int = 1) -> None:
+                 sum_before_read: bool, attn_dp: int = 1, latent=None) -> None:
         self.stage, self.mode, self.read, self.norm = stage, mode, read, norm
         self.stack_entry, self.update_rows, self.compute_rows = stack_entry, update_rows, compute_rows
         self.arrivals = arrivals
         self.producer_keys = producer_keys  # what the declared producer leaves, for plans
         self.attn_dp = attn_dp
+        self.latent = latent  # attention's qkv latent projection, run before the row move
         self.move_input = input_move(update_rows, compute_rows)
         # attention DP with a plain update: add the residual on one attention-TP rank and let a
         # single TP all-reduce sum the partials and gather every DP rank's rows at once
@@ -47,12 +48,13 @@ class EntryPath:
             if stream.residual is not None:
                 residual = self._residual_on_update_rows(stream, batch_rows)
                 compute_input, residual = self.read.read(residual, self.norm)
-                compute_input = self.move_input(batch_rows, compute_input)
+                compute_input = self._to_compute(batch_rows, compute_input, self.move_input)
                 rows = self.update_rows
             elif self.stack_entry:
                 # the embedding arrives on local rows; the residual starts there
                 compute_input, residual = self.read.enter(hidden, self.norm)
-                compute_input = input_move(Rows.LOCAL, self.compute_rows)(batch_rows, compute_input)
+                compute_input = self._to_compute(batch_rows, compute_input,
+                                                 input_move(Rows.LOCAL, self.compute_rows))
                 rows = Rows.LOCAL
             else:
                 raise RuntimeError(f"stage {self.stage} has a previous producer but the stream "
@@ -79,10 +81,15 @@ class EntryPath:
                             if stream.residual is not None else None)
                 compute_input, residual = self.read.update_and_read(
                     contribution.update, residual, value, self.norm)
-                compute_input = self.move_input(batch_rows, compute_input)
+                compute_input = self._to_compute(batch_rows, compute_input, self.move_input)
                 rows = self.update_rows
         stream.write(residual, IN_COMPUTE, rows)
         return compute_input
+
+    def _to_compute(self, batch_rows, x, move):
+        if self.latent is not None:
+            x = self.latent(x)
+        return move(batch_rows, x)
 
     def _residual_on_update_rows(self, stream, batch_rows):
         return self._align_residual[stream.residual_rows](batch_rows, stream.residual)
@@ -95,6 +102,8 @@ class EntryPath:
             partial = partial.to(residual.dtype)
         total = batch_rows.sum_local_partial_to_global(partial)
         compute_input, _ = self.read.read(total, self.norm)
+        if self.latent is not None:
+            compute_input = self.latent(compute_input)
         return compute_input, batch_rows.global_to_local(total).clone()
 
     def describe(self) -> str:

@@ -48,7 +48,8 @@ class StageBoundary:
         self.norm = norm if hasattr(norm, "normalize_fp32") else _Fp32Norm(norm)
         self.fusions = fusions
         self.qkv_latent_func = qkv_latent_func
-        self.plan = build_plan(self.name, declaration, self.norm, following, runtime)
+        self.plan = build_plan(self.name, declaration, self.norm, following, runtime,
+                               qkv_latent_func=qkv_latent_func, fusions=fusions)
         self._update = declaration.residual.update
         self._prepare_site = f"{self.name}.prepare"
         self._compute_site = f"{self.name}.compute"

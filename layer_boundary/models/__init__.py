@@ -9,10 +9,25 @@ import torch
 from .loader import CheckpointError, iter_weights, read_config
 
 
-def _registry():
-    from .qwen3 import Qwen3Config, Qwen3ForCausalLM
+# model_type -> (module, config class, model class); imported on first use
+MODELS = {
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM"),
+}
 
-    return {"qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+def _registry():
+    return MODELS
+
+
+def model_classes(model_type: str):
+    """(config class, model class, module) of a registered model type."""
+    import importlib
+
+    module_name, config_name, model_name = MODELS[model_type]
+    module = importlib.import_module(f".{module_name}", __name__)
+    return getattr(module, config_name), getattr(module, model_name), module
 
 
 def model_type_of(path) -> str:
@@ -26,14 +41,14 @@ def model_type_of(path) -> str:
 
 def load_config(path):
     cfg = read_config(path)
-    config_cls, _ = _registry()[model_type_of(path)]
+    config_cls, _, _ = model_classes(model_type_of(path))
     return config_cls.from_dict(cfg)
 
 
 def load_model(path, runtime, dtype=torch.float32):
     """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard."""
     path = Path(path)
-    _, model_cls = _registry()[model_type_of(path)]
+    _, model_cls, _ = model_classes(model_type_of(path))
     model = model_cls(load_config(path), runtime, dtype=dtype)
     model.load_weights(iter_weights(path))
     return model.eval()

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.forward_batch import ForwardBatch, ForwardMode
-from .kv_cache import KVCache
 
 
 @dataclass
@@ -34,10 +33,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         if not p:
             raise ValueError(f"prompt {i} is empty")
     mine = requests_of(dp_rank, dp, len(prompts))
-    cfg = model.config
-    cache = KVCache(cfg.num_hidden_layers, max(1, len(mine)),
-                    max(len(p) for p in prompts) + max_new_tokens, model.kv_heads_per_rank,
-                    cfg.head_dim, model.dtype)
+    cache = model.make_kv_cache(max(1, len(mine)), max(len(p) for p in prompts) + max_new_tokens)
     new_tokens = [list(prompts[i]) for i in mine]
     prefix = [0] * len(mine)
     counts_of = lambda step: tuple(  # noqa: E731 - every DP rank's tokens this step

@@ -6,13 +6,15 @@ import torch
 
 
 class KVCache:
-    """k/v for ``num_layers`` layers: [slots, max_len, kv_heads, head_dim] each."""
+    """k/v for ``num_layers`` layers: [slots, max_len, kv_heads, head_dim] each (v may have its
+    own head dim, as MLA's does)."""
 
     def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device="cpu") -> None:
-        shape = (slots, max_len, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device="cpu", v_head_dim: int | None = None) -> None:
+        k_shape = (slots, max_len, kv_heads, head_dim)
+        v_shape = (slots, max_len, kv_heads, v_head_dim or head_dim)
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
 
 
@@ -20,12 +22,12 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                      forward_batch, scaling: float) -> torch.Tensor:
     """Causal attention of this forward's tokens over each request's cached prefix.
 
-    q: [T, H, D], k/v: [T, KVH, D] for the tokens of this forward, requests concatenated.
-    Returns [T, H, D]. Writes k/v into the batch's cache first.
+    q: [T, H, D], k: [T, KVH, D], v: [T, KVH, Dv] for the tokens of this forward, requests
+    concatenated. Returns [T, H, Dv]. Writes k/v into the batch's cache first.
     """
     cache: KVCache = forward_batch.kv_cache
     num_heads, groups = q.shape[1], q.shape[1] // k.shape[1]
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:2], v.shape[-1]))
     start = 0
     for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
                                forward_batch.extend_lens):

@@ -80,7 +80,7 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=()) -> None:
     shards_needed: dict[str, set] = {}
     for fused, part, shard in stacked:
         for n in params:
-            if f".{fused}." in f".{n}":
+            if f".{fused}." in f".{n}.":
                 shards_needed.setdefault(n, set()).add(shard)
     loaded: dict[str, set] = {}
     for name, tensor in weights:
@@ -88,8 +88,8 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=()) -> None:
             continue
         target, shard = name, None
         for fused, part, shard_id in stacked:
-            if f".{part}." in f".{name}":
-                target, shard = name.replace(part, fused), shard_id
+            if f".{part}." in f".{name}.":
+                target, shard = f".{name}.".replace(f".{part}.", f".{fused}.")[1:-1], shard_id
                 break
         param = params.get(target)
         if param is None:

@@ -15,7 +15,7 @@ from ..runtime.args import BoundaryRuntime
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
-from .kv_cache import cached_attention
+from .kv_cache import KVCache, cached_attention
 from .loader import CheckpointError, load_weights, require
 
 
@@ -186,9 +186,10 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
-    @property
-    def kv_heads_per_rank(self) -> int:
-        return self.model.layers[0].self_attn.qkv_proj.num_kv_heads
+    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
+        kv_heads = self.model.layers[0].self_attn.qkv_proj.num_kv_heads
+        return KVCache(self.config.num_hidden_layers, slots, max_len, kv_heads,
+                       self.config.head_dim, self.dtype, device=self.lm_head.weight.device)
 
     def forward(self, forward_batch) -> torch.Tensor:
         """Logits [T, vocab] for every token of this rank's batch."""

@@ -31,9 +31,10 @@ class ParallelDims:
     pp: int = 1
     attn_dp: int = 1
     attn_cp: int = 1
+    moe_ep: int = 1  # expert parallelism over the TP ranks: tp = moe_ep x moe_tp
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "attn_dp", "attn_cp"):
+        for name in ("world_size", "tp", "pp", "attn_dp", "attn_cp", "moe_ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
@@ -45,10 +46,16 @@ class ParallelDims:
             raise TopologyError(
                 f"tp {self.tp} is not divisible by attn_dp {self.attn_dp} x attn_cp {self.attn_cp}"
             )
+        if self.tp % self.moe_ep != 0:
+            raise TopologyError(f"tp {self.tp} is not divisible by moe_ep {self.moe_ep}")
 
     @property
     def attn_tp(self) -> int:
         return self.tp // (self.attn_dp * self.attn_cp)
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tp // self.moe_ep
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +89,15 @@ class Parallel:
     @property
     def attn_tp_rank(self) -> int:
         return self.attn_tp.rank
+
+    @property
+    def moe_ep_rank(self) -> int:
+        # ep-major over the TP group: the moe_tp shards of one expert slice are adjacent
+        return self.tp.rank // self.dims.moe_tp
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp.rank % self.dims.moe_tp
 
     @property
     def attn_dp_rank(self) -> int:

@@ -1,0 +1,105 @@
+"""Routed experts for MoE models: plain PyTorch compute under expert and tensor parallelism.
+
+Every rank of the TP group holds the FFN's input rows (every DP rank's tokens), so expert
+parallelism needs no all-to-all here: rank (ep, mtp) runs its local experts on the tokens
+routed to them, with each expert's intermediate dim split over moe_tp, and the MoE output is a
+partial sum over the whole TP group (``SumGroup.MOE_OUT``). Finalize (the top-k weighted sum)
+runs here, or is handed to the next input as a ``HandoffOutput`` when the exit publishes
+``defer_moe_finalize``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import all_reduce_rows
+from ..output import HandoffOutput
+from ..runtime.context import get_forward
+from ..runtime.parallel import Parallel
+
+
+class MoeFinalize(HandoffOutput):
+    """Per-(token, k) expert outputs and their router weights; ``complete()`` sums them."""
+
+    def __init__(self, expert_out: torch.Tensor, weights: torch.Tensor) -> None:
+        self.expert_out, self.weights = expert_out, weights  # [T, k, H], [T, k]
+
+    def complete(self) -> torch.Tensor:
+        return finalize(self.expert_out, self.weights)
+
+
+def finalize(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] x [T, k] -> [T, H]: the router-weighted sum of a token's expert outputs."""
+    return (expert_out * weights.unsqueeze(-1).to(expert_out.dtype)).sum(dim=1)
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` SwiGLU experts; this rank holds experts
+    [moe_ep_rank * E/moe_ep, ...) with their intermediate dim split over moe_tp.
+
+    Checkpoint tensors load one per expert (``experts.{e}.gate_proj/up_proj/down_proj``).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 parallel: Parallel, dtype=torch.float32):
+        super().__init__()
+        dims = parallel.dims
+        if num_experts % dims.moe_ep:
+            raise ValueError(f"num_experts={num_experts} is not divisible by moe_ep={dims.moe_ep}")
+        if intermediate_size % dims.moe_tp:
+            raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by "
+                             f"moe_tp={dims.moe_tp}")
+        self.group = parallel.tp
+        self.num_experts = num_experts
+        self.local = num_experts // dims.moe_ep
+        self.first = parallel.moe_ep_rank * self.local
+        self.shard = intermediate_size // dims.moe_tp
+        self.shard_start = parallel.moe_tp_rank * self.shard
+        self.w13 = nn.Parameter(torch.empty(self.local, 2 * self.shard, hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.local, hidden_size, self.shard, dtype=dtype),
+                               requires_grad=False)
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded: torch.Tensor, shard_id) -> None:
+        expert, which = shard_id
+        e = expert - self.first
+        if not 0 <= e < self.local:
+            return  # another expert-parallel rank's expert
+        rows = slice(self.shard_start, self.shard_start + self.shard)
+        if which == "down":
+            self.w2.data[e].copy_(loaded[:, rows])
+        else:
+            offset = 0 if which == "gate" else self.shard
+            self.w13.data[e, offset:offset + self.shard].copy_(loaded[rows])
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """x: [T, H]; topk_ids/weights: [T, k]. Returns [T, H] (summed over the TP group unless
+        the exit skips it), or a ``MoeFinalize`` handoff under ``defer_moe_finalize``."""
+        expert_out = x.new_zeros((*topk_ids.shape, x.shape[-1]))  # [T, k, H]
+        for e in range(self.local):
+            token, slot = torch.where(topk_ids == self.first + e)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(x[token], self.w13[e]).chunk(2, dim=-1)
+            expert_out[token, slot] = F.linear(F.silu(gate) * up, self.w2[e])
+        flags = get_forward()
+        if flags.defer_moe_finalize:
+            return MoeFinalize(expert_out, topk_weights)
+        out = finalize(expert_out, topk_weights)
+        if not flags.skips_reduction:
+            out = all_reduce_rows(out, self.group)
+        return out
+
+
+def expert_stacked_params(num_experts: int) -> list[tuple[str, str, tuple]]:
+    """Loader mapping from per-expert checkpoint names to the fused expert parameters of a
+    ``FusedMoE`` held as the ``experts`` attribute of the MoE block."""
+    out = []
+    for e in range(num_experts):
+        out += [("experts.w13", f"experts.{e}.gate_proj.weight", (e, "gate")),
+                ("experts.w2", f"experts.{e}.down_proj.weight", (e, "down")),
+                ("experts.w13", f"experts.{e}.up_proj.weight", (e, "up"))]
+    return out
