@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dp", type=_positive, default=None,
                      help="attention data-parallel size, dividing tp (default 2 with the default "
                           "tp, else 1); prompt i runs on DP rank i mod dp")
+    run.add_argument("--ep", type=_positive, default=1,
+                     help="expert parallelism of MoE layers over the TP ranks (dividing tp)")
     run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
     plan.add_argument("--tp", type=_positive, default=4)
     plan.add_argument("--dp", type=_positive, default=2)
+    plan.add_argument("--ep", type=_positive, default=1)
     plan.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
     plan.add_argument("--tokens", type=_token_counts, default=None,
                       help='tokens per attention-DP rank, e.g. "5,0,3,1" (default: 4 per rank)')
@@ -98,6 +101,7 @@ def _token_counts(text: str) -> tuple[int, ...]:
 
 
 def _setup_logging(rank: int) -> None:
+    logging.raiseExceptions = False  # a closed pipe (e.g. `| head`) is not an error to report
     log.handlers.clear()
     log.propagate = False
     if rank == 0:
@@ -132,9 +136,8 @@ DEFAULT_PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8))
 
 
 def _spec(args):
-    from .models import load_config
+    from .models import load_config, model_classes, model_type_of
     from .models.loader import safetensors_files
-    from .models.qwen3 import check_tp
     from .models.tiny import builtin_checkpoint
     from .runner import RunSpec
 
@@ -150,9 +153,9 @@ def _spec(args):
     # the default job is tp=4 dp=2; an explicit --tp alone means pure tensor parallelism
     tp = args.tp or 4
     dp = args.dp or (1 if args.tp else 2)
-    ParallelDims(world_size=tp, tp=tp, attn_dp=dp)  # names the factor that does not fit
-    check_tp(cfg, tp // dp, tp)
-    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp,
+    dims = ParallelDims(world_size=tp, tp=tp, attn_dp=dp, moe_ep=args.ep)  # names bad factors
+    model_classes(model_type_of(model_dir))[2].check_parallel(cfg, dims)
+    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep,
                    boundary_reduction=args.boundary_reduction, dtype=args.dtype,
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
@@ -176,14 +179,15 @@ def _report(args, spec, results, reference) -> int:
     ok = verdict is None or (verdict["tokens_match"] and verdict["max_abs_diff"] <= tol)
     if args.json:
         log.info(json.dumps({
-            "tp": spec.tp, "dp": spec.dp, "boundary_reduction": rank0.resolved_reduction,
+            "tp": spec.tp, "dp": spec.dp, "ep": spec.ep,
+            "boundary_reduction": rank0.resolved_reduction,
             "dtype": spec.dtype,
             "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g}
                         for i, g in zip(run.request_ids, run.generated)],
             "parity": verdict, "collectives": collectives}))
         return 0 if ok else 1
-    log.info("layer-boundary run: %s  tp=%d dp=%d  boundary_reduction=%s (asked %s)  dtype=%s",
-             spec.model_dir, spec.tp, spec.dp, rank0.resolved_reduction,
+    log.info("layer-boundary run: %s  tp=%d dp=%d ep=%d  boundary_reduction=%s (asked %s)  "
+             "dtype=%s", spec.model_dir, spec.tp, spec.dp, spec.ep, rank0.resolved_reduction,
              spec.boundary_reduction, spec.dtype)
     for i, g in zip(run.request_ids, run.generated):
         log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
@@ -223,8 +227,7 @@ def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
     from .construction import select_mode
     from .layout import BatchRows
-    from .models import load_config, model_type_of
-    from .models.qwen3 import Qwen3ForCausalLM, check_tp
+    from .models import load_config, model_classes, model_type_of
     from .models.tiny import builtin_checkpoint
     from .runner import plan_rows
     from .runtime.args import BoundaryRuntime, resolve_boundary_reduction
@@ -233,8 +236,9 @@ def cmd_plan(args) -> int:
     _setup_logging(0)
     model_dir = args.model or str(builtin_checkpoint())
     cfg = load_config(model_dir)
-    dims = ParallelDims(world_size=args.tp, tp=args.tp, attn_dp=args.dp)
-    check_tp(cfg, dims.attn_tp, dims.tp)
+    dims = ParallelDims(world_size=args.tp, tp=args.tp, attn_dp=args.dp, moe_ep=args.ep)
+    _, model_cls, module = model_classes(model_type_of(model_dir))
+    module.check_parallel(cfg, dims)
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
@@ -243,7 +247,7 @@ def cmd_plan(args) -> int:
                               allreduce_fusion=not args.no_allreduce_fusion,
                               rs_padding=not args.no_rs_padding)
     with torch.device("meta"):  # boundaries are built at construction; no weights needed
-        model = Qwen3ForCausalLM(cfg, runtime)
+        model = model_cls(cfg, runtime)
     mode, reason = select_mode(runtime, counts)
     table = plan_rows(model, mode)
     per_rank = []

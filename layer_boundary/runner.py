@@ -26,6 +26,7 @@ class RunSpec:
     model_dir: str
     tp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism of MoE layers over the TP ranks
     boundary_reduction: str = "auto"
     dtype: str = "float32"
     prompts: tuple = ((1, 2, 3),)
@@ -35,7 +36,8 @@ class RunSpec:
     trace: bool = False  # record the residual stream after every boundary call
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
-        return ParallelDims(world_size=world_size or self.tp, tp=self.tp, attn_dp=self.dp)
+        return ParallelDims(world_size=world_size or self.tp, tp=self.tp, attn_dp=self.dp,
+                            moe_ep=self.ep)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from layer_boundary.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240
-JSON_KEYS = {"tp", "dp", "boundary_reduction", "dtype", "prompts", "parity", "collectives"}
+JSON_KEYS = {"tp", "dp", "ep", "boundary_reduction", "dtype", "prompts", "parity", "collectives"}
 RESOLVED_REDUCTIONS = {"ar", "rs", "rsv", "rs+rsv"}
 PROMPTS = [[1, 2, 3], [9, 8]]
 PROMPT_ARGS = ["--prompt-ids", "1,2,3", "--prompt-ids", "9,8"]

@@ -58,6 +58,10 @@ class Qwen3Config:
         )
 
 
+def check_parallel(cfg: Qwen3Config, dims) -> None:
+    check_tp(cfg, dims.attn_tp, dims.tp)
+
+
 def check_tp(cfg: Qwen3Config, attn_tp: int, tp: int) -> None:
     """Reject a topology this config cannot be sharded over, naming the config field."""
     if cfg.num_attention_heads % attn_tp:
