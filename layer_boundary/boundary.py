@@ -8,14 +8,18 @@ work can arrive, and binds a movement for each. Everything here runs at construc
 from __future__ import annotations
 
 from .contracts import Owed, ProducerReduction, StageKind
-from .exit import ExitDecision, ExitPath
+from .exit import ExitDecision, ExitPath, OutputPlan
 from .layout import BatchRows, RowMode, Rows, SumGroup, sum_group
+from .fusions import InputPlan
 from .output import completion
 from .prepare import EntryPath
 from .runtime.context import NO_FLAGS, ForwardFlags
 
 DEFER_ALL_REDUCE = ForwardFlags(fuse_mlp_allreduce=True)
 REDUCE_SCATTER = ForwardFlags(mlp_reduce_scatter=True)
+DEFER_FINALIZE = {RowMode.AR: ForwardFlags(fuse_mlp_allreduce=True, defer_moe_finalize=True),
+                  RowMode.RS: ForwardFlags(mlp_reduce_scatter=True, defer_moe_finalize=True),
+                  RowMode.RSV: ForwardFlags(mlp_reduce_scatter=True, defer_moe_finalize=True)}
 
 
 def update_rows(mode: RowMode) -> Rows:
@@ -53,23 +57,46 @@ def make_output_boundary(decl, following, runtime, mode: RowMode = RowMode.AR,
                                          "attn_tp sum left to mixer input"))
         return ExitPath(ExitDecision(NO_FLAGS, None, Rows.LOCAL, "all_reduce(attn_tp) in compute"))
 
-    owed = _owed(runtime, SumGroup.TP, Rows.GLOBAL)
+    default = _ffn_exit(decl, following, runtime, mode)
+    if fusions is None:
+        return ExitPath(default)
+    plan = OutputPlan(getattr(decl, "name", ""), decl, mode)
+    owed = _owed(runtime, _ffn_sum(decl), Rows.GLOBAL)
+    if decl.sparse:
+        # the provider decides per batch whether compute may return a finalize handoff
+        deferred = ExitDecision(DEFER_FINALIZE[mode], owed, Rows.GLOBAL,
+                                "finalize + sum handed to next input")
+        return ExitPath(default, deferred, lambda fb: fusions.can_defer_finalize(plan, fb))
+    if decl.reduction is ProducerReduction.LOCAL_TAIL and mode is RowMode.AR:
+        deferred = ExitDecision(DEFER_ALL_REDUCE, owed, Rows.GLOBAL,
+                                "all_reduce(tp) deferred to next input (provider)")
+        return ExitPath(default, deferred, lambda fb: fusions.can_defer_all_reduce(plan, fb))
+    return ExitPath(default)
+
+
+def _ffn_sum(decl) -> SumGroup:
+    return SumGroup.MOE_OUT if decl.sparse else SumGroup.TP
+
+
+def _ffn_exit(decl, following, runtime, mode: RowMode) -> ExitDecision:
+    """An FFN's output decision without a fusion provider."""
+    dims = runtime.parallel.dims
+    owed = _owed(runtime, _ffn_sum(decl), Rows.GLOBAL)
     back = None if dims.attn_dp == 1 else BatchRows.global_to_local
     if owed is None:
-        return ExitPath(ExitDecision(NO_FLAGS, None, Rows.LOCAL, "complete (tp=1)", back))
+        return ExitDecision(NO_FLAGS, None, Rows.LOCAL, "complete (tp=1)", back)
     if mode is not RowMode.AR:
         # compute skips its sum; the consumer reduce-scatters it onto scattered rows
         # (LOCAL_TAIL keeps this permission: its tail must then be added on one rank)
-        return ExitPath(ExitDecision(REDUCE_SCATTER, owed, Rows.GLOBAL,
-                                     f"{'reduce_scatter' if mode is RowMode.RS else 'reduce_scatter_v'}"
-                                     "(tp) left to next input"))
-    # LOCAL_TAIL adds its tail after its own sum, so that sum is never deferred.
+        kind = "reduce_scatter" if mode is RowMode.RS else "reduce_scatter_v"
+        return ExitDecision(REDUCE_SCATTER, owed, Rows.GLOBAL, f"{kind}(tp) left to next input")
+    # LOCAL_TAIL adds its tail after its own sum, so that sum is not deferred by default.
     if (decl.reduction is ProducerReduction.SCOPED and not decl.terminal
             and following is not None and runtime.allreduce_fusion):
-        return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, Rows.GLOBAL,
-                                     "all_reduce(tp) deferred to next input"))
+        return ExitDecision(DEFER_ALL_REDUCE, owed, Rows.GLOBAL,
+                            "all_reduce(tp) deferred to next input")
     label = "all_reduce(tp) in compute" + ("" if back is None else " -> slice to local rows")
-    return ExitPath(ExitDecision(NO_FLAGS, None, Rows.LOCAL, label, back))
+    return ExitDecision(NO_FLAGS, None, Rows.LOCAL, label, back)
 
 
 def static_owed(runtime, decl) -> Owed | None:
@@ -92,7 +119,8 @@ def make_boundary(name: str, decl, norm, runtime, mode: RowMode = RowMode.AR,
     arrivals = {}
     producer_keys = []
     if decl.previous is not None:
-        for decision in make_output_boundary(decl.previous, decl, runtime, mode).decisions:
+        for decision in make_output_boundary(decl.previous, decl, runtime, mode,
+                                             fusions).decisions:
             key = (None if decision.owed is None else decision.owed.group,
                    decision.rows if decision.finish_move is None else Rows.LOCAL)
             arrivals[key] = completion(key[0], key[1], target)
@@ -106,7 +134,13 @@ def make_boundary(name: str, decl, norm, runtime, mode: RowMode = RowMode.AR,
     dims = runtime.parallel.dims
     sum_before_read = (mode is RowMode.AR and dims.attn_dp > 1 and decl.kind is StageKind.FFN
                        and not decl.residual.read.before_gather)
+    candidates = ()
+    if fusions is not None:
+        plan = InputPlan(name, decl.kind.value, mode, target, compute_rows(decl),
+                         runtime.parallel)
+        offer = fusions.attention_input if decl.kind is StageKind.ATTN else fusions.ffn_input
+        candidates = tuple(offer(plan))
     return EntryPath(name, mode, decl.residual.read, norm, stack_entry=decl.previous is None,
                      update_rows=target, compute_rows=compute_rows(decl), arrivals=arrivals,
                      producer_keys=tuple(producer_keys), sum_before_read=sum_before_read,
-                     attn_dp=dims.attn_dp, latent=qkv_latent_func)
+                     attn_dp=dims.attn_dp, latent=qkv_latent_func, candidates=candidates)

@@ -27,16 +27,33 @@ class ExitDecision:
 
 
 @dataclass(frozen=True)
+class OutputPlan:
+    """What a fusion provider sees of one stage's output path."""
+
+    stage: str
+    declaration: object
+    mode: object
+
+
+@dataclass(frozen=True)
 class ExitPath:
-    """The decisions one stage's output may take in one batch variant and row mode."""
+    """The decisions one stage's output may take in one batch variant and row mode.
+
+    ``provider_choice`` (built at construction when a fusion provider is present) asks it,
+    per forward, whether to take ``deferred`` instead of ``default``.
+    """
 
     default: ExitDecision
+    deferred: ExitDecision | None = None
+    provider_choice: Callable | None = None
 
     @property
     def decisions(self) -> tuple[ExitDecision, ...]:
-        return (self.default,)
+        return (self.default,) if self.deferred is None else (self.default, self.deferred)
 
     def select(self, forward_batch) -> ExitDecision:
+        if self.provider_choice is not None and self.provider_choice(forward_batch):
+            return self.deferred
         return self.default
 
 

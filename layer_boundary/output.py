@@ -50,6 +50,9 @@ _COMPLETIONS: dict[tuple, Callable] = {
     (SumGroup.ATTN_TP, Rows.LOCAL, Rows.SCATTERED): BatchRows.sum_local_partial_to_scattered,
     (SumGroup.TP, Rows.GLOBAL, Rows.LOCAL): BatchRows.sum_global_partial_to_local,
     (SumGroup.TP, Rows.GLOBAL, Rows.SCATTERED): BatchRows.sum_global_partial_to_scattered,
+    # every rank of the TP group holds experts (moe_ep x moe_tp), so the MoE output sums there
+    (SumGroup.MOE_OUT, Rows.GLOBAL, Rows.LOCAL): BatchRows.sum_global_partial_to_local,
+    (SumGroup.MOE_OUT, Rows.GLOBAL, Rows.SCATTERED): BatchRows.sum_global_partial_to_scattered,
 }
 
 # (rows a read produced, rows compute consumes) -> movement

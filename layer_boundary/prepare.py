@@ -6,6 +6,7 @@ bring the residual there, update and read, then move the read to the rows comput
 
 from __future__ import annotations
 
+from .fusions import Arrival
 from .layout import Rows, SumGroup
 from .output import HandoffOutput, completion, describe_move, input_move
 from .residual.stream import IN_COMPUTE
@@ -23,17 +24,19 @@ class EntryPath:
 
     __slots__ = ("stage", "mode", "read", "norm", "stack_entry", "update_rows", "compute_rows",
                  "arrivals", "producer_keys", "move_input", "sum_before_read", "_align_residual",
-                 "attn_dp", "latent")
+                 "attn_dp", "latent", "candidates")
 
     def __init__(self, stage: str, mode, read, norm, *, stack_entry: bool, update_rows: Rows,
                  compute_rows: Rows, arrivals: dict, producer_keys: tuple,
-                 sum_before_read: bool, attn_dp: int = 1, latent=None) -> None:
+                 sum_before_read: bool, attn_dp: int = 1, latent=None,
+                 candidates: tuple = ()) -> None:
         self.stage, self.mode, self.read, self.norm = stage, mode, read, norm
         self.stack_entry, self.update_rows, self.compute_rows = stack_entry, update_rows, compute_rows
         self.arrivals = arrivals
         self.producer_keys = producer_keys  # what the declared producer leaves, for plans
         self.attn_dp = attn_dp
         self.latent = latent  # attention's qkv latent projection, run before the row move
+        self.candidates = candidates  # fusion-provider completions, tried in order
         self.move_input = input_move(update_rows, compute_rows)
         # attention DP with a plain update: add the residual on one attention-TP rank and let a
         # single TP all-reduce sum the partials and gather every DP rank's rows at once
@@ -61,15 +64,20 @@ class EntryPath:
                                    "holds no residual; pipeline receivers enter through from_pp()")
         else:
             value = contribution.value
-            if isinstance(value, HandoffOutput):
-                value = value.complete()
             owed = contribution.owed
             key = (None if owed is None else owed.group, contribution.rows)
-            if (self.sum_before_read and key == _ATTN_PARTIAL and contribution.update.plain
+            fused = self._try_candidates(stream, contribution, batch_rows) if self.candidates else None
+            if fused is not None:
+                compute_input, residual = fused
+                compute_input = self._to_compute(batch_rows, compute_input, self.move_input)
+                rows = self.update_rows
+            elif (self.sum_before_read and key == _ATTN_PARTIAL and contribution.update.plain
                     and stream.residual_rows is Rows.LOCAL and stream.residual is not None):
                 compute_input, residual = self._sum_with_residual(stream, value, batch_rows)
                 rows = Rows.LOCAL
             else:
+                if isinstance(value, HandoffOutput):
+                    value = value.complete()
                 move = self.arrivals.get(key)
                 if move is None:
                     raise RuntimeError(
@@ -85,6 +93,16 @@ class EntryPath:
                 rows = self.update_rows
         stream.write(residual, IN_COMPUTE, rows)
         return compute_input
+
+    def _try_candidates(self, stream, contribution, batch_rows):
+        arrival = Arrival(contribution.value, contribution.owed, contribution.rows,
+                          contribution.update, stream.residual, stream.residual_rows, self.norm,
+                          batch_rows)
+        for candidate in self.candidates:
+            out = candidate(arrival)
+            if out is not None:
+                return out
+        return None
 
     def _to_compute(self, batch_rows, x, move):
         if self.latent is not None:

@@ -34,6 +34,7 @@ class RunSpec:
     allreduce_fusion: bool = True
     rs_padding: bool = True
     trace: bool = False  # record the residual stream after every boundary call
+    fusions: str | None = None  # None | "reference" | "reference-terminal" | "decline"
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size or self.tp, tp=self.tp, attn_dp=self.dp,
@@ -52,6 +53,8 @@ class RankResult:
     resolved_reduction: str = ""
     modes: list[str] = field(default_factory=list)  # row mode of each forward
     traces: list = field(default_factory=list)
+    fused_inputs: int = 0  # inputs a fusion provider's candidate completed
+    fused_final_norms: int = 0  # final norms the provider's handoff service completed
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
@@ -86,16 +89,34 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     """This rank's part of ``spec``: build, load, generate, with the ledger recording."""
     runtime = make_runtime(spec, world_size)
     par = runtime.parallel
-    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype])
+    provider = make_fusions(spec.fusions)
+    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype], fusions=provider)
     checked = _ForwardCheck(model)
     with LEDGER.recording() as entries, contextlib.ExitStack() as stack:
         traces = stack.enter_context(LEDGER.tracing()) if spec.trace else []
         gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
                               dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
                               on_step=_set_ledger_step)
-    return RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
-                      plan_rows(model, RowMode(checked.modes[0])), checked.released, runtime.boundary_reduction,
-                      checked.modes, list(traces))
+    result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
+                        plan_rows(model, RowMode(checked.modes[0])), checked.released,
+                        runtime.boundary_reduction, checked.modes, list(traces))
+    if provider is not None:
+        result.fused_inputs = provider.accepted
+        result.fused_final_norms = provider.service.calls
+    return result
+
+
+def make_fusions(name: str | None):
+    """The fusion provider a run spec names (reference providers run on CPU)."""
+    if name is None:
+        return None
+    from .fusions.reference import ReferenceFusions
+
+    options = {"reference": {}, "reference-terminal": {"terminal_finalize": True},
+               "decline": {"decline": True}}
+    if name not in options:
+        raise ValueError(f"unknown fusion provider {name!r} (known: {', '.join(options)})")
+    return ReferenceFusions(**options[name])
 
 
 def _set_ledger_step(step: int) -> None:

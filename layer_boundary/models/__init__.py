@@ -45,10 +45,11 @@ def load_config(path):
     return config_cls.from_dict(cfg)
 
 
-def load_model(path, runtime, dtype=torch.float32):
+def load_model(path, runtime, dtype=torch.float32, fusions=None):
     """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard."""
     path = Path(path)
     _, model_cls, _ = model_classes(model_type_of(path))
-    model = model_cls(load_config(path), runtime, dtype=dtype)
+    kwargs = {} if fusions is None else {"fusions": fusions}
+    model = model_cls(load_config(path), runtime, dtype=dtype, **kwargs)
     model.load_weights(iter_weights(path))
     return model.eval()

@@ -131,15 +131,17 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+    def __init__(self, cfg: Qwen3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, layer_id, runtime, dtype)
         self.mlp = Qwen3MLP(cfg, runtime, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        options = {} if fusions is None else {"fusions": fusions}
         self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(), self.input_layernorm),
-            (declare_ffn(), self.post_attention_layernorm),
+            (declare_attn(), self.input_layernorm, options),
+            (declare_ffn(), self.post_attention_layernorm, options),
             previous=declare_ffn() if layer_id != 0 else None,
             terminal=layer_id == cfg.num_hidden_layers - 1,
             runtime=runtime,
@@ -159,11 +161,11 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype):
+    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype, fusions=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                    runtime.parallel.attn_tp, dtype=dtype)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i, runtime, dtype)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i, runtime, dtype, fusions)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
@@ -179,12 +181,12 @@ class Qwen3ForCausalLM(nn.Module):
     stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
                       ("qkv_proj", "v_proj", "v"))
 
-    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype=torch.float32):
+    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype=torch.float32,
+                 fusions=None):
         super().__init__()
-        dims = runtime.parallel.dims
-        check_tp(cfg, dims.attn_tp, dims.tp)
+        check_parallel(cfg, runtime.parallel.dims)
         self.config, self.dtype = cfg, dtype
-        self.model = Qwen3Model(cfg, runtime, dtype)
+        self.model = Qwen3Model(cfg, runtime, dtype, fusions)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
                                       dtype=dtype)
         if cfg.tie_word_embeddings:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fusions import Arrival
 from ..layout import Rows
 from ..output import HandoffOutput, complete_value
 from ..runtime.ledger import LEDGER
@@ -122,22 +123,26 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
     LEDGER.site = "final_norm"
     rows = forward_batch.rows
     c = stream.contribution
-    if c is not None and handoff_norm is not None and isinstance(c.value, HandoffOutput):
-        if capture_output is not None:
-            raise RuntimeError("norm() with handoff_norm does not accept capture_output "
-                               "when a handoff arrives")
-        forward_batch.residual_stream = None
-        return handoff_norm.finalize(c.value, stream.residual, norm_module)
+    out = None
     if c is None:
         residual = stream.residual if stream.residual is not None else hidden_states
-        out = None
     else:
-        value = complete_value(c.value, c.owed, c.rows, target_rows(stream), rows)
-        if not hasattr(norm_module, "normalize_fp32") or (skip_empty and value.shape[0] == 0):
-            residual, out = c.update.apply(stream.residual, value), None
-        else:
-            out, residual = ADD_NORM_READ.update_and_read(c.update, stream.residual, value,
-                                                          norm_module)
+        if handoff_norm is not None and isinstance(c.value, HandoffOutput):
+            if capture_output is not None:
+                raise RuntimeError("norm() with handoff_norm does not accept capture_output "
+                                   "when a handoff arrives")
+            fused = handoff_norm.finalize(Arrival(
+                c.value, c.owed, c.rows, c.update, stream.residual, stream.residual_rows,
+                norm_module, rows))
+            if fused is not None:
+                out, residual = fused
+        if out is None:
+            value = complete_value(c.value, c.owed, c.rows, target_rows(stream), rows)
+            if not hasattr(norm_module, "normalize_fp32") or (skip_empty and value.shape[0] == 0):
+                residual = c.update.apply(stream.residual, value)
+            else:
+                out, residual = ADD_NORM_READ.update_and_read(c.update, stream.residual, value,
+                                                              norm_module)
     if out is None:
         out = residual if (skip_empty and residual.shape[0] == 0) else norm_module(residual)
     local = stream.residual_rows is Rows.LOCAL

@@ -1,0 +1,488 @@
+"""DeepSeek-V3 (MLA attention, group-limited sigmoid-routed MoE with shared experts) with layer
+boundaries. Compute is plain PyTorch; parameter names follow the Hugging Face checkpoint, except
+the routed experts, which are fused per rank (``experts.w13``/``experts.w2``) at load time.
+
+Parallelism:
+
+* MLA over attention TP. The latent projections (``q_a_proj`` or the normalized input itself,
+  and ``kv_a_proj_with_mqa``) are replicated and run as the attention stage's
+  ``qkv_latent_func``: the boundary applies them on the rows the residual read produces, before
+  any row gather, so only the latent moves. ``q_b_proj``/``q_proj`` and ``kv_b_proj`` are
+  column-parallel over heads, ``o_proj`` row-parallel without a reduction (PARTIAL contract).
+  The KV cache holds the up-projected per-head keys (nope + rope) and values of local heads.
+* Dense FFN layers (``i < first_k_dense_replace``): a SwiGLU MLP over the full TP group.
+* MoE layers: a replicated fp32 router (``gate``), ``FusedMoE`` routed experts over
+  ``moe_ep x moe_tp`` and a TP-sharded shared-expert MLP whose partial joins the routed output
+  (see ``DeepseekV3MoE.forward`` for how the reductions are shared).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import declare_attn, declare_ffn, make_stages
+from ..ops import all_reduce_rows
+from ..output import HandoffOutput
+from ..residual import batch as residual_batch
+from ..runtime.args import BoundaryRuntime
+from ..runtime.context import get_forward
+from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
+from ..runtime.norm import RMSNorm
+from .kv_cache import KVCache, cached_attention
+from .loader import CheckpointError, load_weights, require
+from .moe import FusedMoE, expert_stacked_params
+
+# HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+def _count(cfg: dict, field: str, default: int) -> int:
+    """A non-negative integer config field (``default`` when absent or null)."""
+    value = cfg.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"config.json field {field} must be a non-negative integer, "
+                              f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the stack; not loaded
+    model_type: str = "deepseek_v3"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def q_latent_dim(self) -> int:
+        """Width of the q part of the qkv latent (the normalized input without q LoRA)."""
+        return self.q_lora_rank if self.q_lora_rank is not None else self.hidden_size
+
+    @property
+    def softmax_scale(self) -> float:
+        # HF: qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim)^2 only under a
+        # non-default rope type, which from_dict rejects
+        return self.qk_head_dim ** -0.5
+
+    def is_moe(self, layer: int) -> bool:
+        return self.first_k_dense_replace <= layer < self.num_hidden_layers
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "DeepseekV3Config":
+        if cfg.get("rope_parameters"):
+            rope, rope_field = cfg["rope_parameters"], "rope_parameters"
+        else:
+            rope, rope_field = cfg.get("rope_scaling") or {}, "rope_scaling"
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(
+                f"config.json {rope_field}.rope_type {rope_type!r} is not supported (default "
+                "only; yarn's frequency and softmax mscale corrections are not implemented)")
+        if cfg.get("quantization_config"):
+            raise CheckpointError("config.json quantization_config is not supported (unquantized "
+                                  "checkpoints only)")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu only)")
+        scoring = cfg.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise CheckpointError(f"config.json scoring_func {scoring!r} is not supported "
+                                  "(sigmoid only, as transformers' DeepseekV3 router)")
+        if cfg.get("moe_layer_freq", 1) != 1:
+            raise CheckpointError(f"config.json moe_layer_freq {cfg['moe_layer_freq']!r} is not "
+                                  "supported (1 only: every layer from first_k_dense_replace on)")
+        heads = require(cfg, "num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads")
+        if kv_heads is not None and kv_heads != heads:
+            raise CheckpointError(f"config.json num_key_value_heads={kv_heads} must equal "
+                                  f"num_attention_heads={heads} (MLA expands keys per head)")
+        q_lora = cfg.get("q_lora_rank")
+        if q_lora is not None:
+            q_lora = require(cfg, "q_lora_rank")
+        experts = require(cfg, "n_routed_experts")
+        top_k = require(cfg, "num_experts_per_tok")
+        n_group, topk_group = require(cfg, "n_group"), require(cfg, "topk_group")
+        rope_dim = require(cfg, "qk_rope_head_dim")
+        if rope_dim % 2:
+            raise CheckpointError(f"config.json qk_rope_head_dim={rope_dim} must be even")
+        if experts % n_group:
+            raise CheckpointError(f"config.json n_routed_experts={experts} is not divisible by "
+                                  f"n_group={n_group}")
+        if experts // n_group < 2:
+            raise CheckpointError(f"config.json n_group={n_group} leaves fewer than 2 experts per "
+                                  "group (group scores sum each group's top 2)")
+        if topk_group > n_group:
+            raise CheckpointError(f"config.json topk_group={topk_group} exceeds n_group={n_group}")
+        if top_k > topk_group * (experts // n_group):
+            raise CheckpointError(f"config.json num_experts_per_tok={top_k} exceeds the experts "
+                                  f"of topk_group={topk_group} groups")
+        return cls(
+            vocab_size=require(cfg, "vocab_size"),
+            hidden_size=require(cfg, "hidden_size"),
+            intermediate_size=require(cfg, "intermediate_size"),
+            moe_intermediate_size=require(cfg, "moe_intermediate_size"),
+            num_hidden_layers=require(cfg, "num_hidden_layers"),
+            num_attention_heads=heads,
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+            n_shared_experts=require(cfg, "n_shared_experts"),
+            first_k_dense_replace=_count(cfg, "first_k_dense_replace", 0),
+            q_lora_rank=q_lora,
+            kv_lora_rank=require(cfg, "kv_lora_rank"),
+            qk_rope_head_dim=rope_dim,
+            qk_nope_head_dim=require(cfg, "qk_nope_head_dim"),
+            v_head_dim=require(cfg, "v_head_dim"),
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=float(require(cfg, "routed_scaling_factor", float)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            num_nextn_predict_layers=_count(cfg, "num_nextn_predict_layers", 0),
+        )
+
+
+def check_parallel(cfg: DeepseekV3Config, dims) -> None:
+    """Reject a topology this config cannot be sharded over, naming the config field."""
+    if cfg.num_attention_heads % dims.attn_tp:
+        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                         f"attention tp={dims.attn_tp}")
+    if cfg.n_routed_experts % dims.moe_ep:
+        raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
+                         f"moe_ep={dims.moe_ep}")
+    if cfg.moe_intermediate_size % dims.moe_tp:
+        raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by "
+                         f"moe_tp={dims.moe_tp}")
+    if cfg.first_k_dense_replace > 0 and cfg.intermediate_size % dims.tp:
+        raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by "
+                         f"tp={dims.tp}")
+    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+    if cfg.first_k_dense_replace < cfg.num_hidden_layers and shared % dims.tp:
+        raise ValueError(f"moe_intermediate_size x n_shared_experts={shared} (shared experts) is "
+                         f"not divisible by tp={dims.tp}")
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x @ W.T (+ b) with the full weight on every rank; loads by plain copy."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype=torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
+    """cos/sin of each position's angles, [T, D/2], computed in fp32 and rounded like HF."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleave: bool) -> torch.Tensor:
+    """RoPE over x [T, H, D] with cos/sin [T, D/2].
+
+    ``interleave``: pairs (x0, x1), (x2, x3), ... rotate together and the result is laid out
+    de-interleaved (evens then odds), as HF's ``apply_rotary_pos_emb_interleave``; q and k use
+    the same layout, so their dot products are those of the interleaved rotation. Otherwise
+    the rotate-half form.
+    """
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DeepseekV3Attention(nn.Module):
+    """Multi-head latent attention; heads split over attention TP, PARTIAL output."""
+
+    def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        group = runtime.parallel.attn_tp
+        self.layer_id, self.cfg = layer_id, cfg
+        self.num_heads = cfg.num_attention_heads // group.size  # local heads
+        bias = cfg.attention_bias
+        heads_qk = cfg.num_attention_heads * cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads_qk, group, dtype=dtype,
+                                               name="q_proj")
+        else:
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, bias, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads_qk, group, dtype=dtype,
+                                                 name="q_b_proj")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            group, dtype=dtype, name="kv_b_proj")
+        # PARTIAL output contract: o_proj never reduces; the boundary owns the attn_tp sum.
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size,
+                                        group, bias=bias, reduce_results=False, dtype=dtype,
+                                        name="o_proj")
+        rope = cfg.qk_rope_head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rope, 2).float() / rope))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = cfg.softmax_scale
+        self.latent_split = (cfg.q_latent_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+    def prepare_qkv_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] normalized input -> [T, q_latent + kv_lora_rank + qk_rope_head_dim].
+
+        Row-wise and identical on every attention-TP rank (replicated weights), so the boundary
+        may run it before gathering rows. Without q LoRA the q latent is the input itself:
+        ``q_proj`` is head-sharded, and a per-rank head slice must not be gathered over ranks.
+        """
+        q = self.q_a_proj(x) if self.cfg.q_lora_rank is not None else x
+        return torch.cat((q, self.kv_a_proj_with_mqa(x)), dim=-1)
+
+    def forward(self, positions, latent, forward_batch):
+        cfg, tokens = self.cfg, latent.shape[0]
+        q_lat, kv_nope, k_rot = latent.split(self.latent_split, dim=-1)
+        q = (self.q_proj(q_lat) if cfg.q_lora_rank is None
+             else self.q_b_proj(self.q_a_layernorm(q_lat)))
+        q = q.view(tokens, self.num_heads, cfg.qk_head_dim)
+        q_nope, q_rot = q.split((cfg.qk_nope_head_dim, cfg.qk_rope_head_dim), dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_nope))
+        kv = kv.view(tokens, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split((cfg.qk_nope_head_dim, cfg.v_head_dim), dim=-1)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, latent.dtype)
+        q_rot = apply_rope(q_rot, cos, sin, cfg.rope_interleave)
+        k_rot = apply_rope(k_rot[:, None, :], cos, sin, cfg.rope_interleave)  # [T, 1, rope]
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1)), dim=-1)
+        out = cached_attention(self.layer_id, q, k, v, forward_batch, self.scaling)
+        return self.o_proj(out.flatten(1))  # [T, H*Dv] -> [T, hidden] partial over attn_tp
+
+
+class DeepseekV3MLP(nn.Module):
+    """SwiGLU MLP with its intermediate dim split over the full TP group."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, runtime: BoundaryRuntime,
+                 dtype, reduce_results: bool = True):
+        super().__init__()
+        group = runtime.parallel.tp
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, group,
+                                              dtype=dtype, name="gate_proj")
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, group, dtype=dtype,
+                                            name="up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, group, dtype=dtype,
+                                           reduce_results=reduce_results, name="down_proj")
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekV3Router(nn.Module):
+    """Sigmoid scores; ``e_score_correction_bias`` steers only the choice of experts: the top
+    ``topk_group`` groups by the sum of their two best biased scores, then the top-k biased
+    scores inside them. Weights are the unbiased scores of the chosen experts, optionally
+    normalized, times ``routed_scaling_factor``. Computed and returned in fp32 (HF keeps the
+    router in fp32)."""
+
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size,
+                                               dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.num_experts)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        topk_ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_weights * self.scale, topk_ids
+
+
+class SharedExpertsHandoff(HandoffOutput):
+    """A deferred routed-expert finalize plus the shared experts' partial sum: completing it
+    gives the MoE layer's whole partial output (over the TP group), reduced once downstream."""
+
+    def __init__(self, routed: HandoffOutput, shared: torch.Tensor) -> None:
+        self.routed, self.shared = routed, shared
+
+    def complete(self) -> torch.Tensor:
+        return self.routed.complete() + self.shared
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.group = runtime.parallel.tp
+        self.gate = DeepseekV3Router(cfg)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                runtime.parallel, dtype)
+        # its partial is summed together with the routed experts' (see forward)
+        self.shared_experts = DeepseekV3MLP(cfg.hidden_size,
+                                            cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                            runtime, dtype, reduce_results=False)
+
+    def forward(self, x: torch.Tensor):
+        """x: [T, H] (every DP rank's rows). Returns what the exit's flags ask for: a partial
+        over the TP group when the boundary owns the sum, a handoff under
+        ``defer_moe_finalize``, otherwise the complete output.
+
+        The shared experts' partial rides on the routed experts' reduction wherever the
+        boundary owns it (one sum for both). When compute must reduce itself, ``FusedMoE``
+        all-reduces the routed part internally and the shared partial takes a second
+        all-reduce here: ``FusedMoE`` has no way to add a partial before its own reduction.
+        """
+        topk_weights, topk_ids = self.gate(x)
+        routed = self.experts(x, topk_ids, topk_weights)
+        shared = self.shared_experts(x)
+        if isinstance(routed, HandoffOutput):
+            return SharedExpertsHandoff(routed, shared)
+        if get_forward().skips_reduction:
+            return routed + shared
+        return routed + all_reduce_rows(shared, self.group)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.hidden_size = cfg.hidden_size
+        self.self_attn = DeepseekV3Attention(cfg, layer_id, runtime, dtype)
+        self.is_moe = cfg.is_moe(layer_id)
+        if self.is_moe:
+            self.mlp = DeepseekV3MoE(cfg, runtime, dtype)
+        else:
+            self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        last = cfg.num_hidden_layers - 1
+        self.attn_boundary, self.ffn_boundary = make_stages(
+            (declare_attn(), self.input_layernorm,
+             {"qkv_latent_func": self.self_attn.prepare_qkv_latent}),
+            (ffn_declaration(cfg, layer_id), self.post_attention_layernorm),
+            previous=None if layer_id == 0 else ffn_declaration(cfg, layer_id - 1),
+            terminal=layer_id == last,
+            runtime=runtime,
+            name=f"layer{layer_id}",
+        )
+
+    def forward(self, positions, hidden_states, forward_batch):
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)  # qkv latent
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        else:  # no rows on this DP rank: an empty contribution of the residual's width
+            hidden_states = hidden_states.new_zeros((0, self.hidden_size))
+        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
+
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
+        with self.ffn_boundary.exit(forward_batch) as output:
+            hidden_states = self.mlp(hidden_states)
+        return output.finish(hidden_states)
+
+
+def ffn_declaration(cfg: DeepseekV3Config, layer: int):
+    """Layer ``layer``'s FFN declaration; the next layer's ``previous`` is built the same way."""
+    following = layer + 1
+    return declare_ffn(sparse=cfg.is_moe(layer),
+                       next_sparse=cfg.is_moe(following) if following < cfg.num_hidden_layers
+                       else None)
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                   runtime.parallel.attn_tp, dtype=dtype)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, runtime, dtype)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, forward_batch):
+        residual_batch.start(forward_batch)
+        hidden_states = self.embed_tokens(forward_batch.input_ids)
+        for layer in self.layers:
+            hidden_states = layer(forward_batch.positions, hidden_states, forward_batch)
+        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype=torch.float32):
+        super().__init__()
+        check_parallel(cfg, runtime.parallel.dims)
+        self.config, self.dtype = cfg, dtype
+        self.model = DeepseekV3Model(cfg, runtime, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
+                                      dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
+        cfg = self.config
+        local_heads = self.model.layers[0].self_attn.num_heads
+        return KVCache(cfg.num_hidden_layers, slots, max_len, local_heads, cfg.qk_head_dim,
+                       self.dtype, device=self.lm_head.weight.device, v_head_dim=cfg.v_head_dim)
+
+    def forward(self, forward_batch) -> torch.Tensor:
+        """Logits [T, vocab] for every token of this rank's batch."""
+        return self.lm_head(self.model(forward_batch))
+
+    def load_weights(self, weights) -> None:
+        cfg = self.config
+        skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        # multi-token-prediction layers are stored as extra layers after the stack
+        skip += tuple(f"model.layers.{cfg.num_hidden_layers + j}."
+                      for j in range(cfg.num_nextn_predict_layers))
+        stacked = expert_stacked_params(cfg.n_routed_experts) if cfg.first_k_dense_replace < \
+            cfg.num_hidden_layers else ()
+        load_weights(self, weights, stacked=stacked, skip=skip)
