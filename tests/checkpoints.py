@@ -36,3 +36,39 @@ def hf_reference(path: Path):
 
     return transformers.Qwen3ForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+TINY_MOE = dict(TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                mlp_only_layers=[0])
+
+
+def _randomize(model) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.3 if "embed" in name else p.shape[-1] ** -0.5)
+
+
+def hf_qwen3_moe(path: Path, *, seed: int = 0, norm_topk_prob: bool = True, **overrides) -> Path:
+    """save_pretrained of a random Qwen3-MoE: a dense first layer, then sparse layers."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(**dict(TINY_MOE, **overrides), norm_topk_prob=norm_topk_prob)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    _randomize(model)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def hf_reference_moe(path: Path):
+    import transformers
+
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    model.set_experts_implementation("eager")
+    return model

@@ -19,3 +19,11 @@ def qwen3_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_tied_dir(tmp_path_factory) -> Path:
     return hf_qwen3(tmp_path_factory.mktemp("qwen3_tied"), seed=1, tie=True, rope_theta=1e6)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE (dense layer 0, then 8-expert top-2 layers) the MoE tests share."""
+    from checkpoints import hf_qwen3_moe
+
+    return hf_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"))

@@ -1,0 +1,84 @@
+"""Qwen3-MoE under TP, expert parallelism and attention DP on gloo ranks against world 1,
+with the MoE finalize deferred through the reference provider, through the unfused path
+(a provider whose candidates decline), and not at all."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+
+from layer_boundary.models import load_config
+from layer_boundary.runner import RunSpec, merge, run_rank
+
+from .pool import get_pool
+
+# (tp, attn_dp, moe_ep): pure TP-MoE, pure EP, mixed EP x TP, attention DP with mixed and
+# pure EP (4 DP ranks for 3 prompts: one rank runs no tokens)
+CONFIGS = [(2, 1, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2), (4, 4, 4)]
+POLICIES = ["ar", "rs", "rsv", "auto"]
+FUSIONS = [None, "reference", "decline"]
+PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))  # skewed over DP ranks
+
+
+@functools.lru_cache(maxsize=None)
+def world1(spec: RunSpec):
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar",
+                                   fusions=None), world_size=1)])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fusions", FUSIONS, ids=["no-provider", "reference", "declining"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("tp,dp,ep", CONFIGS, ids=[f"tp{t}-dp{d}-ep{e}" for t, d, e in CONFIGS])
+def test_moe_matches_world1(qwen3_moe_dir, tp, dp, ep, policy, fusions):
+    spec = RunSpec(str(qwen3_moe_dir), tp=tp, dp=dp, ep=ep, boundary_reduction=policy,
+                   prompts=PROMPTS, max_new_tokens=2, fusions=fusions)
+    results = get_pool(tp).run(run_rank, spec)
+    ref, run = world1(spec), merge(results)
+    for j in range(len(PROMPTS)):
+        for step, (a, b) in enumerate(zip(run.logits[j], ref.logits[j])):
+            diff = (a - b).abs().max().item()
+            assert diff <= 1e-5, f"request {j} {'prefill' if step == 0 else 'decode'}: {diff}"
+    assert run.generated == ref.generated
+    for r in results:
+        assert r.streams_released
+        # the reference candidate fuses exactly the all-reduce-mode inputs that owe a TP sum
+        if fusions == "reference" and r.modes[0] == "ar":
+            assert r.fused_inputs > 0
+        if fusions != "reference":
+            assert r.fused_inputs == 0
+
+
+def sums_of_ffn_outputs(ledger, layers: int, step: int) -> dict[int, list]:
+    """TP-group sums (all-reduce or reduce-scatter) of each layer's FFN output."""
+    owner = {f"layer{i}.ffn.compute": i for i in range(layers)}
+    owner.update({f"layer{i + 1}.attn.prepare": i for i in range(layers - 1)})
+    owner["final_norm"] = layers - 1
+    out = {i: [] for i in range(layers)}
+    for e in ledger:
+        if e.step == step and e.group == "tp" and e.kind in ("all_reduce", "reduce_scatter") \
+                and e.site in owner:
+            out[owner[e.site]].append((e.kind, e.site))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fusions", [None, "reference", "reference-terminal"])
+@pytest.mark.parametrize("policy", ["ar", "rs"])
+def test_each_moe_output_is_summed_exactly_once(qwen3_moe_dir, policy, fusions):
+    spec = RunSpec(str(qwen3_moe_dir), tp=2, ep=2, boundary_reduction=policy, prompts=PROMPTS,
+                   max_new_tokens=2, fusions=fusions)
+    layers = load_config(qwen3_moe_dir).num_hidden_layers
+    for r in get_pool(2).run(run_rank, spec):
+        for step in (0, 1):
+            sums = sums_of_ffn_outputs(r.ledger, layers, step)
+            assert all(len(s) == 1 for s in sums.values()), (r.rank, step, sums)
+            last = sums[layers - 1][0]
+            if policy == "rs":
+                assert all(kind == "reduce_scatter" for (kind, _), in sums.values())
+            elif fusions == "reference-terminal":  # the final norm's service finalizes and sums
+                assert last == ("all_reduce", "final_norm") and r.fused_final_norms > 0
+            else:
+                assert last == ("all_reduce", f"layer{layers - 1}.ffn.compute")

@@ -1,0 +1,51 @@
+"""Tiny random DeepSeek-V3 checkpoints written by transformers' save_pretrained (the oracle's own
+format: experts one per expert on disk), every weight randomised so the checks mean something."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# 3 layers: dense, MoE, MoE. 8 routed experts in 4 groups of 2, top-2 from the best 2 groups.
+# Sizes divide tp 4, moe_ep 4 and moe_tp 4.
+TINY_DS = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+               first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=32, qk_rope_head_dim=8,
+               qk_nope_head_dim=16, v_head_dim=16, n_group=4, topk_group=2,
+               routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+               max_position_embeddings=64)
+
+
+def hf_deepseek_v3(path: Path, *, seed: int = 0, tie: bool = False, rope_theta: float = 1e4,
+                   **overrides) -> Path:
+    """save_pretrained of a random transformers DeepseekV3ForCausalLM."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(**dict(TINY_DS, **overrides), tie_word_embeddings=tie,
+                                        rope_parameters={"rope_type": "default",
+                                                         "rope_theta": rope_theta})
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:  # unit-scale activations keep greedy choices away from near-ties
+                p.normal_(0.0, 0.3 if "embed" in name else p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def hf_deepseek_v3_reference(path: Path):
+    import transformers
+
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager")
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return model.eval()
