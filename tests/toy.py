@@ -35,7 +35,8 @@ def attn_weights(tp: int, seed: int = 0) -> torch.Tensor:
 
 
 class ToyLayer(nn.Module):
-    def __init__(self, rt: BoundaryRuntime, layer_id: int, num_layers: int, ffn_update=None):
+    def __init__(self, rt: BoundaryRuntime, layer_id: int, num_layers: int, ffn_update=None,
+                 ffn_reduction=None, fusions=None):
         super().__init__()
         par = rt.parallel
         self.attn_norm, self.ffn_norm = RMSNorm(HIDDEN), RMSNorm(HIDDEN)
@@ -47,9 +48,11 @@ class ToyLayer(nn.Module):
         self.down = RowParallelLinear(2 * HIDDEN, HIDDEN, par.tp)
         full = attn_weights(2, seed=50 + layer_id).transpose(0, 1).reshape(HIDDEN, 2 * HIDDEN)
         self.down.weight_loader(self.down.weight, full)  # the same [H, 2H] weight at every tp
-        ffn = declare_ffn() if ffn_update is None else declare_ffn(update=ffn_update)
+        kwargs = {} if ffn_reduction is None else {"reduction": ffn_reduction}
+        ffn = declare_ffn(update=ffn_update, **kwargs)
+        options = {} if fusions is None else {"fusions": fusions}
         self.attn, self.ffn = make_stages(
-            (declare_attn(), self.attn_norm), (ffn, self.ffn_norm),
+            (declare_attn(), self.attn_norm, options), (ffn, self.ffn_norm, options),
             previous=None if layer_id == 0 else ffn,
             terminal=layer_id == num_layers - 1, runtime=rt, name=f"layer{layer_id}")
 

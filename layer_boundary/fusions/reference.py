@@ -11,24 +11,25 @@ from . import Arrival, InputPlan
 
 class FusedFinalizeAllReduceAddNorm:
     """finalize (if a handoff) + all-reduce over TP + local slice + fp32 add + norm, as one
-    step; accepts only an all-reduce-mode input owing a TP sum of global rows."""
+    step; accepts only an all-reduce-mode input on global rows that owes a TP sum, or a
+    finalize handoff alone (one rank)."""
 
     def __init__(self, plan: InputPlan) -> None:
         self.plan = plan
         self.calls = 0  # accepted arrivals, for tests
 
     def __call__(self, arrival: Arrival):
-        owed = arrival.owed
-        if (owed is None or owed.group not in (SumGroup.TP, SumGroup.MOE_OUT)
-                or arrival.rows is not Rows.GLOBAL or not arrival.update.plain
-                or arrival.residual is None or arrival.residual_rows is not Rows.LOCAL
+        owed, handoff = arrival.owed, isinstance(arrival.value, HandoffOutput)
+        summed = owed is not None and owed.group in (SumGroup.TP, SumGroup.MOE_OUT)
+        if (not (summed or (owed is None and handoff)) or arrival.rows is not Rows.GLOBAL
+                or not arrival.update.plain or arrival.residual is None
+                or arrival.residual_rows is not Rows.LOCAL
                 or not hasattr(arrival.norm, "normalize_fp32")):
             return None  # declined before touching anything
         self.calls += 1
-        value = arrival.value
-        if isinstance(value, HandoffOutput):
-            value = value.complete()
-        value = arrival.batch_rows.sum_global_partial_to_local(value)
+        value = arrival.value.complete() if handoff else arrival.value
+        rows = arrival.batch_rows
+        value = rows.sum_global_partial_to_local(value) if summed else rows.global_to_local(value)
         total = arrival.residual.float() + value.float()
         residual = total.to(arrival.residual.dtype)
         return arrival.norm.normalize_fp32(total, residual.dtype), residual

@@ -22,12 +22,13 @@ MARGIN = 1e-4  # router choices closer than this may legitimately flip between i
 CASES = {
     # q LoRA, normalized top-k weights, interleaved rope, untied
     "qlora-norm-interleave": dict(),
-    # no q LoRA (q_proj), unnormalized top-k weights, rotate-half rope, tied, rope theta 1e6
+    # no q LoRA (q_proj), unnormalized top-k weights, rotate-half rope, tied, rope theta 1e6,
+    # routed scale 1 (tied logits are ~3x larger, and so is their fp32 noise: ~4e-6 here)
     "noqlora-nonorm-halfrope-tied": dict(q_lora_rank=None, norm_topk_prob=False,
-                                         rope_interleave=False, tie=True, rope_theta=1e6),
-    # q LoRA with attention biases, unnormalized weights, routed scale 1, another seed
-    "qlora-nonorm-bias": dict(norm_topk_prob=False, attention_bias=True,
-                              routed_scaling_factor=1.0, seed=1),
+                                         rope_interleave=False, tie=True, rope_theta=1e6,
+                                         routed_scaling_factor=1.0),
+    # q LoRA with attention biases, unnormalized weights, another seed
+    "qlora-nonorm-bias": dict(norm_topk_prob=False, attention_bias=True, seed=1),
 }
 
 

@@ -1,0 +1,157 @@
+"""The fusion-provider protocol on real stages: candidate order, declining without touching
+inputs, the finalize handoff and its misuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed.pool import get_pool
+from toy import HIDDEN, ToyLayer, batch, runtime
+
+from layer_boundary import declare_attn, declare_ffn, make_stages
+from layer_boundary.contracts import Owed
+from layer_boundary.fusions import Arrival
+from layer_boundary.fusions.reference import FusedFinalizeAllReduceAddNorm, ReferenceFusions
+from layer_boundary.layout import BatchRows, RowMode, Rows, SumGroup
+from layer_boundary.output import HandoffOutput
+from layer_boundary.residual import batch as residual_batch
+from layer_boundary.residual.add_norm import PLAIN_ADD
+from layer_boundary.runtime.norm import RMSNorm
+
+
+class Recorder:
+    """A candidate that declines, remembering copies of what it was shown."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def __call__(self, arrival):
+        self.seen.append((arrival.value.clone(), arrival.residual.clone()))
+        return None
+
+
+class Checker:
+    """The next candidate: declines too, after checking it sees what the recorder saw."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder, self.matches = recorder, []
+
+    def __call__(self, arrival):
+        value, residual = self.recorder.seen[-1]
+        self.matches.append(torch.equal(arrival.value, value)
+                            and torch.equal(arrival.residual, residual))
+        return None
+
+
+class DeclineThenFuse(ReferenceFusions):
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkers = []
+
+    def _input(self, plan):
+        recorder = Recorder()
+        checker = Checker(recorder)
+        self.checkers.append(checker)
+        return [recorder, checker, *super()._input(plan)]
+
+
+def toy_run(tp: int, provider: str | None) -> dict:
+    fusions = {None: None, "reference": ReferenceFusions(),
+               "decline-then-fuse": DeclineThenFuse()}[provider]
+    rt = runtime(tp)
+    layers = [ToyLayer(rt, i, 3, fusions=fusions) for i in range(3)]
+    fb = batch(5)
+    residual_batch.start(fb)
+    h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(2))
+    for layer in layers:
+        h = layer.attn.prepare(h, fb)
+        h = layer.attn.finish(layer.attn_compute(h), fb)
+        h = layer.ffn.prepare(h, fb)
+        with layer.ffn.exit(fb) as out:
+            y = layer.ffn_compute(h)
+        h = out.finish(y)
+    result = {"out": residual_batch.norm(h, fb, RMSNorm(HIDDEN)), "fused": 0, "untouched": True,
+              "declined": 0}
+    if fusions is not None:
+        result["fused"] = fusions.accepted
+    if provider == "decline-then-fuse":
+        matches = [m for c in fusions.checkers for m in c.matches]
+        result["declined"] = len(matches)
+        # what a declining candidate was shown is exactly what the next one got: unmodified
+        result["untouched"] = all(matches)
+    return result
+
+
+@pytest.mark.timeout(60)
+def test_candidates_run_in_order_and_fusion_gives_identical_numbers():
+    plain = get_pool(2).run(toy_run, 2, None)
+    for provider in ("reference", "decline-then-fuse"):
+        for r, p in zip(get_pool(2).run(toy_run, 2, provider), plain):
+            assert torch.equal(r["out"], p["out"])
+            # two deferred FFN all-reduces (layers 0 and 1) completed by the fused candidate
+            assert r["fused"] == 2
+            assert r["untouched"]
+        if provider == "decline-then-fuse":
+            # every pending input was shown to the declining recorder first
+            assert r["declined"] >= 2
+
+
+def test_reference_candidate_declines_before_touching_inputs():
+    rt = runtime(1)
+    rows = BatchRows(RowMode.RS, (4,), rt.parallel)
+    value, residual = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    keep = value.clone(), residual.clone()
+    candidate = FusedFinalizeAllReduceAddNorm(None)
+    for owed, at in ((Owed(SumGroup.ATTN_TP, Rows.LOCAL), Rows.LOCAL),  # an attention partial
+                     (Owed(SumGroup.TP, Rows.GLOBAL), Rows.GLOBAL)):  # residual scattered
+        arrival = Arrival(value, owed, at, PLAIN_ADD, residual,
+                          Rows.SCATTERED if owed.group is SumGroup.TP else Rows.LOCAL,
+                          RMSNorm(HIDDEN), rows)
+        assert candidate(arrival) is None
+    assert torch.equal(value, keep[0]) and torch.equal(residual, keep[1])
+    assert candidate.calls == 0
+
+
+class ToyHandoff(HandoffOutput):
+    def __init__(self, value):
+        self.value = value
+
+    def complete(self):
+        return self.value * 2.0
+
+
+def _sparse_stack():
+    rt = runtime(1)
+    fusions = ReferenceFusions(terminal_finalize=True)
+    attn, ffn = make_stages((declare_attn(), RMSNorm(HIDDEN), {"fusions": fusions}),
+                            (declare_ffn(sparse=True), RMSNorm(HIDDEN), {"fusions": fusions}),
+                            terminal=True, runtime=rt, name="layer0")
+    fb = batch(3)
+    residual_batch.start(fb)
+    h = attn.prepare(torch.ones(3, HIDDEN), fb)
+    h = attn.finish(h * 0.5, fb)
+    h = ffn.prepare(h, fb)
+    with ffn.exit(fb) as out:
+        assert out.defer_moe_finalize  # the provider accepted a terminal finalize
+        handoff = ToyHandoff(h)
+    return out.finish(handoff), fb, fusions
+
+
+def test_snapshot_of_a_finalize_handoff():
+    h, fb, _ = _sparse_stack()
+    with pytest.raises(RuntimeError, match="^snapshot requires a plain residual update$"):
+        residual_batch.snapshot(h, fb)
+
+
+def test_handoff_norm_rejects_capture_and_otherwise_finalizes():
+    h, fb, fusions = _sparse_stack()
+    with pytest.raises(RuntimeError, match="^norm\\(\\) with handoff_norm does not accept "
+                                           "capture_output when a handoff arrives$"):
+        residual_batch.norm(h, fb, RMSNorm(HIDDEN), handoff_norm=fusions.handoff_norm(),
+                            capture_output=lambda value, owned=False: None)
+    h, fb, fusions = _sparse_stack()
+    out = residual_batch.norm(h, fb, RMSNorm(HIDDEN), handoff_norm=fusions.handoff_norm())
+    h2, fb2, _ = _sparse_stack()
+    unfused = residual_batch.norm(h2, fb2, RMSNorm(HIDDEN))  # completes the handoff itself
+    assert fusions.service.calls == 1
+    torch.testing.assert_close(out, unfused, atol=0, rtol=0)
