@@ -314,7 +314,7 @@ def _reference(spec):
 
     from .runner import merge, run_rank
 
-    return merge([run_rank(replace(spec, tp=1, dp=1), world_size=1)])
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1), world_size=1)])
 
 
 def main(argv=None) -> int:

@@ -298,6 +298,22 @@ def test_attention_dp_with_an_empty_rank_generates_the_world1_tokens(qwen3_dir, 
     assert "reduce_scatter" in report["collectives"]
 
 
+@pytest.mark.timeout(300)
+def test_moe_checkpoint_runs_with_expert_parallelism(qwen3_moe_dir, cache_dir):
+    # the model type comes from config.json; ep splits the experts over the TP ranks
+    proc = _cli("--model", qwen3_moe_dir, "--tp", 4, "--dp", 2, "--ep", 2, *PROMPT_ARGS,
+                "--max-new-tokens", NEW_TOKENS, "--json", cache=cache_dir)
+    report = _one_json_object(proc)
+    assert (report["tp"], report["dp"], report["ep"]) == (4, 2, 2)
+    assert report["parity"]["tokens_match"] is True and report["parity"]["max_abs_diff"] <= 1e-5
+
+
+def test_ep_that_does_not_divide_tp_is_a_one_line_error(qwen3_moe_dir, capsys, restore_logger):
+    assert main(["run", "--model", str(qwen3_moe_dir), "--tp", "2", "--ep", "4"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "tp 2" in line and "moe_ep 4" in line
+
+
 # ------------------------------------------------------------------ plan
 
 

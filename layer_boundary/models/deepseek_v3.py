@@ -268,7 +268,7 @@ class DeepseekV3Attention(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rope, 2).float() / rope))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = cfg.softmax_scale
-        self.latent_split = (cfg.q_latent_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.latent_split = (cfg.q_latent_dim if cfg.q_lora_rank else self.num_heads * cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def prepare_qkv_latent(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] normalized input -> [T, q_latent + kv_lora_rank + qk_rope_head_dim].
@@ -277,13 +277,13 @@ class DeepseekV3Attention(nn.Module):
         may run it before gathering rows. Without q LoRA the q latent is the input itself:
         ``q_proj`` is head-sharded, and a per-rank head slice must not be gathered over ranks.
         """
-        q = self.q_a_proj(x) if self.cfg.q_lora_rank is not None else x
+        q = self.q_a_proj(x) if self.cfg.q_lora_rank is not None else self.q_proj(x)
         return torch.cat((q, self.kv_a_proj_with_mqa(x)), dim=-1)
 
     def forward(self, positions, latent, forward_batch):
         cfg, tokens = self.cfg, latent.shape[0]
         q_lat, kv_nope, k_rot = latent.split(self.latent_split, dim=-1)
-        q = (self.q_proj(q_lat) if cfg.q_lora_rank is None
+        q = (q_lat if cfg.q_lora_rank is None
              else self.q_b_proj(self.q_a_layernorm(q_lat)))
         q = q.view(tokens, self.num_heads, cfg.qk_head_dim)
         q_nope, q_rot = q.split((cfg.qk_nope_head_dim, cfg.qk_rope_head_dim), dim=-1)
@@ -395,7 +395,8 @@ class DeepseekV3MoE(nn.Module):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+    def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
         super().__init__()
         self.hidden_size = cfg.hidden_size
         self.self_attn = DeepseekV3Attention(cfg, layer_id, runtime, dtype)
@@ -407,10 +408,11 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         last = cfg.num_hidden_layers - 1
+        options = {} if fusions is None else {"fusions": fusions}
         self.attn_boundary, self.ffn_boundary = make_stages(
             (declare_attn(), self.input_layernorm,
-             {"qkv_latent_func": self.self_attn.prepare_qkv_latent}),
-            (ffn_declaration(cfg, layer_id), self.post_attention_layernorm),
+             {"qkv_latent_func": self.self_attn.prepare_qkv_latent, **options}),
+            (ffn_declaration(cfg, layer_id), self.post_attention_layernorm, options),
             previous=None if layer_id == 0 else ffn_declaration(cfg, layer_id - 1),
             terminal=layer_id == last,
             runtime=runtime,
@@ -440,28 +442,33 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype):
+    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype, fusions=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                    runtime.parallel.attn_tp, dtype=dtype)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, runtime, dtype)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, runtime, dtype, fusions)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        # a provider that defers the last MoE finalize to the final norm serves it there
+        service = getattr(fusions, "handoff_norm", None)
+        self.handoff_norm = service() if service is not None else None
 
     def forward(self, forward_batch):
         residual_batch.start(forward_batch)
         hidden_states = self.embed_tokens(forward_batch.input_ids)
         for layer in self.layers:
             hidden_states = layer(forward_batch.positions, hidden_states, forward_batch)
-        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True)
+        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True,
+                                   handoff_norm=self.handoff_norm)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype=torch.float32):
+    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype=torch.float32,
+                 fusions=None):
         super().__init__()
         check_parallel(cfg, runtime.parallel.dims)
         self.config, self.dtype = cfg, dtype
-        self.model = DeepseekV3Model(cfg, runtime, dtype)
+        self.model = DeepseekV3Model(cfg, runtime, dtype, fusions)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
                                       dtype=dtype)
         if cfg.tie_word_embeddings:
