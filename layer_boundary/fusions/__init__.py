@@ -55,3 +55,7 @@ class FusionProvider(Protocol):
     def can_defer_finalize(self, plan, forward_batch) -> bool: ...
 
     def can_defer_all_reduce(self, plan, forward_batch) -> bool: ...
+
+    # Optional: ``handoff_norm()`` returns a service whose ``finalize(arrival)`` completes a
+    # terminal finalize handoff inside the final norm (or None to decline), for
+    # ``residual_batch.norm(..., handoff_norm=service)``.

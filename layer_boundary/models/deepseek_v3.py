@@ -105,10 +105,11 @@ class DeepseekV3Config:
             rope, rope_field = cfg["rope_parameters"], "rope_parameters"
         else:
             rope, rope_field = cfg.get("rope_scaling") or {}, "rope_scaling"
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        type_key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"
+        rope_type = rope.get(type_key, "default")
         if rope_type != "default":
             raise CheckpointError(
-                f"config.json {rope_field}.rope_type {rope_type!r} is not supported (default "
+                f"config.json {rope_field}.{type_key} {rope_type!r} is not supported (default "
                 "only; yarn's frequency and softmax mscale corrections are not implemented)")
         if cfg.get("quantization_config"):
             raise CheckpointError("config.json quantization_config is not supported (unquantized "
@@ -268,7 +269,7 @@ class DeepseekV3Attention(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rope, 2).float() / rope))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = cfg.softmax_scale
-        self.latent_split = (cfg.q_latent_dim if cfg.q_lora_rank else self.num_heads * cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.latent_split = (cfg.q_latent_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
     def prepare_qkv_latent(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] normalized input -> [T, q_latent + kv_lora_rank + qk_rope_head_dim].
@@ -277,13 +278,13 @@ class DeepseekV3Attention(nn.Module):
         may run it before gathering rows. Without q LoRA the q latent is the input itself:
         ``q_proj`` is head-sharded, and a per-rank head slice must not be gathered over ranks.
         """
-        q = self.q_a_proj(x) if self.cfg.q_lora_rank is not None else self.q_proj(x)
+        q = self.q_a_proj(x) if self.cfg.q_lora_rank is not None else x
         return torch.cat((q, self.kv_a_proj_with_mqa(x)), dim=-1)
 
     def forward(self, positions, latent, forward_batch):
         cfg, tokens = self.cfg, latent.shape[0]
         q_lat, kv_nope, k_rot = latent.split(self.latent_split, dim=-1)
-        q = (q_lat if cfg.q_lora_rank is None
+        q = (self.q_proj(q_lat) if cfg.q_lora_rank is None
              else self.q_b_proj(self.q_a_layernorm(q_lat)))
         q = q.view(tokens, self.num_heads, cfg.qk_head_dim)
         q_nope, q_rot = q.split((cfg.qk_nope_head_dim, cfg.qk_rope_head_dim), dim=-1)

@@ -135,18 +135,26 @@ class Qwen3DecoderLayer(nn.Module):
                  fusions=None):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, layer_id, runtime, dtype)
-        self.mlp = Qwen3MLP(cfg, runtime, dtype)
+        self.mlp = self.make_mlp(cfg, layer_id, runtime, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         options = {} if fusions is None else {"fusions": fusions}
         self.attn_boundary, self.ffn_boundary = make_stages(
             (declare_attn(), self.input_layernorm, options),
-            (declare_ffn(), self.post_attention_layernorm, options),
-            previous=declare_ffn() if layer_id != 0 else None,
+            (self.ffn_declaration(cfg, layer_id), self.post_attention_layernorm, options),
+            previous=self.ffn_declaration(cfg, layer_id - 1) if layer_id != 0 else None,
             terminal=layer_id == cfg.num_hidden_layers - 1,
             runtime=runtime,
             name=f"layer{layer_id}",
         )
+
+    def make_mlp(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
+        return Qwen3MLP(cfg, runtime, dtype)
+
+    @staticmethod
+    def ffn_declaration(cfg, layer_id: int):
+        """The FFN declaration of layer ``layer_id`` (also what the next layer names as previous)."""
+        return declare_ffn()
 
     def forward(self, positions, hidden_states, forward_batch):
         hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
@@ -161,36 +169,46 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype, fusions=None):
+    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype, fusions=None,
+                 layer_cls=Qwen3DecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                    runtime.parallel.attn_tp, dtype=dtype)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i, runtime, dtype, fusions)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, runtime, dtype, fusions)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        # a provider may offer a service that finalizes a terminal MoE handoff in the final norm
+        service = getattr(fusions, "handoff_norm", None)
+        self.handoff_norm = service() if service is not None else None
 
     def forward(self, forward_batch):
         residual_batch.start(forward_batch)
         hidden_states = self.embed_tokens(forward_batch.input_ids)
         for layer in self.layers:
             hidden_states = layer(forward_batch.positions, hidden_states, forward_batch)
-        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True)
+        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True,
+                                   handoff_norm=self.handoff_norm)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
-                      ("qkv_proj", "v_proj", "v"))
+    layer_cls = Qwen3DecoderLayer
 
     def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype=torch.float32,
                  fusions=None):
         super().__init__()
-        check_parallel(cfg, runtime.parallel.dims)
+        self.check_parallel(cfg, runtime.parallel.dims)
         self.config, self.dtype = cfg, dtype
-        self.model = Qwen3Model(cfg, runtime, dtype, fusions)
+        self.model = Qwen3Model(cfg, runtime, dtype, fusions, self.layer_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
                                       dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+
+    check_parallel = staticmethod(check_parallel)
+
+    def stacked_params(self) -> list:
+        return [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                ("qkv_proj", "v_proj", "v")]
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         kv_heads = self.model.layers[0].self_attn.qkv_proj.num_kv_heads
@@ -203,4 +221,4 @@ class Qwen3ForCausalLM(nn.Module):
 
     def load_weights(self, weights) -> None:
         skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
-        load_weights(self, weights, stacked=self.stacked_params, skip=skip)
+        load_weights(self, weights, stacked=self.stacked_params(), skip=skip)

@@ -8,15 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import declare_attn, declare_ffn, make_stages
-from ..residual import batch as residual_batch
+from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
-from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..runtime.norm import RMSNorm
-from .kv_cache import KVCache
-from .loader import load_weights, require
+from .loader import require
 from .moe import FusedMoE, expert_stacked_params
-from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3MLP, check_tp
+from .qwen3 import Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, check_tp
 
 
 @dataclass(frozen=True)
@@ -87,81 +83,20 @@ class Qwen3MoeSparseBlock(nn.Module):
         return self.experts(x, ids, weights)  # reduced, partial, or a finalize handoff
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
-                 fusions=None):
-        super().__init__()
-        sparse = cfg.is_sparse(layer_id)
-        self.self_attn = Qwen3Attention(cfg, layer_id, runtime, dtype)
-        self.mlp = (Qwen3MoeSparseBlock(cfg, runtime, dtype) if sparse
-                    else Qwen3MLP(cfg, runtime, dtype))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        options = {} if fusions is None else {"fusions": fusions}
-        self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(), self.input_layernorm, options),
-            (declare_ffn(sparse=sparse, next_sparse=cfg.is_sparse(layer_id + 1)),
-             self.post_attention_layernorm, options),
-            previous=(declare_ffn(sparse=cfg.is_sparse(layer_id - 1), next_sparse=sparse)
-                      if layer_id != 0 else None),
-            terminal=layer_id == cfg.num_hidden_layers - 1,
-            runtime=runtime,
-            name=f"layer{layer_id}",
-        )
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    def make_mlp(self, cfg: Qwen3MoeConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
+        if cfg.is_sparse(layer_id):
+            return Qwen3MoeSparseBlock(cfg, runtime, dtype)
+        return Qwen3MLP(cfg, runtime, dtype)
 
-    def forward(self, positions, hidden_states, forward_batch):
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
-
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
-        with self.ffn_boundary.exit(forward_batch) as output:
-            hidden_states = self.mlp(hidden_states)
-        return output.finish(hidden_states)
+    @staticmethod
+    def ffn_declaration(cfg: Qwen3MoeConfig, layer_id: int):
+        return declare_ffn(sparse=cfg.is_sparse(layer_id), next_sparse=cfg.is_sparse(layer_id + 1))
 
 
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, runtime: BoundaryRuntime, dtype, fusions=None):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                   runtime.parallel.attn_tp, dtype=dtype)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i, runtime, dtype, fusions)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.handoff_norm = None if fusions is None else fusions.handoff_norm()
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    layer_cls = Qwen3MoeDecoderLayer
+    check_parallel = staticmethod(check_parallel)
 
-    def forward(self, forward_batch):
-        residual_batch.start(forward_batch)
-        hidden_states = self.embed_tokens(forward_batch.input_ids)
-        for layer in self.layers:
-            hidden_states = layer(forward_batch.positions, hidden_states, forward_batch)
-        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True,
-                                   handoff_norm=self.handoff_norm)
-
-
-class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, runtime: BoundaryRuntime, dtype=torch.float32,
-                 fusions=None):
-        super().__init__()
-        check_parallel(cfg, runtime.parallel.dims)
-        self.config, self.dtype = cfg, dtype
-        self.model = Qwen3MoeModel(cfg, runtime, dtype, fusions)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
-                                      dtype=dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        kv_heads = self.model.layers[0].self_attn.qkv_proj.num_kv_heads
-        return KVCache(self.config.num_hidden_layers, slots, max_len, kv_heads,
-                       self.config.head_dim, self.dtype, device=self.lm_head.weight.device)
-
-    def forward(self, forward_batch) -> torch.Tensor:
-        return self.lm_head(self.model(forward_batch))
-
-    def load_weights(self, weights) -> None:
-        stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
-                   ("qkv_proj", "v_proj", "v")] + expert_stacked_params(self.config.num_experts)
-        skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
-        load_weights(self, weights, stacked=stacked, skip=skip)
+    def stacked_params(self) -> list:
+        return super().stacked_params() + expert_stacked_params(self.config.num_experts)
