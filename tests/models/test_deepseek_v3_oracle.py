@@ -151,7 +151,7 @@ def test_config_fields():
     (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
     (dict(rope_parameters=None, rope_scaling={"type": "yarn", "factor": 4.0}),
-     "rope_scaling.rope_type"),
+     "rope_scaling.type"),
     (dict(n_group=3), "n_routed_experts"),
     (dict(topk_group=5), "topk_group"),
     (dict(hidden_act="gelu"), "hidden_act"),
