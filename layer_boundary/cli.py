@@ -279,7 +279,7 @@ def _rank_entry(spec):
 
 def cmd_run(args) -> int:
     from .runtime.parallel import init_distributed, launched_by_torchrun, spawn
-    from .runner import RunSpec, run_rank
+    from .runner import run_rank
 
     if launched_by_torchrun():
         rank, world = init_distributed()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from .fusions import Arrival
 from .layout import Rows, SumGroup
 from .output import HandoffOutput, completion, describe_move, input_move
+from .residual.add_norm import accumulate_dtype
 from .residual.stream import IN_COMPUTE
 
 _ATTN_PARTIAL = (SumGroup.ATTN_TP, Rows.LOCAL)
@@ -115,7 +116,8 @@ class EntryPath:
     def _sum_with_residual(self, stream, partial, batch_rows):
         residual = stream.residual
         if batch_rows.tp_rank == 0:  # a plain add may move before the sum, on one rank only
-            partial = (partial.float() + residual.float()).to(residual.dtype)
+            acc = accumulate_dtype(residual.dtype)
+            partial = (partial.to(acc) + residual.to(acc)).to(residual.dtype)
         else:
             partial = partial.to(residual.dtype)
         total = batch_rows.sum_local_partial_to_global(partial)

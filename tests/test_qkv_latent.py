@@ -11,7 +11,6 @@ from toy import HIDDEN, ToyLayer, batch, runtime
 from layer_boundary import declare_attn, declare_ffn, make_stages
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.runtime.ledger import LEDGER
-from layer_boundary.runtime.norm import RMSNorm
 
 LATENT = 3
 W = torch.randn(HIDDEN, LATENT, generator=torch.Generator().manual_seed(4))

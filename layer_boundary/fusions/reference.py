@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..contracts import ProducerReduction, StageKind
 from ..layout import RowMode, Rows, SumGroup
 from ..output import HandoffOutput
+from ..residual.add_norm import accumulate_dtype
 from . import Arrival, InputPlan
 
 
@@ -30,7 +31,8 @@ class FusedFinalizeAllReduceAddNorm:
         value = arrival.value.complete() if handoff else arrival.value
         rows = arrival.batch_rows
         value = rows.sum_global_partial_to_local(value) if summed else rows.global_to_local(value)
-        total = arrival.residual.float() + value.float()
+        acc = accumulate_dtype(arrival.residual.dtype)
+        total = arrival.residual.to(acc) + value.to(acc)
         residual = total.to(arrival.residual.dtype)
         return arrival.norm.normalize_fp32(total, residual.dtype), residual
 

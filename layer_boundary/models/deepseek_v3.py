@@ -25,16 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import declare_attn, declare_ffn, make_stages
-from ..ops import all_reduce_rows
-from ..output import HandoffOutput
-from ..residual import batch as residual_batch
 from ..runtime.args import BoundaryRuntime
-from ..runtime.context import get_forward
-from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
+from .base import CausalLM
 from .kv_cache import KVCache, cached_attention
-from .loader import CheckpointError, load_weights, require
+from .loader import CheckpointError, require
 from .moe import FusedMoE, expert_stacked_params
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
@@ -352,17 +348,6 @@ class DeepseekV3Router(nn.Module):
         return topk_weights * self.scale, topk_ids
 
 
-class SharedExpertsHandoff(HandoffOutput):
-    """A deferred routed-expert finalize plus the shared experts' partial sum: completing it
-    gives the MoE layer's whole partial output (over the TP group), reduced once downstream."""
-
-    def __init__(self, routed: HandoffOutput, shared: torch.Tensor) -> None:
-        self.routed, self.shared = routed, shared
-
-    def complete(self) -> torch.Tensor:
-        return self.routed.complete() + self.shared
-
-
 class DeepseekV3MoE(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype):
         super().__init__()
@@ -378,21 +363,10 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, x: torch.Tensor):
         """x: [T, H] (every DP rank's rows). Returns what the exit's flags ask for: a partial
         over the TP group when the boundary owns the sum, a handoff under
-        ``defer_moe_finalize``, otherwise the complete output.
-
-        The shared experts' partial rides on the routed experts' reduction wherever the
-        boundary owns it (one sum for both). When compute must reduce itself, ``FusedMoE``
-        all-reduces the routed part internally and the shared partial takes a second
-        all-reduce here: ``FusedMoE`` has no way to add a partial before its own reduction.
-        """
+        ``defer_moe_finalize``, otherwise the complete output. The shared experts' partial
+        rides on the routed experts' reduction: one sum for both, wherever it runs."""
         topk_weights, topk_ids = self.gate(x)
-        routed = self.experts(x, topk_ids, topk_weights)
-        shared = self.shared_experts(x)
-        if isinstance(routed, HandoffOutput):
-            return SharedExpertsHandoff(routed, shared)
-        if get_forward().skips_reduction:
-            return routed + shared
-        return routed + all_reduce_rows(shared, self.group)
+        return self.experts(x, topk_ids, topk_weights, shared_output=self.shared_experts(x))
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -442,38 +416,9 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
                        else None)
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype, fusions=None):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                   runtime.parallel.attn_tp, dtype=dtype)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, runtime, dtype, fusions)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        # a provider that defers the last MoE finalize to the final norm serves it there
-        service = getattr(fusions, "handoff_norm", None)
-        self.handoff_norm = service() if service is not None else None
-
-    def forward(self, forward_batch):
-        residual_batch.start(forward_batch)
-        hidden_states = self.embed_tokens(forward_batch.input_ids)
-        for layer in self.layers:
-            hidden_states = layer(forward_batch.positions, hidden_states, forward_batch)
-        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True,
-                                   handoff_norm=self.handoff_norm)
-
-
-class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype=torch.float32,
-                 fusions=None):
-        super().__init__()
-        check_parallel(cfg, runtime.parallel.dims)
-        self.config, self.dtype = cfg, dtype
-        self.model = DeepseekV3Model(cfg, runtime, dtype, fusions)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
-                                      dtype=dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
+class DeepseekV3ForCausalLM(CausalLM):
+    layer_cls = DeepseekV3DecoderLayer
+    check_parallel = staticmethod(check_parallel)
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         cfg = self.config
@@ -481,16 +426,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         return KVCache(cfg.num_hidden_layers, slots, max_len, local_heads, cfg.qk_head_dim,
                        self.dtype, device=self.lm_head.weight.device, v_head_dim=cfg.v_head_dim)
 
-    def forward(self, forward_batch) -> torch.Tensor:
-        """Logits [T, vocab] for every token of this rank's batch."""
-        return self.lm_head(self.model(forward_batch))
-
-    def load_weights(self, weights) -> None:
+    def stacked_params(self) -> list:
         cfg = self.config
-        skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        if cfg.first_k_dense_replace >= cfg.num_hidden_layers:
+            return []
+        return expert_stacked_params(cfg.n_routed_experts)
+
+    def skipped_params(self) -> tuple:
         # multi-token-prediction layers are stored as extra layers after the stack
-        skip += tuple(f"model.layers.{cfg.num_hidden_layers + j}."
-                      for j in range(cfg.num_nextn_predict_layers))
-        stacked = expert_stacked_params(cfg.n_routed_experts) if cfg.first_k_dense_replace < \
-            cfg.num_hidden_layers else ()
-        load_weights(self, weights, stacked=stacked, skip=skip)
+        cfg = self.config
+        return super().skipped_params() + tuple(
+            f"model.layers.{cfg.num_hidden_layers + j}." for j in range(cfg.num_nextn_predict_layers))

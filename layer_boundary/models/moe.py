@@ -21,13 +21,16 @@ from ..runtime.parallel import Parallel
 
 
 class MoeFinalize(HandoffOutput):
-    """Per-(token, k) expert outputs and their router weights; ``complete()`` sums them."""
+    """Per-(token, k) expert outputs and their router weights; ``complete()`` sums them (plus
+    any partial that shares the MoE output's reduction, such as TP-sharded shared experts)."""
 
-    def __init__(self, expert_out: torch.Tensor, weights: torch.Tensor) -> None:
-        self.expert_out, self.weights = expert_out, weights  # [T, k, H], [T, k]
+    def __init__(self, expert_out: torch.Tensor, weights: torch.Tensor,
+                 extra: torch.Tensor | None = None) -> None:
+        self.expert_out, self.weights, self.extra = expert_out, weights, extra  # [T,k,H], [T,k]
 
     def complete(self) -> torch.Tensor:
-        return finalize(self.expert_out, self.weights)
+        out = finalize(self.expert_out, self.weights)
+        return out if self.extra is None else out + self.extra
 
 
 def finalize(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -75,9 +78,14 @@ class FusedMoE(nn.Module):
             offset = 0 if which == "gate" else self.shard
             self.w13.data[e, offset:offset + self.shard].copy_(loaded[rows])
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared_output: torch.Tensor | None = None):
         """x: [T, H]; topk_ids/weights: [T, k]. Returns [T, H] (summed over the TP group unless
-        the exit skips it), or a ``MoeFinalize`` handoff under ``defer_moe_finalize``."""
+        the exit skips it), or a ``MoeFinalize`` handoff under ``defer_moe_finalize``.
+
+        ``shared_output``: another partial over the TP group (shared experts sharded like the
+        routed ones) added before the one reduction, wherever that runs.
+        """
         expert_out = x.new_zeros((*topk_ids.shape, x.shape[-1]))  # [T, k, H]
         for e in range(self.local):
             token, slot = torch.where(topk_ids == self.first + e)
@@ -87,8 +95,10 @@ class FusedMoE(nn.Module):
             expert_out[token, slot] = F.linear(F.silu(gate) * up, self.w2[e])
         flags = get_forward()
         if flags.defer_moe_finalize:
-            return MoeFinalize(expert_out, topk_weights)
+            return MoeFinalize(expert_out, topk_weights, shared_output)
         out = finalize(expert_out, topk_weights)
+        if shared_output is not None:
+            out = out + shared_output
         if not flags.skips_reduction:
             out = all_reduce_rows(out, self.group)
         return out

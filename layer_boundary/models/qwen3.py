@@ -10,13 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import declare_attn, declare_ffn, make_stages
-from ..residual import batch as residual_batch
 from ..runtime.args import BoundaryRuntime
-from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
+from .base import CausalLM
 from .kv_cache import KVCache, cached_attention
-from .loader import CheckpointError, load_weights, require
+from .loader import CheckpointError, require
 
 
 @dataclass(frozen=True)
@@ -168,42 +167,8 @@ class Qwen3DecoderLayer(nn.Module):
         return output.finish(hidden_states)
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype, fusions=None,
-                 layer_cls=Qwen3DecoderLayer):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                   runtime.parallel.attn_tp, dtype=dtype)
-        self.layers = nn.ModuleList(layer_cls(cfg, i, runtime, dtype, fusions)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        # a provider may offer a service that finalizes a terminal MoE handoff in the final norm
-        service = getattr(fusions, "handoff_norm", None)
-        self.handoff_norm = service() if service is not None else None
-
-    def forward(self, forward_batch):
-        residual_batch.start(forward_batch)
-        hidden_states = self.embed_tokens(forward_batch.input_ids)
-        for layer in self.layers:
-            hidden_states = layer(forward_batch.positions, hidden_states, forward_batch)
-        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True,
-                                   handoff_norm=self.handoff_norm)
-
-
-class Qwen3ForCausalLM(nn.Module):
+class Qwen3ForCausalLM(CausalLM):
     layer_cls = Qwen3DecoderLayer
-
-    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype=torch.float32,
-                 fusions=None):
-        super().__init__()
-        self.check_parallel(cfg, runtime.parallel.dims)
-        self.config, self.dtype = cfg, dtype
-        self.model = Qwen3Model(cfg, runtime, dtype, fusions, self.layer_cls)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
-                                      dtype=dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
-
     check_parallel = staticmethod(check_parallel)
 
     def stacked_params(self) -> list:
@@ -214,11 +179,3 @@ class Qwen3ForCausalLM(nn.Module):
         kv_heads = self.model.layers[0].self_attn.qkv_proj.num_kv_heads
         return KVCache(self.config.num_hidden_layers, slots, max_len, kv_heads,
                        self.config.head_dim, self.dtype, device=self.lm_head.weight.device)
-
-    def forward(self, forward_batch) -> torch.Tensor:
-        """Logits [T, vocab] for every token of this rank's batch."""
-        return self.lm_head(self.model(forward_batch))
-
-    def load_weights(self, weights) -> None:
-        skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
-        load_weights(self, weights, stacked=self.stacked_params(), skip=skip)

@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 
 
+def accumulate_dtype(dtype):
+    """fp32 for half and single precision; wider types keep their own precision."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class PlainAdd:
     plain = True
     at_producer = False
@@ -16,7 +21,8 @@ class PlainAdd:
     def apply(self, residual, contribution):
         if residual is None:
             return contribution
-        return (residual.float() + contribution.float()).to(residual.dtype)
+        acc = accumulate_dtype(residual.dtype)
+        return (residual.to(acc) + contribution.to(acc)).to(residual.dtype)
 
     def __repr__(self) -> str:
         return "PlainAdd()"
@@ -36,7 +42,8 @@ class AddNormRead:
             return norm(contribution), contribution
         if not update.plain:
             return self.read(update.apply(residual, contribution), norm)
-        total = residual.float() + contribution.float()
+        acc = accumulate_dtype(residual.dtype)
+        total = residual.to(acc) + contribution.to(acc)
         return norm.normalize_fp32(total, residual.dtype), total.to(residual.dtype)
 
     def __repr__(self) -> str:

@@ -12,6 +12,8 @@ BOUNDARY_REDUCTIONS = ("ar", "rs", "rsv", "rs+rsv", "auto")
 # resolve to the all-reduce path, which is always correct.
 AUTO_BOUNDARY_REDUCTION: dict[str, str] = {
     "qwen3": "rs+rsv",
+    "qwen3_moe": "rs+rsv",
+    "deepseek_v3": "rs+rsv",
 }
 
 

@@ -123,17 +123,10 @@ def sums_of_ffn_outputs(ledger, layers: int, step: int) -> dict[int, list]:
     return out
 
 
-COMPUTE_REDUCES = pytest.mark.xfail(
-    strict=True, reason="the last MoE layer reduces in compute: FusedMoE all-reduces the routed "
-    "experts itself and cannot take the shared experts' partial first, so that needs a second "
-    "all-reduce (library change: FusedMoE.forward(..., shared_output=None))")
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy,fusions", [
-    pytest.param("ar", None, marks=COMPUTE_REDUCES),
-    pytest.param("ar", "reference", marks=COMPUTE_REDUCES),
-    ("ar", "reference-terminal"), ("rs+rsv", None), ("rs+rsv", "reference")])
+    ("ar", None), ("ar", "reference"), ("ar", "reference-terminal"), ("rs+rsv", None),
+    ("rs+rsv", "reference")])
 def test_each_ffn_output_is_summed_once(ds_dir, policy, fusions):
     """Routed and shared experts share one TP sum, wherever the boundary owns it."""
     spec = RunSpec(ds_dir, tp=2, ep=2, boundary_reduction=policy, prompts=PROMPTS,
