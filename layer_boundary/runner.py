@@ -35,6 +35,7 @@ class RunSpec:
     rs_padding: bool = True
     trace: bool = False  # record the residual stream after every boundary call
     fusions: str | None = None  # None | "reference" | "reference-terminal" | "decline"
+    model_options: tuple = ()  # (name, value) engine options of the model
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size or self.tp, tp=self.tp, attn_dp=self.dp,
@@ -90,7 +91,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     runtime = make_runtime(spec, world_size)
     par = runtime.parallel
     provider = make_fusions(spec.fusions)
-    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype], fusions=provider)
+    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype], fusions=provider,
+                       options=spec.model_options)
     checked = _ForwardCheck(model)
     with LEDGER.recording() as entries, contextlib.ExitStack() as stack:
         traces = stack.enter_context(LEDGER.tracing()) if spec.trace else []

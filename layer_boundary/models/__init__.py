@@ -45,11 +45,23 @@ def load_config(path):
     return config_cls.from_dict(cfg)
 
 
-def load_model(path, runtime, dtype=torch.float32, fusions=None):
-    """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard."""
+def load_model(path, runtime, dtype=torch.float32, fusions=None, options=()):
+    """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard.
+
+    ``options``: (name, value) engine options that replace config fields the checkpoint does
+    not set (such as DeepSeek-V3's ``shared_experts_tp1``).
+    """
+    import dataclasses
+
     path = Path(path)
     _, model_cls, _ = model_classes(model_type_of(path))
     kwargs = {} if fusions is None else {"fusions": fusions}
-    model = model_cls(load_config(path), runtime, dtype=dtype, **kwargs)
+    cfg = load_config(path)
+    try:
+        cfg = dataclasses.replace(cfg, **dict(options))
+    except TypeError:
+        raise ValueError(f"model options {sorted(dict(options))} do not apply to "
+                         f"{cfg.model_type}") from None
+    model = model_cls(cfg, runtime, dtype=dtype, **kwargs)
     model.load_weights(iter_weights(path))
     return model.eval()

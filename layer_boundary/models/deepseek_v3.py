@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import declare_attn, declare_ffn, make_stages
+from .. import ProducerReduction, declare_attn, declare_ffn, make_stages
+from ..runtime.context import get_forward
+from ..runtime.parallel import Group
 from ..runtime.args import BoundaryRuntime
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
@@ -75,6 +77,9 @@ class DeepseekV3Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     num_nextn_predict_layers: int = 0  # MTP layers stored after the stack; not loaded
+    # Engine option, never read from config.json: run the shared experts unsharded on every
+    # rank and add them after the routed experts' sum (a LOCAL_TAIL FFN stage).
+    shared_experts_tp1: bool = False
     model_type: str = "deepseek_v3"
 
     @property
@@ -297,12 +302,12 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV3MLP(nn.Module):
-    """SwiGLU MLP with its intermediate dim split over the full TP group."""
+    """SwiGLU MLP with its intermediate dim split over ``group`` (default: the full TP group)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, runtime: BoundaryRuntime,
-                 dtype, reduce_results: bool = True):
+                 dtype, reduce_results: bool = True, group=None):
         super().__init__()
-        group = runtime.parallel.tp
+        group = group if group is not None else runtime.parallel.tp
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, group,
                                               dtype=dtype, name="gate_proj")
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, group, dtype=dtype,
@@ -355,18 +360,31 @@ class DeepseekV3MoE(nn.Module):
         self.gate = DeepseekV3Router(cfg)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 runtime.parallel, dtype)
-        # its partial is summed together with the routed experts' (see forward)
+        self.tail = cfg.shared_experts_tp1
+        # sharded: its partial is summed with the routed experts'; tp1: a replicated tail
+        group = Group("shared_tp1", (0,), 0) if self.tail else None
         self.shared_experts = DeepseekV3MLP(cfg.hidden_size,
                                             cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                            runtime, dtype, reduce_results=False)
+                                            runtime, dtype, reduce_results=False, group=group)
 
     def forward(self, x: torch.Tensor):
         """x: [T, H] (every DP rank's rows). Returns what the exit's flags ask for: a partial
         over the TP group when the boundary owns the sum, a handoff under
-        ``defer_moe_finalize``, otherwise the complete output. The shared experts' partial
-        rides on the routed experts' reduction: one sum for both, wherever it runs."""
+        ``defer_moe_finalize``, otherwise the complete output. Sharded shared experts ride
+        on the routed experts' reduction (one sum for both)."""
         topk_weights, topk_ids = self.gate(x)
-        return self.experts(x, topk_ids, topk_weights, shared_output=self.shared_experts(x))
+        shared = self.shared_experts(x)
+        if not self.tail:
+            return self.experts(x, topk_ids, topk_weights, shared_output=shared)
+        # LOCAL_TAIL: added after the sum; when the sum is left to the boundary (or to a
+        # finalize handoff), exactly one rank carries the tail into it
+        flags = get_forward()
+        deferred = flags.skips_reduction or flags.defer_moe_finalize
+        if deferred and self.group.rank != 0:
+            shared = None
+        routed = self.experts(x, topk_ids, topk_weights,
+                              shared_output=shared if deferred else None)
+        return routed if deferred else routed + shared
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -411,9 +429,11 @@ class DeepseekV3DecoderLayer(nn.Module):
 def ffn_declaration(cfg: DeepseekV3Config, layer: int):
     """Layer ``layer``'s FFN declaration; the next layer's ``previous`` is built the same way."""
     following = layer + 1
+    tail = cfg.shared_experts_tp1 and cfg.is_moe(layer)
     return declare_ffn(sparse=cfg.is_moe(layer),
                        next_sparse=cfg.is_moe(following) if following < cfg.num_hidden_layers
-                       else None)
+                       else None,
+                       reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED)
 
 
 class DeepseekV3ForCausalLM(CausalLM):

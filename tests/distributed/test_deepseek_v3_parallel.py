@@ -136,3 +136,30 @@ def test_each_ffn_output_is_summed_once(ds_dir, policy, fusions):
         for step in range(STEPS):
             sums = sums_of_ffn_outputs(r.ledger, layers, step)
             assert all(len(s) == 1 for s in sums.values()), (r.rank, step, sums)
+
+
+TP1 = (("shared_experts_tp1", True),)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,ep,policy,fusions", [
+    (2, 1, 2, "ar", None),  # the tail after the sum compute runs itself
+    (2, 1, 2, "ar", "reference-terminal"),  # the tail rides on a finalize handoff, once
+    (4, 2, 2, "rs+rsv", None),  # compute skips its sum for a reduce-scatter
+    (4, 1, 4, "rs+rsv", "reference"),
+])
+def test_unsharded_shared_experts_are_a_local_tail_added_once(ds_dir, tp, dp, ep, policy,
+                                                               fusions):
+    spec = RunSpec(ds_dir, tp=tp, dp=dp, ep=ep, boundary_reduction=policy, prompts=PROMPTS,
+                   max_new_tokens=STEPS, fusions=fusions, model_options=TP1)
+    results = get_pool(tp).run(run_rank, spec)
+    # the world-1 run of the sharded layout: the same numbers, however the experts are run
+    assert_matches_world1(replace(spec, model_options=()), results)
+    layers = load_config(ds_dir).num_hidden_layers
+    for r in results:
+        for step in range(STEPS):
+            sums = sums_of_ffn_outputs(r.ledger, layers, step)
+            assert all(len(s) == 1 for s in sums.values()), (r.rank, step, sums)
+        moe_exits = [row["exit"] for row in r.plan if row["stage"].endswith("ffn")][1:]
+        if policy == "ar" and fusions is None:  # LOCAL_TAIL: never deferred without a provider
+            assert all("in compute" in e for e in moe_exits), moe_exits
