@@ -308,6 +308,18 @@ def test_moe_checkpoint_runs_with_expert_parallelism(qwen3_moe_dir, cache_dir):
     assert report["parity"]["tokens_match"] is True and report["parity"]["max_abs_diff"] <= 1e-5
 
 
+@pytest.mark.timeout(300)
+def test_deepseek_v3_checkpoint_runs_with_expert_parallelism(tmp_path_factory, cache_dir):
+    from ds_checkpoints import hf_deepseek_v3
+
+    path = hf_deepseek_v3(tmp_path_factory.mktemp("ds_cli"))
+    proc = _cli("--model", path, "--tp", 2, "--ep", 2, *PROMPT_ARGS, "--max-new-tokens",
+                NEW_TOKENS, "--json", cache=cache_dir)
+    report = _one_json_object(proc)
+    assert (report["tp"], report["dp"], report["ep"]) == (2, 1, 2)
+    assert report["parity"]["tokens_match"] is True and report["parity"]["max_abs_diff"] <= 1e-5
+
+
 def test_ep_that_does_not_divide_tp_is_a_one_line_error(qwen3_moe_dir, capsys, restore_logger):
     assert main(["run", "--model", str(qwen3_moe_dir), "--tp", "2", "--ep", "4"]) == 2
     line = _one_line_error(capsys.readouterr().err)
