@@ -21,14 +21,21 @@ def hf_qwen3(path: Path, *, seed: int = 0, tie: bool = False, rope_theta: float 
                                    rope_parameters={"rope_type": "default",
                                                     "rope_theta": rope_theta})
     model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:  # unit-scale activations keep greedy choices away from near-ties
-                p.normal_(0.0, 0.3 if "embed" in name else p.shape[-1] ** -0.5)
+    randomize(model)
     model.save_pretrained(path)
     return Path(path)
+
+
+def randomize(model) -> None:
+    """Every weight random, norms and router biases included, so every check means something."""
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name and p.is_floating_point():
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith(("weight", "bias")):  # unit-scale activations: no near-ties
+                p.normal_(0.0, 0.3 if "embed" in name else p.shape[-1] ** -0.5)
 
 
 def hf_reference(path: Path):
@@ -42,15 +49,6 @@ TINY_MOE = dict(TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_t
                 mlp_only_layers=[0])
 
 
-def _randomize(model) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "e_score_correction_bias" in name:
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.3 if "embed" in name else p.shape[-1] ** -0.5)
 
 
 def hf_qwen3_moe(path: Path, *, seed: int = 0, norm_topk_prob: bool = True, **overrides) -> Path:
@@ -60,7 +58,7 @@ def hf_qwen3_moe(path: Path, *, seed: int = 0, norm_topk_prob: bool = True, **ov
     torch.manual_seed(seed)
     cfg = transformers.Qwen3MoeConfig(**dict(TINY_MOE, **overrides), norm_topk_prob=norm_topk_prob)
     model = transformers.Qwen3MoeForCausalLM(cfg)
-    _randomize(model)
+    randomize(model)
     model.save_pretrained(path)
     return Path(path)
 

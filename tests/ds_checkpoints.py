@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from checkpoints import randomize
 
 # 3 layers: dense, MoE, MoE. 8 routed experts in 4 groups of 2, top-2 from the best 2 groups.
 # Sizes divide tp 4, moe_ep 4 and moe_tp 4.
@@ -28,15 +29,7 @@ def hf_deepseek_v3(path: Path, *, seed: int = 0, tie: bool = False, rope_theta: 
                                         rope_parameters={"rope_type": "default",
                                                          "rope_theta": rope_theta})
     model = transformers.DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:  # unit-scale activations keep greedy choices away from near-ties
-                p.normal_(0.0, 0.3 if "embed" in name else p.shape[-1] ** -0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
+    randomize(model)
     model.save_pretrained(path)
     return Path(path)
 
