@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-allreduce-fusion", action="store_true")
     plan.add_argument("--no-rs-padding", action="store_true")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="boundary overhead against a hand-written decoder")
+    bench.add_argument("--hidden", type=_positive, default=256)
+    bench.add_argument("--layers", type=_positive, default=8)
+    bench.add_argument("--requests", type=_positive, default=16)
+    bench.add_argument("--repeats", type=_positive, default=30)
     return parser
 
 
@@ -324,6 +330,16 @@ def main(argv=None) -> int:
             return cmd_run(args)
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "bench":
+            from .bench import overhead
+
+            _setup_logging(0)
+            result = overhead(args.hidden, args.layers, args.requests, repeats=args.repeats)
+            log.info("decode step, world 1, hidden %d, %d layers, %d requests: boundary %.2f ms, "
+                     "hand-written %.2f ms, overhead %+.1f%%", result["hidden"], result["layers"],
+                     result["requests"], result["boundary_ms"], result["hand_written_ms"],
+                     100 * result["overhead"])
+            return 0
     except (CheckpointError, TopologyError, UnsupportedBoundary, UsageError, ValueError) as exc:
         print(f"layer-boundary: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,73 @@
+"""What the boundary costs the model: a boundary-integrated Qwen3 decoder against a
+hand-written forward of the same modules doing the same tensor ops (world 1, so both run the
+same math and only the boundary's Python and bookkeeping differ)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from .runtime.args import BoundaryRuntime
+from .runtime.forward_batch import ForwardBatch, ForwardMode
+from .runtime.parallel import ParallelDims, build_parallel
+
+
+def hand_written(model: Qwen3ForCausalLM, fb: ForwardBatch) -> torch.Tensor:
+    """The same forward without boundaries: fp32 residual add + norm written inline."""
+    m = model.model
+    residual = m.embed_tokens(fb.input_ids)
+    x = m.layers[0].input_layernorm(residual)
+    for i, layer in enumerate(m.layers):
+        out = layer.self_attn(fb.positions, x, fb)
+        total = residual.float() + out.float()
+        residual = total.to(out.dtype)
+        x = layer.post_attention_layernorm.normalize_fp32(total, out.dtype)
+        out = layer.mlp(x)
+        total = residual.float() + out.float()
+        residual = total.to(out.dtype)
+        norm = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
+        x = norm.normalize_fp32(total, out.dtype)
+    return model.lm_head(x)
+
+
+def _random_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
+    model = Qwen3ForCausalLM(cfg, BoundaryRuntime(build_parallel(ParallelDims())))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name
+                    else torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return model.eval()
+
+
+@torch.no_grad()
+def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int = 32,
+             repeats: int = 30) -> dict:
+    """Median decode-step time with and without boundaries, and their ratio."""
+    cfg = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=hidden // 8)
+    model = _random_model(cfg)
+    cache = model.make_kv_cache(requests, prefix + 1)
+    prompts = [[(7 * r + t) % cfg.vocab_size for t in range(prefix)] for r in range(requests)]
+    model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * requests, kv_cache=cache))
+
+    def step():
+        return ForwardBatch.build(ForwardMode.DECODE, [[1]] * requests, [prefix] * requests,
+                                  kv_cache=cache)
+
+    torch.testing.assert_close(model(step()), hand_written(model, step()), atol=1e-5, rtol=0)
+    times = {"boundary": [], "hand_written": []}
+    for _ in range(repeats):  # interleaved, so drift hits both alike
+        for name, fn in (("boundary", model), ("hand_written", lambda fb: hand_written(model, fb))):
+            fb = step()
+            start = time.perf_counter()
+            fn(fb)
+            times[name].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"hidden": hidden, "layers": layers, "requests": requests,
+            "boundary_ms": med["boundary"] * 1e3, "hand_written_ms": med["hand_written"] * 1e3,
+            "overhead": med["boundary"] / med["hand_written"] - 1.0}

@@ -1,0 +1,19 @@
+"""The overhead benchmark compares like with like: its hand-written forward must produce the
+boundary-integrated decoder's logits (the benchmark asserts it), so this runs it once, tiny,
+and checks the report; no timing is asserted."""
+
+from layer_boundary.bench import overhead
+from layer_boundary.cli import main
+
+
+def test_overhead_benchmark_runs_the_same_math_both_ways():
+    result = overhead(hidden=64, layers=2, requests=2, prefix=4, repeats=1)
+    assert result["boundary_ms"] > 0 and result["hand_written_ms"] > 0
+    assert set(result) == {"hidden", "layers", "requests", "boundary_ms", "hand_written_ms",
+                           "overhead"}
+
+
+def test_bench_command(capsys):
+    assert main(["bench", "--hidden", "64", "--layers", "2", "--requests", "2",
+                 "--repeats", "1"]) == 0
+    assert "overhead" in capsys.readouterr().out
