@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from .contracts import Owed, ProducerReduction, StageKind
 from .exit import ExitDecision, ExitPath, OutputPlan
-from .layout import BatchRows, RowMode, Rows, SumGroup, sum_group
 from .fusions import InputPlan
+from .layout import BatchRows, RowMode, Rows, SumGroup, sum_group
 from .output import completion
 from .prepare import EntryPath
 from .runtime.context import NO_FLAGS, ForwardFlags
@@ -37,7 +37,7 @@ def _owed(runtime, which: SumGroup, rows: Rows) -> Owed | None:
 
 
 def make_output_boundary(decl, following, runtime, mode: RowMode = RowMode.AR,
-                         fusions=None) -> ExitPath:
+                         fusions=None, name: str = "") -> ExitPath:
     """Bind a producer's output transport: the handoff ``decl`` leaves for ``following``."""
     dims = runtime.parallel.dims
     if decl.kind is StageKind.ATTN:
@@ -60,7 +60,7 @@ def make_output_boundary(decl, following, runtime, mode: RowMode = RowMode.AR,
     default = _ffn_exit(decl, following, runtime, mode)
     if fusions is None:
         return ExitPath(default)
-    plan = OutputPlan(getattr(decl, "name", ""), decl, mode)
+    plan = OutputPlan(name, decl, mode)
     owed = _owed(runtime, _ffn_sum(decl), Rows.GLOBAL)
     if decl.sparse:
         # the provider decides per batch whether compute may return a finalize handoff

@@ -81,7 +81,9 @@ class StagePlan:
         if path is None:
             return {"stage": self.name, "entry": "unsupported", "exit": "unsupported"}
         return {"stage": self.name, "kind": self.declaration.describe(),
-                "entry": path.entry.describe(), "exit": path.exit.default.label}
+                "residual": str(path.edge.residual_dst), "compute": str(path.decl.input.rows),
+                "entry": path.entry.describe(),
+                "exit": " | ".join(d.label for d in path.exit.decisions)}
 
 
 def supported_modes(runtime) -> list[RowMode]:
@@ -108,7 +110,8 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
     local = Layout.of(TokenAxis.ATTN_DP, sizes=sizes)
     paths = {}
     for mode in supported_modes(runtime):
-        exit_path = make_output_boundary(declaration, following, runtime, mode, fusions=fusions)
+        exit_path = make_output_boundary(declaration, following, runtime, mode, fusions=fusions,
+                                         name=name)
         entry = make_boundary(name, declaration, norm, runtime, mode,
                               qkv_latent_func=qkv_latent_func, fusions=fusions)
         residual = local if mode is RowMode.AR else Layout.of(

@@ -16,6 +16,7 @@ from .output import HandoffOutput
 from .runtime.context import ForwardFlags, swap_flags
 from .runtime.ledger import LEDGER
 
+
 @dataclass(frozen=True)
 class ExitDecision:
     flags: ForwardFlags

@@ -3,7 +3,6 @@ completions: how a value owing a sum (or none) reaches the rows a consumer updat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,14 +19,6 @@ class HandoffOutput:
 
     def complete(self) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class UnreducedOutput:
-    """Internal adapter form: a value and the work it owes, before the stream takes it."""
-
-    value: torch.Tensor
-    owed: Owed
 
 
 def _same(rows: BatchRows, x: torch.Tensor) -> torch.Tensor:
