@@ -32,6 +32,7 @@ from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .kv_cache import KVCache, cached_attention
+from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 from .loader import CheckpointError, require
 from .moe import FusedMoE, expert_stacked_params
 
@@ -214,30 +215,6 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
-    """cos/sin of each position's angles, [T, D/2], computed in fp32 and rounded like HF."""
-    freqs = positions[:, None].float() * inv_freq[None, :]
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               interleave: bool) -> torch.Tensor:
-    """RoPE over x [T, H, D] with cos/sin [T, D/2].
-
-    ``interleave``: pairs (x0, x1), (x2, x3), ... rotate together and the result is laid out
-    de-interleaved (evens then odds), as HF's ``apply_rotary_pos_emb_interleave``; q and k use
-    the same layout, so their dot products are those of the interleaved rotation. Otherwise
-    the rotate-half form.
-    """
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention; heads split over attention TP, PARTIAL output."""
 
@@ -267,8 +244,7 @@ class DeepseekV3Attention(nn.Module):
                                         group, bias=bias, reduce_results=False, dtype=dtype,
                                         name="o_proj")
         rope = cfg.qk_rope_head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rope, 2).float() / rope))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, rope), persistent=False)
         self.scaling = cfg.softmax_scale
         self.latent_split = (cfg.q_latent_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 

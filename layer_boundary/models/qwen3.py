@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -15,6 +14,7 @@ from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParalle
 from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .kv_cache import KVCache, cached_attention
+from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 from .loader import CheckpointError, require
 
 
@@ -74,15 +74,6 @@ def check_tp(cfg: Qwen3Config, attn_tp: int, tp: int) -> None:
         raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE over the full head dim. x: [T, H, D]."""
-    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
         super().__init__()
@@ -97,8 +88,8 @@ class Qwen3Attention(nn.Module):
                                         dtype=dtype, name="o_proj")
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, cfg.head_dim),
+                             persistent=False)
         self.scaling = cfg.head_dim ** -0.5
 
     def forward(self, positions, hidden_states, forward_batch):
@@ -108,8 +99,9 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(q.view(q.shape[0], -1, self.head_dim))  # [T, H, D]
         k = self.k_norm(k.view(k.shape[0], -1, self.head_dim))  # [T, KVH, D]
         v = v.view(v.shape[0], -1, self.head_dim)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+        q = apply_rope(q, cos, sin, interleave=False)
+        k = apply_rope(k, cos, sin, interleave=False)
         out = cached_attention(self.layer_id, q, k, v, forward_batch, self.scaling)
         return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden] partial sum
 
