@@ -24,12 +24,7 @@ def test_prepare_before_start():
 
 def test_rebound_output_does_not_belong_to_the_stream():
     layer, fb = ToyLayer(runtime(), 0, 2), batch()
-    h = layer.attn.prepare(started(fb), fb)
-    h = layer.attn.finish(layer.attn_compute(h), fb)
-    h = layer.ffn.prepare(h, fb)
-    with layer.ffn.exit(fb) as out:
-        h = layer.ffn_compute(h)
-    h = out.finish(h)
+    h = layer.forward_layer(started(fb), fb)
     with pytest.raises(RuntimeError, match=(
             "^output does not belong to this residual stream; "
             "change layer outputs through boundary accessors$")):
@@ -88,12 +83,7 @@ class ScaledUpdate:
 
 def test_snapshot_of_a_nonlinear_update():
     layer, fb = ToyLayer(runtime(), 0, 2, ffn_update=ScaledUpdate()), batch()
-    h = layer.attn.prepare(started(fb), fb)
-    h = layer.attn.finish(layer.attn_compute(h), fb)
-    h = layer.ffn.prepare(h, fb)
-    with layer.ffn.exit(fb) as out:
-        h = layer.ffn_compute(h)
-    h = out.finish(h)
+    h = layer.forward_layer(started(fb), fb)
     with pytest.raises(RuntimeError, match="^snapshot requires a plain residual update$"):
         residual_batch.snapshot(h, fb)
 

@@ -29,12 +29,7 @@ def run(tp: int, policy: str) -> dict:
     fb = batch(5)
     residual_batch.start(fb)
     h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(8))
-    h = first.attn.prepare(h, fb)
-    h = first.attn.finish(first.attn_compute(h), fb)
-    h = first.ffn.prepare(h, fb)
-    with first.ffn.exit(fb) as out:
-        y = first.ffn_compute(h)
-    h = out.finish(y)
+    h = first.forward_layer(h, fb)
     with LEDGER.recording() as ledger:
         got = attn.prepare(h, fb)
     return {"latent": got, "mode": fb.rows.mode.value,

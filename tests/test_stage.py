@@ -23,12 +23,7 @@ def stack(tp: int, nonlinear: bool, allreduce_fusion: bool) -> torch.Tensor:
     residual_batch.start(fb)
     h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(5))
     for layer in layers:
-        h = layer.attn.prepare(h, fb)
-        h = layer.attn.finish(layer.attn_compute(h), fb)
-        h = layer.ffn.prepare(h, fb)
-        with layer.ffn.exit(fb) as out:
-            y = layer.ffn_compute(h)
-        h = out.finish(y)
+        h = layer.forward_layer(h, fb)
     return residual_batch.norm(h, fb, RMSNorm(HIDDEN))
 
 

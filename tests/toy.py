@@ -59,6 +59,15 @@ class ToyLayer(nn.Module):
     def attn_compute(self, x):
         return x @ self.a
 
+    def forward_layer(self, h, fb):
+        """One decoder layer through its boundaries (the model side of the contract)."""
+        h = self.attn.prepare(h, fb)
+        h = self.attn.finish(self.attn_compute(h), fb)
+        h = self.ffn.prepare(h, fb)
+        with self.ffn.exit(fb) as out:
+            y = self.ffn_compute(h)
+        return out.finish(y)
+
     def ffn_compute(self, x):
         return self.down(local_slice(torch.tanh(x).repeat(1, 2), self.down))
 

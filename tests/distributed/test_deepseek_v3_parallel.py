@@ -14,6 +14,7 @@ from ds_checkpoints import hf_deepseek_v3
 from layer_boundary.models import load_config
 from layer_boundary.runner import RunSpec, merge, run_rank
 
+from .checks import assert_logits_match, sums_of_ffn_outputs
 from .pool import get_pool
 
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))  # skewed; dp=4 leaves a rank idle
@@ -50,18 +51,7 @@ def expected_mode(policy: str, tp: int, dp: int) -> str:
 
 
 def assert_matches_world1(spec: RunSpec, results) -> None:
-    ref, run = world1(spec), merge(results)
-    assert run.request_ids == list(range(len(spec.prompts)))
-    for j in range(len(spec.prompts)):
-        for step, (a, b) in enumerate(zip(run.logits[j], ref.logits[j])):
-            diff = (a - b).abs().max().item()
-            phase = "prefill" if step == 0 else f"decode {step}"
-            assert diff <= 1e-5, f"request {j} {phase}: max abs diff {diff}"
-    assert run.generated == ref.generated
-    want = expected_mode(spec.boundary_reduction, spec.tp, spec.dp)
-    for r in results:
-        assert r.modes == [want] * spec.max_new_tokens, (r.rank, r.modes)
-        assert r.streams_released, "a forward left its residual stream open"
+    assert_logits_match(merge(results), world1(spec), len(spec.prompts))
 
 
 def run(spec: RunSpec):
@@ -108,19 +98,6 @@ def test_without_q_lora_matches_world1(ds_noqlora_dir, tp, dp, ep, policy):
     spec = RunSpec(ds_noqlora_dir, tp=tp, dp=dp, ep=ep, boundary_reduction=policy,
                    prompts=PROMPTS, max_new_tokens=STEPS)
     assert_matches_world1(spec, run(spec))
-
-
-def sums_of_ffn_outputs(ledger, layers: int, step: int) -> dict[int, list]:
-    """TP-group sums (all-reduce or reduce-scatter) of each layer's FFN output."""
-    owner = {f"layer{i}.ffn.compute": i for i in range(layers)}
-    owner.update({f"layer{i + 1}.attn.prepare": i for i in range(layers - 1)})
-    owner["final_norm"] = layers - 1
-    out = {i: [] for i in range(layers)}
-    for e in ledger:
-        if (e.step == step and e.group == "tp" and e.kind in ("all_reduce", "reduce_scatter")
-                and e.site in owner):
-            out[owner[e.site]].append((e.kind, e.site))
-    return out
 
 
 @pytest.mark.timeout(120)

@@ -16,6 +16,7 @@ import torch
 from layer_boundary.models.generate import requests_of
 from layer_boundary.runner import RunSpec, merge, run_rank
 
+from .checks import assert_logits_match
 from .pool import get_pool
 
 CONFIGS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
@@ -89,13 +90,7 @@ def test_dp_matches_world1(qwen3_dir, tp, dp, policy, load):
                    max_new_tokens=STEPS, trace=True)
     results = get_pool(tp).run(run_rank, spec)
     ref_result = world1(replace(spec, tp=1, dp=1, boundary_reduction="ar"))
-    ref, run = merge([ref_result]), merge(results)
-    assert run.request_ids == list(range(len(prompts)))
-    for j in range(len(prompts)):
-        for step, (a, b) in enumerate(zip(run.logits[j], ref.logits[j])):
-            diff = (a - b).abs().max().item()
-            assert diff <= 1e-5, f"request {j} {'prefill' if step == 0 else 'decode'}: {diff}"
-    assert run.generated == ref.generated
+    assert_logits_match(merge(results), merge([ref_result]), len(prompts))
     want = expected_mode(policy, tp, dp)
     for r in results:
         assert r.modes == [want] * STEPS, (r.rank, r.modes)

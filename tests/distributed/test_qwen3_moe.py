@@ -12,6 +12,7 @@ import pytest
 from layer_boundary.models import load_config
 from layer_boundary.runner import RunSpec, merge, run_rank
 
+from .checks import assert_logits_match, sums_of_ffn_outputs
 from .pool import get_pool
 
 # (tp, attn_dp, moe_ep): pure TP-MoE, pure EP, mixed EP x TP, attention DP with mixed and
@@ -36,12 +37,7 @@ def test_moe_matches_world1(qwen3_moe_dir, tp, dp, ep, policy, fusions):
     spec = RunSpec(str(qwen3_moe_dir), tp=tp, dp=dp, ep=ep, boundary_reduction=policy,
                    prompts=PROMPTS, max_new_tokens=2, fusions=fusions)
     results = get_pool(tp).run(run_rank, spec)
-    ref, run = world1(spec), merge(results)
-    for j in range(len(PROMPTS)):
-        for step, (a, b) in enumerate(zip(run.logits[j], ref.logits[j])):
-            diff = (a - b).abs().max().item()
-            assert diff <= 1e-5, f"request {j} {'prefill' if step == 0 else 'decode'}: {diff}"
-    assert run.generated == ref.generated
+    assert_logits_match(merge(results), world1(spec), len(PROMPTS))
     for r in results:
         assert r.streams_released
         # the reference candidate fuses exactly the all-reduce-mode inputs that owe a TP sum
@@ -49,19 +45,6 @@ def test_moe_matches_world1(qwen3_moe_dir, tp, dp, ep, policy, fusions):
             assert r.fused_inputs > 0
         if fusions != "reference":
             assert r.fused_inputs == 0
-
-
-def sums_of_ffn_outputs(ledger, layers: int, step: int) -> dict[int, list]:
-    """TP-group sums (all-reduce or reduce-scatter) of each layer's FFN output."""
-    owner = {f"layer{i}.ffn.compute": i for i in range(layers)}
-    owner.update({f"layer{i + 1}.attn.prepare": i for i in range(layers - 1)})
-    owner["final_norm"] = layers - 1
-    out = {i: [] for i in range(layers)}
-    for e in ledger:
-        if e.step == step and e.group == "tp" and e.kind in ("all_reduce", "reduce_scatter") \
-                and e.site in owner:
-            out[owner[e.site]].append((e.kind, e.site))
-    return out
 
 
 @pytest.mark.timeout(120)

@@ -10,6 +10,7 @@ from checkpoints import hf_qwen3
 
 from layer_boundary.runner import RunSpec, merge, run_rank
 
+from .checks import assert_logits_match
 from .pool import get_pool
 
 PROMPTS = ((1, 2, 3, 4, 5), (7, 8, 9), (50, 3, 17, 88, 2, 61, 33))
@@ -22,14 +23,8 @@ def world1(spec: RunSpec):
 
 
 def assert_parity(spec: RunSpec, results) -> None:
-    ref, run = world1(replace(spec, boundary_reduction="ar", allreduce_fusion=True)), merge(results)
-    assert run.request_ids == list(range(len(spec.prompts)))
-    for j in range(len(spec.prompts)):
-        for step, (a, b) in enumerate(zip(run.logits[j], ref.logits[j])):
-            diff = (a - b).abs().max().item()
-            phase = "prefill" if step == 0 else f"decode {step}"
-            assert diff <= 1e-5, f"request {j} {phase}: max abs diff {diff}"
-    assert run.generated == ref.generated
+    ref = world1(replace(spec, boundary_reduction="ar", allreduce_fusion=True))
+    assert_logits_match(merge(results), ref, len(spec.prompts))
     assert all(r.streams_released for r in results), "a forward left its residual stream open"
 
 

@@ -64,12 +64,7 @@ def toy_run(tp: int, provider: str | None) -> dict:
     residual_batch.start(fb)
     h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(2))
     for layer in layers:
-        h = layer.attn.prepare(h, fb)
-        h = layer.attn.finish(layer.attn_compute(h), fb)
-        h = layer.ffn.prepare(h, fb)
-        with layer.ffn.exit(fb) as out:
-            y = layer.ffn_compute(h)
-        h = out.finish(y)
+        h = layer.forward_layer(h, fb)
     result = {"out": residual_batch.norm(h, fb, RMSNorm(HIDDEN)), "fused": 0, "untouched": True,
               "declined": 0}
     if fusions is not None:
