@@ -326,6 +326,22 @@ def test_ep_that_does_not_divide_tp_is_a_one_line_error(qwen3_moe_dir, capsys, r
     assert "tp 2" in line and "moe_ep 4" in line
 
 
+def test_text_prompts_use_the_checkpoint_tokenizer(qwen3_dir, tmp_path, capsys, restore_logger):
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path / "with_tokenizer"
+    folder.mkdir()
+    for f in Path(qwen3_dir).iterdir():
+        (folder / f.name).symlink_to(f)
+    vocab = {"[UNK]": 0, "hello": 5, "boundary": 17, "world": 42}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    assert main(["run", "--model", str(folder), "--tp", "1", "--max-new-tokens", "1", "--json",
+                 "--prompt", "hello boundary world", "--prompt", "world"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [p["prompt_ids"] for p in report["prompts"]] == [[5, 17, 42], [42]]
+
+
 # ------------------------------------------------------------------ plan
 
 
