@@ -156,19 +156,20 @@ class BatchRows:
                                      (self.tp_rank + 1) * self.slice_rows]
         return x[self.v_offset:self.v_offset + self.scattered_rows]
 
-    def _global_pad_index(self) -> torch.Tensor:
+    def _global_pad_index(self, device) -> torch.Tensor:
+        """Padded position of each global row; built once per forward, on the data's device."""
         if self._pad_index is None:
-            self._pad_index = torch.cat([torch.arange(c) + i * self.seg_pad
+            self._pad_index = torch.cat([torch.arange(c, device=device) + i * self.seg_pad
                                          for i, c in enumerate(self.counts)])
         return self._pad_index
 
     def pad_global(self, x: torch.Tensor) -> torch.Tensor:
         """Global rows to [attn_dp x seg_pad] rows, each DP segment zero-padded."""
         padded = x.new_zeros((self.seg_pad * len(self.counts), *x.shape[1:]))
-        return padded.index_copy_(0, self._global_pad_index(), x)
+        return padded.index_copy_(0, self._global_pad_index(x.device), x)
 
     def compact_global(self, x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(0, self._global_pad_index())
+        return x.index_select(0, self._global_pad_index(x.device))
 
     # -- movements with communication (row contracts in ops.py)
 
