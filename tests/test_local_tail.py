@@ -22,7 +22,6 @@ TAIL = torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(11)) 
 
 def tail_ffn(layer, x, scope, tail_on_every_rank=False):
     """Routed part as a partial sum over TP, then a replicated tail (a TP-1 shared expert)."""
-    layer.down.reduce_results = False  # this compute owns its sum
     partial = layer.ffn_compute(x)
     tail = torch.tanh(x) @ TAIL
     if not scope.skips_reduction:
@@ -36,6 +35,8 @@ def stack(tp: int, policy: str, provider: bool, tail_on_every_rank: bool = False
     fusions = ReferenceFusions(defer_all_reduce=True) if provider else None
     layers = [ToyLayer(rt, i, LAYERS, ffn_reduction=ProducerReduction.LOCAL_TAIL,
                        fusions=fusions) for i in range(LAYERS)]
+    for layer in layers:
+        layer.down.reduce_results = False  # this compute owns its sum (see tail_ffn)
     fb = batch(4)
     residual_batch.start(fb)
     h = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(3))
