@@ -49,17 +49,19 @@ def test_moe_matches_world1(qwen3_moe_dir, tp, dp, ep, policy, fusions):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fusions", [None, "reference", "reference-terminal"])
-@pytest.mark.parametrize("policy", ["ar", "rs"])
-def test_each_moe_output_is_summed_exactly_once(qwen3_moe_dir, policy, fusions):
-    spec = RunSpec(str(qwen3_moe_dir), tp=2, ep=2, boundary_reduction=policy, prompts=PROMPTS,
-                   max_new_tokens=2, fusions=fusions)
+@pytest.mark.parametrize("tp,dp,policy", [(2, 1, "ar"), (2, 1, "rs"), (4, 2, "ar"),
+                                          (4, 2, "rsv")])
+def test_each_moe_output_is_summed_exactly_once(qwen3_moe_dir, tp, dp, policy, fusions):
+    spec = RunSpec(str(qwen3_moe_dir), tp=tp, dp=dp, ep=2, boundary_reduction=policy,
+                   prompts=PROMPTS, max_new_tokens=2, fusions=fusions)
     layers = load_config(qwen3_moe_dir).num_hidden_layers
-    for r in get_pool(2).run(run_rank, spec):
+    for r in get_pool(tp).run(run_rank, spec):
+        assert r.modes == [policy, policy]
         for step in (0, 1):
             sums = sums_of_ffn_outputs(r.ledger, layers, step)
             assert all(len(s) == 1 for s in sums.values()), (r.rank, step, sums)
             last = sums[layers - 1][0]
-            if policy == "rs":
+            if policy != "ar":
                 assert all(kind == "reduce_scatter" for (kind, _), in sums.values())
             elif fusions == "reference-terminal":  # the final norm's service finalizes and sums
                 assert last == ("all_reduce", "final_norm") and r.fused_final_norms > 0
