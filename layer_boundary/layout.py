@@ -117,10 +117,6 @@ class BatchRows:
             return self.v_sizes[self.dp_rank][self.tp_rank]
         return self.local
 
-    def rows_of(self, where: Rows) -> int:
-        return {Rows.GLOBAL: self.total, Rows.LOCAL: self.local,
-                Rows.SCATTERED: self.scattered_rows}[where]
-
     def global_indices(self, where: Rows) -> torch.Tensor:
         """Global row index of each row this rank holds at ``where`` (-1 for padding)."""
         if where is Rows.GLOBAL:

@@ -85,8 +85,10 @@ def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torc
 
 def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Rows unchanged; the last dim becomes the concatenation of every rank's slice in rank order."""
-    if group.size == 1 or x.numel() == 0:
-        return x if group.size == 1 else x.new_empty((*x.shape[:-1], x.shape[-1] * group.size))
+    if group.size == 1:
+        return x
+    if x.numel() == 0:  # no rows anywhere in this group: nothing to move
+        return x.new_empty((*x.shape[:-1], x.shape[-1] * group.size))
     LEDGER.record("all_gather", group, x.numel() * group.size, x.dtype)
     parts = [torch.empty_like(x) for _ in range(group.size)]
     dist.all_gather(parts, x.contiguous(), group=group.pg)

@@ -17,10 +17,6 @@ MODELS = {
 }
 
 
-def _registry():
-    return MODELS
-
-
 def model_classes(model_type: str):
     """(config class, model class, module) of a registered model type."""
     import importlib
@@ -30,19 +26,27 @@ def model_classes(model_type: str):
     return getattr(module, config_name), getattr(module, model_name), module
 
 
-def model_type_of(path) -> str:
-    cfg = read_config(path)
-    model_type = cfg.get("model_type")
-    if model_type not in _registry():
+def _supported_type(raw: dict) -> str:
+    model_type = raw.get("model_type")
+    if model_type not in MODELS:
         raise CheckpointError(f"config.json model_type {model_type!r} is not supported "
-                              f"(supported: {', '.join(sorted(_registry()))})")
+                              f"(supported: {', '.join(sorted(MODELS))})")
     return model_type
 
 
+def model_type_of(path) -> str:
+    return _supported_type(read_config(path))
+
+
+def _load_config(path):
+    """(config, model class) from one read of config.json."""
+    raw = read_config(path)
+    config_cls, model_cls, _ = model_classes(_supported_type(raw))
+    return config_cls.from_dict(raw), model_cls
+
+
 def load_config(path):
-    cfg = read_config(path)
-    config_cls, _, _ = model_classes(model_type_of(path))
-    return config_cls.from_dict(cfg)
+    return _load_config(path)[0]
 
 
 def load_model(path, runtime, dtype=torch.float32, fusions=None, options=()):
@@ -54,9 +58,8 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=()):
     import dataclasses
 
     path = Path(path)
-    _, model_cls, _ = model_classes(model_type_of(path))
+    cfg, model_cls = _load_config(path)
     kwargs = {} if fusions is None else {"fusions": fusions}
-    cfg = load_config(path)
     try:
         cfg = dataclasses.replace(cfg, **dict(options))
     except TypeError:
