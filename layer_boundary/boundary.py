@@ -1,146 +1,130 @@
-"""Select and bind producer and consumer boundary operations from declarations.
+"""Select and bind producer and consumer boundary operations from contracts.
 
-Both sides of an edge are derived from the same pair of declarations: a consumer rebuilds its
-producer's output decisions from its ``previous`` declaration, so it knows exactly which owed
-work can arrive, and binds a movement for each. Everything here runs at construction.
+Both sides of an edge are bound from the same contract: a consumer rebuilds its producer's
+``StageOutput`` from its ``previous`` declaration and binds the same exit decisions the
+producer binds, so it knows exactly which owed work can arrive, and takes a movement from the
+table for each. Everything here runs at construction.
 """
 
 from __future__ import annotations
 
-from .contracts import Owed, ProducerReduction, StageKind
+from .contracts import EdgeDecl, ProducerReduction, StageKind, StageOutput
 from .exit import ExitDecision, ExitPath, OutputPlan
 from .fusions import InputPlan
-from .layout import BatchRows, RowMode, Rows, SumGroup, sum_group
-from .output import completion
-from .prepare import EntryPath
+from .layout import Layouts, RowMode, SumGroup
+from .ops import lookup
+from .prepare import ArrivalPath, EntryPath
 from .runtime.context import NO_FLAGS, ForwardFlags
 
 DEFER_ALL_REDUCE = ForwardFlags(fuse_mlp_allreduce=True)
 REDUCE_SCATTER = ForwardFlags(mlp_reduce_scatter=True)
-DEFER_FINALIZE = {RowMode.AR: ForwardFlags(fuse_mlp_allreduce=True, defer_moe_finalize=True),
-                  RowMode.RS: ForwardFlags(mlp_reduce_scatter=True, defer_moe_finalize=True),
-                  RowMode.RSV: ForwardFlags(mlp_reduce_scatter=True, defer_moe_finalize=True)}
 
 
-def update_rows(mode: RowMode) -> Rows:
-    """Where the residual lives between stages in ``mode``."""
-    return Rows.LOCAL if mode is RowMode.AR else Rows.SCATTERED
+def _defer_finalize(mode: RowMode, owes: bool) -> ForwardFlags:
+    if not owes:
+        return ForwardFlags(defer_moe_finalize=True)
+    if mode is RowMode.AR:
+        return ForwardFlags(fuse_mlp_allreduce=True, defer_moe_finalize=True)
+    return ForwardFlags(mlp_reduce_scatter=True, defer_moe_finalize=True)
 
 
-def compute_rows(decl) -> Rows:
-    """Attention computes on its DP rank's rows; a dense FFN on every DP rank's rows."""
-    return Rows.LOCAL if decl.kind is StageKind.ATTN else Rows.GLOBAL
+def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
+              name: str = "", declaration=None) -> ExitPath:
+    """The decisions a producer's exit may take in ``mode``, from its output contract."""
+    group, rows = output.sum_group, output.rows
+    handoff = lookup(table, None, rows, output.handoff_rows, mode)
+    finish_move = handoff if handoff.moves else None
 
+    def complete(label: str, compute_sum=None) -> ExitDecision:
+        if finish_move is not None:
+            label += f" -> {finish_move.name}"
+        return ExitDecision(NO_FLAGS, None, rows, label, finish_move=handoff,
+                            compute_sum=compute_sum)
 
-def _owed(runtime, which: SumGroup, rows: Rows) -> Owed | None:
-    return Owed(which, rows) if sum_group(runtime.parallel, which).size > 1 else None
-
-
-def make_output_boundary(decl, following, runtime, mode: RowMode = RowMode.AR,
-                         fusions=None, name: str = "") -> ExitPath:
-    """Bind a producer's output transport: the handoff ``decl`` leaves for ``following``."""
-    dims = runtime.parallel.dims
-    if decl.kind is StageKind.ATTN:
-        owed = _owed(runtime, SumGroup.ATTN_TP, Rows.LOCAL)
-        if owed is None:
-            return ExitPath(ExitDecision(NO_FLAGS, None, Rows.LOCAL, "complete (attn_tp=1)"))
-        if decl.reduction is ProducerReduction.PARTIAL:
-            return ExitPath(ExitDecision(NO_FLAGS, owed, Rows.LOCAL, "partial: attn_tp sum owed"))
-        # A single-stage mixer always leaves its sum to an FFN's input, and to another mixer's
-        # input only where that input can all-reduce it (never under attention DP).
-        if following is not None and following.kind is StageKind.FFN:
-            return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, Rows.LOCAL,
-                                         "attn_tp sum left to FFN input"))
-        if (following is not None and not decl.terminal and runtime.allreduce_fusion
-                and dims.attn_dp == 1):
-            return ExitPath(ExitDecision(DEFER_ALL_REDUCE, owed, Rows.LOCAL,
-                                         "attn_tp sum left to mixer input"))
-        return ExitPath(ExitDecision(NO_FLAGS, None, Rows.LOCAL, "all_reduce(attn_tp) in compute"))
-
-    default = _ffn_exit(decl, following, runtime, mode)
+    if group is None:
+        default = complete(f"complete ({output.kind.value} sum group of size 1)")
+    elif output.reduction is ProducerReduction.PARTIAL:
+        default = ExitDecision(NO_FLAGS, group, rows, f"partial: {group.value} sum owed",
+                               declared=True)
+    else:
+        scatter = output.kind is StageKind.FFN and mode is not RowMode.AR
+        leaves = output.leaves_for_reduce_scatter if scatter else output.leaves_for_all_reduce
+        if leaves:
+            how = "reduce-scatter" if scatter else "all-reduce"
+            default = ExitDecision(REDUCE_SCATTER if scatter else DEFER_ALL_REDUCE, group, rows,
+                                   f"{group.value} sum left to the next input ({how})")
+        else:
+            compute_sum = lookup(table, group, rows, rows, mode)
+            default = complete(f"{compute_sum.name} in compute", compute_sum)
     if fusions is None:
-        return ExitPath(default)
-    plan = OutputPlan(name, decl, mode)
-    owed = _owed(runtime, _ffn_sum(decl), Rows.GLOBAL)
-    if decl.sparse:
+        return ExitPath(default, at_producer=output.at_producer)
+    plan = OutputPlan(name, declaration, mode)
+    if output.hands_off_finalize:
         # the provider decides per batch whether compute may return a finalize handoff
-        deferred = ExitDecision(DEFER_FINALIZE[mode], owed, Rows.GLOBAL,
-                                "finalize + sum handed to next input")
-        return ExitPath(default, deferred, lambda fb: fusions.can_defer_finalize(plan, fb))
-    if decl.reduction is ProducerReduction.LOCAL_TAIL and mode is RowMode.AR:
-        deferred = ExitDecision(DEFER_ALL_REDUCE, owed, Rows.GLOBAL,
-                                "all_reduce(tp) deferred to next input (provider)")
-        return ExitPath(default, deferred, lambda fb: fusions.can_defer_all_reduce(plan, fb))
-    return ExitPath(default)
+        deferred = ExitDecision(_defer_finalize(mode, group is not None), group, rows,
+                                "finalize" + (f" + {group.value} sum" if group else "")
+                                + " handed to the next input", hands_off=True)
+        return ExitPath(default, deferred, lambda fb: fusions.can_defer_finalize(plan, fb),
+                        at_producer=output.at_producer)
+    if output.provider_defers_all_reduce and mode is RowMode.AR and group is not None:
+        deferred = ExitDecision(DEFER_ALL_REDUCE, group, rows,
+                                f"{group.value} sum left to the next input (provider)")
+        return ExitPath(default, deferred, lambda fb: fusions.can_defer_all_reduce(plan, fb),
+                        at_producer=output.at_producer)
+    return ExitPath(default, at_producer=output.at_producer)
 
 
-def _ffn_sum(decl) -> SumGroup:
-    return SumGroup.MOE_OUT if decl.sparse else SumGroup.TP
-
-
-def _ffn_exit(decl, following, runtime, mode: RowMode) -> ExitDecision:
-    """An FFN's output decision without a fusion provider."""
-    dims = runtime.parallel.dims
-    owed = _owed(runtime, _ffn_sum(decl), Rows.GLOBAL)
-    back = None if dims.attn_dp == 1 else BatchRows.global_to_local
-    if owed is None:
-        return ExitDecision(NO_FLAGS, None, Rows.LOCAL, "complete (tp=1)", back)
-    if mode is not RowMode.AR:
-        # compute skips its sum; the consumer reduce-scatters it onto scattered rows
-        # (LOCAL_TAIL keeps this permission: its tail must then be added on one rank)
-        kind = "reduce_scatter" if mode is RowMode.RS else "reduce_scatter_v"
-        return ExitDecision(REDUCE_SCATTER, owed, Rows.GLOBAL, f"{kind}(tp) left to next input")
-    # LOCAL_TAIL adds its tail after its own sum, so that sum is not deferred by default.
-    if (decl.reduction is ProducerReduction.SCOPED and not decl.terminal
-            and following is not None and runtime.allreduce_fusion):
-        return ExitDecision(DEFER_ALL_REDUCE, owed, Rows.GLOBAL,
-                            "all_reduce(tp) deferred to next input")
-    label = "all_reduce(tp) in compute" + ("" if back is None else " -> slice to local rows")
-    return ExitDecision(NO_FLAGS, None, Rows.LOCAL, label, back)
-
-
-def static_owed(runtime, decl) -> Owed | None:
-    """The sum ``decl``'s producer always leaves (a pipeline receiver re-declares it)."""
-    prev = decl.previous
-    if prev is None or prev.kind is not StageKind.ATTN:
-        return None
-    if prev.reduction is ProducerReduction.PARTIAL or decl.kind is StageKind.FFN:
-        return _owed(runtime, SumGroup.ATTN_TP, Rows.LOCAL)
-    return None
-
-
-def make_boundary(name: str, decl, norm, runtime, mode: RowMode = RowMode.AR,
-                  qkv_latent_func=None, fusions=None) -> EntryPath:
+def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, norm,
+               mode: RowMode, table: dict, *, qkv_latent_func=None, fusions=None) -> EntryPath:
     """Bind a consumer's input work in ``mode``: a movement for every output its producer may
-    leave, the residual update rows, and the move to compute's rows. An attention's
-    ``qkv_latent_func`` runs on the read's rows, before any gather, so only the (smaller)
-    latent moves."""
-    target = update_rows(mode)
-    arrivals = {}
-    producer_keys = []
-    if decl.previous is not None:
-        for decision in make_output_boundary(decl.previous, decl, runtime, mode,
-                                             fusions).decisions:
-            key = (None if decision.owed is None else decision.owed.group,
-                   decision.rows if decision.finish_move is None else Rows.LOCAL)
-            arrivals[key] = completion(key[0], key[1], target)
-            producer_keys.append(key)
-        # accessors (complete_output, add_to_output) may finish the sum before this input
-        arrivals.setdefault((None, Rows.LOCAL), completion(None, Rows.LOCAL, target))
-        arrivals.setdefault((None, target), completion(None, target, target))
-    static = static_owed(runtime, decl)
-    if static is not None:
-        arrivals.setdefault((static.group, static.rows), completion(static.group, static.rows, target))
-    dims = runtime.parallel.dims
-    sum_before_read = (mode is RowMode.AR and dims.attn_dp > 1 and decl.kind is StageKind.FFN
-                       and not decl.residual.read.before_gather)
+    leave (and for the complete values accessors leave on local rows), the residual's
+    alignment, and the move to compute's rows. An attention's ``qkv_latent_func`` runs on the
+    read's rows, before any gather, so only the (smaller) latent moves."""
+    layouts: Layouts = table["layouts"]
+    target, compute, local = edge.residual_dst, edge.consumer.rows, layouts.local
+    read = decl.residual.read
     candidates = ()
     if fusions is not None:
-        plan = InputPlan(name, decl.kind.value, mode, target, compute_rows(decl),
-                         runtime.parallel)
+        plan = InputPlan(name, decl.kind.value, mode, layouts, target, compute, layouts)
         offer = fusions.attention_input if decl.kind is StageKind.ATTN else fusions.ffn_input
         candidates = tuple(offer(plan))
-    return EntryPath(name, mode, decl.residual.read, norm, stack_entry=decl.previous is None,
-                     update_rows=target, compute_rows=compute_rows(decl), arrivals=arrivals,
-                     producer_keys=tuple(producer_keys), sum_before_read=sum_before_read,
-                     attn_dp=dims.attn_dp, latent=qkv_latent_func, candidates=candidates)
+    arrivals, producer_keys = {}, []
+    decisions = producer_exit.decisions if producer_exit is not None else ()
+    declared_plain = edge.producer is not None and decl.previous.residual.update.plain
+    for decision in decisions:
+        for key in decision.arrivals():
+            producer_keys.append(key)
+            arrivals[key] = _arrival(key, decision, target, mode, table, layouts, candidates,
+                                     declared_plain, read, decl)
+    # complete values: what accessors leave (local rows) and captures complete (update rows)
+    for rows in (local, target):
+        key = (None, rows.key, False)
+        if key not in arrivals:
+            arrivals[key] = ArrivalPath(key, lookup(table, None, rows, target, mode))
+    align = {rows.key: lookup(table, None, rows, target, mode) for rows in (local, target)}
+    return EntryPath(
+        name, mode, read, norm, latent=qkv_latent_func, stack_entry=decl.previous is None,
+        local=local, update_rows=target, compute_rows=compute, arrivals=arrivals,
+        producer_keys=tuple(dict.fromkeys(producer_keys)), align=align,
+        enter_residual=lookup(table, None, local, target, mode),
+        enter_input=lookup(table, None, local, compute, mode),
+        input_move=lookup(table, None, target, compute, mode),
+        local_to_update=lookup(table, None, local, target, mode),
+        capture_move=lookup(table, None, target, local, mode))
+
+
+def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidates,
+             declared_plain: bool, read, decl) -> ArrivalPath:
+    owed, _, handoff = key
+    src = decision.finish_move.dst if decision.finish_move is not None else decision.rows
+    complete = lookup(table, owed, src, target, mode)
+    applying = tuple(c for c in candidates
+                     if c.applies(owed, src, handoff, target, mode, declared_plain,
+                                  getattr(read, "kind", None)))
+    sum_before_read = None
+    if (owed is SumGroup.ATTN_TP and not handoff and mode is RowMode.AR
+            and decl.kind is StageKind.FFN and src == layouts.local
+            and layouts.local != layouts.replicated and declared_plain
+            and not read.before_gather):
+        sum_before_read = lookup(table, owed, src, layouts.replicated, mode)
+    return ArrivalPath(key, complete, applying, sum_before_read)

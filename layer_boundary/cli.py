@@ -237,7 +237,7 @@ def _plan_table(rows) -> None:
 def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
     from .construction import select_mode
-    from .layout import BatchRows
+    from .ops import BatchRows
     from .models import load_config, model_classes, model_type_of
     from .models.tiny import builtin_checkpoint
     from .runner import plan_rows
@@ -265,7 +265,7 @@ def cmd_plan(args) -> int:
     for rank in range(dims.tp):
         rows = BatchRows(mode, counts, virtual_parallel(dims, rank))
         per_rank.append({"rank": rank, "dp_rank": rows.dp_rank, "local": rows.local,
-                         "scattered": rows.scattered_rows, "global": rows.total})
+                         "scattered": rows.scattered, "global": rows.total})
     if args.json:
         log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "attn_tp": dims.attn_tp,
                              "boundary_reduction": policy, "tokens": list(counts),

@@ -1,19 +1,24 @@
-"""Build a ``StagePlan`` at construction and select its batch variant at forward."""
+"""Build a ``StagePlan`` at construction and select its batch variant at forward.
+
+Construction resolves a declaration into contracts for every supported batch variant and row
+mode (``StageDecl``, ``EdgeDecl``), binds the exit and entry paths from them, and rejects
+what it cannot run. A forward only computes its row facts once and picks a prebuilt path.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .boundary import make_boundary, make_output_boundary, static_owed
-from .contracts import BatchVariant, EdgeDecl, StageDecl, StageInput, StageKind, StageOutput
+from .boundary import bind_entry, bind_exit
+from .contracts import (BatchVariant, EdgeDecl, ProducerReduction, StageDecl, StageInput,
+                        StageKind, StageOutput)
 from .exit import ExitPath
-from .layout import (REPLICATED, BatchRows, Layout, RowMode, SumGroup, TokenAxis,
-                     token_axis_sizes)
+from .layout import Layouts, RowMode, SumGroup, TokenAxis, sum_group
+from .ops import BatchRows, UnsupportedBoundary, movement_table
 from .prepare import EntryPath
 
-
-class UnsupportedBoundary(ValueError):
-    """A transition this package has no correct implementation for."""
+__all__ = ["StagePlan", "StagePath", "UnsupportedBoundary", "build_plan", "select_mode",
+           "supported_modes", "resolve_output", "resolve_input", "no_path_error"]
 
 
 def no_path_error(variant: BatchVariant) -> RuntimeError:
@@ -51,13 +56,72 @@ def select_mode(runtime, counts: tuple[int, ...]) -> tuple[RowMode, str]:
     return RowMode.AR, f"fallback to ar ({reason})"
 
 
+def supported_modes(runtime) -> list[RowMode]:
+    dims = runtime.parallel.dims
+    modes = [RowMode.AR]
+    if dims.tp > 1 and runtime.allows_rs:
+        modes.append(RowMode.RS)
+    if dims.tp > 1 and dims.attn_dp > 1 and runtime.allows_rsv:
+        modes.append(RowMode.RSV)
+    return modes
+
+
+def _sum(runtime, which: SumGroup) -> SumGroup | None:
+    return which if sum_group(runtime.parallel, which).size > 1 else None
+
+
+def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None) -> StageOutput:
+    """A declaration's output contract: its rows, its sum, and the handoffs it may take."""
+    at_producer = decl.residual.update.at_producer
+    known = following is not None and not decl.terminal  # a consumer that can finish a sum
+    if decl.kind is StageKind.ATTN:
+        if decl.reduction is ProducerReduction.PARTIAL:
+            leaves = True
+        elif known and following.kind is StageKind.FFN:
+            leaves = True  # a mixer always leaves its sum to an FFN's input
+        else:  # to another mixer's input only where it can all-reduce it
+            leaves = (known and runtime.allreduce_fusion and runtime.parallel.dims.attn_dp == 1)
+        leaves = leaves and (decl.reduction is ProducerReduction.PARTIAL or not at_producer)
+        return StageOutput(StageKind.ATTN, layouts.local, decl.reduction,
+                           _sum(runtime, SumGroup.ATTN_TP), layouts.local,
+                           leaves_for_all_reduce=leaves, leaves_for_reduce_scatter=leaves,
+                           at_producer=at_producer)
+    known = known and not at_producer
+    scoped = decl.reduction is ProducerReduction.SCOPED
+    # LOCAL_TAIL adds its tail after its own sum: never deferred to an all-reduce by default,
+    # but its reduce-scatter permission stays (compute then adds the tail on one rank)
+    return StageOutput(
+        StageKind.FFN, layouts.replicated, decl.reduction,
+        _sum(runtime, SumGroup.MOE_OUT if decl.sparse else SumGroup.TP), layouts.local,
+        leaves_for_all_reduce=known and scoped and runtime.allreduce_fusion,
+        leaves_for_reduce_scatter=known,
+        hands_off_finalize=decl.sparse and fusions is not None and not at_producer,
+        provider_defers_all_reduce=(not scoped and known and fusions is not None),
+        at_producer=at_producer, next_sparse=decl.next_sparse)
+
+
+def resolve_input(decl, runtime, layouts: Layouts) -> StageInput:
+    """A declaration's input contract: its compute rows and the sum its producer always leaves."""
+    prev = decl.previous
+    static = None
+    if prev is not None and prev.kind is StageKind.ATTN and (
+            prev.reduction is ProducerReduction.PARTIAL or decl.kind is StageKind.FFN):
+        static = _sum(runtime, SumGroup.ATTN_TP)
+    if decl.kind is StageKind.ATTN:
+        gathers = frozenset({TokenAxis.ATTN_TP_SCATTER}) if (
+            decl.gathers_tp_input and runtime.parallel.dims.attn_tp > 1) else frozenset()
+        return StageInput(layouts.local, static, gathers)
+    return StageInput(layouts.replicated, static)
+
+
 class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
-    __slots__ = ("name", "declaration", "paths", "runtime")
+    __slots__ = ("name", "declaration", "paths", "runtime", "tables")
 
-    def __init__(self, name: str, declaration, paths: dict, runtime) -> None:
+    def __init__(self, name: str, declaration, paths: dict, runtime, tables: dict) -> None:
         self.name, self.declaration, self.paths, self.runtime = name, declaration, paths, runtime
+        self.tables = tables  # row mode -> the movement table
 
     def rows(self, forward_batch) -> BatchRows:
         """This forward's row facts; the first boundary of a forward computes them for all."""
@@ -65,7 +129,8 @@ class StagePlan:
         if rows is None:
             counts = forward_batch.dp_token_counts
             mode, _ = select_mode(self.runtime, counts)
-            rows = forward_batch.rows = BatchRows(mode, counts, self.runtime.parallel)
+            rows = forward_batch.rows = BatchRows(mode, counts, self.runtime.parallel,
+                                                  self.tables[mode])
         return rows
 
     def select(self, forward_batch) -> tuple[StagePath, BatchRows]:
@@ -86,16 +151,6 @@ class StagePlan:
                 "exit": " | ".join(d.label for d in path.exit.decisions)}
 
 
-def supported_modes(runtime) -> list[RowMode]:
-    dims = runtime.parallel.dims
-    modes = [RowMode.AR]
-    if dims.tp > 1 and runtime.allows_rs:
-        modes.append(RowMode.RS)
-    if dims.tp > 1 and dims.attn_dp > 1 and runtime.allows_rsv:
-        modes.append(RowMode.RSV)
-    return modes
-
-
 def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func=None,
                fusions=None) -> StagePlan:
     dims = runtime.parallel.dims
@@ -103,29 +158,33 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
         raise UnsupportedBoundary(
             f"stage {name}: no boundary path for attn_cp={dims.attn_cp}, pp={dims.pp} yet "
             "(supported: attn_cp=1, pp=1)")
+    if qkv_latent_func is not None and not declaration.gathers_tp_input:
+        raise UnsupportedBoundary(
+            f"stage {name}: qkv_latent_func runs inside the attention's own input gather, "
+            "and a declaration with gathers_tp_input=False has none")
     variant = BatchVariant.ORDINARY
     prev = declaration.previous
-    own_sum = SumGroup.ATTN_TP if declaration.kind is StageKind.ATTN else SumGroup.TP
-    sizes = token_axis_sizes(runtime.parallel)
-    local = Layout.of(TokenAxis.ATTN_DP, sizes=sizes)
-    paths = {}
+    paths, tables = {}, {}
     for mode in supported_modes(runtime):
-        exit_path = make_output_boundary(declaration, following, runtime, mode, fusions=fusions,
-                                         name=name)
-        entry = make_boundary(name, declaration, norm, runtime, mode,
-                              qkv_latent_func=qkv_latent_func, fusions=fusions)
-        residual = local if mode is RowMode.AR else Layout.of(
-            TokenAxis.ATTN_DP, TokenAxis.ATTN_TP_SCATTER, sizes=sizes)
-        compute = local if declaration.kind is StageKind.ATTN else REPLICATED
-        producer = None if prev is None else StageOutput(
-            local if prev.kind is StageKind.ATTN else REPLICATED, prev.reduction,
-            SumGroup.ATTN_TP if prev.kind is StageKind.ATTN else SumGroup.TP)
-        stage_input = StageInput(compute, static_owed(runtime, declaration))
-        stage_output = StageOutput(
-            compute, declaration.reduction, own_sum,
-            leaves_for_all_reduce=any(d.flags.fuse_mlp_allreduce for d in exit_path.decisions),
-            leaves_for_reduce_scatter=any(d.flags.mlp_reduce_scatter for d in exit_path.decisions))
-        paths[(variant, mode)] = StagePath(
-            StageDecl(variant, stage_input, stage_output),
-            EdgeDecl(producer, stage_input, residual, residual), entry, exit_path)
-    return StagePlan(name, declaration, paths, runtime)
+        table = tables[mode] = movement_table(runtime.parallel, mode)
+        layouts = table["layouts"]
+        output = resolve_output(declaration, following, runtime, layouts, fusions)
+        stage_input = resolve_input(declaration, runtime, layouts)
+        try:
+            exit_path = bind_exit(output, mode, table, fusions=fusions, name=name,
+                                  declaration=declaration)
+            prev_output = prev_exit = None
+            if prev is not None:
+                prev_output = resolve_output(prev, declaration, runtime, layouts, fusions)
+                prev_exit = bind_exit(prev_output, mode, table, fusions=fusions,
+                                      declaration=prev)
+            residual = layouts.residual(mode)
+            edge = EdgeDecl(prev_output, stage_input,
+                            layouts.local if prev is None else residual, residual)
+            entry = bind_entry(name, edge, prev_exit, declaration, norm, mode, table,
+                               qkv_latent_func=qkv_latent_func, fusions=fusions)
+        except UnsupportedBoundary as exc:
+            raise UnsupportedBoundary(f"stage {name}: {exc}") from None
+        paths[(variant, mode)] = StagePath(StageDecl(variant, stage_input, output), edge, entry,
+                                           exit_path)
+    return StagePlan(name, declaration, paths, runtime, tables)

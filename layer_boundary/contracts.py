@@ -1,11 +1,18 @@
-"""Resolved input/output contracts, edge declarations and the producer reduction contracts."""
+"""Resolved input/output contracts, edge declarations and the producer reduction contracts.
+
+A ``StageDeclaration`` (factories.py) says what a stage's compute does; construction resolves
+it against a topology, a batch variant and a row mode into a ``StageDecl``: one
+``StageInput`` and one ``StageOutput``. Path selection reads only these: a producer's exit
+takes a handoff its ``StageOutput.leaves_for_*`` permits, and a consumer binds a movement
+(ops.TRANSITIONS) for every arrival its producer's contract can leave.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-from .layout import Layout, Rows, SumGroup
+from .layout import Layout, SumGroup
 from .runtime.forward_batch import BatchVariant
 
 __all__ = ["BatchVariant", "ProducerReduction", "StageKind", "Owed", "StageInput",
@@ -34,29 +41,44 @@ class Owed:
     """
 
     group: SumGroup
-    rows: Rows
+    rows: Layout
 
     def __str__(self) -> str:
-        return f"sum over {self.group.value} of {self.rows.value} rows"
+        return f"sum over {self.group.value} of {self.rows} rows"
 
 
 @dataclass(frozen=True)
 class StageInput:
-    """What a consumer reads: its compute rows and the sum its producer statically owes."""
+    """What a consumer reads: its compute rows, the sum its producer always leaves, and the
+    token axes its own input path gathers (after an attention's latent hook)."""
 
     rows: Layout
-    static_owed: Owed | None
+    static_owed: SumGroup | None
+    gathers_itself: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
 class StageOutput:
-    """What a producer leaves, and which handoffs it was permitted at construction."""
+    """What a producer leaves, and which handoffs it was permitted at construction.
 
-    rows: Layout
+    ``leaves_for_all_reduce``: compute may skip its sum for the consumer's all-reduce (the
+    ``fuse_mlp_allreduce`` flag); ``leaves_for_reduce_scatter``: for the consumer's
+    reduce-scatter (an FFN's ``mlp_reduce_scatter``). A PARTIAL output always leaves its sum.
+    ``hands_off_finalize``: a fusion provider may accept, per batch, a finalize handoff;
+    ``provider_defers_all_reduce``: a provider may let a LOCAL_TAIL sum defer, per batch.
+    """
+
+    kind: StageKind
+    rows: Layout  # compute's output rows
     reduction: ProducerReduction
     sum_group: SumGroup | None  # None: compute needs no sum (size-1 group)
-    leaves_for_all_reduce: bool = False  # may leave its sum to the consumer's all-reduce
-    leaves_for_reduce_scatter: bool = False  # may leave its sum to a reduce-scatter
+    handoff_rows: Layout  # where a complete output is handed on
+    leaves_for_all_reduce: bool = False
+    leaves_for_reduce_scatter: bool = False
+    hands_off_finalize: bool = False
+    provider_defers_all_reduce: bool = False
+    at_producer: bool = False  # the update is applied at this exit; nothing pending leaves
+    next_sparse: bool | None = None  # the declared sparsity of the FFN after the consumer
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Output completion decisions and the scoped compute flags that carry them.
 
-A decision is made once per exit: its flags tell compute which reduction to skip, and its
-``owed`` records exactly what the next boundary must finish. Decisions are built at
-construction; an exit only selects one.
+A decision is made once per exit: its flags tell compute which reduction to skip, and what it
+records tells the next boundary exactly what it owes. Decisions are built at construction
+from the producer's ``StageOutput``; an exit only selects one.
 """
 
 from __future__ import annotations
@@ -10,21 +10,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .contracts import Owed
-from .layout import Rows
+from .layout import Layout, SumGroup
+from .ops import Movement
 from .output import HandoffOutput
+from .residual.batch import fold_stream
 from .runtime.context import ForwardFlags, swap_flags
-from .runtime.ledger import LEDGER
+from .runtime.ledger import active_observer
 
 
 @dataclass(frozen=True)
 class ExitDecision:
     flags: ForwardFlags
-    owed: Owed | None  # what the consumer must still finish
-    rows: Rows  # where compute's output rows are
+    owed: SumGroup | None  # what the consumer must still finish
+    rows: Layout  # where compute's output rows are
     label: str
-    # a complete output on global rows goes back to the layer's handoff rows at finish()
-    finish_move: Callable | None = None
+    hands_off: bool = False  # compute may return a HandoffOutput
+    declared: bool = False  # the owed sum is the producer's static contract
+    # a complete output moves to the rows the layer hands on at finish()
+    finish_move: Movement | None = None
+    # the sum compute runs itself when it completes its output (for plans and ledgers)
+    compute_sum: Movement | None = None
+
+    def arrivals(self) -> tuple[tuple, ...]:
+        """The Contribution keys an output of this decision arrives with."""
+        if self.finish_move is not None:
+            return ((None, self.finish_move.dst.key, False),)
+        plain = (self.owed, self.rows.key, False)
+        return (plain, (self.owed, self.rows.key, True)) if self.hands_off else (plain,)
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class ExitPath:
     default: ExitDecision
     deferred: ExitDecision | None = None
     provider_choice: Callable | None = None
+    at_producer: bool = False  # fold the update in at finish(); nothing pending leaves
 
     @property
     def decisions(self) -> tuple[ExitDecision, ...]:
@@ -58,8 +71,23 @@ class ExitPath:
         return self.default
 
 
+def publish(stream, decision: ExitDecision, value, update, rows, at_producer: bool):
+    """Record compute's output with the decided owed work; return what the model passes on."""
+    if decision.finish_move is not None:
+        stream.leave(decision.finish_move(rows, value), None, update, decision.finish_move.dst)
+    else:
+        stream.leave(value, decision.owed, update, decision.rows,
+                     handoff=isinstance(value, HandoffOutput), declared=decision.declared)
+    if at_producer:
+        return fold_stream(stream, rows)
+    return stream.handle
+
+
 class StageExit:
-    """Scope around an FFN's or mixer's compute: publishes the decision's flags, restores them."""
+    """Scope around an FFN's or mixer's compute: publishes the decision's flags, restores them.
+
+    Opening it takes the stage's turn: a second exit() of the same prepare() raises.
+    """
 
     __slots__ = ("_stream", "_path", "_forward_batch", "_update", "_site", "_finish_site",
                  "_decision", "_previous", "_state")
@@ -71,13 +99,16 @@ class StageExit:
         self._decision: ExitDecision | None = None
         self._previous = None
         self._state = "new"
+        stream.handle = self
 
     def __enter__(self):
         if self._state != "new":
             raise RuntimeError("an exit scope can be entered once")
         self._decision = self._path.select(self._forward_batch)
         self._previous = swap_flags(self._decision.flags)
-        LEDGER.site = self._site
+        observer = active_observer()
+        if observer is not None:
+            observer.enter(self._site)
         self._state = "open"
         return self
 
@@ -116,18 +147,20 @@ class StageExit:
             raise RuntimeError("finish() called before the exit scope was entered")
         if self._state == "finished":
             raise RuntimeError("finish() called twice on one exit")
+        if self._stream.handle is not self:
+            raise RuntimeError("finish() on an exit whose stream has moved on")
         if isinstance(hidden_states, HandoffOutput) and not self.defer_moe_finalize:
             raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
                                "publish defer_moe_finalize")
         self._state = "finished"
-        decision, rows = self._decision, self._forward_batch.rows
-        if decision.finish_move is not None:
-            hidden_states = decision.finish_move(rows, hidden_states)
-            handle = self._stream.leave(hidden_states, None, self._update, Rows.LOCAL)
-        else:
-            handle = self._stream.leave(hidden_states, decision.owed, self._update, decision.rows)
-        if LEDGER.traces is not None:
-            LEDGER.trace(self._finish_site, self._stream, rows)
+        rows = self._forward_batch.rows
+        observer = active_observer()
+        if observer is not None:
+            observer.enter(self._finish_site)
+        handle = publish(self._stream, self._decision, hidden_states, self._update, rows,
+                         self._path.at_producer)
+        if observer is not None:
+            observer.boundary(self._finish_site, self._stream, rows)
         return handle
 
 

@@ -98,6 +98,7 @@ def make_stages(*items, previous: StageDeclaration | None = None,
     if not items:
         raise ValueError("make_stages needs at least one (declaration, norm) item")
     checked = [_check_item(item, i) for i, item in enumerate(items)]
+    _check_next_sparse(previous, [decl for decl, _, _ in checked])
     decls = []
     prev = previous
     for i, (decl, _, _) in enumerate(checked):
@@ -115,6 +116,21 @@ def make_stages(*items, previous: StageDeclaration | None = None,
         stages.append(StageBoundary(decl, norm, following=nxt, runtime=runtime,
                                     name=names[i], **options))
     return stages
+
+
+def _check_next_sparse(previous: StageDeclaration | None, decls: list) -> None:
+    """A declaration's ``next_sparse`` describes the FFN after its consumer: where that FFN is
+    one of these items, the two must agree (the TBO handoff rows derive from the pair)."""
+    producers = [(previous, "previous")] + [(d, f"item {i}") for i, d in enumerate(decls)]
+    for start, (decl, where) in enumerate(producers):
+        if decl is None or decl.kind is not StageKind.FFN or decl.next_sparse is None:
+            continue
+        nxt = next(((d, i) for i, d in enumerate(decls) if i >= start
+                    and d.kind is StageKind.FFN), None)
+        if nxt is not None and nxt[0].sparse != decl.next_sparse:
+            raise ValueError(
+                f"make_stages: {where} declares next_sparse={decl.next_sparse}, but the next "
+                f"FFN (item {nxt[1]}) is declared sparse={nxt[0].sparse}")
 
 
 def _stage_names(prefix: str | None, kinds: list[StageKind]) -> list[str]:

@@ -1,95 +1,368 @@
-"""Collective and token-row primitives. Each states its row contract in one line.
+"""Token-row movements: one table of supported transitions, and the row facts they run on.
 
-All collectives of the package go through here, so the ledger sees every one. A size-1 group
-short-circuits without touching torch.distributed, and so does a collective whose every
-participant holds no rows (callers pass sizes every rank agrees on, so all skip together).
-The ledger records what a path logically moves: padded rows for fixed-size collectives,
-real rows for the variable-size ones, whatever gloo needs underneath.
+A movement takes a value on a source layout, owing a sum or nothing, to a destination layout.
+``TRANSITIONS`` is the only place a movement is chosen: each row names the sum it completes,
+the token axes it gathers and scatters, the row modes it serves, and the primitive that runs
+it with its collective, group, padding and row-order contract. ``movement_table`` resolves the
+rows against one topology and row mode at construction; a pair it does not hold has no
+implementation and is rejected there. Nothing here runs per forward except the primitives.
+
+Row order: the global batch is the attention-DP ranks' tokens in DP rank order; a DP rank's
+rows are cut over attention TP in TP rank order, in ``rs`` as equal chunks of
+ceil(max rows / attn_tp) (the last ranks may hold fewer, or none) and in ``rsv`` as balanced
+slices (the first ranks take the remainder). Tensors hold real rows only; a fixed-size
+collective pads inside itself and the ledger records the padded size it moves.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from .runtime.ledger import LEDGER
-from .runtime.parallel import Group
+from .layout import Layout, Layouts, RowMode, SumGroup, TokenAxis
+from .runtime import collectives as coll
+from .runtime.parallel import Parallel
 
 
-def all_reduce_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Rows unchanged; every rank ends with the group sum of its rows (reuses ``x``'s storage)."""
-    if group.size == 1 or x.numel() == 0:
+class UnsupportedBoundary(ValueError):
+    """A transition this package has no correct implementation for."""
+
+
+def split_rows(n: int, parts: int) -> tuple[int, ...]:
+    """Real rows per part when ``n`` rows are split in order over ``parts`` ranks (balanced)."""
+    return tuple(n // parts + (1 if i < n % parts else 0) for i in range(parts))
+
+
+def chunk_rows(n: int, chunk: int, parts: int) -> tuple[int, ...]:
+    """Real rows per part when ``n`` rows are cut in order into chunks of ``chunk`` rows."""
+    return tuple(max(0, min(chunk, n - i * chunk)) for i in range(parts))
+
+
+class BatchRows:
+    """One forward's row facts on this rank, and the primitives that move rows.
+
+    Built once per forward from the batch's DP token counts (every rank agrees on them), so
+    every rank sizes its collectives identically, including ranks with no tokens.
+    """
+
+    def __init__(self, mode: RowMode, counts: tuple[int, ...], parallel: Parallel,
+                 table: dict | None = None) -> None:
+        dims = parallel.dims
+        if len(counts) != dims.attn_dp:
+            raise ValueError(f"the batch has {len(counts)} DP token counts but attn_dp is "
+                             f"{dims.attn_dp}")
+        self.mode, self.counts, self.parallel = mode, tuple(counts), parallel
+        self.table = table if table is not None else movement_table(parallel, mode)
+        self.layouts = self.table["layouts"]
+        a, d = dims.attn_tp, parallel.attn_dp_rank
+        self.attn_tp, self.attn_dp, self.dp_rank, self.tp_rank = a, dims.attn_dp, d, \
+            parallel.attn_tp_rank
+        self.total, self.local = sum(counts), counts[d]
+        self.offset = sum(counts[:d])
+        # rs: every DP rank's rows cut in chunks of one size, so fixed-size collectives line up
+        self.chunk = -(-max(counts) // a) if counts else 0
+        if mode is RowMode.RS:
+            per_dp = [chunk_rows(c, self.chunk, a) for c in counts]
+        else:
+            per_dp = [split_rows(c, a) for c in counts]
+        self.scatter_sizes = tuple(n for sizes in per_dp for n in sizes)  # flat over TP ranks
+        self.segment_sizes = per_dp[d]  # this DP rank's rows per attention-TP rank
+        self.scattered = self.segment_sizes[self.tp_rank]
+        self.scatter_offset = sum(self.segment_sizes[: self.tp_rank])
+        self._pad_index = None
+
+    def move(self, owed: SumGroup | None, src: Layout, dst: Layout) -> "Movement":
+        """The prebuilt movement for (owed, src, dst) in this forward's mode."""
+        return lookup(self.table, owed, src, dst, self.mode)
+
+    def count(self, layout: Layout) -> int:
+        """Rows this rank holds on ``layout``."""
+        if layout == self.layouts.replicated:
+            return self.total
+        if layout == self.layouts.local:
+            return self.local
+        return self.scattered
+
+    def global_indices(self, layout: Layout) -> torch.Tensor:
+        """Global row index of each row this rank holds on ``layout``."""
+        if layout == self.layouts.replicated:
+            return torch.arange(self.total)
+        start = self.offset + (0 if layout == self.layouts.local else self.scatter_offset)
+        return torch.arange(start, start + self.count(layout))
+
+    # -- padding, inside fixed-size collectives only
+
+    @staticmethod
+    def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
+        if x.shape[0] == rows:
+            return x
+        padded = x.new_zeros((rows, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        return padded
+
+    def _global_pad_index(self, device) -> torch.Tensor:
+        """Padded position of each global row (every DP segment padded to attn_tp chunks)."""
+        if self._pad_index is None:
+            seg = self.chunk * self.attn_tp
+            self._pad_index = torch.cat([torch.arange(c, device=device) + i * seg
+                                         for i, c in enumerate(self.counts)])
+        return self._pad_index
+
+    def _pad_global(self, x: torch.Tensor) -> torch.Tensor:
+        padded = x.new_zeros((self.chunk * self.attn_tp * self.attn_dp, *x.shape[1:]))
+        return padded.index_copy_(0, self._global_pad_index(x.device), x)
+
+    # -- primitives: each is a movement of the table (contracts in TRANSITIONS)
+
+    def identity(self, x):
         return x
-    LEDGER.record("all_reduce", group, x.numel(), x.dtype)
-    x = x.contiguous()
-    dist.all_reduce(x, group=group.pg)
-    return x
+
+    def slice_dp(self, x):
+        if self.attn_dp == 1:
+            return x
+        return x[self.offset:self.offset + self.local]
+
+    def slice_scatter(self, x):
+        if self.attn_tp == 1:
+            return x
+        return x[self.scatter_offset:self.scatter_offset + self.scattered]
+
+    def slice_dp_scatter(self, x):
+        return self.slice_scatter(self.slice_dp(x))
+
+    def gather_scatter(self, x):
+        group = self.parallel.attn_tp
+        if self.mode is RowMode.RS:
+            return coll.gather_rows(self._pad(x, self.chunk), group)[: self.local]
+        return coll.gather_rows_v(x, group, self.segment_sizes)
+
+    def gather_dp(self, x):
+        return coll.gather_rows_v(x, self.parallel.attn_dp, self.counts)
+
+    def gather_dp_scatter(self, x):
+        group = self.parallel.tp
+        if self.mode is RowMode.RS:
+            if group.size == 1:
+                return x
+            gathered = coll.gather_rows(self._pad(x, self.chunk), group)
+            return gathered.index_select(0, self._global_pad_index(x.device))
+        return coll.gather_rows_v(x, group, self.scatter_sizes)
+
+    def all_reduce_attn_tp(self, x):
+        return coll.all_reduce_rows(x, self.parallel.attn_tp)
+
+    def reduce_scatter_attn_tp(self, x):
+        group = self.parallel.attn_tp
+        if self.mode is RowMode.RS:
+            out = coll.reduce_scatter_rows(self._pad(x, self.chunk * self.attn_tp), group)
+            return out[: self.scattered]
+        return coll.reduce_scatter_rows_v(x, group, self.segment_sizes)
+
+    def all_reduce_tp_dp_placed(self, x):
+        if self.parallel.tp.size == 1:
+            return x
+        buffer = x.new_zeros((self.total, *x.shape[1:]))
+        buffer[self.offset:self.offset + self.local] = x
+        return coll.all_reduce_rows(buffer, self.parallel.tp)
+
+    def all_reduce_tp(self, x):
+        return coll.all_reduce_rows(x, self.parallel.tp)
+
+    def all_reduce_tp_slice_dp(self, x):
+        return self.slice_dp(coll.all_reduce_rows(x, self.parallel.tp))
+
+    def reduce_scatter_tp(self, x):
+        group = self.parallel.tp
+        if self.mode is RowMode.RS:
+            if group.size == 1:
+                return x
+            return coll.reduce_scatter_rows(self._pad_global(x), group)[: self.scattered]
+        return coll.reduce_scatter_rows_v(x, group, self.scatter_sizes)
+
+    # -- what each primitive's collectives move, for comparing a plan with the ledger
+
+    def expected(self, primitive: str, width: int) -> list[tuple[str, str, int]]:
+        """[(kind, group, logical elements)] that ``primitive`` runs on ``width``-wide rows."""
+        par, a, fixed = self.parallel, self.attn_tp, self.mode is RowMode.RS
+        padded_local, padded_total = self.chunk * a, self.chunk * a * self.attn_dp
+
+        def one(kind, group, rows):
+            return [(kind, group.name, rows * width)] if group.size > 1 and rows else []
+
+        return {
+            "gather_scatter": lambda: one("all_gather", par.attn_tp,
+                                          padded_local if fixed else self.local),
+            "gather_dp": lambda: one("all_gather", par.attn_dp, self.total),
+            "gather_dp_scatter": lambda: one("all_gather", par.tp,
+                                             padded_total if fixed else self.total),
+            "all_reduce_attn_tp": lambda: one("all_reduce", par.attn_tp, self.local),
+            "reduce_scatter_attn_tp": lambda: one("reduce_scatter", par.attn_tp,
+                                                  padded_local if fixed else self.local),
+            "all_reduce_tp_dp_placed": lambda: one("all_reduce", par.tp, self.total),
+            "all_reduce_tp": lambda: one("all_reduce", par.tp, self.total),
+            "all_reduce_tp_slice_dp": lambda: one("all_reduce", par.tp, self.total),
+            "reduce_scatter_tp": lambda: one("reduce_scatter", par.tp,
+                                             padded_total if fixed else self.total),
+        }.get(primitive, list)()
 
 
-def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Rows split into group.size equal blocks; rank i gets the group sum of block i."""
-    if group.size == 1:
-        return x
-    if x.shape[0] % group.size:
-        raise ValueError(f"reduce_scatter_rows needs rows divisible by {group.size}, got {x.shape[0]}")
-    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
-    if x.numel() == 0:
-        return out
-    LEDGER.record("reduce_scatter", group, x.numel(), x.dtype)
-    dist.reduce_scatter_single(out, x.contiguous(), group=group.pg)
-    return out
+@dataclass(frozen=True, eq=False)
+class Movement:
+    """One resolved row of the table: how a value reaches ``dst`` from ``src``."""
+
+    name: str  # as plans print it, e.g. "reduce_scatter_v(tp)"
+    owed: SumGroup | None
+    src: Layout
+    dst: Layout
+    primitive: str  # the BatchRows method that runs it
+    contract: str  # its row contract, one line
+    allocates: bool  # returns storage nothing else holds (a gather), never an alias
+
+    def __call__(self, rows: BatchRows, x: torch.Tensor) -> torch.Tensor:
+        return getattr(rows, self.primitive)(x)
+
+    def expected(self, rows: BatchRows, width: int) -> list[tuple[str, str, int]]:
+        return rows.expected(self.primitive, width)
+
+    @property
+    def moves(self) -> bool:
+        return self.primitive != "identity"
 
 
-def reduce_scatter_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
-    """Rows split into consecutive blocks of ``sizes[i]`` rows; rank i gets the group sum of block i."""
-    if group.size == 1:
-        return x
-    if sum(sizes) == 0:
-        return x
-    LEDGER.record("reduce_scatter", group, x.numel(), x.dtype)
-    blocks = list(x.contiguous().split(list(sizes), dim=0))
-    out = x.new_empty((sizes[group.rank], *x.shape[1:]))
-    dist.reduce_scatter(out, blocks, group=group.pg)
-    return out
+DP, TS = TokenAxis.ATTN_DP, TokenAxis.ATTN_TP_SCATTER
+ALL_MODES = frozenset(RowMode)
+SCATTERING = frozenset({RowMode.RS, RowMode.RSV})
+TP_SUMS = frozenset({SumGroup.TP, SumGroup.MOE_OUT})
 
 
-def gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's equal-size rows concatenated in group rank order, on every rank."""
-    if group.size == 1:
-        return x
-    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
-    if x.numel() == 0:
-        return out
-    LEDGER.record("all_gather", group, out.numel(), x.dtype)
-    dist.all_gather_single(out, x.contiguous(), group=group.pg)
-    return out
+@dataclass(frozen=True)
+class Transition:
+    """A row of the table: a value owing one of ``owed`` (None: nothing), on a layout that
+    loses ``gathers`` and gains ``scatters``, in one of ``modes``."""
+
+    owed: frozenset
+    gathers: frozenset
+    scatters: frozenset
+    modes: frozenset
+    primitive: str
+    name: str  # "{v}" becomes "_v" in rsv (variable-size collectives)
+    contract: str
+    source: frozenset | None = None  # the exact axes the source must have, if constrained
+    needs_scattered_target: bool = False  # only onto the scattered residual layout
+    allocates: bool = False
+
+    def matches(self, owed, src: Layout, dst: Layout, mode: RowMode, layouts: Layouts) -> bool:
+        return (owed in self.owed and mode in self.modes
+                and src.sharded - dst.sharded == self.gathers
+                and dst.sharded - src.sharded == self.scatters
+                and (self.source is None or src.sharded == self.source)
+                and (not self.needs_scattered_target or dst == layouts.scattered))
 
 
-def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
-    """Rank i contributes ``sizes[i]`` rows; every rank gets them all, concatenated in rank order."""
-    if group.size == 1:
-        return x
-    widest = max(sizes)
-    if widest == 0:
-        return x.new_empty((0, *x.shape[1:]))
-    LEDGER.record("all_gather", group, sum(sizes) * math.prod(x.shape[1:]), x.dtype)
-    # gloo has no uneven all-gather: pad every block to the widest, then drop the padding
-    padded = x.new_zeros((widest, *x.shape[1:]))
-    padded[: x.shape[0]] = x
-    out = x.new_empty((widest * group.size, *x.shape[1:]))
-    dist.all_gather_single(out, padded, group=group.pg)
-    return torch.cat([out[i * widest: i * widest + n] for i, n in enumerate(sizes)])
+def _t(owed, gathers, scatters, modes, primitive, name, contract, **kw) -> Transition:
+    owed = frozenset(owed) if isinstance(owed, (set, frozenset)) else frozenset({owed})
+    return Transition(owed, frozenset(gathers), frozenset(scatters), frozenset(modes),
+                      primitive, name, contract, **kw)
 
 
-def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Rows unchanged; the last dim becomes the concatenation of every rank's slice in rank order."""
-    if group.size == 1:
-        return x
-    if x.numel() == 0:  # no rows anywhere in this group: nothing to move
-        return x.new_empty((*x.shape[:-1], x.shape[-1] * group.size))
-    LEDGER.record("all_gather", group, x.numel() * group.size, x.dtype)
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x.contiguous(), group=group.pg)
-    return torch.cat(parts, dim=-1)
+NONE = frozenset()
+TRANSITIONS: tuple[Transition, ...] = (
+    # complete values: slices are free, gathers allocate
+    _t(None, (), (), ALL_MODES, "identity", "-", "rows unchanged"),
+    _t(None, (), (DP,), ALL_MODES, "slice_dp", "slice(dp)",
+       "this DP rank's segment of the global rows"),
+    _t(None, (), (TS,), SCATTERING, "slice_scatter", "slice(attn_tp)",
+       "this attention-TP rank's slice of its DP rank's rows"),
+    _t(None, (), (DP, TS), SCATTERING, "slice_dp_scatter", "slice(tp)",
+       "this rank's slice of its DP rank's segment of the global rows"),
+    _t(None, (TS,), (), SCATTERING, "gather_scatter", "all_gather{v}(attn_tp)",
+       "the DP rank's rows from its attention-TP slices, in TP rank order", allocates=True),
+    _t(None, (DP,), (), ALL_MODES, "gather_dp", "all_gather_v(attn_dp)",
+       "every DP rank's rows, in DP rank order", allocates=True),
+    _t(None, (DP, TS), (), SCATTERING, "gather_dp_scatter", "all_gather{v}(tp)",
+       "every rank's slice, in TP rank order: the global rows", allocates=True),
+    # an attention partial: summed over attention TP on its DP rank's rows
+    _t(SumGroup.ATTN_TP, (), (), ALL_MODES, "all_reduce_attn_tp", "all_reduce(attn_tp)",
+       "rows unchanged, summed over attention TP"),
+    _t(SumGroup.ATTN_TP, (), (TS,), SCATTERING, "reduce_scatter_attn_tp",
+       "reduce_scatter{v}(attn_tp)", "each attention-TP rank gets the sum of its slice"),
+    _t(SumGroup.ATTN_TP, (DP,), (), {RowMode.AR}, "all_reduce_tp_dp_placed", "all_reduce(tp)",
+       "each DP rank's partial placed in a zero global buffer and summed over TP: the sum "
+       "and the DP gather in one collective", source=frozenset({DP}), allocates=True),
+    # a TP-group partial on the global rows
+    _t(TP_SUMS, (), (), ALL_MODES, "all_reduce_tp", "all_reduce(tp)",
+       "global rows unchanged, summed over TP", source=NONE),
+    _t(TP_SUMS, (), (DP,), SCATTERING, "reduce_scatter_tp", "reduce_scatter{v}(tp)",
+       "each rank gets the sum of its DP rank's rows", source=NONE,
+       needs_scattered_target=True),
+    _t(TP_SUMS, (), (DP,), ALL_MODES, "all_reduce_tp_slice_dp", "all_reduce(tp)+slice(dp)",
+       "summed over TP, then this DP rank's segment", source=NONE),
+    _t(TP_SUMS, (), (TS,), SCATTERING, "reduce_scatter_tp", "reduce_scatter{v}(tp)",
+       "each rank gets the sum of its slice", source=NONE),
+    _t(TP_SUMS, (), (DP, TS), SCATTERING, "reduce_scatter_tp", "reduce_scatter{v}(tp)",
+       "each rank gets the sum of its slice of its DP rank's rows", source=NONE),
+)
+
+
+def _name(transition: Transition, mode: RowMode) -> str:
+    return transition.name.replace("{v}", "_v" if mode is RowMode.RSV else "")
+
+
+def _no_movement(owed, src: Layout, dst: Layout, mode: RowMode) -> str:
+    what = f"a sum over {owed.value}" if owed is not None else "a complete value"
+    return f"no row movement takes {what} on {src} rows to {dst} rows in {mode.value} mode"
+
+
+def resolve(owed, src: Layout, dst: Layout, mode: RowMode, layouts: Layouts) -> Movement | None:
+    """The table's movement for this pair, or None when it holds none."""
+    if owed is SumGroup.ATTN_TP and TS in src.sharded:
+        return None  # a partial is never scattered over the group it still sums over
+    for row in TRANSITIONS:
+        if row.matches(owed, src, dst, mode, layouts):
+            return Movement(_name(row, mode), owed, src, dst, row.primitive, row.contract,
+                            row.allocates)
+    return None
+
+
+_TABLES: dict = {}
+
+
+def movement_table(parallel: Parallel, mode: RowMode) -> dict:
+    """Every supported (owed, src, dst) of one topology and mode, resolved once.
+
+    Keys are (owed SumGroup or None, src layout key, dst layout key); the entry "layouts"
+    holds the topology's named layouts.
+    """
+    table = _TABLES.get((parallel, mode))
+    if table is None:
+        layouts = Layouts.of(parallel)
+        names = {layouts.replicated, layouts.local}
+        if mode is not RowMode.AR:
+            names.add(layouts.scattered)
+        table = {"layouts": layouts}
+        for owed in (None, *SumGroup):
+            for src in names:
+                for dst in names:
+                    movement = resolve(owed, src, dst, mode, layouts)
+                    if movement is not None:
+                        table[(owed, src.key, dst.key)] = movement
+        _TABLES[(parallel, mode)] = table
+    return table
+
+
+def lookup(table: dict, owed, src: Layout, dst: Layout, mode: RowMode) -> Movement:
+    """A movement of the table, or the construction-time rejection naming the pair."""
+    movement = table.get((owed, src.key, dst.key))
+    if movement is None:
+        raise UnsupportedBoundary(_no_movement(owed, src, dst, mode))
+    return movement
+
+
+def table_rows(parallel: Parallel, mode: RowMode) -> list[dict]:
+    """The resolved table as printable rows (for ``plan`` and tests)."""
+    table = movement_table(parallel, mode)
+    return [{"owed": None if m.owed is None else m.owed.value, "from": str(m.src),
+             "to": str(m.dst), "movement": m.name, "contract": m.contract}
+            for key, m in table.items() if key != "layouts"]

@@ -2,142 +2,169 @@
 
 Order per call: finish what the producer owes onto the rows the residual update runs on,
 bring the residual there, update and read, then move the read to the rows compute consumes.
+Every movement was resolved from the table (ops.TRANSITIONS) at construction; a call only
+dispatches on what actually arrived.
 """
 
 from __future__ import annotations
 
 from .fusions import Arrival
-from .layout import Rows, SumGroup
-from .output import HandoffOutput, completion, describe_move, input_move
-from .residual.add_norm import accumulate_dtype
+from .layout import Layout
+from .ops import Movement
+from .residual.add_norm import PLAIN_ADD, accumulate_dtype
 from .residual.stream import IN_COMPUTE
 
-_ATTN_PARTIAL = (SumGroup.ATTN_TP, Rows.LOCAL)
+
+class ArrivalPath:
+    """How one kind of pending output (owed sum, rows, handoff) reaches this input."""
+
+    __slots__ = ("key", "complete", "candidates", "sum_before_read")
+
+    def __init__(self, key: tuple, complete: Movement, candidates: tuple = (),
+                 sum_before_read: Movement | None = None) -> None:
+        self.key = key
+        self.complete = complete  # the owed sum (or nothing) onto the update rows
+        self.candidates = candidates  # fusion candidates that apply here, in order
+        # attention DP with a plain update and read: add the residual on one attention-TP
+        # rank and let a single TP all-reduce sum the partials and gather every DP rank's rows
+        self.sum_before_read = sum_before_read
 
 
 class EntryPath:
-    """A consumer's prebuilt input path for one batch variant and row mode.
+    """A consumer's prebuilt input path for one batch variant and row mode."""
 
-    ``arrivals`` maps every (owed sum group, rows) the declared producer can leave to the
-    movement that brings it onto ``update_rows``; anything else arriving means the model
-    declared a different neighbour than the one that ran.
-    """
+    __slots__ = ("stage", "mode", "read", "norm", "latent", "stack_entry", "local",
+                 "update_rows", "compute_rows", "arrivals", "producer_keys", "align",
+                 "enter_residual", "enter_input", "input_move", "local_to_update",
+                 "capture_move")
 
-    __slots__ = ("stage", "mode", "read", "norm", "stack_entry", "update_rows", "compute_rows",
-                 "arrivals", "producer_keys", "move_input", "sum_before_read", "_align_residual",
-                 "attn_dp", "latent", "candidates")
-
-    def __init__(self, stage: str, mode, read, norm, *, stack_entry: bool, update_rows: Rows,
-                 compute_rows: Rows, arrivals: dict, producer_keys: tuple,
-                 sum_before_read: bool, attn_dp: int = 1, latent=None,
-                 candidates: tuple = ()) -> None:
-        self.stage, self.mode, self.read, self.norm = stage, mode, read, norm
-        self.stack_entry, self.update_rows, self.compute_rows = stack_entry, update_rows, compute_rows
-        self.arrivals = arrivals
+    def __init__(self, stage: str, mode, read, norm, *, latent, stack_entry: bool,
+                 local: Layout, update_rows: Layout, compute_rows: Layout, arrivals: dict,
+                 producer_keys: tuple, align: dict, enter_residual: Movement,
+                 enter_input: Movement, input_move: Movement, local_to_update: Movement,
+                 capture_move: Movement) -> None:
+        self.stage, self.mode, self.read, self.norm, self.latent = stage, mode, read, norm, latent
+        self.stack_entry, self.local = stack_entry, local
+        self.update_rows, self.compute_rows = update_rows, compute_rows
+        self.arrivals = arrivals  # Contribution.key -> ArrivalPath
         self.producer_keys = producer_keys  # what the declared producer leaves, for plans
-        self.attn_dp = attn_dp
-        self.latent = latent  # attention's qkv latent projection, run before the row move
-        self.candidates = candidates  # fusion-provider completions, tried in order
-        self.move_input = input_move(update_rows, compute_rows)
-        # attention DP with a plain update: add the residual on one attention-TP rank and let a
-        # single TP all-reduce sum the partials and gather every DP rank's rows at once
-        self.sum_before_read = sum_before_read
-        self._align_residual = {rows: completion(None, rows, update_rows)
-                                for rows in (Rows.LOCAL, Rows.SCATTERED)}
+        self.align = align  # residual layout key -> movement onto the update rows
+        self.enter_residual, self.enter_input = enter_residual, enter_input
+        self.input_move = input_move  # update rows -> compute rows
+        self.local_to_update = local_to_update  # a model-side tensor onto the update rows
+        self.capture_move = capture_move  # update rows -> local rows (for captures)
 
-    def run(self, stream, hidden, batch_rows):
-        stream.check(hidden)
-        contribution = stream.contribution
-        if contribution is None:
-            if stream.residual is not None:
-                residual = self._residual_on_update_rows(stream, batch_rows)
-                compute_input, residual = self.read.read(residual, self.norm)
-                compute_input = self._to_compute(batch_rows, compute_input, self.move_input)
-                rows = self.update_rows
-            elif self.stack_entry:
-                # the embedding arrives on local rows; the residual starts there
-                compute_input, residual = self.read.enter(hidden, self.norm)
-                compute_input = self._to_compute(batch_rows, compute_input,
-                                                 input_move(Rows.LOCAL, self.compute_rows))
-                rows = Rows.LOCAL
-            else:
-                raise RuntimeError(f"stage {self.stage} has a previous producer but the stream "
-                                   "holds no residual; pipeline receivers enter through from_pp()")
+    def run(self, stream, hidden, rows, *, extra=None, fused: bool = True):
+        """This stage's compute input; the stream holds the updated residual afterwards."""
+        c = stream.contribution
+        if c is not None:
+            path = self.arrivals.get(c.key)
+            if path is None:
+                raise RuntimeError(
+                    f"stage {self.stage} cannot complete an output with "
+                    f"{'a sum over ' + c.owed.value if c.owed else 'nothing'} owed on "
+                    f"{c.rows} rows; its previous declaration does not match the producer "
+                    "that ran")
+            x, residual = self._arrive(path, stream, c, rows, extra, fused)
+        elif stream.residual is not None:
+            residual = self.residual(stream, rows)
+            if extra is not None:
+                residual = PLAIN_ADD.apply(residual, self.local_to_update(rows, extra))
+            x, residual = self.read.read(residual, self.norm)
+            x = self._to_compute(rows, x, self.input_move)
+        elif self.stack_entry:
+            # the embedding arrives on local rows: the residual starts there
+            if extra is not None:
+                hidden = PLAIN_ADD.apply(hidden, extra)
+            x, residual = self.read.enter(hidden, self.norm)
+            residual = self.enter_residual(rows, residual)
+            x = self._to_compute(rows, x, self.enter_input)
         else:
-            value = contribution.value
-            owed = contribution.owed
-            key = (None if owed is None else owed.group, contribution.rows)
-            fused = self._try_candidates(stream, contribution, batch_rows) if self.candidates else None
-            if fused is not None:
-                compute_input, residual = fused
-                compute_input = self._to_compute(batch_rows, compute_input, self.move_input)
-                rows = self.update_rows
-            elif (self.sum_before_read and key == _ATTN_PARTIAL and contribution.update.plain
-                    and stream.residual_rows is Rows.LOCAL and stream.residual is not None):
-                compute_input, residual = self._sum_with_residual(stream, value, batch_rows)
-                rows = Rows.LOCAL
-            else:
-                if isinstance(value, HandoffOutput):
-                    value = value.complete()
-                move = self.arrivals.get(key)
-                if move is None:
-                    raise RuntimeError(
-                        f"stage {self.stage} cannot complete an output with "
-                        f"{contribution.owed or 'nothing'} owed on {contribution.rows.value} rows; "
-                        "its previous declaration does not match the producer that ran")
-                value = move(batch_rows, value)
-                residual = (self._residual_on_update_rows(stream, batch_rows)
-                            if stream.residual is not None else None)
-                compute_input, residual = self.read.update_and_read(
-                    contribution.update, residual, value, self.norm)
-                compute_input = self._to_compute(batch_rows, compute_input, self.move_input)
-                rows = self.update_rows
-        stream.write(residual, IN_COMPUTE, rows)
-        return compute_input
+            raise RuntimeError(f"stage {self.stage} has a previous producer but the stream "
+                               "holds no residual; pipeline receivers enter through from_pp()")
+        stream.write(residual, IN_COMPUTE, self.update_rows)
+        return x
 
-    def _try_candidates(self, stream, contribution, batch_rows):
-        arrival = Arrival(contribution.value, contribution.owed, contribution.rows,
-                          contribution.update, stream.residual, stream.residual_rows, self.norm,
-                          batch_rows)
-        for candidate in self.candidates:
-            out = candidate(arrival)
-            if out is not None:
-                return out
-        return None
+    def _arrive(self, path: ArrivalPath, stream, c, rows, extra, fused):
+        if fused and extra is None:
+            if path.candidates:
+                arrival = Arrival(c.value, c.owed, c.rows, c.update, stream.residual,
+                                  stream.residual_rows, self.norm, rows)
+                for candidate in path.candidates:
+                    out = candidate.run(arrival)
+                    if out is not None:
+                        x, residual = out
+                        return self._to_compute(rows, x, self.input_move), residual
+            if path.sum_before_read is not None and stream.residual is not None:
+                return self._sum_before_read(path.sum_before_read, stream, c.value, rows)
+        value = c.value.complete() if c.handoff else c.value
+        value = path.complete(rows, value)
+        residual = self.residual(stream, rows) if stream.residual is not None else None
+        if extra is not None:
+            acc = accumulate_dtype(value.dtype)
+            value = value.to(acc) + self.local_to_update(rows, extra).to(acc)
+        x, residual = self.read.update_and_read(c.update, residual, value, self.norm)
+        return self._to_compute(rows, x, self.input_move), residual
 
-    def _to_compute(self, batch_rows, x, move):
+    def residual(self, stream, rows):
+        """The stream's residual on the update rows."""
+        src = stream.residual_rows
+        movement = self.align.get(self.local.key if src is None else src.key)
+        if movement is None:
+            raise RuntimeError(f"stage {self.stage} finds the residual on {src} rows, which "
+                               f"it cannot bring to its update rows ({self.update_rows})")
+        return movement(rows, stream.residual)
+
+    def _to_compute(self, rows, x, move: Movement):
         if self.latent is not None:
             x = self.latent(x)
-        return move(batch_rows, x)
+        return move(rows, x)
 
-    def _residual_on_update_rows(self, stream, batch_rows):
-        return self._align_residual[stream.residual_rows](batch_rows, stream.residual)
-
-    def _sum_with_residual(self, stream, partial, batch_rows):
-        residual = stream.residual
-        if batch_rows.tp_rank == 0:  # a plain add may move before the sum, on one rank only
+    def _sum_before_read(self, movement: Movement, stream, partial, rows):
+        residual = self.residual(stream, rows)
+        if rows.tp_rank == 0:  # a plain add may move before the sum, on one rank only
             acc = accumulate_dtype(residual.dtype)
             partial = (partial.to(acc) + residual.to(acc)).to(residual.dtype)
         else:
             partial = partial.to(residual.dtype)
-        total = batch_rows.sum_local_partial_to_global(partial)
-        compute_input, _ = self.read.read(total, self.norm)
+        total = movement(rows, partial)
+        x, _ = self.read.read(total, self.norm)
         if self.latent is not None:
-            compute_input = self.latent(compute_input)
-        return compute_input, batch_rows.global_to_local(total).clone()
+            x = self.latent(x)
+        return x, rows.slice_dp(total).clone()
+
+    # -- plans
 
     def describe(self) -> str:
-        """What this path does to the input its declared producer leaves."""
-        dp = self.attn_dp
+        """What this path does to each input its declared producer can leave."""
+        read = f"{'add+norm' if self.read.kind == 'add_norm' else 'update+read'} on {self.update_rows}"
         if self.stack_entry:
-            move = describe_move(input_move(Rows.LOCAL, self.compute_rows), self.mode, dp)
-            return "enter: norm on local" + ("" if move == "-" else f" -> {move}")
-        if self.sum_before_read and _ATTN_PARTIAL in self.producer_keys:
-            return "add on attn_tp rank 0 -> all_reduce(tp) sum+gather -> norm on global"
-        steps = [describe_move(self.arrivals[k], self.mode, dp) for k in self.producer_keys]
-        head = " | ".join(s for s in steps if s != "-")
-        move = describe_move(self.move_input, self.mode, dp)
-        return ((f"{head} -> " if head else "") + f"add+norm on {self.update_rows.value}"
-                + ("" if move == "-" else f" -> {move}"))
+            moves = [m.name for m in (self.enter_residual, self.enter_input) if m.moves]
+            return "enter: norm on " + str(self.local) + "".join(f" -> {m}" for m in moves)
+        steps = []
+        for key in self.producer_keys:
+            path = self.arrivals[key]
+            if path.sum_before_read is not None:
+                steps.append("add on attn_tp rank 0 -> all_reduce(tp) sum+gather -> norm on "
+                             f"{path.sum_before_read.dst}")
+                continue
+            fused = " [fusable]" if path.candidates else ""
+            head = f"{path.complete.name} -> " if path.complete.moves else ""
+            move = f" -> {self.input_move.name}" if self.input_move.moves else ""
+            steps.append(f"{head}{read}{move}{fused}")
+        return " | ".join(dict.fromkeys(steps)) or read
 
-
+    def expected(self, key, rows, width: int, input_width: int | None = None) -> list:
+        """The collectives this path runs for an arrival ``key`` (None: a written stream whose
+        residual is on the update rows; "enter": stack entry), as [(kind, group, numel)]."""
+        input_width = width if input_width is None else input_width
+        if key == "enter":
+            return (self.enter_residual.expected(rows, width)
+                    + self.enter_input.expected(rows, input_width))
+        out = []
+        if key is not None:
+            path = self.arrivals[key]
+            if path.sum_before_read is not None:
+                return path.sum_before_read.expected(rows, width)
+            out += path.complete.expected(rows, width)
+        return out + self.input_move.expected(rows, input_width)

@@ -1,4 +1,4 @@
-"""The model-facing ``StageBoundary``: prepare a stage's input, publish its output."""
+"""The model-facing ``StageBoundary``: prepare a stage's input, publish its output, capture."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import torch
 
 from .construction import build_plan
 from .contracts import ProducerReduction, StageKind
-from .exit import FfnExit, MixerExit
-from .layout import Rows
-from .residual.stream import IN_COMPUTE, OwedOutput, StreamState
+from .exit import FfnExit, MixerExit, publish
+from .residual import batch as residual_batch
+from .residual.access import complete_onto
+from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
 from .runtime.args import get_runtime
-from .runtime.ledger import LEDGER
+from .runtime.ledger import active_observer
 
-START_FIRST = "start the layer stack before entering a stage"
 BRANCH_ENTRY = "a prepared branch must enter through branch_input, not prepare"
+NOT_PLAIN_ADDITION = "post_residual_addition requires a plain residual update"
 
 
 class _Fp32Norm:
@@ -29,11 +30,14 @@ class _Fp32Norm:
         return self.norm(x32.to(out_dtype))
 
 
-def stream_of(forward_batch):
-    stream = forward_batch.residual_stream
-    if stream is None:
-        raise RuntimeError(START_FIRST)
-    return stream
+def _keep(collector, value, owned: bool) -> None:
+    """Hand ``value`` to a collector: one with ``capture(value, owned=...)``, or a list (which
+    keeps a copy of borrowed storage)."""
+    capture = getattr(collector, "capture", None)
+    if capture is not None:
+        capture(value, owned=owned)
+    else:
+        collector.append(value if owned else value.clone())
 
 
 class StageBoundary:
@@ -55,33 +59,80 @@ class StageBoundary:
         self._compute_site = f"{self.name}.compute"
         self._finish_site = f"{self.name}.finish"
         self._is_partial = declaration.reduction is ProducerReduction.PARTIAL
+        self._is_attn = declaration.kind is StageKind.ATTN
         self._exit_cls = FfnExit if declaration.kind is StageKind.FFN else MixerExit
 
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
 
-    def prepare(self, hidden_states, forward_batch, *, capture_output=None):
-        """Complete what the previous producer owes, apply its update, read this stage's input."""
+    def prepare(self, hidden_states, forward_batch, *, capture_output=None,
+                captured_last_layer_outputs=None, post_residual_addition=None):
+        """Complete what the previous producer owes, apply its update, read this stage's input.
+
+        Attention only: ``capture_output(value, owned=...)`` receives the updated residual on
+        local rows, after an unfused completion of the owed communication (at stack entry:
+        the input, before enter; with ``post_residual_addition``: output plus residual before
+        the addition). ``captured_last_layer_outputs`` receives the updated residual on the
+        attention's compute-input rows. ``post_residual_addition`` (local rows) is added to
+        the residual with the producer's output.
+        """
         if self.declaration.prepared_from is not None:
             raise RuntimeError(BRANCH_ENTRY)
-        if capture_output is not None and self.declaration.kind is not StageKind.ATTN:
-            raise TypeError("FFN prepare() does not accept capture_output")
+        if not self._is_attn:
+            for name, value in (("capture_output", capture_output),
+                                ("captured_last_layer_outputs", captured_last_layer_outputs),
+                                ("post_residual_addition", post_residual_addition)):
+                if value is not None:
+                    raise TypeError(f"FFN prepare() does not accept {name}")
         stream = stream_of(forward_batch)
         path, rows = self.plan.select(forward_batch)
-        LEDGER.site = self._prepare_site
-        if capture_output is not None and stream.state is StreamState.INITIAL:
-            capture_output(hidden_states, owned=False)  # stack entry: the input, before enter
-            capture_output = None
-        compute_input = path.entry.run(stream, hidden_states, rows)
-        if capture_output is not None:
+        observer = active_observer()
+        if observer is not None:
+            observer.enter(self._prepare_site)
+        entry = path.entry
+        extra = post_residual_addition
+        if extra is not None:
+            residual_batch.check_local_tensor(extra, forward_batch, "post_residual_addition")
+        captured = False
+        if stream.handle is None:  # an initial stream: only the stack's input enters it
+            if not entry.stack_entry:
+                raise RuntimeError(f"stage {self.name} has a previous producer but the stream "
+                                   "holds no residual; pipeline receivers enter through "
+                                   "from_pp()")
+            if isinstance(hidden_states, OwedOutput):
+                raise RuntimeError(NOT_OURS)
+            residual_batch.check_local_tensor(hidden_states, forward_batch,
+                                              f"the input of stage {self.name}")
+            if capture_output is not None:
+                capture_output(hidden_states, owned=False)  # the input, before enter
+                captured = True
+        else:
+            stream.check(hidden_states)
+            c = stream.contribution
+            if c is not None and (capture_output is not None or extra is not None):
+                if extra is not None and not c.update.plain:
+                    raise RuntimeError(NOT_PLAIN_ADDITION)
+                # complete the owed communication unfused; the read below still adds and norms
+                c = complete_onto(stream, rows, entry.update_rows)
+                hidden_states = stream.handle
+            if capture_output is not None and extra is not None:
+                # output plus residual, before the extra addition, back on local rows
+                base = entry.residual(stream, rows)
+                value = base.clone() if c is None else c.update.apply(base, c.value)
+                capture_output(entry.capture_move(rows, value), owned=True)
+                captured = True
+        compute_input = entry.run(stream, hidden_states, rows, extra=extra,
+                                  fused=capture_output is None)
+        if capture_output is not None and not captured:
             # the updated residual, back on the producer's (local) rows
-            if stream.residual_rows is Rows.LOCAL:
-                capture_output(stream.residual, owned=False)
-            else:
-                capture_output(rows.scattered_to_local(stream.residual), owned=True)
-        if LEDGER.traces is not None:
-            LEDGER.trace(self._prepare_site, stream, rows)
-        LEDGER.site = self._compute_site
+            capture_output(entry.capture_move(rows, stream.residual),
+                           owned=entry.capture_move.allocates)
+        if captured_last_layer_outputs is not None:
+            _keep(captured_last_layer_outputs, entry.input_move(rows, stream.residual),
+                  entry.input_move.allocates)
+        if observer is not None:
+            observer.boundary(self._prepare_site, stream, rows)
+            observer.enter(self._compute_site)
         return compute_input
 
     def finish(self, hidden_states, forward_batch):
@@ -95,10 +146,13 @@ class StageBoundary:
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"finish() takes the compute output tensor, got {type(hidden_states).__name__}")
         path, rows = self.plan.select(forward_batch)
-        LEDGER.site = self._finish_site
-        handle = stream.leave(hidden_states, path.exit.default.owed, self._update, Rows.LOCAL)
-        if LEDGER.traces is not None:
-            LEDGER.trace(self._finish_site, stream, rows)
+        observer = active_observer()
+        if observer is not None:
+            observer.enter(self._finish_site)
+        handle = publish(stream, path.exit.default, hidden_states, self._update, rows,
+                         path.exit.at_producer)
+        if observer is not None:
+            observer.boundary(self._finish_site, stream, rows)
         return handle
 
     def exit(self, forward_batch):
@@ -111,6 +165,18 @@ class StageBoundary:
         path, _ = self.plan.select(forward_batch)
         return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site,
                               self._finish_site)
+
+    def capture_output(self, hidden_states, forward_batch):
+        """(handle, snapshot): complete the exit-decided work on the main contribution (a
+        deferred sum, a reduce-scatter, a finalize), but snapshot a statically declared sum
+        (a PARTIAL attention's) on a copy and leave it owed. The snapshot is the updated
+        residual on local rows, owned."""
+        stream = stream_of(forward_batch)
+        stream.check(hidden_states)
+        c = stream.contribution
+        if c is not None and not c.declared:
+            hidden_states = residual_batch.complete_output(hidden_states, forward_batch)
+        return hidden_states, residual_batch.snapshot(hidden_states, forward_batch)
 
     def describe(self, mode=None) -> dict:
         """This stage's paths in row mode ``mode`` (default: all-reduce) as a table row."""

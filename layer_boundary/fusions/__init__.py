@@ -1,12 +1,19 @@
 """Fusion providers: backend completions a stage may try before its built-in input path.
 
 A provider is passed per stage as the ``fusions`` option; give a layer's attention and FFN
-stages the same one. The boundary calls it at construction for ordered input candidates, and
-on every exit of an FFN that has one for the batch-dependent deferral decisions.
+stages the same one. At construction the boundary asks it for ordered input candidates
+(``attention_input(plan)`` / ``ffn_input(plan)``); on every exit of an FFN that has one it asks
+the batch-dependent deferral questions (``can_defer_finalize``, ``can_defer_all_reduce``).
 
-A candidate is called as ``candidate(arrival)`` with an ``Arrival`` and returns
-``(compute_input, residual)`` on the stage's update rows, or None. It must return None before
-it modifies any input or starts a collective, so the built-in path can still run.
+A candidate is a ``FusedInput``: it declares what it completes (the sum groups, whether it
+also finalizes a handoff, the rows it takes the value from and leaves the residual on, the
+collective it fuses) and which update and read it stands in for. The consumer offers it only
+to the arrivals it applies to, decided at construction: a nonlinear update, a custom read,
+rows it does not move or a reduce-scatter it does not perform never reach it.
+
+``run(arrival)`` returns ``(compute_input, residual)`` on the stage's update rows, or None to
+decline; it must decline before it modifies any input or starts a collective, so the built-in
+path can still run.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
-from ..layout import BatchRows, Rows
+from ..layout import Layout, Layouts, RowMode, SumGroup
 
 
 @dataclass(frozen=True)
@@ -23,9 +30,10 @@ class InputPlan:
 
     stage: str
     kind: str  # "attention" | "ffn"
-    mode: object  # RowMode
-    update_rows: Rows
-    compute_rows: Rows
+    mode: RowMode
+    layouts: Layouts  # the topology's named layouts
+    update_rows: Layout  # where the residual update and read run (the residual's layout)
+    compute_rows: Layout  # where compute consumes its input
     parallel: object
 
 
@@ -34,23 +42,44 @@ class Arrival:
     """One pending contribution as a consumer's input sees it; read-only for candidates."""
 
     value: object  # tensor or HandoffOutput
-    owed: object  # Owed | None
-    rows: Rows
+    owed: SumGroup | None
+    rows: Layout
     update: object  # StageUpdate
     residual: object  # tensor | None
-    residual_rows: Rows
+    residual_rows: Layout | None
     norm: object
-    batch_rows: BatchRows
+    batch_rows: object  # ops.BatchRows
 
 
-Candidate = Callable[[Arrival], "tuple | None"]
+@dataclass(frozen=True, eq=False)
+class FusedInput:
+    """A provider's completion of an arrival fused with the update and the read."""
+
+    run: Callable[[Arrival], "tuple | None"]
+    completes: frozenset  # the owed sums it performs (None: takes a complete value)
+    source: Layout  # the rows the arriving value is on
+    target: Layout  # the rows it leaves the residual on
+    finalizes: bool = False  # also takes a HandoffOutput
+    collective: RowMode = RowMode.AR  # the transport it fuses (all-reduce kernels: AR)
+    read: str = "add_norm"  # the read kind it stands in for
+    # It applies the update as a plain add: a nonlinear update never reaches it.
+
+    def applies(self, owed, source: Layout, handoff: bool, target: Layout, mode: RowMode,
+                update_plain: bool, read_kind: str | None) -> bool:
+        return (owed in self.completes and source == self.source and target == self.target
+                and (self.finalizes or not handoff) and mode is self.collective
+                and update_plain and read_kind == self.read)
+
+
+# The spec's name for the FFN-input candidate.
+FusedMlpInput = FusedInput
 
 
 @runtime_checkable
 class FusionProvider(Protocol):
-    def attention_input(self, plan: InputPlan) -> Sequence[Candidate]: ...
+    def attention_input(self, plan: InputPlan) -> Sequence[FusedInput]: ...
 
-    def ffn_input(self, plan: InputPlan) -> Sequence[Candidate]: ...
+    def ffn_input(self, plan: InputPlan) -> Sequence[FusedInput]: ...
 
     def can_defer_finalize(self, plan, forward_batch) -> bool: ...
 

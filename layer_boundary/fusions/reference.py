@@ -3,38 +3,50 @@ finalize handoff are exercised on CPU. A GPU provider implements the same protoc
 
 from __future__ import annotations
 
+import torch
+
 from ..contracts import ProducerReduction, StageKind
-from ..layout import RowMode, Rows, SumGroup
-from ..output import HandoffOutput
+from ..layout import RowMode, SumGroup
 from ..residual.add_norm import accumulate_dtype
-from . import Arrival, InputPlan
+from . import Arrival, FusedInput, InputPlan
+
+# the owed sums it completes: the FFN output's TP sum, the MoE output's, or none (one rank)
+COMPLETES = frozenset({SumGroup.TP, SumGroup.MOE_OUT, None})
 
 
-class FusedFinalizeAllReduceAddNorm:
-    """finalize (if a handoff) + all-reduce over TP + local slice + fp32 add + norm, as one
-    step; accepts only an all-reduce-mode input on global rows that owes a TP sum, or a
-    finalize handoff alone (one rank)."""
+def finalize_all_reduce_add_norm(arrival: Arrival):
+    """finalize (if a handoff) + all-reduce over TP + this DP rank's slice + fp32 add + norm,
+    as one step, for a value on the global rows and a residual on this DP rank's rows."""
+    if arrival.residual is None or not hasattr(arrival.norm, "normalize_fp32"):
+        return None  # declined before touching anything
+    value = arrival.value
+    if not isinstance(value, torch.Tensor):
+        value = value.complete()
+    rows = arrival.batch_rows
+    value = rows.all_reduce_tp_slice_dp(value) if arrival.owed is not None else rows.slice_dp(value)
+    acc = accumulate_dtype(arrival.residual.dtype)
+    total = arrival.residual.to(acc) + value.to(acc)
+    return arrival.norm.normalize_fp32(total, arrival.residual.dtype), total.to(arrival.residual.dtype)
 
-    def __init__(self, plan: InputPlan) -> None:
-        self.plan = plan
-        self.calls = 0  # accepted arrivals, for tests
+
+class Counted:
+    """A candidate's run that counts the arrivals it accepted (for tests and run reports)."""
+
+    def __init__(self, run) -> None:
+        self.run, self.calls = run, 0
 
     def __call__(self, arrival: Arrival):
-        owed, handoff = arrival.owed, isinstance(arrival.value, HandoffOutput)
-        summed = owed is not None and owed.group in (SumGroup.TP, SumGroup.MOE_OUT)
-        if (not (summed or (owed is None and handoff)) or arrival.rows is not Rows.GLOBAL
-                or not arrival.update.plain or arrival.residual is None
-                or arrival.residual_rows is not Rows.LOCAL
-                or not hasattr(arrival.norm, "normalize_fp32")):
-            return None  # declined before touching anything
-        self.calls += 1
-        value = arrival.value.complete() if handoff else arrival.value
-        rows = arrival.batch_rows
-        value = rows.sum_global_partial_to_local(value) if summed else rows.global_to_local(value)
-        acc = accumulate_dtype(arrival.residual.dtype)
-        total = arrival.residual.to(acc) + value.to(acc)
-        residual = total.to(arrival.residual.dtype)
-        return arrival.norm.normalize_fp32(total, residual.dtype), residual
+        out = self.run(arrival)
+        self.calls += out is not None
+        return out
+
+
+def fused_finalize_all_reduce_add_norm(plan: InputPlan, run=None) -> FusedInput:
+    """The reference candidate: from the global rows onto this DP rank's rows by all-reduce."""
+    layouts = plan.layouts
+    return FusedInput(run=run or Counted(finalize_all_reduce_add_norm), completes=COMPLETES,
+                      source=layouts.replicated, target=layouts.local, finalizes=True,
+                      collective=RowMode.AR)
 
 
 class FinalizeNorm:
@@ -45,14 +57,15 @@ class FinalizeNorm:
 
     def finalize(self, arrival: Arrival):
         """(normalised output, residual) on the residual's rows, or None to decline."""
-        candidate = FusedFinalizeAllReduceAddNorm(None)
-        out = candidate(arrival)
+        if arrival.residual_rows != arrival.batch_rows.layouts.local:
+            return None  # it lands on local rows only
+        out = finalize_all_reduce_add_norm(arrival)
         self.calls += out is not None
         return out
 
 
 class ReferenceFusions:
-    """Offers the fused candidate to FFN and attention inputs in the all-reduce row mode.
+    """Offers the fused candidate to FFN and attention inputs.
 
     ``defer_finalize``: let sparse FFNs hand their finalize to the next input;
     ``terminal_finalize``: also at the last layer, to the final norm's ``handoff_norm``;
@@ -64,13 +77,12 @@ class ReferenceFusions:
                  defer_all_reduce: bool = False, decline: bool = False) -> None:
         self.defer_finalize, self.terminal_finalize = defer_finalize, terminal_finalize
         self.defer_all_reduce, self.decline = defer_all_reduce, decline
-        self.candidates: list = []
+        self.candidates: list[FusedInput] = []
         self.service = FinalizeNorm()
 
-    def _input(self, plan: InputPlan):
-        if plan.mode is not RowMode.AR:
-            return []
-        candidate = _declining if self.decline else FusedFinalizeAllReduceAddNorm(plan)
+    def _input(self, plan: InputPlan) -> list[FusedInput]:
+        candidate = fused_finalize_all_reduce_add_norm(
+            plan, Counted(_declining) if self.decline else None)
         self.candidates.append(candidate)
         return [candidate]
 
@@ -94,7 +106,7 @@ class ReferenceFusions:
 
     @property
     def accepted(self) -> int:
-        return sum(getattr(c, "calls", 0) for c in self.candidates)
+        return sum(c.run.calls for c in self.candidates)
 
 
 def _declining(arrival: Arrival):

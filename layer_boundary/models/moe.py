@@ -14,10 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import all_reduce_rows
-from ..output import HandoffOutput
-from ..runtime.context import get_forward
-from ..runtime.parallel import Parallel
+from .. import HandoffOutput
+from ..runtime import Parallel, all_reduce_rows, get_forward
 
 
 class MoeFinalize(HandoffOutput):

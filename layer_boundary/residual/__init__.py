@@ -28,6 +28,9 @@ class StageUpdate(Protocol):
 class StageRead(Protocol):
     # Reads that must run on the source rows before a DP gather.
     before_gather: bool
+    # What fused kernels may stand in for it: "add_norm" for the plain add+norm read. A read
+    # without a kind (a custom one) is never replaced by a fusion candidate.
+    kind: str | None
 
     def enter(self, hidden: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]: ...
 

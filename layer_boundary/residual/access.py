@@ -1,32 +1,44 @@
-"""Tensor access helpers: the one place a stream's pending work is completed outside a plan."""
+"""Tensor access helpers: completing a stream's pending work, and its residual, on given rows.
+
+Every movement comes from the forward's prebuilt table (``BatchRows.move``); nothing here
+chooses a collective.
+"""
 
 from __future__ import annotations
 
-from ..layout import Rows
-from ..output import HandoffOutput, complete_value
+from ..layout import Layout
 from .stream import Contribution, ResidualStream
 
 
-def target_rows(stream: ResidualStream) -> Rows:
-    """Rows an accessor completes onto: where the residual it will meet lives."""
-    return stream.residual_rows if stream.residual is not None else Rows.LOCAL
+def local_rows(rows) -> Layout:
+    """This DP rank's rows: where every tensor a model passes in or gets back lives."""
+    return rows.layouts.local
 
 
-def complete_contribution(stream: ResidualStream, batch_rows) -> Contribution:
-    """Finish the stream's owed communication/finalize; the update stays pending."""
+def completed(c: Contribution, rows, target: Layout, value=None):
+    """``c``'s value (or ``value`` in its place) with its finalize and owed sum done, on
+    ``target`` rows."""
+    value = c.value if value is None else value
+    if c.handoff:
+        value = value.complete()
+    return rows.move(c.owed, c.rows, target)(rows, value)
+
+
+def complete_onto(stream: ResidualStream, rows, target: Layout) -> Contribution:
+    """Finish the stream's owed communication/finalize onto ``target``; the update stays
+    pending and the completed value becomes the handle."""
     c = stream.contribution
-    target = target_rows(stream)
-    if c.owed is None and not isinstance(c.value, HandoffOutput) and c.rows is target:
+    if c.owed is None and not c.handoff and c.rows == target:
         return c
-    done = Contribution(complete_value(c.value, c.owed, c.rows, target, batch_rows), None,
-                        c.update, target)
+    done = Contribution(completed(c, rows, target), None, c.update, target)
     stream.contribution = done
     stream.handle = done.value
     return done
 
 
-def to_local(stream: ResidualStream, x, batch_rows):
-    """A tensor on the residual's rows, brought back to this DP rank's local rows."""
-    if stream.residual_rows is Rows.LOCAL:
-        return x
-    return complete_value(x, None, stream.residual_rows, Rows.LOCAL, batch_rows)
+def residual_on(stream: ResidualStream, rows, target: Layout):
+    """The stream's residual on ``target`` rows (a residual the model wrote is on local rows)."""
+    if rows is None:  # no boundary has run in this forward: everything is on local rows
+        return stream.residual
+    src = stream.residual_rows or rows.layouts.local
+    return rows.move(None, src, target)(rows, stream.residual)

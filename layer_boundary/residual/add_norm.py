@@ -30,6 +30,7 @@ class PlainAdd:
 
 class AddNormRead:
     before_gather = False
+    kind = "add_norm"
 
     def enter(self, hidden, norm):
         return norm(hidden), hidden

@@ -1,8 +1,9 @@
 """Model-stack entry and exit, and the accessors that change a layer output legitimately.
 
 Every accessor takes the object the last boundary call returned and returns the object the
-model must hold next. Tensors a model passes in or gets back are on its DP rank's local rows;
-the residual itself may live scattered over attention TP in between.
+model must hold next. Tensors a model passes in or gets back are on its DP rank's local rows,
+in every row mode; the residual itself may live scattered over attention TP in between, and
+the accessors move it (and complete owed sums) with the forward's prebuilt movements.
 """
 
 from __future__ import annotations
@@ -10,22 +11,21 @@ from __future__ import annotations
 import torch
 
 from ..fusions import Arrival
-from ..layout import Rows
-from ..output import HandoffOutput, complete_value
-from ..runtime.ledger import LEDGER
-from ..stage import stream_of
-from .access import complete_contribution, target_rows, to_local
+from ..runtime.ledger import active_observer
+from .access import complete_onto, completed, local_rows, residual_on
 from .add_norm import ADD_NORM_READ, PLAIN_ADD
-from .stream import ResidualStream
+from .stream import ResidualStream, stream_of
 
 PENDING_AT_TAKE = "write the residual update before taking the final output"
 SNAPSHOT_NOT_PLAIN = "snapshot requires a plain residual update"
 
 
 def start(forward_batch) -> ResidualStream:
-    """Begin the layer stack: a fresh, initial stream for this forward batch."""
+    """Begin the layer stack: a fresh, initial stream for this forward batch (and fresh row
+    facts: the first boundary computes them from the batch's DP token counts)."""
     stream = ResidualStream()
     forward_batch.residual_stream = stream
+    forward_batch.rows = None
     return stream
 
 
@@ -35,25 +35,42 @@ def _checked(hidden_states, forward_batch) -> ResidualStream:
     return stream
 
 
+def check_local_tensor(x, forward_batch, what: str) -> None:
+    """Raise unless ``x`` is a tensor with this DP rank's token rows."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor on this DP rank's rows, got {type(x).__name__}")
+    rows = forward_batch.rows
+    if rows is not None and x.shape[0] != rows.local:
+        raise ValueError(f"{what} has {x.shape[0]} rows; this DP rank holds {rows.local} tokens")
+
+
 def complete_output(hidden_states, forward_batch):
-    """Finish outstanding communication/finalize work; the residual update stays pending."""
+    """Finish outstanding communication/finalize work; the residual update stays pending.
+    Returns the complete output on local rows."""
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is None:
         return hidden_states
-    return complete_contribution(stream, forward_batch.rows).value
+    rows = forward_batch.rows
+    return complete_onto(stream, rows, local_rows(rows)).value
+
+
+def fold_stream(stream: ResidualStream, rows) -> torch.Tensor:
+    """Complete the pending contribution and apply its update on local rows; the stream is
+    written with that residual, which is also its handle."""
+    local = local_rows(rows)
+    c = complete_onto(stream, rows, local)
+    residual = c.update.apply(residual_on(stream, rows, local), c.value)
+    stream.write(residual, residual, local)
+    return residual
 
 
 def fold(hidden_states, forward_batch) -> torch.Tensor:
-    """Complete a plain contribution and fold it into the residual; the stream is written."""
+    """Complete a plain contribution and fold it into the residual; the stream is written.
+    Returns the residual on local rows."""
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is None:
-        if stream.residual is None:
-            raise RuntimeError("fold() needs a residual or a pending contribution; the stream is initial")
-        return stream.residual
-    c = complete_contribution(stream, forward_batch.rows)
-    residual = c.update.apply(stream.residual, c.value)
-    stream.write(residual, residual, c.rows)
-    return residual
+        return hidden_states
+    return fold_stream(stream, forward_batch.rows)
 
 
 def written(hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
@@ -61,54 +78,52 @@ def written(hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
 
     Discards any pending contribution: call fold() first when one may be pending.
     """
-    stream_of(forward_batch).write(hidden_states, hidden_states, Rows.LOCAL)
+    stream = stream_of(forward_batch)
+    check_local_tensor(hidden_states, forward_batch, "written()'s hidden_states")
+    rows = forward_batch.rows
+    stream.write(hidden_states, hidden_states, None if rows is None else local_rows(rows))
     return hidden_states
 
 
 def take_output(hidden_states, forward_batch) -> torch.Tensor:
-    """Release the stream at a terminal exit whose output is already written."""
+    """Release the stream at a terminal exit whose output is already written; returns the
+    residual on local rows."""
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is not None:
         raise RuntimeError(PENDING_AT_TAKE)
-    if stream.residual is None:
-        residual = hidden_states
-    else:
-        residual = to_local(stream, stream.residual, forward_batch.rows)
+    rows = forward_batch.rows
+    out = stream.residual if rows is None else residual_on(stream, rows, local_rows(rows))
     forward_batch.residual_stream = None
-    return residual
+    return out
 
 
 def snapshot(hidden_states, forward_batch) -> torch.Tensor:
     """An owned residual with the pending update applied, on local rows; the main
     contribution is untouched (its sum, if owed, runs on a copy)."""
     stream = _checked(hidden_states, forward_batch)
+    rows = forward_batch.rows
     c = stream.contribution
     if c is None:
-        if stream.residual is None:
-            raise RuntimeError("snapshot() on an initial stream: nothing has been written yet")
-        return to_local(stream, stream.residual.clone(), forward_batch.rows)
-    if not c.update.plain or isinstance(c.value, HandoffOutput):
+        out = stream.residual if rows is None else residual_on(stream, rows, local_rows(rows))
+        return out.clone() if out is stream.residual else out
+    if not c.update.plain or c.handoff:
         raise RuntimeError(SNAPSHOT_NOT_PLAIN)
-    target = target_rows(stream)
-    value = complete_value(c.value.clone(), c.owed, c.rows, target, forward_batch.rows)
-    return to_local(stream, c.update.apply(stream.residual, value), forward_batch.rows)
+    local = local_rows(rows)
+    value = completed(c, rows, local, value=c.value.clone())
+    return c.update.apply(residual_on(stream, rows, local), value)
 
 
 def add_to_output(hidden_states, forward_batch, extra: torch.Tensor):
     """Complete the contribution, then add ``extra`` (local rows) once; the residual update
-    stays pending."""
+    stays pending. Returns the new output on local rows."""
     stream = _checked(hidden_states, forward_batch)
+    check_local_tensor(extra, forward_batch, "add_to_output()'s extra")
     rows = forward_batch.rows
+    local = local_rows(rows)
     if stream.contribution is None:
-        if stream.residual is None:
-            raise RuntimeError("add_to_output() on an initial stream: start the stack with the "
-                               "embedding, not an extra contribution")
-        target = stream.residual_rows
-        return stream.leave(complete_value(extra, None, Rows.LOCAL, target, rows), None,
-                            PLAIN_ADD, target)
-    c = complete_contribution(stream, rows)
-    extra = complete_value(extra, None, Rows.LOCAL, c.rows, rows)
-    return stream.leave(c.value + extra, None, c.update, c.rows)
+        return stream.leave(extra, None, PLAIN_ADD, local)
+    c = complete_onto(stream, rows, local)
+    return stream.leave(c.value + extra, None, c.update, local)
 
 
 def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
@@ -117,17 +132,22 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
     result is on local rows and the stream is released.
 
     With ``skip_empty`` an empty batch still completes owed work (a collective its peers
-    join) and skips only the norm kernel.
+    join) and skips only the norm kernel. ``capture_output`` receives the updated residual on
+    local rows, always borrowed (``owned=False``).
     """
     stream = _checked(hidden_states, forward_batch)
-    LEDGER.site = "final_norm"
+    observer = active_observer()
+    if observer is not None:
+        observer.enter("final_norm")
     rows = forward_batch.rows
+    local = local_rows(rows)
+    target = stream.residual_rows or local
     c = stream.contribution
     out = None
     if c is None:
-        residual = stream.residual if stream.residual is not None else hidden_states
+        residual = residual_on(stream, rows, target)
     else:
-        if handoff_norm is not None and isinstance(c.value, HandoffOutput):
+        if handoff_norm is not None and c.handoff:
             if capture_output is not None:
                 raise RuntimeError("norm() with handoff_norm does not accept capture_output "
                                    "when a handoff arrives")
@@ -137,21 +157,21 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
             if fused is not None:
                 out, residual = fused
         if out is None:
-            value = complete_value(c.value, c.owed, c.rows, target_rows(stream), rows)
+            value = completed(c, rows, target)
+            previous = None if stream.residual is None else residual_on(stream, rows, target)
             if not hasattr(norm_module, "normalize_fp32") or (skip_empty and value.shape[0] == 0):
-                residual = c.update.apply(stream.residual, value)
+                residual = c.update.apply(previous, value)
             else:
-                out, residual = ADD_NORM_READ.update_and_read(c.update, stream.residual, value,
+                out, residual = ADD_NORM_READ.update_and_read(c.update, previous, value,
                                                               norm_module)
     if out is None:
         out = residual if (skip_empty and residual.shape[0] == 0) else norm_module(residual)
-    local = stream.residual_rows is Rows.LOCAL
-    if not local:
-        out = to_local(stream, out, rows)
+    to_local = rows.move(None, target, local)
+    out = to_local(rows, out)
     if capture_output is not None:
-        capture_output(to_local(stream, residual, rows), owned=not local)
-    if LEDGER.traces is not None:
-        stream.write(residual, None, stream.residual_rows)
-        LEDGER.trace("final_norm", stream, rows)
+        capture_output(to_local(rows, residual), owned=False)
+    if observer is not None:
+        stream.write(residual, None, target)
+        observer.boundary("final_norm", stream, rows)
     forward_batch.residual_stream = None
     return out

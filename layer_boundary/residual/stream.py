@@ -2,8 +2,9 @@
 
 A stream is initial (nothing yet), written (a residual, nothing pending) or pending (a
 producer's contribution, maybe a residual). The model passes back exactly the object each
-boundary call returned; the stream checks that by identity, so another microbatch's output or a
-rebound tensor raises instead of silently applying the wrong pending work.
+boundary call returned; the stream checks that by identity, so another microbatch's output, a
+rebound tensor or a tensor handed to a stream that has given out nothing raises instead of
+silently applying the wrong pending work.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contracts import Owed
-from ..layout import Rows
+from ..layout import Layout, SumGroup
 
 NOT_OURS = ("output does not belong to this residual stream; "
             "change layer outputs through boundary accessors")
+START_FIRST = "start the layer stack before entering a stage"
 
 
 class StreamState(enum.Enum):
@@ -28,12 +29,23 @@ class StreamState(enum.Enum):
 
 @dataclass(eq=False)
 class Contribution:
-    """A producer's actual output: its value, the work it still owes, and its residual update."""
+    """A producer's actual output: its value, the sum it still owes, and its residual update.
+
+    ``declared``: the owed sum is the producer's static contract (a PARTIAL attention's), not
+    an exit's per-batch decision.
+    """
 
     value: object  # torch.Tensor, or a HandoffOutput for producer-specific finalize work
-    owed: Owed | None
+    owed: SumGroup | None
     update: object  # StageUpdate
-    rows: Rows = Rows.LOCAL  # where ``value``'s rows are
+    rows: Layout  # where ``value``'s rows are
+    handoff: bool = False
+    declared: bool = False
+
+    @property
+    def key(self) -> tuple:
+        """What a consumer's input path dispatches on."""
+        return (self.owed, self.rows.key, self.handoff)
 
 
 class OwedOutput:
@@ -63,7 +75,7 @@ class ResidualStream:
 
     def __init__(self) -> None:
         self.residual: torch.Tensor | None = None
-        self.residual_rows = Rows.LOCAL
+        self.residual_rows: Layout | None = None
         self.contribution: Contribution | None = None
         self.handle: object = None  # what the model must pass to the next call
 
@@ -74,25 +86,26 @@ class ResidualStream:
         return StreamState.INITIAL if self.residual is None else StreamState.WRITTEN
 
     def check(self, hidden) -> None:
-        """Raise unless ``hidden`` is the object the last boundary call returned."""
-        if self.handle is None:  # initial stream: the stack-entry tensor is new by nature
-            if isinstance(hidden, OwedOutput) or self.contribution is not None:
-                raise RuntimeError(NOT_OURS)
-            return
-        if hidden is not self.handle:
+        """Raise unless ``hidden`` is the object the last boundary call returned (an initial
+        stream has returned nothing, so nothing belongs to it)."""
+        if self.handle is None or hidden is not self.handle:
             raise RuntimeError(NOT_OURS)
 
-    def leave(self, value, owed: Owed | None, update, rows: Rows = Rows.LOCAL) -> object:
+    def leave(self, value, owed: SumGroup | None, update, rows: Layout, *, handoff: bool = False,
+              declared: bool = False) -> object:
         """Record a producer's output on ``rows``; return what the model passes on."""
-        self.contribution = Contribution(value, owed, update, rows)
-        self.handle = OwedOutput(self) if owed is not None else value
+        self.contribution = Contribution(value, owed, update, rows, handoff, declared)
+        self.handle = OwedOutput(self) if (owed is not None or handoff) else value
         return self.handle
 
-    def write(self, residual: torch.Tensor, handle: object, rows: Rows = Rows.LOCAL) -> None:
+    def write(self, residual: torch.Tensor, handle: object, rows: Layout) -> None:
         """Residual written on ``rows``, nothing pending; ``handle`` is what the model holds next."""
         self.residual, self.residual_rows = residual, rows
         self.contribution, self.handle = None, handle
 
-    def arrive(self) -> "ResidualStream":
-        """A fresh stream for another microbatch (two-batch overlap splits into these)."""
-        return ResidualStream()
+
+def stream_of(forward_batch) -> ResidualStream:
+    stream = forward_batch.residual_stream
+    if stream is None:
+        raise RuntimeError(START_FIRST)
+    return stream

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import all_reduce_rows, gather_last_dim
-from .ledger import ledger_site
+from .collectives import all_reduce_rows, gather_last_dim
 from .parallel import Group
 
 
@@ -40,8 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.start) | (input_ids >= self.end)
         local = (input_ids - self.start).masked_fill(outside, 0)
         out = nn.functional.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        with ledger_site("embed"):
-            return all_reduce_rows(out, self.group)
+        return all_reduce_rows(out, self.group, site="embed")
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -52,6 +50,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(hidden, self.weight)
-        with ledger_site("lm_head"):
-            logits = gather_last_dim(logits, self.group)
+        logits = gather_last_dim(logits, self.group, site="lm_head")
         return logits[..., : self.vocab_size]

@@ -1,16 +1,59 @@
-"""Communication ledger: every collective a forward runs, with the site that ran it.
+"""Observers of a forward, and the communication ledger that is one.
 
-Each entry records what the path logically moves (kind, group, element count, dtype) and the
-ring-formula bytes for that kind, so tests can compare a forward against a path's analytic
-collective list and the command line can report volume per layer.
+A forward reports to at most one observer through one hook (``HOOK.observer``): each
+boundary phase it enters (``enter``), every collective, and the residual stream after each boundary
+call. With no observer installed a forward mutates no global state for it. Nothing is
+observed while ``torch.compile`` traces: a compiled forward runs no Python to report from.
+
+The ledger records what each collective logically moves (kind, group, element count, dtype)
+and the ring-formula bytes for that kind, so tests can compare a forward against a path's
+analytic collective list and the command line can report volume per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class Observer(Protocol):
+    def enter(self, site: str) -> None: ...
+
+    def collective(self, kind: str, group, numel: int, dtype, site: str | None) -> None: ...
+
+    def boundary(self, site: str, stream, rows) -> None: ...
+
+
+class _Hook:
+    __slots__ = ("observer",)
+
+    def __init__(self) -> None:
+        self.observer: Observer | None = None
+
+
+HOOK = _Hook()
+
+
+def active_observer() -> Observer | None:
+    """The installed observer, or None (also while torch.compile traces)."""
+    observer = HOOK.observer
+    if observer is None or torch.compiler.is_compiling():
+        return None
+    return observer
+
+
+@contextlib.contextmanager
+def observing(observer: Observer):
+    """Install ``observer`` for the enclosed block (the previous one comes back after)."""
+    previous = HOOK.observer
+    HOOK.observer = observer
+    try:
+        yield observer
+    finally:
+        HOOK.observer = previous
 
 
 @dataclass(frozen=True)
@@ -40,45 +83,48 @@ class StreamTrace:
     site: str
     step: int
     state: str  # "initial" | "written" | "pending"
-    residual_rows: str  # "local" | "scattered"
-    row_ids: torch.Tensor | None  # global token row of each residual row (-1: padding)
+    residual_rows: str  # the residual's layout ("attn_dp", "attn_dp+attn_tp_scatter", ...)
+    row_ids: torch.Tensor | None  # global token row of each residual row
     residual: torch.Tensor | None
     owed: str | None  # what the pending contribution still owes
 
 
 class Ledger:
-    """Process-wide recorder; off unless a caller turns it on."""
+    """Records collectives (``recording``) and stream states (``tracing``) as an observer."""
 
     def __init__(self) -> None:
         self.enabled = False
         self.entries: list[LedgerEntry] = []
         self.site = "model"
         self.step = 0
-        self.traces: list[StreamTrace] | None = None  # stream states, when tracing
+        self.traces: list[StreamTrace] | None = None
 
-    @contextlib.contextmanager
-    def tracing(self):
-        """Record the residual stream after every boundary call of the enclosed block."""
-        previous = self.traces
-        self.traces = []
-        try:
-            yield self.traces
-        finally:
-            self.traces = previous
+    # -- the observer protocol
 
-    def trace(self, site: str, stream, batch_rows) -> None:
-        residual = stream.residual
-        c = stream.contribution
-        self.traces.append(StreamTrace(
-            site, self.step, stream.state.value, stream.residual_rows.value,
-            None if residual is None else batch_rows.global_indices(stream.residual_rows),
-            None if residual is None else residual.detach().clone(),
-            None if c is None or c.owed is None else str(c.owed)))
+    def enter(self, site: str) -> None:
+        self.site = site
 
-    def record(self, kind: str, group, numel: int, dtype: torch.dtype) -> None:
+    def collective(self, kind: str, group, numel: int, dtype, site: str | None = None) -> None:
         if self.enabled:
             self.entries.append(LedgerEntry(kind, group.name, group.size, numel, dtype,
-                                           self.site, self.step))
+                                            site or self.site, self.step))
+
+    def boundary(self, site: str, stream, rows) -> None:
+        if self.traces is None:
+            return
+        residual = stream.residual
+        c = stream.contribution
+        layout = stream.residual_rows
+        self.traces.append(StreamTrace(
+            site, self.step, stream.state.value, "" if layout is None else str(layout),
+            None if residual is None else rows.global_indices(layout),
+            None if residual is None else residual.detach().clone(),
+            None if c is None or c.owed is None else f"sum over {c.owed.value}"))
+
+    # -- recording
+
+    def record(self, kind: str, group, numel: int, dtype: torch.dtype) -> None:
+        self.collective(kind, group, numel, dtype)
 
     @contextlib.contextmanager
     def recording(self):
@@ -90,9 +136,21 @@ class Ledger:
         previous = (self.enabled, self.entries, self.site, self.step)
         self.enabled, self.entries, self.site, self.step = True, [], "model", 0
         try:
-            yield self.entries
+            with observing(self):
+                yield self.entries
         finally:
             self.enabled, self.entries, self.site, self.step = previous
+
+    @contextlib.contextmanager
+    def tracing(self):
+        """Record the residual stream after every boundary call of the enclosed block."""
+        previous = self.traces
+        self.traces = []
+        try:
+            with observing(self):
+                yield self.traces
+        finally:
+            self.traces = previous
 
 
 LEDGER = Ledger()

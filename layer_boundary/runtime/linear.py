@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import all_reduce_rows, gather_last_dim
+from .collectives import all_reduce_rows, gather_last_dim
 from .context import get_forward
 from .parallel import Group
 

@@ -71,6 +71,20 @@ class Group:
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def key(self) -> str:
+        """Names this group among all groups of the world (for ``process_group``)."""
+        return f"{self.name}:{','.join(map(str, self.ranks))}"
+
+
+# torch process groups by Group.key: code that can carry only strings (a custom op traced by
+# torch.compile) finds its group here
+_PROCESS_GROUPS: dict[str, object] = {}
+
+
+def process_group(key: str):
+    return _PROCESS_GROUPS[key]
+
 
 @dataclass(frozen=True, eq=False)
 class Parallel:
@@ -116,6 +130,8 @@ def _new_groups(name: str, all_ranks: list[list[int]], rank: int) -> Group:
         pg = dist.new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             mine = Group(name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=pg)
+            if pg is not None:
+                _PROCESS_GROUPS[mine.key] = pg
     assert mine is not None, f"rank {rank} is in no {name} group"
     return mine
 

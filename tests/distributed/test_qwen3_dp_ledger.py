@@ -47,10 +47,12 @@ def expected_forward(cfg, mode: str, counts: tuple[int, ...], dp_rank: int) -> l
         if i > 0:
             out += to_attn(f"layer{i}.attn.prepare")
         out += to_ffn(f"layer{i}.ffn.prepare")
-    if mode == "ar":  # the terminal FFN completes its own sum, then slices back to local rows
-        out.append(("all_reduce", "tp", total * h, f"layer{layers - 1}.ffn.compute"))
-    else:  # the final norm reduce-scatters, normalises scattered rows, gathers local rows
-        out += to_attn("final_norm")
+    # the terminal FFN completes its own sum before the final norm, in every mode
+    out.append(("all_reduce", "tp", total * h, f"layer{layers - 1}.ffn.compute"))
+    if mode == "rs":  # the final norm runs on the scattered residual, then gathers local rows
+        out.append(("all_gather", "attn_tp", seg * h, "final_norm"))
+    elif mode == "rsv" and local:
+        out.append(("all_gather", "attn_tp", local * h, "final_norm"))
     padded_vocab = -(-cfg.vocab_size // ATTN_TP) * ATTN_TP
     if local:
         out.append(("all_gather", "attn_tp", local * padded_vocab, "lm_head"))
@@ -72,10 +74,11 @@ def test_ledger_matches_analytic_list_under_attention_dp(qwen3_dir, policy):
             got = [(e.kind, e.group, e.numel, e.site) for e in r.ledger if e.step == step]
             assert got == expected_forward(cfg, policy, counts, r.dp_rank), (r.rank, step)
             # the norm of every FFN input runs on the residual's rows: a 1/attn_tp slice
-            # under rs (padded) and rsv (real rows), the DP rank's rows under ar
-            seg = -(-max(counts) // ATTN_TP) * ATTN_TP
-            want = {"ar": counts[r.dp_rank], "rs": seg // ATTN_TP,
-                    "rsv": len(range(r.attn_tp_rank, counts[r.dp_rank], ATTN_TP))}[policy]
+            # under rs (equal chunks, the last ranks shorter) and rsv (balanced), the DP rank's
+            # rows under ar; real rows only
+            local, chunk = counts[r.dp_rank], -(-max(counts) // ATTN_TP)
+            want = {"ar": local, "rs": max(0, min(chunk, local - r.attn_tp_rank * chunk)),
+                    "rsv": len(range(r.attn_tp_rank, local, ATTN_TP))}[policy]
             for t in r.traces:
                 if t.step == step and t.site.endswith("ffn.prepare"):
                     assert t.residual.shape[0] == want, (r.rank, t.site, step)

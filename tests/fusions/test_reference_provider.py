@@ -8,14 +8,9 @@ import torch
 from distributed.pool import get_pool
 from toy import HIDDEN, ToyLayer, batch, runtime
 
-from layer_boundary import declare_attn, declare_ffn, make_stages
-from layer_boundary.contracts import Owed
-from layer_boundary.fusions import Arrival
-from layer_boundary.fusions.reference import FusedFinalizeAllReduceAddNorm, ReferenceFusions
-from layer_boundary.layout import BatchRows, RowMode, Rows, SumGroup
-from layer_boundary.output import HandoffOutput
+from layer_boundary import HandoffOutput, declare_attn, declare_ffn, make_stages
+from layer_boundary.fusions.reference import ReferenceFusions, fused_finalize_all_reduce_add_norm
 from layer_boundary.residual import batch as residual_batch
-from layer_boundary.residual.add_norm import PLAIN_ADD
 from layer_boundary.runtime.norm import RMSNorm
 
 
@@ -52,7 +47,9 @@ class DeclineThenFuse(ReferenceFusions):
         recorder = Recorder()
         checker = Checker(recorder)
         self.checkers.append(checker)
-        return [recorder, checker, *super()._input(plan)]
+        # declared like the reference candidate, so offered to the same arrivals
+        return [fused_finalize_all_reduce_add_norm(plan, recorder),
+                fused_finalize_all_reduce_add_norm(plan, checker), *super()._input(plan)]
 
 
 def toy_run(tp: int, provider: str | None) -> dict:
@@ -89,22 +86,6 @@ def test_candidates_run_in_order_and_fusion_gives_identical_numbers():
         if provider == "decline-then-fuse":
             # every pending input was shown to the declining recorder first
             assert r["declined"] >= 2
-
-
-def test_reference_candidate_declines_before_touching_inputs():
-    rt = runtime(1)
-    rows = BatchRows(RowMode.RS, (4,), rt.parallel)
-    value, residual = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
-    keep = value.clone(), residual.clone()
-    candidate = FusedFinalizeAllReduceAddNorm(None)
-    for owed, at in ((Owed(SumGroup.ATTN_TP, Rows.LOCAL), Rows.LOCAL),  # an attention partial
-                     (Owed(SumGroup.TP, Rows.GLOBAL), Rows.GLOBAL)):  # residual scattered
-        arrival = Arrival(value, owed, at, PLAIN_ADD, residual,
-                          Rows.SCATTERED if owed.group is SumGroup.TP else Rows.LOCAL,
-                          RMSNorm(HIDDEN), rows)
-        assert candidate(arrival) is None
-    assert torch.equal(value, keep[0]) and torch.equal(residual, keep[1])
-    assert candidate.calls == 0
 
 
 class ToyHandoff(HandoffOutput):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distributed.pool import get_pool
-from layer_boundary.ops import all_reduce_rows, gather_last_dim
+from layer_boundary.runtime.collectives import all_reduce_rows, gather_last_dim
 from layer_boundary.runtime.ledger import LEDGER, LedgerEntry, ledger_site, summarize
 from layer_boundary.runtime.parallel import Group, ParallelDims, build_parallel
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distributed.pool import get_pool
-from layer_boundary.ops import all_reduce_rows, gather_last_dim
+from layer_boundary.runtime.collectives import all_reduce_rows, gather_last_dim
 from layer_boundary.runtime.ledger import LEDGER
 from layer_boundary.runtime.parallel import ParallelDims, TopologyError, build_parallel
 

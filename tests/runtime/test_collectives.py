@@ -1,4 +1,4 @@
-"""The row contracts ops.py states, one line each, checked on real gloo ranks.
+"""The row contracts runtime/collectives.py states, one line each, checked on real gloo ranks.
 
 all_reduce_rows:  "Rows unchanged; every rank ends with the group sum of its rows (reuses
                    ``x``'s storage)."
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from distributed.pool import get_pool  # tests/ is on sys.path (tests/conftest.py)
-from layer_boundary import ops
-from layer_boundary.ops import all_reduce_rows, gather_last_dim
+from layer_boundary.runtime import collectives as ops
+from layer_boundary.runtime.collectives import all_reduce_rows, gather_last_dim
 from layer_boundary.runtime.ledger import LEDGER
 from layer_boundary.runtime.parallel import Group, ParallelDims, build_parallel
 
