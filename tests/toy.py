@@ -1,8 +1,10 @@
 """A toy stack for boundary tests: real stages and norms, tiny seeded compute.
 
 Attention compute returns a rank-specific partial sum (x @ A[rank]), as a row-parallel output
-projection does, so the full result is x @ sum_r A[r]; FFN compute honours the exit's flags
-through a real RowParallelLinear.
+projection does, so the full result over the attention-TP group is x @ sum_r A[r]; FFN
+compute honours the exit's flags through a real RowParallelLinear over TP. The same stack
+runs at world 1 and under tensor parallelism with attention DP, on the same tokens: a DP
+rank holds its segment of the world-1 batch (``DpBatch``).
 """
 
 from __future__ import annotations
@@ -11,21 +13,39 @@ import torch
 from torch import nn
 
 from layer_boundary import declare_attn, declare_ffn, make_stages
-from layer_boundary.runtime.args import BoundaryRuntime
-from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
-from layer_boundary.runtime.linear import RowParallelLinear
-from layer_boundary.runtime.norm import RMSNorm
-from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+from layer_boundary.residual import batch as residual_batch
+from layer_boundary.runtime import (BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims,
+                                    RMSNorm, RowParallelLinear, build_parallel)
 
 HIDDEN = 8
 
 
-def runtime(tp: int = 1, **kwargs) -> BoundaryRuntime:
-    return BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp)), **kwargs)
+def runtime(tp: int = 1, dp: int = 1, **kwargs) -> BoundaryRuntime:
+    return BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=dp)),
+                           **kwargs)
 
 
 def batch(tokens: int = 3) -> ForwardBatch:
     return ForwardBatch.build(ForwardMode.EXTEND, [list(range(tokens))], [0])
+
+
+class DpBatch:
+    """This rank's share of a world-1 batch of ``sum(counts)`` tokens: DP rank d holds the
+    d-th segment (``counts[d]`` tokens, possibly none)."""
+
+    def __init__(self, counts: tuple[int, ...], rt: BoundaryRuntime) -> None:
+        par = rt.parallel
+        self.counts = tuple(counts) if par.dims.attn_dp > 1 else (sum(counts),)
+        d = par.attn_dp_rank if par.dims.attn_dp > 1 else 0
+        self.start = sum(self.counts[:d])
+        self.rows = slice(self.start, self.start + self.counts[d])
+        n = self.counts[d]
+        self.fb = ForwardBatch.build(ForwardMode.EXTEND, [list(range(n))] if n else [],
+                                     [0] if n else [], dp_token_counts=self.counts)
+
+    def mine(self, full: torch.Tensor) -> torch.Tensor:
+        """This DP rank's rows of a world-1 tensor."""
+        return full[self.rows]
 
 
 def attn_weights(tp: int, seed: int = 0) -> torch.Tensor:
@@ -34,25 +54,34 @@ def attn_weights(tp: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(tp, HIDDEN, HIDDEN, generator=gen) * 0.3
 
 
+def seeded(shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def toy_norm(seed: int) -> RMSNorm:
+    norm = RMSNorm(HIDDEN)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * attn_weights(1, seed)[0, 0])
+    return norm
+
+
 class ToyLayer(nn.Module):
     def __init__(self, rt: BoundaryRuntime, layer_id: int, num_layers: int, ffn_update=None,
-                 ffn_reduction=None, fusions=None):
+                 ffn_reduction=None, fusions=None, attn_read=None, ffn_read=None):
         super().__init__()
         par = rt.parallel
-        self.attn_norm, self.ffn_norm = RMSNorm(HIDDEN), RMSNorm(HIDDEN)
-        with torch.no_grad():
-            self.attn_norm.weight.copy_(1 + 0.1 * attn_weights(1, 100 + layer_id)[0, 0])
-            self.ffn_norm.weight.copy_(1 + 0.1 * attn_weights(1, 200 + layer_id)[0, 0])
-        # four fixed parts, dealt over the ranks: the full sum is the same at tp 1, 2 and 4
-        self.a = attn_weights(4, seed=layer_id)[par.tp.rank::par.tp.size].sum(0)
+        self.attn_norm, self.ffn_norm = toy_norm(100 + layer_id), toy_norm(200 + layer_id)
+        # four fixed parts dealt over the attention-TP ranks: the same sum at every topology
+        self.a = attn_weights(4, seed=layer_id)[par.attn_tp.rank::par.attn_tp.size].sum(0)
         self.down = RowParallelLinear(2 * HIDDEN, HIDDEN, par.tp)
         full = attn_weights(2, seed=50 + layer_id).transpose(0, 1).reshape(HIDDEN, 2 * HIDDEN)
         self.down.weight_loader(self.down.weight, full)  # the same [H, 2H] weight at every tp
         kwargs = {} if ffn_reduction is None else {"reduction": ffn_reduction}
-        ffn = declare_ffn(update=ffn_update, **kwargs)
+        ffn = declare_ffn(update=ffn_update, read=ffn_read, **kwargs)
+        attn = declare_attn(read=attn_read)
         options = {} if fusions is None else {"fusions": fusions}
         self.attn, self.ffn = make_stages(
-            (declare_attn(), self.attn_norm, options), (ffn, self.ffn_norm, options),
+            (attn, self.attn_norm, options), (ffn, self.ffn_norm, options),
             previous=None if layer_id == 0 else ffn,
             terminal=layer_id == num_layers - 1, runtime=rt, name=f"layer{layer_id}")
 
@@ -61,8 +90,13 @@ class ToyLayer(nn.Module):
 
     def forward_layer(self, h, fb):
         """One decoder layer through its boundaries (the model side of the contract)."""
-        h = self.attn.prepare(h, fb)
-        h = self.attn.finish(self.attn_compute(h), fb)
+        return self.ffn_half(self.attn_half(h, fb), fb)
+
+    def attn_half(self, h, fb, **prepare_kwargs):
+        h = self.attn.prepare(h, fb, **prepare_kwargs)
+        return self.attn.finish(self.attn_compute(h), fb)
+
+    def ffn_half(self, h, fb):
         h = self.ffn.prepare(h, fb)
         with self.ffn.exit(fb) as out:
             y = self.ffn_compute(h)
@@ -70,6 +104,17 @@ class ToyLayer(nn.Module):
 
     def ffn_compute(self, x):
         return self.down(local_slice(torch.tanh(x).repeat(1, 2), self.down))
+
+
+class ToyStack:
+    """``layers`` toy layers and a final norm on one runtime."""
+
+    def __init__(self, rt: BoundaryRuntime, layers: int = 3, **layer_kwargs) -> None:
+        self.layers = [ToyLayer(rt, i, layers, **layer_kwargs) for i in range(layers)]
+        self.final_norm = toy_norm(300)
+
+    def final(self, h, fb, **kwargs):
+        return residual_batch.norm(h, fb, self.final_norm, **kwargs)
 
 
 def local_slice(full_input: torch.Tensor, linear: RowParallelLinear) -> torch.Tensor:

@@ -131,3 +131,60 @@ def test_handoff_norm_rejects_capture_and_otherwise_finalizes():
     unfused = residual_batch.norm(h2, fb2, RMSNorm(HIDDEN))  # completes the handoff itself
     assert fusions.service.calls == 1
     torch.testing.assert_close(out, unfused, atol=0, rtol=0)
+
+
+# ------------------------------------------------ candidates meet only what they declare
+
+
+class ScaledRead:
+    """A custom read (no fusable kind): the norm of the residual, scaled."""
+
+    before_gather = False
+    kind = None
+
+    def enter(self, hidden, norm):
+        return norm(hidden) * 1.5, hidden
+
+    def read(self, residual, norm):
+        return norm(residual) * 1.5, residual
+
+    def update_and_read(self, update, residual, contribution, norm):
+        return self.read(update.apply(residual, contribution), norm)
+
+
+def declared_run(tp: int, dp: int, policy: str, counts, variant: str, provider: bool) -> dict:
+    from test_errors import ScaledUpdate
+    from toy import DpBatch, ToyStack, seeded
+
+    kwargs = {"custom-read": {"attn_read": ScaledRead(), "ffn_read": ScaledRead()},
+              "nonlinear-update": {"ffn_update": ScaledUpdate()}, "plain": {}}[variant]
+    fusions = ReferenceFusions() if provider else None
+    rt = runtime(tp, dp, boundary_reduction=policy)
+    stack = ToyStack(rt, 3, fusions=fusions, **kwargs)
+    b = DpBatch(counts, rt)
+    residual_batch.start(b.fb)
+    h = b.mine(seeded((sum(counts), HIDDEN), 4))
+    for layer in stack.layers:
+        h = layer.forward_layer(h, b.fb)
+    return {"out": stack.final(h, b.fb), "rows": (b.rows.start, b.rows.stop),
+            "accepted": fusions.accepted if provider else 0, "mode": b.fb.rows.mode.value}
+
+
+DECLARED_CASES = [(2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 2, "ar", (5, 3)),
+                  (4, 2, "rs", (5, 0)), (4, 2, "rsv", (3, 5))]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["custom-read", "nonlinear-update", "plain"])
+@pytest.mark.parametrize("tp,dp,policy,counts", DECLARED_CASES,
+                         ids=[f"tp{t}-dp{d}-{p}" for t, d, p, _ in DECLARED_CASES])
+def test_candidates_are_offered_only_where_they_apply(tp, dp, policy, counts, variant):
+    """A custom read or a nonlinear update never reaches the plain add+norm kernel, nor do
+    reduce-scattered sums; with the declared read and update under ar, the deferred FFN sums
+    of layers 0 and 1 are fused, with the same numbers as world 1 without a provider."""
+    ref = declared_run(1, 1, "ar", counts, variant, False)
+    for r in get_pool(tp).run(declared_run, tp, dp, policy, counts, variant, True):
+        assert r["mode"] == policy
+        torch.testing.assert_close(r["out"], ref["out"][slice(*r["rows"])], atol=1e-5, rtol=0)
+        fused = variant == "plain" and policy == "ar"
+        assert r["accepted"] == (2 if fused else 0), r["accepted"]
