@@ -1,0 +1,99 @@
+"""The package imports only downward (checked on the source, so CI enforces it).
+
+The host runtime stands below the library and imports nothing from it; ``residual/`` never
+imports the stage layer; models use the public surface (the package root, the runtime,
+``residual.batch`` and the residual protocols), never internals such as ``ops`` or ``output``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "layer_boundary"
+
+# module (dotted, relative to the package) -> level; a module may import its own level or
+# below. Longest prefix wins.
+LEVELS = {
+    "runtime": 0,
+    "layout": 1, "contracts": 1, "ops": 1,
+    "output": 2, "residual": 2, "fusions": 2,
+    "exit": 3, "prepare": 3, "boundary": 3, "construction": 3,
+    "stage": 4, "factories": 4,
+    "": 5,  # the package root: the public surface
+    "models": 6,
+    "runner": 7, "bench": 7, "cli": 7, "__main__": 7,
+}
+MODEL_SURFACE = ("", "runtime", "residual", "residual.batch", "models")
+
+
+def level(module: str) -> int:
+    best = max((p for p in LEVELS if module == p or module.startswith(p + ".") or p == ""),
+               key=len)
+    return LEVELS[best]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(module: str, path: Path) -> set[str]:
+    """Package modules ``module`` imports (relative to the package), anywhere in the file."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if module else []
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("layer_boundary"):
+                target = node.module[len("layer_boundary"):].lstrip(".")
+            else:
+                continue
+            names = [a.name for a in node.names]
+            known = modules()
+            subs = [f"{target}.{n}".lstrip(".") for n in names]
+            hits = [m for m in subs if m in known]
+            found.update(hits if hits else [target])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("layer_boundary"):
+                    found.add(alias.name[len("layer_boundary"):].lstrip("."))
+    found.discard(module)
+    return found
+
+
+MODULES = modules()
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_only_downward(module):
+    mine = level(module)
+    for target in imports_of(module, MODULES[module]):
+        assert level(target) <= mine, f"{module or 'layer_boundary'} (level {mine}) imports " \
+                                      f"{target or 'layer_boundary'} (level {level(target)})"
+        if module.startswith("runtime"):
+            assert target.startswith("runtime"), f"runtime module {module} imports {target}"
+        if module.startswith("residual"):
+            assert level(target) <= 2, f"{module} imports {target}"
+        if module.startswith("models"):
+            assert target in MODEL_SURFACE or target.startswith(("runtime.", "models.")), \
+                f"model module {module} imports the internal {target}"
+
+
+def test_the_check_sees_imports():
+    """Guards the test above against finding nothing to check."""
+    assert "runtime.collectives" in imports_of("ops", MODULES["ops"])
+    assert "residual.batch" in imports_of("exit", MODULES["exit"])
+    assert "" in imports_of("models.qwen3", MODULES["models.qwen3"])
+    assert level("runtime.linear") == 0 and level("models.qwen3") == 6 and level("") == 5
