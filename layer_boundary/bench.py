@@ -45,8 +45,10 @@ def _random_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
 
 @torch.no_grad()
 def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int = 32,
-             repeats: int = 30) -> dict:
-    """Median decode-step time with and without boundaries, and their ratio."""
+             repeats: int = 30, compile: str | None = None) -> dict:
+    """Median decode-step time with and without boundaries, their ratio, and the boundary's
+    cost per stage in microseconds (the difference over the 2 x layers stages). With
+    ``compile`` (a torch.compile backend) both forwards run compiled, fullgraph."""
     cfg = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
                       num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
                       head_dim=hidden // 8)
@@ -59,15 +61,24 @@ def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int
         return ForwardBatch.build(ForwardMode.DECODE, [[1]] * requests, [prefix] * requests,
                                   kv_cache=cache)
 
-    torch.testing.assert_close(model(step()), hand_written(model, step()), atol=1e-5, rtol=0)
+    def by_hand(fb):
+        return hand_written(model, fb)
+
+    with_boundary = model
+    if compile is not None:
+        with_boundary = torch.compile(model, fullgraph=True, backend=compile)
+        by_hand = torch.compile(by_hand, fullgraph=True, backend=compile)
+    torch.testing.assert_close(with_boundary(step()), by_hand(step()), atol=1e-5, rtol=0)
+    with_boundary(step()), by_hand(step())  # warm (and, compiled, settle any recompile)
     times = {"boundary": [], "hand_written": []}
     for _ in range(repeats):  # interleaved, so drift hits both alike
-        for name, fn in (("boundary", model), ("hand_written", lambda fb: hand_written(model, fb))):
+        for name, fn in (("boundary", with_boundary), ("hand_written", by_hand)):
             fb = step()
             start = time.perf_counter()
             fn(fb)
             times[name].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"hidden": hidden, "layers": layers, "requests": requests,
+    return {"hidden": hidden, "layers": layers, "requests": requests, "compile": compile,
             "boundary_ms": med["boundary"] * 1e3, "hand_written_ms": med["hand_written"] * 1e3,
-            "overhead": med["boundary"] / med["hand_written"] - 1.0}
+            "overhead": med["boundary"] / med["hand_written"] - 1.0,
+            "per_stage_us": (med["boundary"] - med["hand_written"]) / (2 * layers) * 1e6}

@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="complete every FFN all-reduce in compute instead of deferring it")
     run.add_argument("--no-rs-padding", action="store_true",
                      help="forbid padding rows for fixed-size reduce-scatter (rs falls back)")
+    run.add_argument("--compile", action="store_true",
+                     help="run each rank's forward under torch.compile(fullgraph=True) "
+                          "(inductor); parity is checked against eager world 1")
+    run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
+                     default=None, help="the torch.compile backend (implies --compile)")
 
     plan = sub.add_parser("plan", help="print the per-stage boundary paths for a batch shape")
     plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
@@ -92,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--layers", type=_positive, default=8)
     bench.add_argument("--requests", type=_positive, default=16)
     bench.add_argument("--repeats", type=_positive, default=30)
+    bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
+                       help="run both forwards under torch.compile(fullgraph=True)")
     return parser
 
 
@@ -164,7 +171,8 @@ def _spec(args):
                    boundary_reduction=args.boundary_reduction, dtype=args.dtype,
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
-                   rs_padding=not args.no_rs_padding)
+                   rs_padding=not args.no_rs_padding,
+                   compile=args.compile_backend or ("inductor" if args.compile else None))
 
 
 def _report(args, spec, results, reference) -> int:
@@ -192,14 +200,15 @@ def _report(args, spec, results, reference) -> int:
         log.info(json.dumps({
             "tp": spec.tp, "dp": spec.dp, "ep": spec.ep,
             "boundary_reduction": rank0.resolved_reduction,
-            "dtype": spec.dtype,
+            "dtype": spec.dtype, "compile": spec.compile,
             "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g}
                         for i, g in zip(run.request_ids, run.generated)],
             "parity": verdict, "collectives": collectives}))
         return 0 if ok else 1
     log.info("layer-boundary run: %s  tp=%d dp=%d ep=%d  boundary_reduction=%s (asked %s)  "
-             "dtype=%s", spec.model_dir, spec.tp, spec.dp, spec.ep, rank0.resolved_reduction,
-             spec.boundary_reduction, spec.dtype)
+             "dtype=%s%s", spec.model_dir, spec.tp, spec.dp, spec.ep, rank0.resolved_reduction,
+             spec.boundary_reduction, spec.dtype,
+             f"  compiled ({spec.compile}, fullgraph)" if spec.compile else "")
     for i, g in zip(run.request_ids, run.generated):
         log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
     if verdict is None:
@@ -211,6 +220,10 @@ def _report(args, spec, results, reference) -> int:
     log.info("\nboundary paths (per stage; row mode per forward: %s):",
              ", ".join(f"step {i} {m}" for i, m in enumerate(rank0.modes)))
     _plan_table(rank0.plan)
+    if spec.compile:
+        log.info("\ncollectives: not observed (a compiled forward runs no Python to report "
+                 "from; run without --compile for the ledger)")
+        return 0 if ok else 1
     log.info("\ncollectives per forward on rank 0 (count x kind, bytes; step 0 = prefill):")
     for step in sorted({e.step for e in rank0.ledger})[:2]:
         log.info("  step %d:", step)
@@ -315,7 +328,9 @@ def cmd_run(args) -> int:
     _setup_logging(0)
     spec = _spec(args)
     results = [run_rank(spec)] if spec.tp == 1 else spawn(_rank_entry, spec.tp, spec)
-    reference = None if args.no_reference or spec.tp == 1 else _reference(spec)
+    # world 1 needs no reference of itself, unless it ran compiled
+    own = spec.tp == 1 and spec.compile is None
+    reference = None if args.no_reference or own else _reference(spec)
     return _report(args, spec, results, reference)
 
 
@@ -325,7 +340,7 @@ def _reference(spec):
 
     from .runner import merge, run_rank
 
-    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1), world_size=1)])
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, compile=None), world_size=1)])
 
 
 def main(argv=None) -> int:
@@ -339,11 +354,14 @@ def main(argv=None) -> int:
             from .bench import overhead
 
             _setup_logging(0)
-            result = overhead(args.hidden, args.layers, args.requests, repeats=args.repeats)
-            log.info("decode step, world 1, hidden %d, %d layers, %d requests: boundary %.2f ms, "
-                     "hand-written %.2f ms, overhead %+.1f%%", result["hidden"], result["layers"],
-                     result["requests"], result["boundary_ms"], result["hand_written_ms"],
-                     100 * result["overhead"])
+            result = overhead(args.hidden, args.layers, args.requests, repeats=args.repeats,
+                              compile=args.compile)
+            log.info("decode step, world 1, hidden %d, %d layers, %d requests%s: boundary %.3f "
+                     "ms, hand-written %.3f ms, overhead %+.1f%% (%.1f us per stage)",
+                     result["hidden"], result["layers"], result["requests"],
+                     f", compiled ({args.compile})" if args.compile else ", eager",
+                     result["boundary_ms"], result["hand_written_ms"], 100 * result["overhead"],
+                     result["per_stage_us"])
             return 0
     except (CheckpointError, TopologyError, UnsupportedBoundary, UsageError, ValueError) as exc:
         print(f"layer-boundary: error: {exc}", file=sys.stderr)

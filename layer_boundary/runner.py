@@ -36,6 +36,9 @@ class RunSpec:
     trace: bool = False  # record the residual stream after every boundary call
     fusions: str | None = None  # None | "reference" | "reference-terminal" | "decline"
     model_options: tuple = ()  # (name, value) engine options of the model
+    # run each forward under torch.compile(fullgraph=True) with this backend ("inductor",
+    # "aot_eager", "eager"); a graph break anywhere in the forward is an error
+    compile: str | None = None
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size or self.tp, tp=self.tp, attn_dp=self.dp,
@@ -70,17 +73,21 @@ def plan_rows(model, mode: RowMode = RowMode.AR) -> list[dict]:
             for boundary in (layer.attn_boundary, layer.ffn_boundary)]
 
 
-class _ForwardCheck:
-    """Wraps the model to record each forward's row mode and whether it released its stream."""
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
-    def __init__(self, model) -> None:
-        self.model, self.released, self.modes = model, True, []
+
+class _ForwardCheck:
+    """Wraps the model to record each forward's row mode and whether it released its stream;
+    ``forward`` is the model itself or its compiled form."""
+
+    def __init__(self, model, forward) -> None:
+        self.model, self.forward, self.released, self.modes = model, forward, True, []
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, forward_batch):
-        out = self.model(forward_batch)
+        out = self.forward(forward_batch)
         self.released &= forward_batch.residual_stream is None
         self.modes.append(forward_batch.rows.mode.value)
         return out
@@ -93,7 +100,14 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     provider = make_fusions(spec.fusions)
     model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype], fusions=provider,
                        options=spec.model_options)
-    checked = _ForwardCheck(model)
+    forward = model
+    if spec.compile is not None:
+        if spec.compile not in COMPILE_BACKENDS:
+            raise ValueError(f"compile backend {spec.compile!r} is not one of "
+                             f"{', '.join(COMPILE_BACKENDS)}")
+        torch._dynamo.reset()  # one model per run: no earlier run's graphs count to its limits
+        forward = torch.compile(model, fullgraph=True, backend=spec.compile)
+    checked = _ForwardCheck(model, forward)
     with LEDGER.recording() as entries, contextlib.ExitStack() as stack:
         traces = stack.enter_context(LEDGER.tracing()) if spec.trace else []
         gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,

@@ -80,6 +80,11 @@ def _(x, group_key, sizes, rank):
     return x.new_empty((sizes[rank], *x.shape[1:]))
 
 
+# A collective is a side effect: every rank must run it even where its own result is unused
+# or empty (a rank with no rows), so compilers may never drop it.
+torch.fx.node.has_side_effect(torch.ops.layer_boundary.reduce_scatter_v.default)
+
+
 def gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's equal-size rows concatenated in group rank order, on every rank."""
     if group.size == 1:

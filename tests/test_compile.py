@@ -1,0 +1,56 @@
+"""Compiled forwards: a whole Qwen3 forward (every decoder layer, its boundaries, the final
+norm) traces under ``torch.compile(fullgraph=True)``, where any graph break is an error, and
+gives the eager world-1 numbers, at world 1 and across gloo ranks.
+
+The ``eager`` and ``aot_eager`` backends trace the same graph as inductor without generating
+kernels, so they pin fullgraph cheaply; one inductor run shows the real path end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from distributed.checks import assert_logits_match
+from distributed.pool import get_pool
+
+from layer_boundary.cli import main
+from layer_boundary.runner import RunSpec, merge, run_rank
+
+PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 9))
+
+
+def _eager_world1(spec: RunSpec):
+    return merge([run_rank(replace(spec, tp=1, dp=1, boundary_reduction="ar", compile=None),
+                           world_size=1)])
+
+
+def _spec(qwen3_dir, tp, dp, policy, backend):
+    return RunSpec(str(qwen3_dir), tp=tp, dp=dp, boundary_reduction=policy, prompts=PROMPTS,
+                   max_new_tokens=3, compile=backend)
+
+
+@pytest.mark.timeout(240)
+def test_fullgraph_at_world1(qwen3_dir):
+    spec = _spec(qwen3_dir, 1, 1, "ar", "eager")
+    compiled = run_rank(spec, world_size=1)
+    assert compiled.streams_released and compiled.modes == ["ar"] * 3
+    assert_logits_match(merge([compiled]), _eager_world1(spec), len(PROMPTS))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp,dp,policy,backend", [(2, 1, "rs", "eager"), (2, 1, "ar", "eager"),
+                                                   (4, 2, "rsv", "aot_eager")])
+def test_fullgraph_across_ranks(qwen3_dir, tp, dp, policy, backend):
+    spec = _spec(qwen3_dir, tp, dp, policy, backend)
+    results = get_pool(tp).run(run_rank, spec, timeout=240)
+    assert all(r.modes == [policy] * 3 and r.streams_released for r in results)
+    assert_logits_match(merge(results), _eager_world1(spec), len(PROMPTS))
+
+
+@pytest.mark.timeout(400)
+def test_inductor_run_command(qwen3_dir, capsys):
+    assert main(["run", "--model", str(qwen3_dir), "--tp", "1", "--compile",
+                 "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled (inductor, fullgraph)" in out and "parity vs world 1: PASS" in out
