@@ -14,6 +14,7 @@ from .fusions import InputPlan
 from .layout import Layouts, RowMode, SumGroup
 from .ops import lookup
 from .prepare import ArrivalPath, EntryPath
+from .residual.stream import arrival_key
 from .runtime.context import NO_FLAGS, ForwardFlags
 
 DEFER_ALL_REDUCE = ForwardFlags(fuse_mlp_allreduce=True)
@@ -98,7 +99,7 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
                                      declared_plain, read, decl)
     # complete values: what accessors leave (local rows) and captures complete (update rows)
     for rows in (local, target):
-        key = (None, rows.key, False)
+        key = arrival_key(None, rows, False)
         if key not in arrivals:
             arrivals[key] = ArrivalPath(key, lookup(table, None, rows, target, mode))
     align = {rows.key: lookup(table, None, rows, target, mode) for rows in (local, target)}
@@ -115,8 +116,11 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
 
 def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidates,
              declared_plain: bool, read, decl) -> ArrivalPath:
-    owed, _, handoff = key
-    src = decision.finish_move.dst if decision.finish_move is not None else decision.rows
+    handoff = key[2]
+    if decision.finish_move is not None:
+        owed, src = None, decision.finish_move.dst
+    else:
+        owed, src = decision.owed, decision.rows
     complete = lookup(table, owed, src, target, mode)
     applying = tuple(c for c in candidates
                      if c.applies(owed, src, handoff, target, mode, declared_plain,

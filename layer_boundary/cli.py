@@ -200,10 +200,11 @@ def _report(args, spec, results, reference) -> int:
         log.info(json.dumps({
             "tp": spec.tp, "dp": spec.dp, "ep": spec.ep,
             "boundary_reduction": rank0.resolved_reduction,
-            "dtype": spec.dtype, "compile": spec.compile,
+            "dtype": spec.dtype,
             "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g}
                         for i, g in zip(run.request_ids, run.generated)],
-            "parity": verdict, "collectives": collectives}))
+            "parity": verdict, "collectives": collectives,
+            **({"compile": spec.compile} if spec.compile else {})}))
         return 0 if ok else 1
     log.info("layer-boundary run: %s  tp=%d dp=%d ep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, spec.tp, spec.dp, spec.ep, rank0.resolved_reduction,

@@ -117,11 +117,13 @@ def resolve_input(decl, runtime, layouts: Layouts) -> StageInput:
 class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
-    __slots__ = ("name", "declaration", "paths", "runtime", "tables")
+    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "_by_key")
 
     def __init__(self, name: str, declaration, paths: dict, runtime, tables: dict) -> None:
         self.name, self.declaration, self.paths, self.runtime = name, declaration, paths, runtime
         self.tables = tables  # row mode -> the movement table
+        # the same paths keyed by plain strings, which a forward hashes cheaply
+        self._by_key = {(variant.value, mode.value): path for (variant, mode), path in paths.items()}
 
     def rows(self, forward_batch) -> BatchRows:
         """This forward's row facts; the first boundary of a forward computes them for all."""
@@ -131,11 +133,14 @@ class StagePlan:
             mode, _ = select_mode(self.runtime, counts)
             rows = forward_batch.rows = BatchRows(mode, counts, self.runtime.parallel,
                                                   self.tables[mode])
+            rows.path_key = (forward_batch.variant.value, mode.value)
         return rows
 
     def select(self, forward_batch) -> tuple[StagePath, BatchRows]:
-        rows = self.rows(forward_batch)
-        path = self.paths.get((forward_batch.variant, rows.mode))
+        rows = forward_batch.rows
+        if rows is None:
+            rows = self.rows(forward_batch)
+        path = self._by_key.get(rows.path_key)
         if path is None:
             raise no_path_error(forward_batch.variant)
         return path, rows

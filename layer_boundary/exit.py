@@ -14,6 +14,7 @@ from .layout import Layout, SumGroup
 from .ops import Movement
 from .output import HandoffOutput
 from .residual.batch import fold_stream
+from .residual.stream import arrival_key
 from .runtime.context import ForwardFlags, swap_flags
 from .runtime.ledger import active_observer
 
@@ -34,9 +35,11 @@ class ExitDecision:
     def arrivals(self) -> tuple[tuple, ...]:
         """The Contribution keys an output of this decision arrives with."""
         if self.finish_move is not None:
-            return ((None, self.finish_move.dst.key, False),)
-        plain = (self.owed, self.rows.key, False)
-        return (plain, (self.owed, self.rows.key, True)) if self.hands_off else (plain,)
+            return (arrival_key(None, self.finish_move.dst, False),)
+        plain = arrival_key(self.owed, self.rows, False)
+        if not self.hands_off:
+            return (plain,)
+        return (plain, arrival_key(self.owed, self.rows, True))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ collective pads inside itself and the ledger records the padded size it moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -72,6 +72,7 @@ class BatchRows:
         self.scattered = self.segment_sizes[self.tp_rank]
         self.scatter_offset = sum(self.segment_sizes[: self.tp_rank])
         self._pad_index = None
+        self.path_key = ("ordinary", mode.value)  # (batch variant, mode): what plans select on
 
     def move(self, owed: SumGroup | None, src: Layout, dst: Layout) -> "Movement":
         """The prebuilt movement for (owed, src, dst) in this forward's mode."""
@@ -219,9 +220,13 @@ class Movement:
     primitive: str  # the BatchRows method that runs it
     contract: str  # its row contract, one line
     allocates: bool  # returns storage nothing else holds (a gather), never an alias
+    run: Callable = field(init=False, repr=False)  # BatchRows.<primitive>, bound once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run", getattr(BatchRows, self.primitive))
 
     def __call__(self, rows: BatchRows, x: torch.Tensor) -> torch.Tensor:
-        return getattr(rows, self.primitive)(x)
+        return self.run(rows, x)
 
     def expected(self, rows: BatchRows, width: int) -> list[tuple[str, str, int]]:
         return rows.expected(self.primitive, width)

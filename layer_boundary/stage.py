@@ -78,7 +78,8 @@ class StageBoundary:
         """
         if self.declaration.prepared_from is not None:
             raise RuntimeError(BRANCH_ENTRY)
-        if not self._is_attn:
+        if not self._is_attn and (capture_output is not None or post_residual_addition is not None
+                                  or captured_last_layer_outputs is not None):
             for name, value in (("capture_output", capture_output),
                                 ("captured_last_layer_outputs", captured_last_layer_outputs),
                                 ("post_residual_addition", post_residual_addition)):

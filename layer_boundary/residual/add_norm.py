@@ -9,9 +9,15 @@ from __future__ import annotations
 import torch
 
 
+_ACCUMULATE: dict = {}
+
+
 def accumulate_dtype(dtype):
     """fp32 for half and single precision; wider types keep their own precision."""
-    return torch.promote_types(dtype, torch.float32)
+    acc = _ACCUMULATE.get(dtype)
+    if acc is None:
+        acc = _ACCUMULATE[dtype] = torch.promote_types(dtype, torch.float32)
+    return acc
 
 
 class PlainAdd:

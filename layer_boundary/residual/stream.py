@@ -27,6 +27,11 @@ class StreamState(enum.Enum):
     PENDING = "pending"
 
 
+def arrival_key(owed: SumGroup | None, rows: Layout, handoff: bool) -> tuple:
+    """What a consumer's input path dispatches on: plain strings, cheap to hash per call."""
+    return (None if owed is None else owed.value, rows.key, handoff)
+
+
 @dataclass(eq=False)
 class Contribution:
     """A producer's actual output: its value, the sum it still owes, and its residual update.
@@ -44,8 +49,7 @@ class Contribution:
 
     @property
     def key(self) -> tuple:
-        """What a consumer's input path dispatches on."""
-        return (self.owed, self.rows.key, self.handoff)
+        return arrival_key(self.owed, self.rows, self.handoff)
 
 
 class OwedOutput:
