@@ -251,7 +251,7 @@ def _plan_table(rows) -> None:
 def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
     from .construction import select_mode
-    from .ops import BatchRows
+    from .ops import BatchRows, table_rows
     from .models import load_config, model_classes, model_type_of
     from .models.tiny import builtin_checkpoint
     from .runner import plan_rows
@@ -280,11 +280,12 @@ def cmd_plan(args) -> int:
         rows = BatchRows(mode, counts, virtual_parallel(dims, rank))
         per_rank.append({"rank": rank, "dp_rank": rows.dp_rank, "local": rows.local,
                          "scattered": rows.scattered, "global": rows.total})
+    movements = table_rows(runtime.parallel, mode)
     if args.json:
         log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "attn_tp": dims.attn_tp,
                              "boundary_reduction": policy, "tokens": list(counts),
                              "mode": mode.value, "reason": reason, "ranks": per_rank,
-                             "stages": table}))
+                             "stages": table, "movements": movements}))
         return 0
     log.info("layer-boundary plan: %s  tp=%d dp=%d attn_tp=%d  boundary_reduction=%s (asked %s)",
              model_dir, dims.tp, dims.attn_dp, dims.attn_tp, policy, args.boundary_reduction)
@@ -292,6 +293,11 @@ def cmd_plan(args) -> int:
     log.info("rows per rank (local / scattered / global): %s", ", ".join(
         f"r{r['rank']} {r['local']}/{r['scattered']}/{r['global']}" for r in per_rank))
     _plan_table(table)
+    log.info("\nthe movement table these paths come from (%s mode, this topology):", mode.value)
+    for m in movements:
+        owed = f"sum over {m['owed']}" if m["owed"] else "complete"
+        log.info("  %-16s %-24s -> %-24s %-26s %s", owed, m["from"], m["to"], m["movement"],
+                 m["contract"])
     return 0
 
 

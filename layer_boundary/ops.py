@@ -254,7 +254,9 @@ class Transition:
     primitive: str
     name: str  # "{v}" becomes "_v" in rsv (variable-size collectives)
     contract: str
-    source: frozenset | None = None  # the exact axes the source must have, if constrained
+    # the named layout (Layouts field) the value must be on: a partial sums over the ranks
+    # that hold the same rows, so its rows are fixed by the group it owes
+    source: str | None = None
     needs_scattered_target: bool = False  # only onto the scattered residual layout
     allocates: bool = False
 
@@ -262,7 +264,7 @@ class Transition:
         return (owed in self.owed and mode in self.modes
                 and src.sharded - dst.sharded == self.gathers
                 and dst.sharded - src.sharded == self.scatters
-                and (self.source is None or src.sharded == self.source)
+                and (self.source is None or src == getattr(layouts, self.source))
                 and (not self.needs_scattered_target or dst == layouts.scattered))
 
 
@@ -272,7 +274,6 @@ def _t(owed, gathers, scatters, modes, primitive, name, contract, **kw) -> Trans
                       primitive, name, contract, **kw)
 
 
-NONE = frozenset()
 TRANSITIONS: tuple[Transition, ...] = (
     # complete values: slices are free, gathers allocate
     _t(None, (), (), ALL_MODES, "identity", "-", "rows unchanged"),
@@ -290,24 +291,25 @@ TRANSITIONS: tuple[Transition, ...] = (
        "every rank's slice, in TP rank order: the global rows", allocates=True),
     # an attention partial: summed over attention TP on its DP rank's rows
     _t(SumGroup.ATTN_TP, (), (), ALL_MODES, "all_reduce_attn_tp", "all_reduce(attn_tp)",
-       "rows unchanged, summed over attention TP"),
+       "rows unchanged, summed over attention TP", source="local"),
     _t(SumGroup.ATTN_TP, (), (TS,), SCATTERING, "reduce_scatter_attn_tp",
-       "reduce_scatter{v}(attn_tp)", "each attention-TP rank gets the sum of its slice"),
+       "reduce_scatter{v}(attn_tp)", "each attention-TP rank gets the sum of its slice",
+       source="local"),
     _t(SumGroup.ATTN_TP, (DP,), (), {RowMode.AR}, "all_reduce_tp_dp_placed", "all_reduce(tp)",
        "each DP rank's partial placed in a zero global buffer and summed over TP: the sum "
-       "and the DP gather in one collective", source=frozenset({DP}), allocates=True),
+       "and the DP gather in one collective", source="local", allocates=True),
     # a TP-group partial on the global rows
     _t(TP_SUMS, (), (), ALL_MODES, "all_reduce_tp", "all_reduce(tp)",
-       "global rows unchanged, summed over TP", source=NONE),
+       "global rows unchanged, summed over TP", source="replicated"),
     _t(TP_SUMS, (), (DP,), SCATTERING, "reduce_scatter_tp", "reduce_scatter{v}(tp)",
-       "each rank gets the sum of its DP rank's rows", source=NONE,
+       "each rank gets the sum of its DP rank's rows", source="replicated",
        needs_scattered_target=True),
     _t(TP_SUMS, (), (DP,), ALL_MODES, "all_reduce_tp_slice_dp", "all_reduce(tp)+slice(dp)",
-       "summed over TP, then this DP rank's segment", source=NONE),
+       "summed over TP, then this DP rank's segment", source="replicated"),
     _t(TP_SUMS, (), (TS,), SCATTERING, "reduce_scatter_tp", "reduce_scatter{v}(tp)",
-       "each rank gets the sum of its slice", source=NONE),
+       "each rank gets the sum of its slice", source="replicated"),
     _t(TP_SUMS, (), (DP, TS), SCATTERING, "reduce_scatter_tp", "reduce_scatter{v}(tp)",
-       "each rank gets the sum of its slice of its DP rank's rows", source=NONE),
+       "each rank gets the sum of its slice of its DP rank's rows", source="replicated"),
 )
 
 
@@ -322,8 +324,6 @@ def _no_movement(owed, src: Layout, dst: Layout, mode: RowMode) -> str:
 
 def resolve(owed, src: Layout, dst: Layout, mode: RowMode, layouts: Layouts) -> Movement | None:
     """The table's movement for this pair, or None when it holds none."""
-    if owed is SumGroup.ATTN_TP and TS in src.sharded:
-        return None  # a partial is never scattered over the group it still sums over
     for row in TRANSITIONS:
         if row.matches(owed, src, dst, mode, layouts):
             return Movement(_name(row, mode), owed, src, dst, row.primitive, row.contract,
@@ -343,9 +343,11 @@ def movement_table(parallel: Parallel, mode: RowMode) -> dict:
     table = _TABLES.get((parallel, mode))
     if table is None:
         layouts = Layouts.of(parallel)
-        names = {layouts.replicated, layouts.local}
+        # an ordered list, not a set: every rank must see the table in one order
+        named = [layouts.replicated, layouts.local]
         if mode is not RowMode.AR:
-            names.add(layouts.scattered)
+            named.append(layouts.scattered)
+        names = list(dict.fromkeys(named))
         table = {"layouts": layouts}
         for owed in (None, *SumGroup):
             for src in names:

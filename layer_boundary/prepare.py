@@ -139,8 +139,12 @@ class EntryPath:
         """What this path does to each input its declared producer can leave."""
         read = f"{'add+norm' if self.read.kind == 'add_norm' else 'update+read'} on {self.update_rows}"
         if self.stack_entry:
-            moves = [m.name for m in (self.enter_residual, self.enter_input) if m.moves]
-            return "enter: norm on " + str(self.local) + "".join(f" -> {m}" for m in moves)
+            text = f"enter: norm on {self.local}"
+            if self.enter_input.moves:
+                text += f" -> {self.enter_input.name}"
+            if self.enter_residual.moves:
+                text += f"; residual {self.enter_residual.name}"
+            return text
         steps = []
         for key in self.producer_keys:
             path = self.arrivals[key]

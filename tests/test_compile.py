@@ -21,8 +21,8 @@ PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 9))
 
 
 def _eager_world1(spec: RunSpec):
-    return merge([run_rank(replace(spec, tp=1, dp=1, boundary_reduction="ar", compile=None),
-                           world_size=1)])
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar",
+                                   compile=None), world_size=1)])
 
 
 def _spec(qwen3_dir, tp, dp, policy, backend):
@@ -54,3 +54,24 @@ def test_inductor_run_command(qwen3_dir, capsys):
                  "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "compiled (inductor, fullgraph)" in out and "parity vs world 1: PASS" in out
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    from ds_checkpoints import hf_deepseek_v3
+
+    return hf_deepseek_v3(tmp_path_factory.mktemp("ds_compile"))
+
+
+@pytest.mark.timeout(240)
+def test_fullgraph_moe_models(qwen3_moe_dir, deepseek_dir):
+    """MoE layers hold no data-dependent shapes while compiling (experts run masked), so the
+    MoE models trace whole too: world 1 and tp=2 with expert parallelism."""
+    for model_dir, options in ((qwen3_moe_dir, ()), (deepseek_dir, ()),
+                               (deepseek_dir, (("shared_experts_tp1", True),))):
+        spec = replace(_spec(model_dir, 1, 1, "ar", "eager"), model_options=options)
+        assert_logits_match(merge([run_rank(spec, world_size=1)]), _eager_world1(spec),
+                            len(PROMPTS))
+    spec = replace(_spec(qwen3_moe_dir, 2, 1, "rs", "eager"), ep=2)
+    assert_logits_match(merge(get_pool(2).run(run_rank, spec, timeout=240)),
+                        _eager_world1(spec), len(PROMPTS))

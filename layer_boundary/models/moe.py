@@ -84,13 +84,16 @@ class FusedMoE(nn.Module):
         ``shared_output``: another partial over the TP group (shared experts sharded like the
         routed ones) added before the one reduction, wherever that runs.
         """
-        expert_out = x.new_zeros((*topk_ids.shape, x.shape[-1]))  # [T, k, H]
-        for e in range(self.local):
-            token, slot = torch.where(topk_ids == self.first + e)
-            if token.numel() == 0:
-                continue
-            gate, up = F.linear(x[token], self.w13[e]).chunk(2, dim=-1)
-            expert_out[token, slot] = F.linear(F.silu(gate) * up, self.w2[e])
+        if torch.compiler.is_compiling():
+            expert_out = self._dense_experts(x, topk_ids)
+        else:
+            expert_out = x.new_zeros((*topk_ids.shape, x.shape[-1]))  # [T, k, H]
+            for e in range(self.local):
+                token, slot = torch.where(topk_ids == self.first + e)
+                if token.numel() == 0:
+                    continue
+                gate, up = F.linear(x[token], self.w13[e]).chunk(2, dim=-1)
+                expert_out[token, slot] = F.linear(F.silu(gate) * up, self.w2[e])
         flags = get_forward()
         if flags.defer_moe_finalize:
             return MoeFinalize(expert_out, topk_weights, shared_output)
@@ -100,6 +103,20 @@ class FusedMoE(nn.Module):
         if not flags.skips_reduction:
             out = all_reduce_rows(out, self.group)
         return out
+
+
+    def _dense_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[T, k, H] expert outputs without data-dependent shapes (what a compiled graph can
+        hold): every local expert runs on every token and a mask keeps the routed (token,
+        slot) pairs. Each pair takes exactly one expert's rows, so the values are the routed
+        ones; only the work grows (fine for the small models compiled here)."""
+        expert_out = x.new_zeros((*topk_ids.shape, x.shape[-1]))  # [T, k, H]
+        for e in range(self.local):
+            gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[e])  # [T, H]
+            routed = (topk_ids == self.first + e).unsqueeze(-1)  # [T, k, 1]
+            expert_out = torch.where(routed, y.unsqueeze(1), expert_out)
+        return expert_out
 
 
 def expert_stacked_params(num_experts: int) -> list[tuple[str, str, tuple]]:
