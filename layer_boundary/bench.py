@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from . import boundary_guard_filter
 from .models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from .runtime.args import BoundaryRuntime
 from .runtime.forward_batch import ForwardBatch, ForwardMode
@@ -66,7 +67,8 @@ def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int
 
     with_boundary = model
     if compile is not None:
-        with_boundary = torch.compile(model, fullgraph=True, backend=compile)
+        with_boundary = torch.compile(model, fullgraph=True, backend=compile,
+                                      options={"guard_filter_fn": boundary_guard_filter(model)})
         by_hand = torch.compile(by_hand, fullgraph=True, backend=compile)
     torch.testing.assert_close(with_boundary(step()), by_hand(step()), atol=1e-5, rtol=0)
     with_boundary(step()), by_hand(step())  # warm (and, compiled, settle any recompile)

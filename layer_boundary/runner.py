@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import boundary_guard_filter
 from .layout import RowMode
 from .models import load_model, model_type_of
 from .models.generate import Generation, greedy_generate
@@ -106,7 +107,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
             raise ValueError(f"compile backend {spec.compile!r} is not one of "
                              f"{', '.join(COMPILE_BACKENDS)}")
         torch._dynamo.reset()  # one model per run: no earlier run's graphs count to its limits
-        forward = torch.compile(model, fullgraph=True, backend=spec.compile)
+        forward = torch.compile(model, fullgraph=True, backend=spec.compile,
+                                options={"guard_filter_fn": boundary_guard_filter(model)})
     checked = _ForwardCheck(model, forward)
     with LEDGER.recording() as entries, contextlib.ExitStack() as stack:
         traces = stack.enter_context(LEDGER.tracing()) if spec.trace else []

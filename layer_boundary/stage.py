@@ -184,4 +184,28 @@ class StageBoundary:
         return self.plan.describe() if mode is None else self.plan.describe(mode)
 
 
-__all__ = ["StageBoundary", "OwedOutput", "START_FIRST", "BRANCH_ENTRY"]
+
+
+def boundary_guard_filter(model):
+    """A ``torch.compile`` ``guard_filter_fn`` that drops the guards on a model's stage
+    boundaries (``options={"guard_filter_fn": boundary_guard_filter(model)}``).
+
+    A boundary's plan is built at construction and never changes afterwards, so re-checking it
+    on every call (hundreds of guards in a few layers) only costs time. Guards on tensors, on
+    the batch and on the model's own modules stay.
+    """
+    import re
+
+    attrs = sorted({name for module in model.modules() for name, value in vars(module).items()
+                    if isinstance(value, StageBoundary)})
+    through = re.compile(r"\.(" + "|".join(map(re.escape, attrs)) + r")(\.|\[|$)") if attrs else None
+
+    def keep(entries):
+        if through is None:
+            return [True] * len(entries)
+        return [e.guard_type == "TENSOR_MATCH" or not through.search(e.name) for e in entries]
+
+    return keep
+
+
+__all__ = ["StageBoundary", "OwedOutput", "START_FIRST", "BRANCH_ENTRY", "boundary_guard_filter"]

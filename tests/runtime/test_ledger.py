@@ -159,3 +159,68 @@ def test_summarize_totals_per_kind():
         "all_gather": {"count": 1, "bytes": int(_ring_bytes("all_gather", 40, torch.float32, 4))},
     }
     assert summarize([]) == {}
+
+
+# ------------------------------------------------------------------ the observer hook
+
+
+class Recorder:
+    """An observer that keeps every event it is told, in order."""
+
+    def __init__(self) -> None:
+        self.events = []
+
+    def enter(self, site):
+        self.events.append(("enter", site))
+
+    def collective(self, kind, group, numel, dtype, site):
+        self.events.append(("collective", kind, group.name, site))
+
+    def boundary(self, site, stream, rows):
+        self.events.append(("boundary", site, stream.state.value))
+
+
+def _toy_forward(tp: int):
+    from toy import HIDDEN, ToyStack, batch, runtime
+
+    from layer_boundary.residual import batch as residual_batch
+
+    stack, fb = ToyStack(runtime(tp), 2), batch(4)
+    residual_batch.start(fb)
+    h = torch.ones(4, HIDDEN)
+    for layer in stack.layers:
+        h = layer.forward_layer(h, fb)
+    return stack.final(h, fb)
+
+
+def observed_forward(tp: int):
+    from layer_boundary.runtime import HOOK, observing
+
+    state = (LEDGER.site, LEDGER.step, LEDGER.entries, LEDGER.traces, HOOK.observer)
+    _toy_forward(tp)  # no observer: nothing process-wide changes for it
+    untouched = state == (LEDGER.site, LEDGER.step, LEDGER.entries, LEDGER.traces,
+                          HOOK.observer)
+    recorder = Recorder()
+    with observing(recorder):
+        _toy_forward(tp)
+    return untouched, recorder.events, HOOK.observer is None
+
+
+@pytest.mark.timeout(60)
+def test_one_hook_observes_a_forward_and_nothing_else_changes():
+    for untouched, events, restored in get_pool(2).run(observed_forward, 2):
+        assert untouched and restored
+        sites = [e[1] for e in events if e[0] == "enter"]
+        assert sites[:4] == ["layer0.attn.prepare", "layer0.attn.compute", "layer0.attn.finish",
+                             "layer0.ffn.prepare"]
+        assert sites[-1] == "final_norm"
+        # each collective is reported after the phase that ran it was entered
+        current = None
+        for e in events:
+            if e[0] == "enter":
+                current = e[1]
+            elif e[0] == "collective":
+                assert e[3] is None and current is not None
+        assert [e for e in events if e[0] == "boundary"][-1] == ("boundary", "final_norm",
+                                                                 "written")
+        assert any(e[0] == "collective" for e in events)
