@@ -76,7 +76,8 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
 
 
 def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, norm,
-               mode: RowMode, table: dict, *, qkv_latent_func=None, fusions=None) -> EntryPath:
+               mode: RowMode, table: dict, *, parallel=None, qkv_latent_func=None,
+               fusions=None) -> EntryPath:
     """Bind a consumer's input work in ``mode``: a movement for every output its producer may
     leave (and for the complete values accessors leave on local rows), the residual's
     alignment, and the move to compute's rows. An attention's ``qkv_latent_func`` runs on the
@@ -86,7 +87,7 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
     read = decl.residual.read
     candidates = ()
     if fusions is not None:
-        plan = InputPlan(name, decl.kind.value, mode, layouts, target, compute, layouts)
+        plan = InputPlan(name, decl.kind.value, mode, layouts, target, compute, parallel)
         offer = fusions.attention_input if decl.kind is StageKind.ATTN else fusions.ffn_input
         candidates = tuple(offer(plan))
     arrivals, producer_keys = {}, []

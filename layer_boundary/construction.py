@@ -187,7 +187,8 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
             edge = EdgeDecl(prev_output, stage_input,
                             layouts.local if prev is None else residual, residual)
             entry = bind_entry(name, edge, prev_exit, declaration, norm, mode, table,
-                               qkv_latent_func=qkv_latent_func, fusions=fusions)
+                               parallel=runtime.parallel, qkv_latent_func=qkv_latent_func,
+                               fusions=fusions)
         except UnsupportedBoundary as exc:
             raise UnsupportedBoundary(f"stage {name}: {exc}") from None
         paths[(variant, mode)] = StagePath(StageDecl(variant, stage_input, output), edge, entry,

@@ -221,19 +221,17 @@ class Movement:
     contract: str  # its row contract, one line
     allocates: bool  # returns storage nothing else holds (a gather), never an alias
     run: Callable = field(init=False, repr=False)  # BatchRows.<primitive>, bound once
+    moves: bool = field(init=False, repr=False)  # False for the identity: callers skip it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run", getattr(BatchRows, self.primitive))
+        object.__setattr__(self, "moves", self.primitive != "identity")
 
     def __call__(self, rows: BatchRows, x: torch.Tensor) -> torch.Tensor:
         return self.run(rows, x)
 
     def expected(self, rows: BatchRows, width: int) -> list[tuple[str, str, int]]:
         return rows.expected(self.primitive, width)
-
-    @property
-    def moves(self) -> bool:
-        return self.primitive != "identity"
 
 
 DP, TS = TokenAxis.ATTN_DP, TokenAxis.ATTN_TP_SCATTER

@@ -98,7 +98,8 @@ class EntryPath:
             if path.sum_before_read is not None and stream.residual is not None:
                 return self._sum_before_read(path.sum_before_read, stream, c.value, rows)
         value = c.value.complete() if c.handoff else c.value
-        value = path.complete(rows, value)
+        if path.complete.moves:
+            value = path.complete.run(rows, value)
         residual = self.residual(stream, rows) if stream.residual is not None else None
         if extra is not None:
             acc = accumulate_dtype(value.dtype)
@@ -113,12 +114,12 @@ class EntryPath:
         if movement is None:
             raise RuntimeError(f"stage {self.stage} finds the residual on {src} rows, which "
                                f"it cannot bring to its update rows ({self.update_rows})")
-        return movement(rows, stream.residual)
+        return movement.run(rows, stream.residual) if movement.moves else stream.residual
 
     def _to_compute(self, rows, x, move: Movement):
         if self.latent is not None:
             x = self.latent(x)
-        return move(rows, x)
+        return move.run(rows, x) if move.moves else x
 
     def _sum_before_read(self, movement: Movement, stream, partial, rows):
         residual = self.residual(stream, rows)
@@ -137,7 +138,8 @@ class EntryPath:
 
     def describe(self) -> str:
         """What this path does to each input its declared producer can leave."""
-        read = f"{'add+norm' if self.read.kind == 'add_norm' else 'update+read'} on {self.update_rows}"
+        kind = getattr(self.read, "kind", None)
+        read = f"{'add+norm' if kind == 'add_norm' else 'update+read'} on {self.update_rows}"
         if self.stack_entry:
             text = f"enter: norm on {self.local}"
             if self.enter_input.moves:

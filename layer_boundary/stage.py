@@ -115,7 +115,6 @@ class StageBoundary:
                     raise RuntimeError(NOT_PLAIN_ADDITION)
                 # complete the owed communication unfused; the read below still adds and norms
                 c = complete_onto(stream, rows, entry.update_rows)
-                hidden_states = stream.handle
             if capture_output is not None and extra is not None:
                 # output plus residual, before the extra addition, back on local rows
                 base = entry.residual(stream, rows)
