@@ -48,9 +48,12 @@ def test_fullgraph_across_ranks(qwen3_dir, tp, dp, policy, backend):
     assert_logits_match(merge(results), _eager_world1(spec), len(PROMPTS))
 
 
-@pytest.mark.timeout(400)
-def test_inductor_run_command(qwen3_dir, capsys):
-    assert main(["run", "--model", str(qwen3_dir), "--tp", "1", "--compile",
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_inductor_run_command(qwen3_dir, capsys, tp):
+    """``layer-boundary run --compile`` as a user runs it: inductor kernels on spawned ranks,
+    checked against the eager world-1 run."""
+    assert main(["run", "--model", str(qwen3_dir), "--tp", str(tp), "--compile",
                  "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "compiled (inductor, fullgraph)" in out and "parity vs world 1: PASS" in out
