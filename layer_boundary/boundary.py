@@ -103,7 +103,10 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
         key = arrival_key(None, rows, False)
         if key not in arrivals:
             arrivals[key] = ArrivalPath(key, lookup(table, None, rows, target, mode))
-    align = {rows.key: lookup(table, None, rows, target, mode) for rows in (local, target)}
+    # the residual arrives where the edge says (local rows at stack entry), or on local rows
+    # where the model wrote it itself (written())
+    align = {rows.key: lookup(table, None, rows, target, mode)
+             for rows in (edge.residual_src, local, target)}
     return EntryPath(
         name, mode, read, norm, latent=qkv_latent_func, stack_entry=decl.previous is None,
         local=local, update_rows=target, compute_rows=compute, arrivals=arrivals,

@@ -49,8 +49,9 @@ class Owed:
 
 @dataclass(frozen=True)
 class StageInput:
-    """What a consumer reads: its compute rows, the sum its producer always leaves, and the
-    token axes its own input path gathers (after an attention's latent hook)."""
+    """What a consumer reads: its compute rows, the sum its producer always leaves (what a
+    pipeline receiver re-declares), and the token axes its own input path gathers (after an
+    attention's latent hook)."""
 
     rows: Layout
     static_owed: SumGroup | None
