@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import boundary_guard_filter
+from . import boundary_guard_filter, stage_boundaries
 from .layout import RowMode
 from .models import load_model, model_type_of
 from .models.generate import Generation, greedy_generate
@@ -70,8 +70,7 @@ def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntim
 
 def plan_rows(model, mode: RowMode = RowMode.AR) -> list[dict]:
     """One row per stage: what its prepare and exit do in row mode ``mode``."""
-    return [boundary.describe(mode) for layer in model.model.layers
-            for boundary in (layer.attn_boundary, layer.ffn_boundary)]
+    return [boundary.describe(mode) for boundary in stage_boundaries(model)]
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")

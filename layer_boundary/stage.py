@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import weakref
+
 import torch
 
-from .construction import build_plan
+from .construction import UnsupportedBoundary, build_plan
 from .contracts import ProducerReduction, StageKind
 from .exit import FfnExit, MixerExit, publish
 from .residual import batch as residual_batch
@@ -40,12 +44,46 @@ def _keep(collector, value, owned: bool) -> None:
         collector.append(value if owned else value.clone())
 
 
+_ORDER = itertools.count()  # construction order, which is stack order
+# per runtime, the stage built last: the producer of the next one built with a ``previous``
+_LAST_BUILT: dict = {}
+
+
+def _bare(decl):
+    """A declaration without its neighbours, for comparing what two sides say of a stage."""
+    return dataclasses.replace(decl, previous=None, prepared_from=None, terminal=False)
+
+
+def _check_neighbours(stage: "StageBoundary", runtime) -> None:
+    """The stage built before this one is its producer: each must describe the other as it is.
+
+    Stacks are built in stack order; a stage entering a stack (no ``previous``), a prepared
+    branch, and the stage after a terminal one start afresh."""
+    last = _LAST_BUILT.get(runtime)
+    last = last() if last is not None else None
+    _LAST_BUILT[runtime] = weakref.ref(stage)
+    decl = stage.declaration
+    if decl.previous is None or decl.prepared_from is not None or last is None:
+        return
+    if last.declaration.terminal:
+        return
+    if _bare(last.declaration) != _bare(decl.previous):
+        raise UnsupportedBoundary(
+            f"stage {stage.name} declares previous={decl.previous.describe()}, but its producer, "
+            f"stage {last.name}, is {last.declaration.describe()}")
+    if last.following is not None and _bare(last.following) != _bare(decl):
+        raise UnsupportedBoundary(
+            f"stage {last.name} declares following={last.following.describe()}, but the next "
+            f"stage, {stage.name}, is {decl.describe()}")
+
+
 class StageBoundary:
     """One stage's boundary: its own norm, its prebuilt plan, no forward tensors."""
 
     def __init__(self, declaration, norm, *, following=None, runtime=None, name=None,
                  fusions=None, qkv_latent_func=None) -> None:
         runtime = runtime if runtime is not None else get_runtime()
+        self.order = next(_ORDER)
         self.declaration = declaration
         self.following = following
         self.name = name or declaration.kind.value
@@ -61,6 +99,7 @@ class StageBoundary:
         self._is_partial = declaration.reduction is ProducerReduction.PARTIAL
         self._is_attn = declaration.kind is StageKind.ATTN
         self._exit_cls = FfnExit if declaration.kind is StageKind.FFN else MixerExit
+        _check_neighbours(self, runtime)
 
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
@@ -185,6 +224,13 @@ class StageBoundary:
 
 
 
+def stage_boundaries(module) -> list["StageBoundary"]:
+    """Every stage boundary a model (or one layer) holds, in the order they were built."""
+    found = {id(v): v for m in module.modules() for v in vars(m).values()
+             if isinstance(v, StageBoundary)}
+    return sorted(found.values(), key=lambda b: b.order)
+
+
 def boundary_guard_filter(model):
     """A ``torch.compile`` ``guard_filter_fn`` that drops the guards on a model's stage
     boundaries (``options={"guard_filter_fn": boundary_guard_filter(model)}``).
@@ -207,4 +253,5 @@ def boundary_guard_filter(model):
     return keep
 
 
-__all__ = ["StageBoundary", "OwedOutput", "START_FIRST", "BRANCH_ENTRY", "boundary_guard_filter"]
+__all__ = ["StageBoundary", "OwedOutput", "START_FIRST", "BRANCH_ENTRY", "boundary_guard_filter",
+           "stage_boundaries"]

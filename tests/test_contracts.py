@@ -149,3 +149,33 @@ def test_a_second_exit_after_one_prepare_raises():
     with first:
         y = layer.ffn_compute(h)
     first.finish(y)  # the first scope still finishes, once
+
+
+# ------------------------------------------------------------------ neighbours agree
+
+
+MIXER = declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False)
+
+
+def _block(decl, previous, following, rt, i, terminal=False):
+    return make_stages((decl, RMSNorm(HIDDEN)), previous=previous, following=following,
+                       terminal=terminal, runtime=rt, name=f"block{i}")
+
+
+def test_a_misdeclared_neighbour_is_rejected_naming_both_stages():
+    rt = runtime()
+    kept = _block(MIXER, None, declare_ffn(), rt, 0)  # a model holds its stages
+    with pytest.raises(UnsupportedBoundary, match="stage block0.attn declares following=ffn "
+                                                  "\\(SCOPED\\), but the next stage, block1.attn, is "
+                                                  "attention \\(SCOPED\\)"):
+        _block(MIXER, MIXER, None, rt, 1, terminal=True)
+    kept = _block(MIXER, None, MIXER, rt, 0)
+    with pytest.raises(UnsupportedBoundary, match="stage block1.attn declares previous=ffn "
+                                                  "\\(SCOPED\\), but its producer, stage block0.attn, "
+                                                  "is attention \\(SCOPED\\)"):
+        _block(MIXER, declare_ffn(), None, rt, 1, terminal=True)
+    # neighbours that describe each other build; a new stack starts afresh
+    kept = _block(MIXER, None, declare_ffn(sparse=True), rt, 0)
+    kept += _block(declare_ffn(sparse=True), MIXER, None, rt, 1, terminal=True)
+    _block(MIXER, None, None, rt, 0, terminal=True)
+    assert len(kept) == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from layer_boundary import stage_boundaries
 from layer_boundary.contracts import BatchVariant
 from layer_boundary.construction import select_mode
 from layer_boundary.models import load_model
@@ -34,14 +35,13 @@ def expected_from_plans(model, rows: BatchRows, hidden: int, vocab: int) -> list
     if attn_tp.size > 1 and rows.local:
         out.append(("all_reduce", "attn_tp", rows.local * hidden, "embed"))
     arrival, decision = "enter", None
-    for layer in model.model.layers:
-        for stage in (layer.attn_boundary, layer.ffn_boundary):
-            path = stage.plan.paths[(BatchVariant.ORDINARY, rows.mode)]
-            out += _site(path.entry.expected(arrival, rows, hidden), f"{stage.name}.prepare")
-            decision = path.exit.default
-            if decision.compute_sum is not None:
-                out += _site(decision.compute_sum.expected(rows, hidden), f"{stage.name}.compute")
-            arrival = decision.arrivals()[0]
+    for stage in stage_boundaries(model):
+        path = stage.plan.paths[(BatchVariant.ORDINARY, rows.mode)]
+        out += _site(path.entry.expected(arrival, rows, hidden), f"{stage.name}.prepare")
+        decision = path.exit.default
+        if decision.compute_sum is not None:
+            out += _site(decision.compute_sum.expected(rows, hidden), f"{stage.name}.compute")
+        arrival = decision.arrivals()[0]
     # the final norm completes what the last exit left onto the residual's rows, normalises
     # there and brings its output to local rows
     residual, local = rows.layouts.residual(rows.mode), rows.layouts.local
