@@ -130,9 +130,13 @@ def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidat
                      if c.applies(owed, src, handoff, target, mode, declared_plain,
                                   getattr(read, "kind", None)))
     sum_before_read = None
-    if (owed is SumGroup.ATTN_TP and not handoff and mode is RowMode.AR
-            and decl.kind is StageKind.FFN and src == layouts.local
+    # attention DP, a plain update and read, an FFN consumer: add the residual on one
+    # attention-TP rank before the sum, and one TP all-reduce brings every DP rank's updated
+    # rows (an attention partial: placed in a zero global buffer; an FFN's: already global)
+    if (mode is RowMode.AR and not handoff and decl.kind is StageKind.FFN
             and layouts.local != layouts.replicated and declared_plain
-            and not read.before_gather):
+            and not read.before_gather
+            and ((owed is SumGroup.ATTN_TP and src == layouts.local)
+                 or (owed in (SumGroup.TP, SumGroup.MOE_OUT) and src == layouts.replicated))):
         sum_before_read = lookup(table, owed, src, layouts.replicated, mode)
     return ArrivalPath(key, complete, applying, sum_before_read)

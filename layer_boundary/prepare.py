@@ -123,12 +123,16 @@ class EntryPath:
 
     def _sum_before_read(self, movement: Movement, stream, partial, rows):
         residual = self.residual(stream, rows)
-        if rows.tp_rank == 0:  # a plain add may move before the sum, on one rank only
-            acc = accumulate_dtype(residual.dtype)
-            partial = (partial.to(acc) + residual.to(acc)).to(residual.dtype)
-        else:
-            partial = partial.to(residual.dtype)
-        total = movement(rows, partial)
+        dtype, acc = residual.dtype, accumulate_dtype(residual.dtype)
+        if rows.tp_rank != 0:
+            partial = partial.to(dtype)
+        elif movement.src == self.local:  # a plain add may move before the sum, on one rank
+            partial = (partial.to(acc) + residual.to(acc)).to(dtype)
+        else:  # a global partial: the residual joins this DP rank's segment of it
+            start, end = rows.offset, rows.offset + rows.local
+            mine = (partial[start:end].to(acc) + residual.to(acc)).to(dtype)
+            partial = partial.to(dtype).slice_scatter(mine, 0, start, end)
+        total = movement.run(rows, partial)
         x, _ = self.read.read(total, self.norm)
         if self.latent is not None:
             x = self.latent(x)
@@ -151,7 +155,7 @@ class EntryPath:
         for key in self.producer_keys:
             path = self.arrivals[key]
             if path.sum_before_read is not None:
-                steps.append("add on attn_tp rank 0 -> all_reduce(tp) sum+gather -> norm on "
+                steps.append(f"add on attn_tp rank 0 -> {path.sum_before_read.name} -> norm on "
                              f"{path.sum_before_read.dst}")
                 continue
             fused = " [fusable]" if path.candidates else ""

@@ -14,6 +14,7 @@ MODELS = {
     "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM"),
 }
 
 

@@ -36,16 +36,33 @@ def finalize(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (expert_out * weights.unsqueeze(-1).to(expert_out.dtype)).sum(dim=1)
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU (transformers' ``relu2``)."""
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS = {"silu": F.silu, "relu2": relu2}
+
+
 class FusedMoE(nn.Module):
-    """``num_experts`` SwiGLU experts; this rank holds experts
-    [moe_ep_rank * E/moe_ep, ...) with their intermediate dim split over moe_tp.
+    """``num_experts`` experts; this rank holds experts [moe_ep_rank * E/moe_ep, ...) with
+    their intermediate dim split over moe_tp.
+
+    Gated (the default, SwiGLU with ``activation="silu"``): ``down(act(gate(x)) * up(x))``,
+    ``w13`` stacks this rank's gate and up rows. Ungated (``gated=False``, as Nemotron-H's
+    ``up -> relu2 -> down``): ``down(act(up(x)))``, ``w13`` holds the up rows only.
 
     Checkpoint tensors load one per expert (``experts.{e}.gate_proj/up_proj/down_proj``).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 parallel: Parallel, dtype=torch.float32):
+                 parallel: Parallel, dtype=torch.float32, *, gated: bool = True,
+                 activation: str = "silu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation {activation!r} is not supported "
+                             f"(supported: {', '.join(ACTIVATIONS)})")
+        self.gated, self.act = gated, ACTIVATIONS[activation]
         dims = parallel.dims
         if num_experts % dims.moe_ep:
             raise ValueError(f"num_experts={num_experts} is not divisible by moe_ep={dims.moe_ep}")
@@ -58,7 +75,8 @@ class FusedMoE(nn.Module):
         self.first = parallel.moe_ep_rank * self.local
         self.shard = intermediate_size // dims.moe_tp
         self.shard_start = parallel.moe_tp_rank * self.shard
-        self.w13 = nn.Parameter(torch.empty(self.local, 2 * self.shard, hidden_size, dtype=dtype),
+        up_rows = 2 * self.shard if gated else self.shard
+        self.w13 = nn.Parameter(torch.empty(self.local, up_rows, hidden_size, dtype=dtype),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.local, hidden_size, self.shard, dtype=dtype),
                                requires_grad=False)
@@ -73,7 +91,9 @@ class FusedMoE(nn.Module):
         if which == "down":
             self.w2.data[e].copy_(loaded[:, rows])
         else:
-            offset = 0 if which == "gate" else self.shard
+            if which == "gate" and not self.gated:
+                raise RuntimeError("ungated experts have no gate_proj")
+            offset = self.shard if which == "up" and self.gated else 0
             self.w13.data[e, offset:offset + self.shard].copy_(loaded[rows])
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -92,8 +112,7 @@ class FusedMoE(nn.Module):
                 token, slot = torch.where(topk_ids == self.first + e)
                 if token.numel() == 0:
                     continue
-                gate, up = F.linear(x[token], self.w13[e]).chunk(2, dim=-1)
-                expert_out[token, slot] = F.linear(F.silu(gate) * up, self.w2[e])
+                expert_out[token, slot] = self._expert(x[token], e)
         flags = get_forward()
         if flags.defer_moe_finalize:
             return MoeFinalize(expert_out, topk_weights, shared_output)
@@ -104,6 +123,15 @@ class FusedMoE(nn.Module):
             out = all_reduce_rows(out, self.group)
         return out
 
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Local expert ``e`` on rows x: [n, H] -> [n, H] (this rank's moe_tp partial)."""
+        h = F.linear(x, self.w13[e])  # [n, 2 * shard] gated, [n, shard] ungated
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return F.linear(h, self.w2[e])
 
     def _dense_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """[T, k, H] expert outputs without data-dependent shapes (what a compiled graph can
@@ -112,19 +140,20 @@ class FusedMoE(nn.Module):
         ones; only the work grows (fine for the small models compiled here)."""
         expert_out = x.new_zeros((*topk_ids.shape, x.shape[-1]))  # [T, k, H]
         for e in range(self.local):
-            gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e])  # [T, H]
+            y = self._expert(x, e)  # [T, H]
             routed = (topk_ids == self.first + e).unsqueeze(-1)  # [T, k, 1]
             expert_out = torch.where(routed, y.unsqueeze(1), expert_out)
         return expert_out
 
 
-def expert_stacked_params(num_experts: int) -> list[tuple[str, str, tuple]]:
+def expert_stacked_params(num_experts: int, gated: bool = True) -> list[tuple[str, str, tuple]]:
     """Loader mapping from per-expert checkpoint names to the fused expert parameters of a
-    ``FusedMoE`` held as the ``experts`` attribute of the MoE block."""
+    ``FusedMoE`` held as the ``experts`` attribute of the MoE block (no ``gate_proj`` when
+    the experts are ungated)."""
     out = []
     for e in range(num_experts):
-        out += [("experts.w13", f"experts.{e}.gate_proj.weight", (e, "gate")),
-                ("experts.w2", f"experts.{e}.down_proj.weight", (e, "down")),
+        if gated:
+            out.append(("experts.w13", f"experts.{e}.gate_proj.weight", (e, "gate")))
+        out += [("experts.w2", f"experts.{e}.down_proj.weight", (e, "down")),
                 ("experts.w13", f"experts.{e}.up_proj.weight", (e, "up"))]
     return out

@@ -14,6 +14,7 @@ AUTO_BOUNDARY_REDUCTION: dict[str, str] = {
     "qwen3": "rs+rsv",
     "qwen3_moe": "rs+rsv",
     "deepseek_v3": "rs+rsv",
+    "nemotron_h": "rs+rsv",
 }
 
 

@@ -1,0 +1,408 @@
+"""NVIDIA Nemotron-H (hybrid Mamba2 / attention / MLP / MoE) with layer boundaries.
+
+Every entry of ``layers_block_type`` is one block, ``x + mixer(norm(x))``, and one stage:
+Mamba2 (``linear_attention``) and attention (``full_attention``) are single-stage mixers
+(``declare_attn(reduction=SCOPED, gathers_tp_input=False)``) on this attention-DP rank's local
+rows, the MLP (``mlp``) and the MoE (``moe``) are FFNs (``declare_ffn``) on every DP rank's rows.
+Each block names its real neighbours, so two consecutive mixers or FFNs hand over directly.
+
+Compute is plain PyTorch; parameter names follow the checkpoint (``backbone.`` prefix,
+``backbone.layers.N.mixer.*``), except q/k/v, stacked into ``qkv_proj``, and the routed experts,
+fused per rank (``experts.w13``/``experts.w2``) at load time.
+
+Parallelism: Mamba2 heads over attention TP (see ``mamba2.py``); attention heads over
+attention TP (kv heads split or replicated), no rotary embedding (Nemotron-H attention has
+none); both reduce in ``out_proj``/``o_proj`` unless the exit takes the sum. MLP intermediate
+over TP. MoE: a replicated fp32 sigmoid router with correction bias (the DeepSeek-V3 router),
+ungated relu2 experts over ``moe_ep x moe_tp`` and a TP-sharded shared expert whose partial
+rides on the routed experts' one reduction. ``moe_latent_size`` is not supported (rejected).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import ProducerReduction, declare_attn, declare_ffn, make_stages
+from ..residual import batch as residual_batch
+from ..runtime import (BoundaryRuntime, ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                       RMSNorm, RowParallelLinear, VocabParallelEmbedding)
+from .deepseek_v3 import DeepseekV3Router
+from .kv_cache import KVCache, cached_attention
+from .loader import CheckpointError, load_weights, require
+from .mamba2 import Mamba2Mixer, MambaState, group_split
+from .moe import ACTIVATIONS, FusedMoE, expert_stacked_params
+
+MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+BLOCK_TYPES = (MAMBA, ATTENTION, MLP, MOE)
+MIXERS = (MAMBA, ATTENTION)
+# older configs: the pattern string and the legacy block names (transformers remaps both)
+PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+LEGACY_NAMES = {"mamba": MAMBA, "attention": ATTENTION}
+# older configs' field names for the Mamba fields (transformers' __post_init__ renames them)
+LEGACY_FIELDS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
+                 "mamba_chunk_size": "chunk_size", "mamba_conv_bias": "use_conv_bias",
+                 "mamba_dt_min": "time_step_min"}
+
+
+def _block_types(cfg: dict) -> tuple[str, ...]:
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    field = "layers_block_type"
+    if types is None and cfg.get("hybrid_override_pattern"):
+        pattern, field = cfg["hybrid_override_pattern"], "hybrid_override_pattern"
+        bad = sorted(set(pattern) - set(PATTERN))
+        if bad:
+            raise CheckpointError(f"config.json hybrid_override_pattern has unknown symbols {bad}")
+        types = [PATTERN[c] for c in pattern]
+    if not types or not isinstance(types, list):
+        raise CheckpointError("config.json has no layers_block_type (nor hybrid_override_pattern)")
+    types = tuple(LEGACY_NAMES.get(t, t) for t in types)
+    bad = sorted(set(types) - set(BLOCK_TYPES))
+    if bad:
+        raise CheckpointError(f"config.json {field} has unsupported block types {bad} "
+                              f"(supported: {', '.join(BLOCK_TYPES)})")
+    return types
+
+
+@dataclass(frozen=True)
+class NemotronHConfig:
+    vocab_size: int
+    hidden_size: int
+    layers_block_type: tuple[str, ...]
+    num_attention_heads: int = 1
+    num_key_value_heads: int = 1
+    head_dim: int = 1
+    intermediate_size: int = 1
+    mamba_num_heads: int = 1
+    mamba_head_dim: int = 1
+    n_groups: int = 1
+    ssm_state_size: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    time_step_min: float = 0.001  # transformers clamps prefill time steps at (min, inf)
+    use_conv_bias: bool = True
+    use_bias: bool = False  # Mamba in_proj / out_proj
+    mlp_bias: bool = False
+    mlp_hidden_act: str = "relu2"
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    model_type: str = "nemotron_h"
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layers_block_type)
+
+    def has(self, kind: str) -> bool:
+        return kind in self.layers_block_type
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "NemotronHConfig":
+        cfg = dict(cfg)
+        for old, new in LEGACY_FIELDS.items():
+            if old in cfg:
+                cfg[new] = cfg.pop(old)
+        types = _block_types(cfg)
+        if cfg.get("moe_latent_size") is not None:
+            raise CheckpointError(f"config.json moe_latent_size={cfg['moe_latent_size']} is not "
+                                  "supported (experts on the hidden size only)")
+        if cfg.get("quantization_config"):
+            raise CheckpointError("config.json quantization_config is not supported (unquantized "
+                                  "checkpoints only)")
+        if cfg.get("sliding_window") is not None:
+            raise CheckpointError(f"config.json sliding_window={cfg['sliding_window']} is not "
+                                  "supported (full attention only)")
+        for field, default, supported in (("mamba_hidden_act", "silu", ("silu",)),
+                                          ("mlp_hidden_act", "relu2", tuple(ACTIVATIONS))):
+            act = cfg.get(field, default)
+            if act not in supported:
+                raise CheckpointError(f"config.json {field} {act!r} is not supported "
+                                      f"({', '.join(supported)} only)")
+        out = dict(vocab_size=require(cfg, "vocab_size"), hidden_size=require(cfg, "hidden_size"),
+                   layers_block_type=types,
+                   mlp_hidden_act=cfg.get("mlp_hidden_act", "relu2"),
+                   layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        if ATTENTION in types:
+            heads = require(cfg, "num_attention_heads")
+            out.update(num_attention_heads=heads,
+                       num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+                       head_dim=cfg.get("head_dim") or require(cfg, "hidden_size") // heads)
+        if MAMBA in types:
+            heads, groups = require(cfg, "mamba_num_heads"), require(cfg, "n_groups")
+            if heads % groups:
+                raise CheckpointError(f"config.json mamba_num_heads={heads} is not divisible by "
+                                      f"n_groups={groups}")
+            out.update(mamba_num_heads=heads, mamba_head_dim=require(cfg, "mamba_head_dim"),
+                       n_groups=groups, ssm_state_size=require(cfg, "ssm_state_size"),
+                       # transformers' defaults where a config leaves them out
+                       conv_kernel=require(cfg, "conv_kernel") if "conv_kernel" in cfg else 4,
+                       chunk_size=require(cfg, "chunk_size") if "chunk_size" in cfg else 128,
+                       time_step_min=float(require(cfg, "time_step_min", float)
+                                           if "time_step_min" in cfg else 0.001),
+                       use_conv_bias=bool(cfg.get("use_conv_bias", True)),
+                       use_bias=bool(cfg.get("use_bias", False)))
+        if MLP in types:
+            out.update(intermediate_size=require(cfg, "intermediate_size"))
+        if MOE in types:
+            out.update(_moe_fields(cfg))
+        if MLP in types or MOE in types:
+            out.update(mlp_bias=bool(cfg.get("mlp_bias", False)))
+        return cls(**out)
+
+
+def _moe_fields(cfg: dict) -> dict:
+    experts, top_k = require(cfg, "n_routed_experts"), require(cfg, "num_experts_per_tok")
+    n_group, topk_group = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
+    if n_group < 1 or experts % n_group:
+        raise CheckpointError(f"config.json n_routed_experts={experts} is not divisible by "
+                              f"n_group={n_group}")
+    if experts // n_group < 2:
+        raise CheckpointError(f"config.json n_group={n_group} leaves fewer than 2 experts per "
+                              "group (group scores sum each group's top 2)")
+    if not 1 <= topk_group <= n_group:
+        raise CheckpointError(f"config.json topk_group={topk_group} must be in "
+                              f"1..n_group={n_group}")
+    if top_k > topk_group * (experts // n_group):
+        raise CheckpointError(f"config.json num_experts_per_tok={top_k} exceeds the experts of "
+                              f"topk_group={topk_group} groups")
+    return dict(n_routed_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=require(cfg, "moe_intermediate_size"),
+                moe_shared_expert_intermediate_size=require(
+                    cfg, "moe_shared_expert_intermediate_size"),
+                n_group=n_group, topk_group=topk_group,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+
+
+def check_parallel(cfg: NemotronHConfig, dims) -> None:
+    """Reject a topology this config cannot be sharded over, naming the config field."""
+    attn_tp, tp = dims.attn_tp, dims.tp
+    if cfg.has(ATTENTION):
+        if cfg.num_attention_heads % attn_tp:
+            raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible "
+                             f"by attention tp={attn_tp}")
+        kv = cfg.num_key_value_heads
+        if (kv % attn_tp) if kv >= attn_tp else (attn_tp % kv):
+            raise ValueError(f"num_key_value_heads={kv} and attention tp={attn_tp}: one must "
+                             "divide the other")
+    if cfg.has(MAMBA):
+        group_split(cfg.n_groups, cfg.mamba_num_heads, attn_tp)  # names the fields
+    if cfg.has(MLP) and cfg.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
+    if cfg.has(MOE):
+        if cfg.n_routed_experts % dims.moe_ep:
+            raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
+                             f"moe_ep={dims.moe_ep}")
+        if cfg.moe_intermediate_size % dims.moe_tp:
+            raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} is not "
+                             f"divisible by moe_tp={dims.moe_tp}")
+        if cfg.moe_shared_expert_intermediate_size % tp:
+            raise ValueError("moe_shared_expert_intermediate_size="
+                             f"{cfg.moe_shared_expert_intermediate_size} is not divisible by "
+                             f"tp={tp}")
+
+
+def block_declaration(cfg: NemotronHConfig, i: int):
+    """Block ``i``'s declaration; its neighbours describe it with this same call."""
+    kind = cfg.layers_block_type[i]
+    if kind in MIXERS:
+        return declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False)
+    return declare_ffn(sparse=kind == MOE)
+
+
+class NemotronHAttention(nn.Module):
+    """Causal GQA without rotary embedding; heads over attention TP; ``index`` is its KV slot."""
+
+    def __init__(self, cfg: NemotronHConfig, index: int, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        group = runtime.parallel.attn_tp
+        self.index, self.head_dim = index, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, group, dtype=dtype)
+        # SCOPED: reduces unless the exit leaves the attn_tp sum to the boundary
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        group, dtype=dtype, name="o_proj")
+        self.scaling = cfg.head_dim ** -0.5
+
+    def forward(self, hidden_states, forward_batch):
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        tokens = hidden_states.shape[0]
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # local
+        q = q.view(tokens, heads, self.head_dim)  # [T, H, D] (T may be 0: no -1 in views)
+        k = k.view(tokens, kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(tokens, kv_heads, self.head_dim)
+        out = cached_attention(self.index, q, k, v, forward_batch, self.scaling)
+        return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden]
+
+
+class NemotronHMLP(nn.Module):
+    """``down(act(up(x)))`` (ungated, relu2) with its intermediate dim over the TP group."""
+
+    def __init__(self, cfg: NemotronHConfig, intermediate_size: int, runtime: BoundaryRuntime,
+                 dtype, reduce_results: bool = True):
+        super().__init__()
+        group = runtime.parallel.tp
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, intermediate_size, group,
+                                            bias=cfg.mlp_bias, dtype=dtype, name="up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, group,
+                                           bias=cfg.mlp_bias, reduce_results=reduce_results,
+                                           dtype=dtype, name="down_proj")
+        self.act = ACTIVATIONS[cfg.mlp_hidden_act]
+
+    def forward(self, x, forward_batch=None):
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class NemotronHMoE(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        # transformers' NemotronHTopkRouter is DeepSeek-V3's: sigmoid scores, correction bias
+        # for the choice only, group-limited top-k, normalised, times routed_scaling_factor
+        self.gate = DeepseekV3Router(cfg)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                runtime.parallel, dtype, gated=False, activation=cfg.mlp_hidden_act)
+        self.shared_experts = NemotronHMLP(cfg, cfg.moe_shared_expert_intermediate_size, runtime,
+                                           dtype, reduce_results=False)
+
+    def forward(self, x, forward_batch=None):
+        """x: [T, H] (every DP rank's rows): a partial over TP, a finalize handoff or the
+        complete output, as the exit's flags ask; the shared expert shares the one sum."""
+        topk_weights, topk_ids = self.gate(x)
+        shared = self.shared_experts(x)
+        return self.experts(x, topk_ids, topk_weights, shared_output=shared)
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, i: int, index: int, runtime: BoundaryRuntime,
+                 dtype, fusions=None):
+        super().__init__()
+        self.kind = cfg.layers_block_type[i]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype=dtype)
+        if self.kind == MAMBA:
+            self.mixer = Mamba2Mixer(cfg, index, runtime, dtype)
+        elif self.kind == ATTENTION:
+            self.mixer = NemotronHAttention(cfg, index, runtime, dtype)
+        elif self.kind == MLP:
+            self.mixer = NemotronHMLP(cfg, cfg.intermediate_size, runtime, dtype)
+        else:
+            self.mixer = NemotronHMoE(cfg, runtime, dtype)
+        last = cfg.num_hidden_layers - 1
+        options = {} if fusions is None else {"fusions": fusions}
+        (self.boundary,) = make_stages(
+            (block_declaration(cfg, i), self.norm, options),
+            previous=block_declaration(cfg, i - 1) if i > 0 else None,
+            following=block_declaration(cfg, i + 1) if i < last else None,
+            terminal=i == last, runtime=runtime, name=f"layer{i}")
+
+    def forward(self, hidden_states, forward_batch):
+        hidden_states = self.boundary.prepare(hidden_states, forward_batch)
+        with self.boundary.exit(forward_batch) as output:
+            hidden_states = self.mixer(hidden_states, forward_batch)  # compute only
+        return output.finish(hidden_states)
+
+
+class NemotronHModel(nn.Module):
+    """The ``backbone``: embeddings, the blocks, ``norm_f``."""
+
+    def __init__(self, cfg: NemotronHConfig, runtime: BoundaryRuntime, dtype, fusions=None):
+        super().__init__()
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                 runtime.parallel.attn_tp, dtype=dtype)
+        kinds = cfg.layers_block_type
+        # each mixer's slot among the blocks of its kind (its KV cache or Mamba state index)
+        index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, index[i], runtime, dtype, fusions)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype=dtype)
+        service = getattr(fusions, "handoff_norm", None)
+        self.handoff_norm = service() if service is not None else None
+
+    def forward(self, forward_batch):
+        residual_batch.start(forward_batch)
+        hidden_states = self.embeddings(forward_batch.input_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, forward_batch)
+        return residual_batch.norm(hidden_states, forward_batch, self.norm_f, skip_empty=True,
+                                   handoff_norm=self.handoff_norm)
+
+
+class HybridCache(KVCache):
+    """What ``forward_batch.kv_cache`` holds for Nemotron-H: per request slot, the attention
+    layers' k/v (``KVCache``) and the Mamba layers' conv and SSM states (``MambaState``)."""
+
+    def __init__(self, kv: KVCache, mamba: MambaState) -> None:
+        self.k, self.v, self.max_len = kv.k, kv.v, kv.max_len
+        self.conv, self.ssm = mamba.conv, mamba.ssm
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, runtime: BoundaryRuntime, dtype=torch.float32,
+                 fusions=None):
+        super().__init__()
+        check_parallel(cfg, runtime.parallel.dims)
+        self.config, self.dtype = cfg, dtype
+        self.backbone = NemotronHModel(cfg, runtime, dtype, fusions)
+        # never tied: transformers' Nemotron-H declares no tied weights, so it saves and loads
+        # lm_head.weight on its own even under tie_word_embeddings (see load_weights)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
+                                      dtype=dtype)
+
+    def forward(self, forward_batch) -> torch.Tensor:
+        """Logits [T, vocab] for every token of this rank's batch."""
+        return self.lm_head(self.backbone(forward_batch))
+
+    def make_kv_cache(self, slots: int, max_len: int) -> HybridCache:
+        cfg, device = self.config, self.lm_head.weight.device
+        kinds = cfg.layers_block_type
+        attn = [layer.mixer for layer in self.backbone.layers if layer.kind == ATTENTION]
+        mamba = [layer.mixer for layer in self.backbone.layers if layer.kind == MAMBA]
+        kv_heads = attn[0].qkv_proj.num_kv_heads if attn else 1
+        kv = KVCache(kinds.count(ATTENTION), slots, max_len, kv_heads, cfg.head_dim, self.dtype,
+                     device=device)
+        m = mamba[0] if mamba else None
+        state = MambaState(len(mamba), slots, m.conv_channels if m else 0, cfg.conv_kernel,
+                           m.heads if m else 0, cfg.mamba_head_dim, cfg.ssm_state_size,
+                           self.dtype, device=device)
+        return HybridCache(kv, state)
+
+    def stacked_params(self) -> list:
+        cfg = self.config
+        out = []
+        if cfg.has(ATTENTION):
+            out += [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                    ("qkv_proj", "v_proj", "v")]
+        if cfg.has(MOE):
+            out += expert_stacked_params(cfg.n_routed_experts, gated=False)
+        return out
+
+    def skipped_params(self) -> tuple:
+        # multi-token-prediction layers are stored under mtp.* (transformers ignores them too)
+        return ("mtp.",)
+
+    def load_weights(self, weights) -> None:
+        load_weights(self, self._with_head(weights), stacked=self.stacked_params(),
+                     skip=self.skipped_params())
+
+    def _with_head(self, weights):
+        """The checkpoint's tensors; a tied checkpoint without lm_head.weight reads the
+        embedding as the head."""
+        embedding, head = None, False
+        for name, tensor in weights:
+            head |= name == "lm_head.weight"
+            if name == "backbone.embeddings.weight":
+                embedding = tensor
+            yield name, tensor
+        if not head and self.config.tie_word_embeddings and embedding is not None:
+            yield "lm_head.weight", embedding
