@@ -71,3 +71,36 @@ def test_matches_world1(nh_dir, tp, dp, ep, policy, fusions, mode):
             sums = [e.site for e in r.ledger if e.step == 0 and e.group == "attn_tp"
                     and e.kind == "all_reduce" and e.numel == rows * N_GROUPS]
             assert sums == [f"layer{i}.attn.compute" for i in MAMBA_LAYERS], (r.rank, sums)
+
+
+def _cli(args, capsys):
+    import logging
+
+    from layer_boundary.cli import main
+
+    log = logging.getLogger("layer_boundary")
+    saved = log.handlers[:], log.propagate, log.level
+    try:
+        code = main(args)
+    finally:
+        log.handlers[:], log.propagate = saved[0], saved[1]
+        log.setLevel(saved[2])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_run_and_plan_commands(nh_dir, capsys):
+    """``run`` passes parity on a Nemotron-H directory; ``plan`` shows each block's path: a
+    mixer leaves its sum to the next mixer's input without attention DP and completes it in
+    compute with it, and always leaves it to an FFN's input."""
+    import json
+
+    code, out = _cli(["run", "--model", nh_dir, "--tp", "2", "--max-new-tokens", "2"], capsys)
+    assert code == 0 and "parity vs world 1: PASS" in out
+    for dp, mixer_to_mixer in ((1, "attn_tp sum left to the next input (all-reduce)"),
+                               (2, "all_reduce(attn_tp) in compute")):
+        code, out = _cli(["plan", "--model", nh_dir, "--tp", "4", "--dp", str(dp),
+                          "--boundary-reduction", "ar", "--json"], capsys)
+        exits = {s["stage"]: s["exit"] for s in json.loads(out)["stages"]}
+        assert exits["layer0.attn"] == mixer_to_mixer  # Mamba2 -> Mamba2
+        assert exits["layer1.attn"] == "attn_tp sum left to the next input (all-reduce)"  # -> MLP
