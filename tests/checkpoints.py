@@ -38,11 +38,20 @@ def randomize(model) -> None:
                 p.normal_(0.0, 0.3 if "embed" in name else p.shape[-1] ** -0.5)
 
 
-def hf_reference(path: Path):
+def hf_oracle(model_class: str, path: Path):
+    """The transformers model of ``model_class`` from ``path`` as the oracle runs it: fp32,
+    eager attention, eager experts."""
     import transformers
 
-    return transformers.Qwen3ForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = getattr(transformers, model_class).from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager")
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return model.eval()
+
+
+def hf_reference(path: Path):
+    return hf_oracle("Qwen3ForCausalLM", path)
 
 
 TINY_MOE = dict(TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -64,9 +73,4 @@ def hf_qwen3_moe(path: Path, *, seed: int = 0, norm_topk_prob: bool = True, **ov
 
 
 def hf_reference_moe(path: Path):
-    import transformers
-
-    model = transformers.Qwen3MoeForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
-    model.set_experts_implementation("eager")
-    return model
+    return hf_oracle("Qwen3MoeForCausalLM", path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import randomize
+from checkpoints import hf_oracle, randomize
 
 # 3 layers: dense, MoE, MoE. 8 routed experts in 4 groups of 2, top-2 from the best 2 groups.
 # Sizes divide tp 4, moe_ep 4 and moe_tp 4.
@@ -35,10 +35,4 @@ def hf_deepseek_v3(path: Path, *, seed: int = 0, tie: bool = False, rope_theta: 
 
 
 def hf_deepseek_v3_reference(path: Path):
-    import transformers
-
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager")
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation("eager")
-    return model.eval()
+    return hf_oracle("DeepseekV3ForCausalLM", path)

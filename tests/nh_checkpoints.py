@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import torch
-from checkpoints import randomize
+from checkpoints import hf_oracle, randomize
 
 # Every block kind, two consecutive mixers (0-1) and two consecutive FFNs (4-5), a terminal
 # MoE. Mamba: 8 heads of 8 in 2 B/C groups, so tp 4 splits a group over 2 ranks (group
@@ -57,10 +57,4 @@ def hf_nemotron_h(path: Path, *, seed: int = 0, tie: bool = False, **overrides) 
 
 
 def hf_nemotron_h_reference(path: Path):
-    import transformers
-
-    model = transformers.NemotronHForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager")
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation("eager")
-    return model.eval()
+    return hf_oracle("NemotronHForCausalLM", path)

@@ -34,6 +34,7 @@ from .kv_cache import KVCache, cached_attention
 from .loader import CheckpointError, load_weights, require
 from .mamba2 import Mamba2Mixer, MambaState, group_split
 from .moe import ACTIVATIONS, FusedMoE, expert_stacked_params
+from .qwen3 import check_heads
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 BLOCK_TYPES = (MAMBA, ATTENTION, MLP, MOE)
@@ -188,13 +189,7 @@ def check_parallel(cfg: NemotronHConfig, dims) -> None:
     """Reject a topology this config cannot be sharded over, naming the config field."""
     attn_tp, tp = dims.attn_tp, dims.tp
     if cfg.has(ATTENTION):
-        if cfg.num_attention_heads % attn_tp:
-            raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible "
-                             f"by attention tp={attn_tp}")
-        kv = cfg.num_key_value_heads
-        if (kv % attn_tp) if kv >= attn_tp else (attn_tp % kv):
-            raise ValueError(f"num_key_value_heads={kv} and attention tp={attn_tp}: one must "
-                             "divide the other")
+        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, attn_tp)
     if cfg.has(MAMBA):
         group_split(cfg.n_groups, cfg.mamba_num_heads, attn_tp)  # names the fields
     if cfg.has(MLP) and cfg.intermediate_size % tp:

@@ -61,15 +61,19 @@ def check_parallel(cfg: Qwen3Config, dims) -> None:
     check_tp(cfg, dims.attn_tp, dims.tp)
 
 
+def check_heads(heads: int, kv_heads: int, attn_tp: int) -> None:
+    """Query heads split over attention TP; kv heads split, or replicated over whole ranks."""
+    if heads % attn_tp:
+        raise ValueError(f"num_attention_heads={heads} is not divisible by attention "
+                         f"tp={attn_tp}")
+    if (kv_heads % attn_tp) if kv_heads >= attn_tp else (attn_tp % kv_heads):
+        raise ValueError(f"num_key_value_heads={kv_heads} and attention tp={attn_tp}: one must "
+                         "divide the other")
+
+
 def check_tp(cfg: Qwen3Config, attn_tp: int, tp: int) -> None:
     """Reject a topology this config cannot be sharded over, naming the config field."""
-    if cfg.num_attention_heads % attn_tp:
-        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
-                         f"attention tp={attn_tp}")
-    kv = cfg.num_key_value_heads
-    if (kv % attn_tp) if kv >= attn_tp else (attn_tp % kv):
-        raise ValueError(f"num_key_value_heads={kv} and attention tp={attn_tp}: one must divide "
-                         "the other")
+    check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, attn_tp)
     if cfg.intermediate_size % tp:
         raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
 
