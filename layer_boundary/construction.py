@@ -14,7 +14,7 @@ from .contracts import (BatchVariant, EdgeDecl, ProducerReduction, StageDecl, St
                         StageKind, StageOutput)
 from .exit import ExitPath
 from .layout import Layouts, RowMode, SumGroup, TokenAxis, sum_group
-from .ops import BatchRows, UnsupportedBoundary, movement_table
+from .ops import BatchRows, Movement, UnsupportedBoundary, lookup, movement_table
 from .prepare import EntryPath
 
 __all__ = ["StagePlan", "StagePath", "UnsupportedBoundary", "build_plan", "select_mode",
@@ -31,6 +31,8 @@ class StagePath:
     edge: EdgeDecl
     entry: EntryPath
     exit: ExitPath
+    # a prepared branch's entry: the source's prepared input onto this stage's compute rows
+    branch_in: Movement | None = None
 
 
 def select_mode(runtime, counts: tuple[int, ...]) -> tuple[RowMode, str]:
@@ -150,10 +152,13 @@ class StagePlan:
         path = self.paths.get((variant, mode))
         if path is None:
             return {"stage": self.name, "entry": "unsupported", "exit": "unsupported"}
+        entry = path.entry.describe()
+        if path.branch_in is not None:
+            entry = (f"branch_input from the prepared {self.declaration.prepared_from.describe()}"
+                     f" input: {path.branch_in.name}")
         return {"stage": self.name, "kind": self.declaration.describe(),
                 "residual": str(path.edge.residual_dst), "compute": str(path.decl.input.rows),
-                "entry": path.entry.describe(),
-                "exit": " | ".join(d.label for d in path.exit.decisions)}
+                "entry": entry, "exit": " | ".join(d.label for d in path.exit.decisions)}
 
 
 def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func=None,
@@ -167,6 +172,15 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
         raise UnsupportedBoundary(
             f"stage {name}: qkv_latent_func runs inside the attention's own input gather, "
             "and a declaration with gathers_tp_input=False has none")
+    for variant in runtime.batch_variants:
+        if variant is BatchVariant.ORDINARY:
+            continue
+        if declaration.prepared_from is not None:
+            raise UnsupportedBoundary(
+                f"branch transport supports ordinary token rows only: stage {name} cannot "
+                f"run the {variant.value} batch")
+        raise UnsupportedBoundary(f"stage {name}: no boundary path for the {variant.value} "
+                                  "batch variant yet (supported: ordinary)")
     variant = BatchVariant.ORDINARY
     prev = declaration.previous
     paths, tables = {}, {}
@@ -189,8 +203,12 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
             entry = bind_entry(name, edge, prev_exit, declaration, norm, mode, table,
                                parallel=runtime.parallel, qkv_latent_func=qkv_latent_func,
                                fusions=fusions)
+            branch_in = None
+            if declaration.prepared_from is not None:
+                source_rows = resolve_input(declaration.prepared_from, runtime, layouts).rows
+                branch_in = lookup(table, None, source_rows, stage_input.rows, mode)
         except UnsupportedBoundary as exc:
             raise UnsupportedBoundary(f"stage {name}: {exc}") from None
         paths[(variant, mode)] = StagePath(StageDecl(variant, stage_input, output), edge, entry,
-                                           exit_path)
+                                           exit_path, branch_in)
     return StagePlan(name, declaration, paths, runtime, tables)

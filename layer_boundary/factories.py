@@ -114,7 +114,7 @@ def make_stages(*items, previous: StageDeclaration | None = None,
     for i, (decl, (_, norm, options)) in enumerate(zip(decls, checked)):
         nxt = decls[i + 1] if i + 1 < len(decls) else following
         stages.append(StageBoundary(decl, norm, following=nxt, runtime=runtime,
-                                    name=names[i], **options))
+                                    name=names[i], branch_source=prepared_from, **options))
     return stages
 
 

@@ -182,6 +182,20 @@ class BatchRows:
             return coll.reduce_scatter_rows(self._pad_global(x), group)[: self.scattered]
         return coll.reduce_scatter_rows_v(x, group, self.scatter_sizes)
 
+    def add_on_one_rank(self, partial, layout: Layout, value):
+        """``partial`` (on ``layout``, still owing a sum whose every rank holds these rows)
+        with ``value`` (this DP rank's local rows, complete) added on one attention-TP rank,
+        so the sum adds it exactly once. Out of place."""
+        if self.tp_rank != 0:
+            return partial
+        value = value.to(partial.dtype)
+        if layout == self.layouts.local:
+            return partial + value
+        if layout == self.layouts.replicated:
+            start, end = self.offset, self.offset + self.local
+            return partial.slice_scatter(partial[start:end] + value, 0, start, end)
+        raise UnsupportedBoundary(f"a complete value cannot join a partial on {layout} rows")
+
     # -- what each primitive's collectives move, for comparing a plan with the ledger
 
     def expected(self, primitive: str, width: int) -> list[tuple[str, str, int]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import boundary_guard_filter, stage_boundaries
+from .adapters.branch import describe_merge
 from .layout import RowMode
 from .models import load_model, model_type_of
 from .models.generate import Generation, greedy_generate
@@ -70,7 +71,17 @@ def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntim
 
 def plan_rows(model, mode: RowMode = RowMode.AR) -> list[dict]:
     """One row per stage: what its prepare and exit do in row mode ``mode``."""
-    return [boundary.describe(mode) for boundary in stage_boundaries(model)]
+    boundaries = stage_boundaries(model)
+    rows = []
+    for i, boundary in enumerate(boundaries):
+        rows.append(boundary.describe(mode))
+        source = boundary.branch_source
+        ends_branch = source is not None and (i + 1 == len(boundaries)
+                                              or boundaries[i + 1].branch_source is not source)
+        if ends_branch:  # the branch's way back into the stack
+            origin = next(b for b in boundaries if b.declaration is source)
+            rows.append(describe_merge(origin, boundary, mode))
+    return rows
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")

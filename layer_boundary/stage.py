@@ -47,6 +47,23 @@ def _keep(collector, value, owned: bool) -> None:
 _ORDER = itertools.count()  # construction order, which is stack order
 # per runtime, the stage built last: the producer of the next one built with a ``previous``
 _LAST_BUILT: dict = {}
+# a prepared branch's entry stage, by the identity of the declaration it is prepared from
+_BRANCH_ENTRIES: dict = {}
+
+
+def branch_entry(source) -> "StageBoundary":
+    """The entry stage of the branch built with ``prepared_from=source.declaration``."""
+    ref = _BRANCH_ENTRIES.get(id(source.declaration))
+    entry = ref() if ref is not None else None
+    if entry is None or entry.declaration.prepared_from is not source.declaration:
+        raise RuntimeError(f"no branch was built with prepared_from={source.name}'s declaration")
+    return entry
+
+
+def _branch_entry_alive(source_decl) -> bool:
+    ref = _BRANCH_ENTRIES.get(id(source_decl))
+    entry = ref() if ref is not None else None
+    return entry is not None and entry.declaration.prepared_from is source_decl
 
 
 def _bare(decl):
@@ -65,8 +82,8 @@ def _check_neighbours(stage: "StageBoundary", runtime) -> None:
     decl = stage.declaration
     if decl.previous is None or decl.prepared_from is not None or last is None:
         return
-    if last.declaration.terminal:
-        return
+    if last.declaration.terminal or last.branch_source is not None:
+        return  # after a branch, the merge (the model's) is the producer
     if _bare(last.declaration) != _bare(decl.previous):
         raise UnsupportedBoundary(
             f"stage {stage.name} declares previous={decl.previous.describe()}, but its producer, "
@@ -81,10 +98,12 @@ class StageBoundary:
     """One stage's boundary: its own norm, its prebuilt plan, no forward tensors."""
 
     def __init__(self, declaration, norm, *, following=None, runtime=None, name=None,
-                 fusions=None, qkv_latent_func=None) -> None:
+                 fusions=None, qkv_latent_func=None, branch_source=None) -> None:
         runtime = runtime if runtime is not None else get_runtime()
         self.order = next(_ORDER)
         self.declaration = declaration
+        # the declaration this stage's branch is prepared from (every stage of the branch)
+        self.branch_source = branch_source or declaration.prepared_from
         self.following = following
         self.name = name or declaration.kind.value
         self.norm = norm if hasattr(norm, "normalize_fp32") else _Fp32Norm(norm)
@@ -100,6 +119,12 @@ class StageBoundary:
         self._is_attn = declaration.kind is StageKind.ATTN
         self._exit_cls = FfnExit if declaration.kind is StageKind.FFN else MixerExit
         _check_neighbours(self, runtime)
+        if declaration.prepared_from is not None:
+            if _branch_entry_alive(declaration.prepared_from):
+                raise UnsupportedBoundary(
+                    f"stage {self.name}: a second branch prepared from the same declaration "
+                    "(one branch per source)")
+            _BRANCH_ENTRIES[id(declaration.prepared_from)] = weakref.ref(self)
 
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
@@ -169,6 +194,7 @@ class StageBoundary:
         if captured_last_layer_outputs is not None:
             _keep(captured_last_layer_outputs, entry.input_move(rows, stream.residual),
                   entry.input_move.allocates)
+        stream.prepared = (self, compute_input)  # what a branch forking here may take
         if observer is not None:
             observer.boundary(self._prepare_site, stream, rows)
             observer.enter(self._compute_site)

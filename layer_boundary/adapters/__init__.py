@@ -1,1 +1,5 @@
-"""Special adapters (attention, CP, TBO, branch, LoRA); none are in this slice yet."""
+"""Adapters for handoffs a sequential prepare call cannot express (spec, "Special adapters")."""
+
+from .branch import branch_input, branch_output, merge_branch
+
+__all__ = ["branch_input", "branch_output", "merge_branch"]

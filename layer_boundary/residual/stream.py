@@ -75,14 +75,17 @@ IN_COMPUTE = _InCompute()
 
 
 class ResidualStream:
-    __slots__ = ("residual", "residual_rows", "contribution", "handle")
+    __slots__ = ("residual", "residual_rows", "contribution", "handle", "prepared", "parent",
+                 "branch_output")
 
-    def __init__(self) -> None:
+    def __init__(self, parent: "ResidualStream | None" = None) -> None:
         self.residual: torch.Tensor | None = None
         self.residual_rows: Layout | None = None
         self.contribution: Contribution | None = None
         self.handle: object = None  # what the model must pass to the next call
-
+        self.prepared: tuple | None = None  # (stage, compute input) of the last prepare()
+        self.parent = parent  # a branch's stream: the stream it forked from
+        self.branch_output: object = None  # a branch's output, once branch_output() made it
     @property
     def state(self) -> StreamState:
         if self.contribution is not None:

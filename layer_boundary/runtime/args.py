@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .forward_batch import BatchVariant
 from .parallel import Parallel
 
 BOUNDARY_REDUCTIONS = ("ar", "rs", "rsv", "rs+rsv", "auto")
@@ -43,6 +44,9 @@ class BoundaryRuntime:
     allreduce_fusion: bool = True
     # Permit fixed-size reduce-scatter to pad DP segments to a multiple of attention TP.
     rs_padding: bool = True
+    # The batch variants the engine will run: every stage builds a path for each, or is
+    # rejected at construction.
+    batch_variants: tuple = (BatchVariant.ORDINARY,)
 
     def __post_init__(self) -> None:
         if self.boundary_reduction not in BOUNDARY_REDUCTIONS[:-1]:
