@@ -242,10 +242,11 @@ def _report(args, spec, results, reference) -> int:
 
 
 def _plan_table(rows) -> None:
+    names = max(len(r["stage"]) for r in rows)
     width = max(len(r["entry"]) for r in rows)
-    log.info("  %-12s %-*s  %s", "stage", width, "prepare", "exit")
+    log.info("  %-*s %-*s  %s", names, "stage", width, "prepare", "exit")
     for row in rows:
-        log.info("  %-12s %-*s  %s", row["stage"], width, row["entry"], row["exit"])
+        log.info("  %-*s %-*s  %s", names, row["stage"], width, row["entry"], row["exit"])
 
 
 def cmd_plan(args) -> int:

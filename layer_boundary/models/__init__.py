@@ -15,6 +15,7 @@ MODELS = {
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM"),
+    "longcat_flash": ("longcat_flash", "LongcatFlashConfig", "LongcatFlashForCausalLM"),
 }
 
 

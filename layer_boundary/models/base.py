@@ -13,12 +13,13 @@ from .loader import load_weights
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg, runtime, dtype, fusions, layer_cls):
+    def __init__(self, cfg, runtime, dtype, fusions, layer_cls, num_layers=None):
         super().__init__()
+        num_layers = cfg.num_hidden_layers if num_layers is None else num_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                    runtime.parallel.attn_tp, dtype=dtype)
         self.layers = nn.ModuleList(layer_cls(cfg, i, runtime, dtype, fusions)
-                                    for i in range(cfg.num_hidden_layers))
+                                    for i in range(num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         # a provider may offer a service that finalizes a terminal MoE handoff in the final norm
         service = getattr(fusions, "handoff_norm", None)
@@ -34,7 +35,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Subclasses set ``layer_cls`` and ``check_parallel`` and provide ``make_kv_cache``."""
+    """Subclasses set ``layer_cls`` and ``check_parallel`` and provide ``make_kv_cache``;
+    ``decoder_layers`` counts the ``layer_cls`` modules (``num_hidden_layers`` by default)."""
 
     layer_cls: type
     check_parallel = None
@@ -43,11 +45,16 @@ class CausalLM(nn.Module):
         super().__init__()
         self.check_parallel(cfg, runtime.parallel.dims)
         self.config, self.dtype = cfg, dtype
-        self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls)
+        self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
+                                  self.decoder_layers(cfg))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
                                       dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+
+    @staticmethod
+    def decoder_layers(cfg) -> int:
+        return cfg.num_hidden_layers
 
     def forward(self, forward_batch) -> torch.Tensor:
         """Logits [T, vocab] for every token of this rank's batch."""

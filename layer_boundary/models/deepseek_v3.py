@@ -258,14 +258,22 @@ class DeepseekV3Attention(nn.Module):
         q = self.q_a_proj(x) if self.cfg.q_lora_rank is not None else x
         return torch.cat((q, self.kv_a_proj_with_mqa(x)), dim=-1)
 
+    def project_q(self, q_lat: torch.Tensor) -> torch.Tensor:
+        """q latent -> this rank's heads' queries [T, local heads * qk_head_dim]."""
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(q_lat)
+        return self.q_b_proj(self.q_a_layernorm(q_lat))
+
+    def project_kv(self, kv_nope: torch.Tensor) -> torch.Tensor:
+        """kv latent -> this rank's heads' [T, local heads * (qk_nope_head_dim + v_head_dim)]."""
+        return self.kv_b_proj(self.kv_a_layernorm(kv_nope))
+
     def forward(self, positions, latent, forward_batch):
         cfg, tokens = self.cfg, latent.shape[0]
         q_lat, kv_nope, k_rot = latent.split(self.latent_split, dim=-1)
-        q = (self.q_proj(q_lat) if cfg.q_lora_rank is None
-             else self.q_b_proj(self.q_a_layernorm(q_lat)))
-        q = q.view(tokens, self.num_heads, cfg.qk_head_dim)
+        q = self.project_q(q_lat).view(tokens, self.num_heads, cfg.qk_head_dim)
         q_nope, q_rot = q.split((cfg.qk_nope_head_dim, cfg.qk_rope_head_dim), dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_nope))
+        kv = self.project_kv(kv_nope)
         kv = kv.view(tokens, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split((cfg.qk_nope_head_dim, cfg.v_head_dim), dim=-1)
         cos, sin = rope_cos_sin(positions, self.inv_freq, latent.dtype)

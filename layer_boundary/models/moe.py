@@ -53,11 +53,17 @@ class FusedMoE(nn.Module):
     ``up -> relu2 -> down``): ``down(act(up(x)))``, ``w13`` holds the up rows only.
 
     Checkpoint tensors load one per expert (``experts.{e}.gate_proj/up_proj/down_proj``).
+
+    ``zero_experts`` (LongCat-Flash): router ids ``num_experts .. num_experts + zero_experts - 1``
+    are identity experts, whose output is the token itself (times its router weight). The
+    output is a partial over the TP group, so exactly one rank of it (TP rank 0) puts the
+    identity rows into its expert outputs: they reach the one sum, wherever it runs (the
+    boundary's all-reduce or reduce-scatter, or a finalize handoff's completion), once.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  parallel: Parallel, dtype=torch.float32, *, gated: bool = True,
-                 activation: str = "silu"):
+                 activation: str = "silu", zero_experts: int = 0):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation {activation!r} is not supported "
@@ -71,6 +77,8 @@ class FusedMoE(nn.Module):
                              f"moe_tp={dims.moe_tp}")
         self.group = parallel.tp
         self.num_experts = num_experts
+        # only TP rank 0 carries the identity experts' rows into the group's partial sum
+        self.zero_experts = zero_experts if parallel.tp.rank == 0 else 0
         self.local = num_experts // dims.moe_ep
         self.first = parallel.moe_ep_rank * self.local
         self.shard = intermediate_size // dims.moe_tp
@@ -113,6 +121,9 @@ class FusedMoE(nn.Module):
                 if token.numel() == 0:
                     continue
                 expert_out[token, slot] = self._expert(x[token], e)
+        if self.zero_experts:
+            identity = (topk_ids >= self.num_experts).unsqueeze(-1)  # [T, k, 1]
+            expert_out = torch.where(identity, x.unsqueeze(1), expert_out)
         flags = get_forward()
         if flags.defer_moe_finalize:
             return MoeFinalize(expert_out, topk_weights, shared_output)

@@ -16,6 +16,7 @@ AUTO_BOUNDARY_REDUCTION: dict[str, str] = {
     "qwen3_moe": "rs+rsv",
     "deepseek_v3": "rs+rsv",
     "nemotron_h": "rs+rsv",
+    "longcat_flash": "rs+rsv",
 }
 
 

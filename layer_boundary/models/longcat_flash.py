@@ -1,0 +1,349 @@
+"""Meituan LongCat-Flash (shortcut-connected MoE with zero-computation experts) with layer
+boundaries. Compute is plain PyTorch; parameter names follow the Hugging Face checkpoint
+(``model.layers.N.self_attn.{0,1}.*``, ``mlps.{0,1}.*``, ``mlp.router.*``), except the routed
+experts, which are fused per rank (``mlp.experts.w13``/``w2``) at load time.
+
+One decoder layer (transformers' ``LongcatFlashDecoderLayer``; ``num_hidden_layers`` is
+``2 * num_layers``, one per attention)::
+
+    r = x + attn0(in_norm0(x)); h = post_norm0(r); moe = MoE(h)
+    r = r + mlp0(h); r = r + attn1(in_norm1(r)); out = r + mlp1(post_norm1(r)) + moe
+
+Boundaries: attention 0 and the MoE are one ``make_stages`` sequence; mlp0, attention 1 and
+mlp1 are a prepared branch (``prepared_from`` the MoE's declaration) that reads the MoE's
+prepared input through ``branch_input``, runs on its own residual stream and merges back with
+``merge_branch``: the branch's complete output joins the MoE's pending partial on one
+attention-TP rank, so the next layer's attention input completes both with the MoE's one sum.
+
+Parallelism:
+
+* MLA (two per layer) over attention TP, as DeepSeek-V3's (``DeepseekV3Attention``, whose
+  latent projections run as the stage's ``qkv_latent_func`` before any row gather), plus
+  LongCat's LoRA scales: q (both parts) times ``(hidden / q_lora_rank) ** 0.5``, the normed
+  kv latent times ``(hidden / kv_lora_rank) ** 0.5``; q always through q LoRA; interleaved
+  rope over ``qk_rope_head_dim`` (transformers builds it with ``head_dim``: the two must agree).
+  Output projection row-parallel without a reduction (PARTIAL). Attention ``2 i + k`` owns KV
+  cache layer ``2 i + k``.
+* Dense FFNs (``mlps``): SwiGLU over the full TP group.
+* MoE: a replicated fp32 softmax router over ``n_routed_experts + zero_expert_num`` scores,
+  top-k by the scores plus ``e_score_correction_bias``, weights the chosen unbiased scores x
+  ``routed_scaling_factor`` (not renormalised); routed experts in ``FusedMoE`` over
+  ``moe_ep x moe_tp``; zero (identity) experts add ``x * weight``, carried by TP rank 0 into
+  the MoE output's one sum (``FusedMoE(zero_experts=...)``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import (branch_input, branch_output, declare_attn, declare_ffn, make_stages,
+                merge_branch)
+from ..runtime import BoundaryRuntime, RMSNorm
+from .base import CausalLM
+from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear
+from .kv_cache import KVCache
+from .loader import CheckpointError, require
+from .moe import FusedMoE, expert_stacked_params
+
+# transformers' defaults for fields a config.json may leave out (LongcatFlashConfig)
+DEFAULT_ROPE_THETA = 1e7
+DEFAULT_ZERO_EXPERTS = 256
+
+
+def _field(cfg: dict, name: str, alias: str):
+    """A required positive integer under its canonical name or transformers' alias."""
+    return require(cfg, name if name in cfg or alias not in cfg else alias)
+
+
+@dataclass(frozen=True)
+class LongcatFlashConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int  # decoder layers; each holds two attentions
+    num_attention_heads: int
+    ffn_hidden_size: int
+    expert_ffn_hidden_size: int
+    n_routed_experts: int
+    zero_expert_num: int
+    moe_topk: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    routed_scaling_factor: float = 6.0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = DEFAULT_ROPE_THETA
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    model_type: str = "longcat_flash"
+    # what DeepseekV3Attention reads: LongCat's MLA always has q LoRA and interleaved rope
+    rope_interleave: bool = True
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """Attention layers (transformers' ``num_hidden_layers``): two per decoder layer."""
+        return 2 * self.num_layers
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return self.moe_topk
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def q_latent_dim(self) -> int:
+        return self.q_lora_rank
+
+    @property
+    def softmax_scale(self) -> float:
+        # transformers: yarn_apply_mscale(rope_parameters, qk_head_dim ** -0.5), which changes
+        # the scale only under a non-default rope type (rejected by from_dict)
+        return self.qk_head_dim ** -0.5
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "LongcatFlashConfig":
+        if cfg.get("rope_parameters"):
+            rope, rope_field = cfg["rope_parameters"], "rope_parameters"
+        else:
+            rope, rope_field = cfg.get("rope_scaling") or {}, "rope_scaling"
+        type_key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"
+        rope_type = rope.get(type_key, "default")
+        if rope_type != "default":
+            raise CheckpointError(
+                f"config.json {rope_field}.{type_key} {rope_type!r} is not supported (default "
+                "only; yarn's frequency and softmax mscale corrections are not implemented)")
+        if cfg.get("quantization_config"):
+            raise CheckpointError("config.json quantization_config is not supported (unquantized "
+                                  "checkpoints only)")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu only)")
+        if cfg.get("router_bias"):
+            raise CheckpointError(
+                "config.json router_bias true is not supported (transformers' LongCat-Flash "
+                "router allocates the classifier bias but never adds it)")
+        if "num_layers" in cfg or "num_hidden_layers" not in cfg:
+            layers = require(cfg, "num_layers")
+        else:  # transformers' setter: num_layers = num_hidden_layers // 2
+            attn_layers = require(cfg, "num_hidden_layers")
+            if attn_layers % 2:
+                raise CheckpointError(f"config.json num_hidden_layers={attn_layers} must be even "
+                                      "(two attentions per decoder layer)")
+            layers = attn_layers // 2
+        heads = require(cfg, "num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads")
+        if kv_heads is not None and kv_heads != heads:
+            raise CheckpointError(f"config.json num_key_value_heads={kv_heads} must equal "
+                                  f"num_attention_heads={heads} (MLA expands keys per head)")
+        hidden = require(cfg, "hidden_size")
+        nope, rope_dim = require(cfg, "qk_nope_head_dim"), require(cfg, "qk_rope_head_dim")
+        if rope_dim % 2:
+            raise CheckpointError(f"config.json qk_rope_head_dim={rope_dim} must be even")
+        qk_head_dim = cfg.get("qk_head_dim")
+        if qk_head_dim is not None and qk_head_dim != nope + rope_dim:
+            raise CheckpointError(f"config.json qk_head_dim={qk_head_dim} must equal "
+                                  f"qk_nope_head_dim + qk_rope_head_dim = {nope + rope_dim}")
+        # transformers builds the rotary embedding with head_dim (default 64, or hidden/heads
+        # when null) and applies it to qk_rope_head_dim channels
+        head_dim = cfg.get("head_dim", 64) or hidden // heads
+        if head_dim != rope_dim:
+            raise CheckpointError(f"config.json head_dim={head_dim} must equal "
+                                  f"qk_rope_head_dim={rope_dim} (the rotary embedding is built "
+                                  "with head_dim and applied to the rope channels)")
+        experts = _field(cfg, "n_routed_experts", "num_local_experts")
+        zero = cfg.get("zero_expert_num", DEFAULT_ZERO_EXPERTS) or 0
+        if not isinstance(zero, int) or isinstance(zero, bool) or zero < 0:
+            raise CheckpointError(f"config.json field zero_expert_num must be a non-negative "
+                                  f"integer, got {zero!r}")
+        top_k = _field(cfg, "moe_topk", "num_experts_per_tok")
+        if top_k > experts + zero:
+            raise CheckpointError(f"config.json moe_topk={top_k} exceeds n_routed_experts + "
+                                  f"zero_expert_num = {experts + zero}")
+        return cls(
+            vocab_size=require(cfg, "vocab_size"),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_attention_heads=heads,
+            ffn_hidden_size=_field(cfg, "ffn_hidden_size", "intermediate_size"),
+            expert_ffn_hidden_size=_field(cfg, "expert_ffn_hidden_size", "moe_intermediate_size"),
+            n_routed_experts=experts,
+            zero_expert_num=zero,
+            moe_topk=top_k,
+            q_lora_rank=require(cfg, "q_lora_rank"),
+            kv_lora_rank=require(cfg, "kv_lora_rank"),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=require(cfg, "v_head_dim"),
+            routed_scaling_factor=float(require(cfg, "routed_scaling_factor", float)
+                                        if "routed_scaling_factor" in cfg else 6.0),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", DEFAULT_ROPE_THETA))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+
+
+def check_parallel(cfg: LongcatFlashConfig, dims) -> None:
+    """Reject a topology this config cannot be sharded over, naming the config field."""
+    if cfg.num_attention_heads % dims.attn_tp:
+        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                         f"attention tp={dims.attn_tp}")
+    if cfg.ffn_hidden_size % dims.tp:
+        raise ValueError(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by "
+                         f"tp={dims.tp}")
+    if cfg.n_routed_experts % dims.moe_ep:
+        raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
+                         f"moe_ep={dims.moe_ep}")
+    if cfg.expert_ffn_hidden_size % dims.moe_tp:
+        raise ValueError(f"expert_ffn_hidden_size={cfg.expert_ffn_hidden_size} is not divisible "
+                         f"by moe_tp={dims.moe_tp}")
+
+
+class LongcatFlashAttention(DeepseekV3Attention):
+    """DeepSeek-V3's MLA with LongCat's LoRA scales on q and on the normed kv latent."""
+
+    def __init__(self, cfg: LongcatFlashConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
+        super().__init__(cfg, layer_id, runtime, dtype)
+        self.mla_scale_q_lora = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5
+        self.mla_scale_kv_lora = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5
+
+    def project_q(self, q_lat: torch.Tensor) -> torch.Tensor:
+        return super().project_q(q_lat) * self.mla_scale_q_lora
+
+    def project_kv(self, kv_nope: torch.Tensor) -> torch.Tensor:
+        return self.kv_b_proj(self.kv_a_layernorm(kv_nope) * self.mla_scale_kv_lora)
+
+
+class LongcatFlashRouter(nn.Module):
+    """Softmax over routed + zero experts' logits (fp32); the correction bias steers only the
+    choice; weights are the chosen unbiased scores x ``routed_scaling_factor``."""
+
+    def __init__(self, cfg: LongcatFlashConfig):
+        super().__init__()
+        total = cfg.n_routed_experts + cfg.zero_expert_num
+        self.top_k, self.scale = cfg.moe_topk, cfg.routed_scaling_factor
+        self.classifier = ReplicatedLinear(cfg.hidden_size, total, dtype=torch.float32)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(total, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+        scores = F.linear(x.float(), self.classifier.weight.float()).softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias
+        topk_ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        return scores.gather(1, topk_ids) * self.scale, topk_ids
+
+
+class LongcatFlashMoE(nn.Module):
+    def __init__(self, cfg: LongcatFlashConfig, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.router = LongcatFlashRouter(cfg)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size,
+                                cfg.expert_ffn_hidden_size, runtime.parallel, dtype,
+                                zero_experts=cfg.zero_expert_num)
+
+    def forward(self, x: torch.Tensor):
+        """x: [T, H] (every DP rank's rows): a partial over TP, a finalize handoff or the
+        complete output, as the exit's flags ask (identity experts included once)."""
+        topk_weights, topk_ids = self.router(x)
+        return self.experts(x, topk_ids, topk_weights)
+
+
+class LongcatFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: LongcatFlashConfig, i: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__()
+        self.hidden_size = cfg.hidden_size
+        self.mlp = LongcatFlashMoE(cfg, runtime, dtype)
+        self.self_attn = nn.ModuleList(LongcatFlashAttention(cfg, 2 * i + k, runtime, dtype)
+                                       for k in range(2))
+        self.mlps = nn.ModuleList(DeepseekV3MLP(cfg.hidden_size, cfg.ffn_hidden_size, runtime,
+                                                dtype) for _ in range(2))
+        self.input_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                     dtype=dtype) for _ in range(2))
+        self.post_attention_layernorm = nn.ModuleList(
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype) for _ in range(2))
+        last = i == cfg.num_layers - 1
+        following = None if last else declare_attn()
+        opts = {} if fusions is None else {"fusions": fusions}
+        latent = [{"qkv_latent_func": attn.prepare_qkv_latent, **opts} for attn in self.self_attn]
+        self.attn0_boundary, self.moe_boundary = make_stages(
+            (declare_attn(), self.input_layernorm[0], latent[0]),
+            (declare_ffn(sparse=True), self.post_attention_layernorm[0], opts),
+            # the previous layer's merged output carries its MoE's pending sum
+            previous=None if i == 0 else declare_ffn(sparse=True),
+            following=following, terminal=last, runtime=runtime, name=f"layer{i}")
+        self.mlp0_boundary, self.attn1_boundary, self.mlp1_boundary = make_stages(
+            # the entry stage reads the MoE's prepared input: its norm is never applied
+            (declare_ffn(), self.post_attention_layernorm[0], opts),
+            (declare_attn(), self.input_layernorm[1], latent[1]),
+            (declare_ffn(), self.post_attention_layernorm[1], opts),
+            prepared_from=self.moe_boundary.declaration,
+            following=following, terminal=last, runtime=runtime, name=f"layer{i}.branch")
+
+    def _attention(self, k: int, latent, positions, forward_batch):
+        if latent.shape[0] == 0:  # no rows on this DP rank: an empty contribution
+            return latent.new_zeros((0, self.hidden_size))
+        return self.self_attn[k](positions, latent, forward_batch)
+
+    def forward(self, positions, hidden_states, forward_batch):
+        fb = forward_batch
+        h = self.attn0_boundary.prepare(hidden_states, fb)  # qkv latent of attention 0
+        h = self.attn0_boundary.finish(self._attention(0, h, positions, fb), fb)
+
+        h = self.moe_boundary.prepare(h, fb)  # post_attention_layernorm[0] on global rows
+        with self.moe_boundary.exit(fb) as output:
+            moe = self.mlp(h)
+        moe = output.finish(moe)
+
+        x = branch_input(self.moe_boundary, h, fb)  # the same input, for the dense branch
+        with self.mlp0_boundary.exit(fb) as output:
+            y = self.mlps[0](x)
+        y = output.finish(y)
+        y = self.attn1_boundary.prepare(y, fb)
+        y = self.attn1_boundary.finish(self._attention(1, y, positions, fb), fb)
+        y = self.mlp1_boundary.prepare(y, fb)
+        with self.mlp1_boundary.exit(fb) as output:
+            z = self.mlps[1](y)
+        y = branch_output(output.finish(z), fb)
+        return merge_branch(moe, y, fb)
+
+
+# identity experts keep (unused) gate/up projections on disk: transformers allocates
+# gate_up_proj for routed + zero experts but runs only the routed ones
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+class LongcatFlashForCausalLM(CausalLM):
+    layer_cls = LongcatFlashDecoderLayer
+    check_parallel = staticmethod(check_parallel)
+
+    @staticmethod
+    def decoder_layers(cfg: LongcatFlashConfig) -> int:
+        return cfg.num_layers
+
+    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
+        cfg = self.config
+        local_heads = self.model.layers[0].self_attn[0].num_heads
+        return KVCache(cfg.num_hidden_layers, slots, max_len, local_heads, cfg.qk_head_dim,
+                       self.dtype, device=self.lm_head.weight.device, v_head_dim=cfg.v_head_dim)
+
+    def stacked_params(self) -> list:
+        return expert_stacked_params(self.config.n_routed_experts)
+
+    def skipped_params(self) -> tuple:
+        # multi-token-prediction tensors (transformers ignores model.mtp.* on load)
+        return super().skipped_params() + ("model.mtp.",)
+
+    def load_weights(self, weights) -> None:
+        routed = self.config.n_routed_experts
+        super().load_weights((name, t) for name, t in weights
+                             if not ((m := _EXPERT.search(name)) and int(m.group(1)) >= routed))
