@@ -208,14 +208,17 @@ def test_branch_misuse_raises():
         merge_branch(y, branch_output(y, fb), fb)  # the source's output is not ``y``
 
 
-def test_branch_takes_ordinary_rows_only():
-    rt = runtime(batch_variants=(BatchVariant.ORDINARY, BatchVariant.CP))
-    with pytest.raises(UnsupportedBoundary, match="stage layer0.attn: no boundary path for the "
-                                                  "CP batch variant yet"):
+@pytest.mark.parametrize("variant", [BatchVariant.CP, BatchVariant.INPUT_SCATTERED,
+                                     BatchVariant.SEQUENCE_PARALLEL], ids=lambda v: v.value)
+def test_branch_takes_ordinary_rows_only(variant):
+    rt = runtime(batch_variants=(BatchVariant.ORDINARY, variant))
+    with pytest.raises(UnsupportedBoundary, match=f"stage layer0.attn: no boundary path for the "
+                                                  f"{variant.value} batch variant yet"):
         make_stages((declare_attn(), toy_norm(0)), runtime=rt, name="layer0", terminal=True)
     source = declare_ffn()
     with pytest.raises(UnsupportedBoundary, match="branch transport supports ordinary token rows "
-                                                  "only: stage branch.ffn cannot run the CP batch"):
+                                                  "only: stage branch.ffn cannot run the "
+                                                  f"{variant.value} batch"):
         make_stages((declare_ffn(), toy_norm(0)), prepared_from=source, runtime=rt,
                     name="branch", terminal=True)
 
