@@ -28,7 +28,9 @@ class StageDeclaration:
 
     def describe(self) -> str:
         sparse = " sparse" if self.sparse else ""
-        return f"{self.kind.value}{sparse} ({self.reduction.value})"
+        update = self.residual.update
+        text = f"{self.kind.value}{sparse} ({self.reduction.value})"
+        return text if update.plain else f"{text} with update {update!r}"
 
 
 def _layer_residual(update: StageUpdate | None, read: StageRead | None) -> LayerResidual:

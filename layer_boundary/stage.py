@@ -11,6 +11,7 @@ import torch
 from .construction import UnsupportedBoundary, build_plan
 from .contracts import ProducerReduction, StageKind
 from .exit import FfnExit, MixerExit, publish
+from .residual import LayerResidual
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
@@ -67,8 +68,11 @@ def _branch_entry_alive(source_decl) -> bool:
 
 
 def _bare(decl):
-    """A declaration without its neighbours, for comparing what two sides say of a stage."""
-    return dataclasses.replace(decl, previous=None, prepared_from=None, terminal=False)
+    """A declaration without its neighbours, for comparing what two sides say of a stage. A
+    producer's read is its own input's business: its consumer relies on its update only."""
+    residual = LayerResidual(decl.residual.update, None)
+    return dataclasses.replace(decl, previous=None, prepared_from=None, terminal=False,
+                               residual=residual)
 
 
 def _check_neighbours(stage: "StageBoundary", runtime) -> None:

@@ -121,3 +121,26 @@ def local_slice(full_input: torch.Tensor, linear: RowParallelLinear) -> torch.Te
     """This rank's input columns of a row-parallel linear (what a column-parallel layer gives)."""
     k = linear.in_per_rank
     return full_input[:, linear.group.rank * k:(linear.group.rank + 1) * k]
+
+
+class ToyFfn:
+    """tanh, then a real RowParallelLinear over TP (it honours the exit's flags); the same
+    function at every topology for a given seed."""
+
+    def __init__(self, par, seed: int) -> None:
+        self.down = RowParallelLinear(2 * HIDDEN, HIDDEN, par.tp)
+        full = attn_weights(2, seed).transpose(0, 1).reshape(HIDDEN, 2 * HIDDEN)
+        self.down.weight_loader(self.down.weight, full)
+
+    def __call__(self, x):
+        return self.down(local_slice(torch.tanh(x).repeat(1, 2), self.down))
+
+
+class ToyAttn:
+    """x @ A as partial sums dealt over the attention-TP ranks (a PARTIAL output)."""
+
+    def __init__(self, par, seed: int) -> None:
+        self.a = attn_weights(4, seed)[par.attn_tp.rank::par.attn_tp.size].sum(0)
+
+    def __call__(self, x):
+        return x @ self.a

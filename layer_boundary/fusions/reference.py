@@ -17,8 +17,9 @@ COMPLETES = frozenset({SumGroup.TP, SumGroup.MOE_OUT, None})
 def finalize_all_reduce_add_norm(arrival: Arrival):
     """finalize (if a handoff) + all-reduce over TP + this DP rank's slice + fp32 add + norm,
     as one step, for a value on the global rows and a residual on this DP rank's rows."""
-    if arrival.residual is None or not hasattr(arrival.norm, "normalize_fp32"):
-        return None  # declined before touching anything
+    if (arrival.residual is None or not arrival.update.plain
+            or not hasattr(arrival.norm, "normalize_fp32")):
+        return None  # declined before touching anything: it applies the update as an add
     value = arrival.value
     if not isinstance(value, torch.Tensor):
         value = value.complete()

@@ -147,7 +147,7 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
     if c is None:
         residual = residual_on(stream, rows, target)
     else:
-        if handoff_norm is not None and c.handoff:
+        if handoff_norm is not None and c.handoff and c.update.plain:
             if capture_output is not None:
                 raise RuntimeError("norm() with handoff_norm does not accept capture_output "
                                    "when a handoff arrives")

@@ -12,39 +12,17 @@ import pytest
 import torch
 from distributed.pool import get_pool
 from torch import nn
-from toy import HIDDEN, DpBatch, attn_weights, batch, local_slice, runtime, seeded, toy_norm
+from toy import HIDDEN, DpBatch, ToyAttn, ToyFfn, batch, runtime, seeded, toy_norm
 
 from layer_boundary import (branch_input, branch_output, declare_attn, declare_ffn, make_stages,
                             merge_branch)
 from layer_boundary.construction import UnsupportedBoundary
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.stream import NOT_OURS
-from layer_boundary.runtime import LEDGER, BatchVariant, RowParallelLinear
+from layer_boundary.runtime import LEDGER, BatchVariant
 from layer_boundary.stage import BRANCH_ENTRY
 
 LAYERS = 2
-
-
-class Ffn:
-    """tanh, then a real RowParallelLinear over TP (it honours the exit's flags)."""
-
-    def __init__(self, par, seed):
-        self.down = RowParallelLinear(2 * HIDDEN, HIDDEN, par.tp)
-        full = attn_weights(2, seed).transpose(0, 1).reshape(HIDDEN, 2 * HIDDEN)
-        self.down.weight_loader(self.down.weight, full)
-
-    def __call__(self, x):
-        return self.down(local_slice(torch.tanh(x).repeat(1, 2), self.down))
-
-
-class Attn:
-    """x @ A as partial sums dealt over the attention-TP ranks."""
-
-    def __init__(self, par, seed):
-        self.a = attn_weights(4, seed)[par.attn_tp.rank::par.attn_tp.size].sum(0)
-
-    def __call__(self, x):
-        return x @ self.a
 
 
 class ToyLongCatLayer(nn.Module):
@@ -52,8 +30,8 @@ class ToyLongCatLayer(nn.Module):
         super().__init__()
         par, last = rt.parallel, i == layers - 1
         self.norms = [toy_norm(10 * i + k) for k in range(4)]
-        self.attn_c = [Attn(par, 100 + 10 * i + k) for k in range(2)]
-        self.src_c, self.ffn_c = Ffn(par, 300 + i), [Ffn(par, 400 + 10 * i + k) for k in range(2)]
+        self.attn_c = [ToyAttn(par, 100 + 10 * i + k) for k in range(2)]
+        self.src_c, self.ffn_c = ToyFfn(par, 300 + i), [ToyFfn(par, 400 + 10 * i + k) for k in range(2)]
         src_decl = declare_ffn()
         following = None if last else declare_attn()
         self.attn0, self.src = make_stages(
