@@ -67,6 +67,12 @@ def _branch_entry_alive(source_decl) -> bool:
     return entry is not None and entry.declaration.prepared_from is source_decl
 
 
+def _visible(read, residual):
+    """The residual as a model sees it: a read may hold more beside it (mHC's coefficients)."""
+    view = getattr(read, "visible", None)
+    return residual if view is None else view(residual)
+
+
 def _bare(decl):
     """A declaration without its neighbours, for comparing what two sides say of a stage. A
     producer's read is its own input's business: its consumer relies on its update only."""
@@ -193,10 +199,11 @@ class StageBoundary:
                                   fused=capture_output is None)
         if capture_output is not None and not captured:
             # the updated residual, back on the producer's (local) rows
-            capture_output(entry.capture_move(rows, stream.residual),
+            capture_output(_visible(entry.read, entry.capture_move(rows, stream.residual)),
                            owned=entry.capture_move.allocates)
         if captured_last_layer_outputs is not None:
-            _keep(captured_last_layer_outputs, entry.input_move(rows, stream.residual),
+            _keep(captured_last_layer_outputs,
+                  _visible(entry.read, entry.input_move(rows, stream.residual)),
                   entry.input_move.allocates)
         stream.prepared = (self, compute_input)  # what a branch forking here may take
         if observer is not None:

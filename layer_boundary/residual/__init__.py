@@ -32,6 +32,9 @@ class StageRead(Protocol):
     # without a kind (a custom one) is never replaced by a fusion candidate.
     kind: str | None
 
+    # Optional: ``visible(residual)`` gives what captures see of the residual this read leaves,
+    # when the read keeps more beside it (mHC keeps its coefficients beside the streams).
+
     def enter(self, hidden: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def read(self, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -152,6 +152,10 @@ class MhcRead:
         held = torch.cat((streams, post.to(dtype).unsqueeze(-1), comb.to(dtype)), dim=-1)
         return x, held  # [T, D], [T, N, D + 1 + N]
 
+    def visible(self, residual: torch.Tensor) -> torch.Tensor:
+        """What captures see of the residual this read leaves: the streams [T, N, D]."""
+        return residual[..., :self.hc.hidden_size]
+
     def update_and_read(self, update, residual, contribution, norm):
         # the update first, in full, then the read: the rounding order of two separate steps
         if residual is None:

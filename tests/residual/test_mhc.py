@@ -63,8 +63,8 @@ class ToyMhcLayer(nn.Module):
             previous=None if i == 0 else declare_ffn(**mhc_stage(self.ffn_hc)),
             terminal=i == layers - 1, runtime=rt, name=f"layer{i}")
 
-    def forward(self, h, fb):
-        h = self.attn.finish(self.attn_c(self.attn.prepare(h, fb)), fb)
+    def forward(self, h, fb, **capture):
+        h = self.attn.finish(self.attn_c(self.attn.prepare(h, fb, **capture)), fb)
         h = self.ffn.prepare(h, fb)
         with self.ffn.exit(fb) as out:
             y = self.ffn_c(h)
@@ -110,10 +110,13 @@ def run(tp: int, dp: int, policy: str, counts, accessors: bool = False,
     b = DpBatch(counts, rt)
     residual_batch.start(b.fb)
     h = b.mine(seeded((sum(counts), HIDDEN), 8))
-    refused = None
+    refused, captured = None, []
     with LEDGER.recording() as ledger:
         for i, layer in enumerate(layers):
-            h = layer.forward(h, b.fb)
+            # the accessor run also captures layer 1's updated residual (the streams)
+            capture = ({"capture_output": lambda v, owned: captured.append(v.clone())}
+                       if accessors and i == 1 else {})
+            h = layer.forward(h, b.fb, **capture)
             if accessors and i == 0:  # the FFN's sum, completed on local rows by the model
                 h = residual_batch.complete_output(h, b.fb)
         if accessors:
@@ -127,7 +130,7 @@ def run(tp: int, dp: int, policy: str, counts, accessors: bool = False,
             out = residual_batch.norm(h, b.fb, final)
     mode = b.fb.rows.mode
     return {"out": out, "rows": (b.rows.start, b.rows.stop), "mode": mode.value,
-            "released": b.fb.residual_stream is None, "refused": refused,
+            "released": b.fb.residual_stream is None, "refused": refused, "captured": captured,
             "sums": [(e.kind, e.group, e.site) for e in ledger if e.kind in SUMS],
             "offered": sum(len(p.candidates) for layer in layers for s in (layer.attn, layer.ffn)
                            for p in s.plan.paths[next(iter(s.plan.paths))].entry.arrivals.values()),
@@ -161,6 +164,14 @@ def test_every_row_mode_matches_world1(tp, dp, policy, counts, accessors):
                                    msg=lambda m: f"rank {rank}: {m}")
         if accessors:
             assert r["refused"] == SNAPSHOT_NOT_PLAIN
+            (streams,) = r["captured"]
+            assert streams.shape == (r["rows"][1] - r["rows"][0], HC, HIDDEN)
+            torch.testing.assert_close(streams, world1_capture(counts)[slice(*r["rows"])],
+                                       atol=1e-5, rtol=0)
+
+
+def world1_capture(counts) -> torch.Tensor:
+    return run(1, 1, "ar", counts, True)["captured"][0]
 
 
 @pytest.mark.timeout(120)
@@ -178,10 +189,7 @@ def test_the_update_never_moves_before_a_sum():
         assert "add on attn_tp rank 0" not in r["ffn_entry"]
         assert r["ffn_entry"].startswith("all_reduce(attn_tp) -> update+read")
     # the same topology with a plain update takes the shortcut: the check above can fail
-    plain = ToyStack(runtime(1), layers=2).layers[1].ffn.plan.describe(RowMode.AR)
-    assert plain  # built; its multi-rank entry is checked below
-    entry = get_pool(4).run(_plain_ffn_entry)[0]
-    assert entry.startswith("add on attn_tp rank 0")
+    assert all(e.startswith("add on attn_tp rank 0") for e in get_pool(4).run(_plain_ffn_entry))
 
 
 def _plain_ffn_entry() -> str:
