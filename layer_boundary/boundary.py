@@ -115,7 +115,8 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
         enter_input=lookup(table, None, local, compute, mode),
         input_move=lookup(table, None, target, compute, mode),
         local_to_update=lookup(table, None, local, target, mode),
-        capture_move=lookup(table, None, target, local, mode))
+        capture_move=lookup(table, None, target, local, mode), residual_src=edge.residual_src,
+        declared=next((d for d in decisions if d.declared), None))
 
 
 def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidates,

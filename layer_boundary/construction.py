@@ -164,10 +164,10 @@ class StagePlan:
 def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func=None,
                fusions=None) -> StagePlan:
     dims = runtime.parallel.dims
-    if dims.attn_cp > 1 or dims.pp > 1:
+    if dims.attn_cp > 1:
         raise UnsupportedBoundary(
-            f"stage {name}: no boundary path for attn_cp={dims.attn_cp}, pp={dims.pp} yet "
-            "(supported: attn_cp=1, pp=1)")
+            f"stage {name}: no boundary path for attn_cp={dims.attn_cp} yet (supported: "
+            "attn_cp=1)")
     if qkv_latent_func is not None and not declaration.gathers_tp_input:
         raise UnsupportedBoundary(
             f"stage {name}: qkv_latent_func runs inside the attention's own input gather, "

@@ -36,13 +36,13 @@ class EntryPath:
     __slots__ = ("stage", "mode", "read", "norm", "latent", "stack_entry", "local",
                  "update_rows", "compute_rows", "arrivals", "producer_keys", "align",
                  "enter_residual", "enter_input", "input_move", "local_to_update",
-                 "capture_move")
+                 "capture_move", "residual_src", "declared")
 
     def __init__(self, stage: str, mode, read, norm, *, latent, stack_entry: bool,
                  local: Layout, update_rows: Layout, compute_rows: Layout, arrivals: dict,
                  producer_keys: tuple, align: dict, enter_residual: Movement,
                  enter_input: Movement, input_move: Movement, local_to_update: Movement,
-                 capture_move: Movement) -> None:
+                 capture_move: Movement, residual_src: Layout, declared=None) -> None:
         self.stage, self.mode, self.read, self.norm, self.latent = stage, mode, read, norm, latent
         self.stack_entry, self.local = stack_entry, local
         self.update_rows, self.compute_rows = update_rows, compute_rows
@@ -53,6 +53,10 @@ class EntryPath:
         self.input_move = input_move  # update rows -> compute rows
         self.local_to_update = local_to_update  # a model-side tensor onto the update rows
         self.capture_move = capture_move  # update rows -> local rows (for captures)
+        self.residual_src = residual_src  # where the producer leaves the residual
+        # the producer's statically declared exit (a PARTIAL sum), which a pipeline receiver
+        # rebuilds from its own declaration; None where the producer decides per batch
+        self.declared = declared
 
     def run(self, stream, hidden, rows, *, extra=None, fused: bool = True):
         """This stage's compute input; the stream holds the updated residual afterwards."""

@@ -139,6 +139,41 @@ class StageBoundary:
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
 
+    def from_pp(self, tensors: dict, forward_batch):
+        """A pipeline receiver's first stage: rebuild the stream from what the previous
+        stage's ``to_pp()`` sent, from this stage's own declaration (its ``previous`` says
+        whether a declared partial sum arrives, and on which rows). Returns the handle to
+        pass to ``prepare()``."""
+        stream = stream_of(forward_batch)
+        if stream.handle is not None or stream.residual is not None:
+            raise RuntimeError(f"from_pp() rebuilds the stream at stage {self.name}, the first "
+                               "stage of this pipeline rank; this stream is already in use")
+        if self.declaration.previous is None:
+            raise RuntimeError(f"stage {self.name} enters the stack (previous=None): it takes "
+                               "the stack's input through prepare(), not from_pp()")
+        path, rows = self.plan.select(forward_batch)
+        entry = path.entry
+        expected = {"residual"} | ({"partial"} if entry.declared is not None else set())
+        if set(tensors) != expected:
+            raise RuntimeError(f"stage {self.name} expects {sorted(expected)} from the previous "
+                               f"pipeline stage, got {sorted(tensors)}")
+        layouts = [("residual", entry.residual_src)]
+        if entry.declared is not None:
+            layouts.append(("partial", entry.declared.rows))
+        for name, layout in layouts:
+            if tensors[name].shape[0] != rows.count(layout):
+                raise RuntimeError(
+                    f"stage {self.name}: the {name} from the previous pipeline stage has "
+                    f"{tensors[name].shape[0]} rows; this rank holds {rows.count(layout)} on "
+                    f"{layout} in this batch")
+        stream.residual, stream.residual_rows = tensors["residual"], entry.residual_src
+        if entry.declared is None:
+            stream.handle = OwedOutput(stream)  # opaque: the residual is on the stream's rows
+            return stream.handle
+        update = self.declaration.previous.residual.update
+        return stream.leave(tensors["partial"], entry.declared.owed, update,
+                            entry.declared.rows, declared=True)
+
     def prepare(self, hidden_states, forward_batch, *, capture_output=None,
                 captured_last_layer_outputs=None, post_residual_addition=None):
         """Complete what the previous producer owes, apply its update, read this stage's input.

@@ -30,7 +30,9 @@ def complete_onto(stream: ResidualStream, rows, target: Layout) -> Contribution:
     c = stream.contribution
     if c.owed is None and not c.handoff and c.rows == target:
         return c
-    done = Contribution(completed(c, rows, target), None, c.update, target)
+    declared = c.completed_declared or (c.declared and c.owed is not None)
+    done = Contribution(completed(c, rows, target), None, c.update, target,
+                        completed_declared=declared)
     stream.contribution = done
     stream.handle = done.value
     return done

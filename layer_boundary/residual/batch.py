@@ -97,6 +97,38 @@ def take_output(hidden_states, forward_batch) -> torch.Tensor:
     return out
 
 
+COMPLETED_BEFORE_PP = ("complete_output() before to_pp() completed a sum the receiving "
+                      "stage's contract still owes; pass the layer output to to_pp() unchanged")
+
+
+def to_pp(hidden_states, forward_batch) -> dict:
+    """Leave this pipeline rank's part of the stack: the tensors to send to the next stage,
+    each on this rank's own rows (where the residual lives in this row mode); the stream is
+    released.
+
+    Work the producer's exit decided per batch (a deferred all-reduce, a reduce-scatter, a
+    finalize) is completed and its update applied before transport: ``{"residual"}``. A
+    statically declared partial sum (a PARTIAL attention's) crosses unreduced, for the
+    receiver's contract to complete: ``{"residual", "partial"}``.
+    """
+    stream = _checked(hidden_states, forward_batch)
+    rows = forward_batch.rows
+    c = stream.contribution
+    target = stream.residual_rows or local_rows(rows)
+    if c is not None and c.completed_declared:
+        raise RuntimeError(COMPLETED_BEFORE_PP)
+    if c is None:
+        out = {"residual": residual_on(stream, rows, target)}
+    elif c.declared and c.owed is not None:
+        # the partial stays on the producer's output rows; the receiver knows which
+        out = {"residual": residual_on(stream, rows, target), "partial": c.value}
+    else:
+        previous = None if stream.residual is None else residual_on(stream, rows, target)
+        out = {"residual": c.update.apply(previous, completed(c, rows, target))}
+    forward_batch.residual_stream = None
+    return out
+
+
 def snapshot(hidden_states, forward_batch) -> torch.Tensor:
     """An owned residual with the pending update applied, on local rows; the main
     contribution is untouched (its sum, if owed, runs on a copy)."""

@@ -46,6 +46,9 @@ class Contribution:
     rows: Layout  # where ``value``'s rows are
     handoff: bool = False
     declared: bool = False
+    # an accessor completed the producer's declared sum (which a pipeline receiver would
+    # perform again): to_pp() refuses such a contribution
+    completed_declared: bool = False
 
     @property
     def key(self) -> tuple:

@@ -123,3 +123,56 @@ def gather_last_dim(x: torch.Tensor, group: Group, site: str | None = None) -> t
     parts = [torch.empty_like(x) for _ in range(group.size)]
     dist.all_gather(parts, x.contiguous(), group=group.pg)
     return torch.cat(parts, dim=-1)
+
+
+# ---------------------------------------------------------------- pipeline point to point
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                torch.int32, torch.bool)
+
+
+def send_to_next_stage(tensors: dict, group: Group, site: str | None = None) -> None:
+    """Named tensors to the same TP position of the next pipeline stage; rows unchanged.
+
+    A header (names, dtypes, shapes) goes first, so the receiver allocates exactly what
+    arrives and checks it against what its own plan expects; empty tensors send no payload.
+    """
+    if group.rank + 1 >= group.size:
+        raise RuntimeError("the last pipeline stage has no next stage to send to")
+    dst = group.ranks[group.rank + 1]
+    header = [len(tensors)]
+    for name, t in tensors.items():
+        code = list(name.encode())
+        header += [len(code), *code, _WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    header = torch.tensor(header, dtype=torch.int64)
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64), dst=dst, group=group.pg)
+    dist.send(header, dst=dst, group=group.pg)
+    for t in tensors.values():
+        if t.numel():
+            _observe("send", group, t.numel(), t.dtype, site)
+            dist.send(t.contiguous(), dst=dst, group=group.pg)
+
+
+def recv_from_prev_stage(group: Group, site: str | None = None) -> dict:
+    """The named tensors the previous pipeline stage's same TP position sent, in its order."""
+    if group.rank == 0:
+        raise RuntimeError("the first pipeline stage has no previous stage to receive from")
+    src = group.ranks[group.rank - 1]
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group.pg)
+    header = torch.empty(int(size.item()), dtype=torch.int64)
+    dist.recv(header, src=src, group=group.pg)
+    fields, i, out = header.tolist(), 1, {}
+    for _ in range(fields[0]):
+        n = fields[i]
+        name = bytes(fields[i + 1:i + 1 + n]).decode()
+        i += 1 + n
+        dtype, ndim = _WIRE_DTYPES[fields[i]], fields[i + 1]
+        shape = fields[i + 2:i + 2 + ndim]
+        i += 2 + ndim
+        t = torch.empty(shape, dtype=dtype)
+        if t.numel():
+            _observe("recv", group, t.numel(), t.dtype, site)
+            dist.recv(t, src=src, group=group.pg)
+        out[name] = t
+    return out

@@ -71,6 +71,8 @@ class LedgerEntry:
         """Per-rank bytes sent by a ring implementation of this collective."""
         size = self.numel * self.dtype.itemsize
         n = self.group_size
+        if self.kind in ("send", "recv"):  # point to point: the payload, once
+            return size if self.kind == "send" else 0
         if self.kind == "all_reduce":
             return 2 * (n - 1) * size // n
         return (n - 1) * size // n

@@ -1,7 +1,9 @@
 """Topology: validated parallel degrees, the process groups they imply, and process start-up.
 
-Rank order (DESIGN.md): ``world = pp x tp``; inside a TP group ``tp = attn_dp x attn_cp x
-attn_tp`` with dp-major order, then cp, then attention TP fastest.  Every rank builds every
+Rank order (DESIGN.md): ``world = pp x tp``, pipeline stage major (the ranks of one stage are
+contiguous); inside a TP group ``tp = attn_dp x attn_cp x attn_tp`` with dp-major order, then
+cp, then attention TP fastest. A ``pp`` group joins the ranks at one TP position across the
+stages: a stage sends its rows to the same position of the next stage.  Every rank builds every
 group in the same order, once, here; nothing else in the package creates groups.
 """
 
@@ -95,6 +97,25 @@ class Parallel:
     tp: Group  # full tensor-parallel group (dense FFN sums)
     attn_tp: Group  # attention tensor-parallel group inside one attention-DP rank
     attn_dp: Group  # same attention-TP index across attention-DP ranks
+    # same TP position across pipeline stages, in stage order: a rank's pipeline neighbours
+    # are the previous and next members (point-to-point pairs inside this group)
+    pp: Group = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.pp is None:
+            object.__setattr__(self, "pp", _local_group("pp"))
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
 
     @property
     def tp_rank(self) -> int:
@@ -149,6 +170,7 @@ def group_layout(dims: ParallelDims) -> dict[str, list[list[int]]]:
                     for base in range(0, dims.world_size, tp) for j in range(tp // attn_tp)],
         "attn_dp": [list(range(base + off, base + tp, stride))
                     for base in range(0, dims.world_size, tp) for off in range(stride)],
+        "pp": [list(range(pos, dims.world_size, tp)) for pos in range(tp)],
     }
 
 
@@ -169,7 +191,7 @@ def build_parallel(dims: ParallelDims) -> Parallel:
             f"world_size {dims.world_size} != torch.distributed world size {dist.get_world_size()}")
     rank = dist.get_rank()
     groups = {name: _new_groups(name, ranks, rank) for name, ranks in group_layout(dims).items()}
-    par = Parallel(dims, rank, groups["tp"], groups["attn_tp"], groups["attn_dp"])
+    par = Parallel(dims, rank, groups["tp"], groups["attn_tp"], groups["attn_dp"], groups["pp"])
     _PARALLEL_CACHE[dims] = par
     return par
 
@@ -181,7 +203,7 @@ def virtual_parallel(dims: ParallelDims, rank: int = 0) -> Parallel:
         return Group(name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=None)
 
     layout = group_layout(dims)
-    return Parallel(dims, rank, *(mine(n, layout[n]) for n in ("tp", "attn_tp", "attn_dp")))
+    return Parallel(dims, rank, *(mine(n, layout[n]) for n in ("tp", "attn_tp", "attn_dp", "pp")))
 
 
 # ---------------------------------------------------------------- process start-up

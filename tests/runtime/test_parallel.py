@@ -118,7 +118,7 @@ def test_world1_needs_no_distributed_and_ops_short_circuit():
     par = build_parallel(ParallelDims())
     assert build_parallel(ParallelDims()) is par  # cached per dims
     assert par.rank == 0 and par.tp_rank == 0 and par.attn_tp_rank == 0 and par.attn_dp_rank == 0
-    for group in (par.tp, par.attn_tp, par.attn_dp):
+    for group in (par.tp, par.attn_tp, par.attn_dp, par.pp):
         assert group.size == 1 and group.ranks == (0,) and group.rank == 0 and group.pg is None
     x = torch.randn(3, 4)
     with LEDGER.recording() as entries:
@@ -154,7 +154,7 @@ def _layout(kwargs):
     par = build_parallel(ParallelDims(world_size=dist.get_world_size(), **kwargs))
     out = {"rank": par.rank, "tp_rank": par.tp_rank, "attn_tp_rank": par.attn_tp_rank,
            "attn_dp_rank": par.attn_dp_rank, "groups": {}}
-    for group in (par.tp, par.attn_tp, par.attn_dp):
+    for group in (par.tp, par.attn_tp, par.attn_dp, par.pp):
         value = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)
         if group.size > 1:
             dist.all_reduce(value, group=group.pg)
@@ -178,7 +178,7 @@ def _expected_layout(world, tp, pp=1, attn_dp=1, attn_cp=1):
     expected = {}
     for r, (p, d, c, a) in coords.items():
         groups = {"tp": members(r, (0,)), "attn_tp": members(r, (0, 1, 2)),
-                  "attn_dp": members(r, (0, 2, 3))}
+                  "attn_dp": members(r, (0, 2, 3)), "pp": members(r, (1, 2, 3))}
         expected[r] = {
             "rank": r,
             "tp_rank": (d * attn_cp + c) * attn_tp + a,
