@@ -139,6 +139,15 @@ class StageBoundary:
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
 
+    def to_compute_rows(self, x: torch.Tensor, forward_batch) -> torch.Tensor:
+        """Per-token facts on this DP rank's local rows (token ids, a mask) onto the rows this
+        stage computes on, in its input's order: the table's movement for a complete value
+        (a gather over attention DP, or nothing)."""
+        residual_batch.check_local_tensor(x, forward_batch, "to_compute_rows()'s tensor")
+        path, rows = self.plan.select(forward_batch)
+        move = path.entry.enter_input
+        return move.run(rows, x) if move.moves else x
+
     def from_pp(self, tensors: dict, forward_batch):
         """A pipeline receiver's first stage: rebuild the stream from what the previous
         stage's ``to_pp()`` sent, from this stage's own declaration (its ``previous`` says

@@ -16,6 +16,7 @@ MODELS = {
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM"),
     "longcat_flash": ("longcat_flash", "LongcatFlashConfig", "LongcatFlashForCausalLM"),
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
 
 

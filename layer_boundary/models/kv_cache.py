@@ -6,24 +6,43 @@ import torch
 
 
 class KVCache:
-    """k/v for ``num_layers`` layers: [slots, max_len, kv_heads, head_dim] each (v may have its
-    own head dim, as MLA's does)."""
+    """k/v for ``num_layers`` layers: [slots, rows, kv_heads, head_dim] each (v may have its
+    own head dim, as MLA's does).
+
+    ``window`` (sliding-window attention): a query sees only the last ``window`` positions,
+    itself included, so the cache keeps ``min(max_len, window)`` rows per request as a ring
+    (position p in row p mod rows). ``shared_kv``: one tensor read as both keys and values
+    (DeepSeek-V4's K=V attention), stored once.
+    """
+
+    # class defaults: a cache that shares another's tensors without running __init__ (such
+    # as Nemotron-H's HybridCache) is a full, separate-k/v one
+    window: int | None = None
+    shared_kv: bool = False
 
     def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device="cpu", v_head_dim: int | None = None) -> None:
-        k_shape = (slots, max_len, kv_heads, head_dim)
-        v_shape = (slots, max_len, kv_heads, v_head_dim or head_dim)
+                 dtype: torch.dtype, device="cpu", v_head_dim: int | None = None,
+                 window: int | None = None, shared_kv: bool = False) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window must be positive, got {window}")
+        rows = max_len if window is None else min(max_len, window)
+        k_shape = (slots, rows, kv_heads, head_dim)
+        v_shape = (slots, rows, kv_heads, v_head_dim or head_dim)
         self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
+        self.v = self.k if shared_kv else [torch.zeros(v_shape, dtype=dtype, device=device)
+                                           for _ in range(num_layers)]
+        self.max_len, self.window, self.rows, self.shared_kv = max_len, window, rows, shared_kv
 
 
 def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     forward_batch, scaling: float) -> torch.Tensor:
+                     forward_batch, scaling: float, sinks: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Causal attention of this forward's tokens over each request's cached prefix.
 
     q: [T, H, D], k: [T, KVH, D], v: [T, KVH, Dv] for the tokens of this forward, requests
-    concatenated. Returns [T, H, Dv]. Writes k/v into the batch's cache first.
+    concatenated. Returns [T, H, Dv]. Writes k/v into the batch's cache. A windowed cache
+    (``KVCache.window``) limits each query to its last ``window`` positions. ``sinks`` [H]:
+    one extra logit per head that joins the softmax and is then dropped (attention sinks).
     """
     cache: KVCache = forward_batch.kv_cache
     num_heads, groups = q.shape[1], q.shape[1] // k.shape[1]
@@ -36,16 +55,54 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         if total > cache.max_len:
             raise ValueError(f"request in slot {slot} needs {total} cache rows; the cache holds "
                              f"{cache.max_len}")
-        cache.k[layer][slot, prefix:total] = k[start:end]
-        cache.v[layer][slot, prefix:total] = v[start:end]
-        keys = cache.k[layer][slot, :total].repeat_interleave(groups, dim=1)  # [L, H, D]
-        values = cache.v[layer][slot, :total].repeat_interleave(groups, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * scaling  # [H, n, L]
-        query_pos = torch.arange(prefix, total, device=q.device)[:, None]
-        key_pos = torch.arange(total, device=q.device)[None, :]
-        scores = scores.masked_fill(key_pos > query_pos, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
+        if cache.window is None:
+            cache.k[layer][slot, prefix:total] = k[start:end]
+            cache.v[layer][slot, prefix:total] = v[start:end]
+            first, keys = 0, cache.k[layer][slot, :total]
+            values = cache.v[layer][slot, :total]
+        else:
+            first, keys, values = _window_keys(cache, layer, slot, prefix, k[start:end],
+                                               v[start:end])
+        keys = keys.repeat_interleave(groups, dim=1)  # [L, H, D]
+        values = values.repeat_interleave(groups, dim=1)
+        out[start:end] = _attend(q[start:end], keys, values, prefix, first, scaling,
+                                 cache.window, sinks)
         start = end
     assert start == q.shape[0] and num_heads == out.shape[1]
     return out
+
+
+def _window_keys(cache: KVCache, layer: int, slot: int, prefix: int, k, v):
+    """(first key position, keys, values) a windowed request's new queries may see: the ring's
+    last ``window - 1`` cached positions, then this forward's. The ring takes the new tokens
+    after the read, since they may overwrite rows the read still needs."""
+    n, rows = k.shape[0], cache.rows
+    first = max(0, prefix - (cache.window - 1))
+    past = torch.arange(first, prefix, device=k.device) % rows
+    keys = torch.cat((cache.k[layer][slot, past], k))  # [prefix - first + n, KVH, D]
+    values = keys if cache.shared_kv else torch.cat((cache.v[layer][slot, past], v))
+    keep = min(n, rows)  # only the last ``rows`` new positions can be seen again
+    ring = torch.arange(prefix + n - keep, prefix + n, device=k.device) % rows
+    cache.k[layer][slot, ring] = k[n - keep:]
+    if not cache.shared_kv:
+        cache.v[layer][slot, ring] = v[n - keep:]
+    return first, keys, values
+
+
+def _attend(q, keys, values, prefix: int, first: int, scaling: float, window, sinks):
+    """q [n, H, D] at positions prefix.. over keys/values [L, H, *] at positions first.."""
+    n, total = q.shape[0], prefix + q.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scaling  # [H, n, L]
+    query_pos = torch.arange(prefix, total, device=q.device)[:, None]
+    key_pos = torch.arange(first, first + keys.shape[0], device=q.device)[None, :]
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden = hidden | (key_pos <= query_pos - window)
+    scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # the sink joins each row's softmax, then leaves: rows sum to less than one
+        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, n, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+        probs = probs[..., :-1].to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, values)

@@ -59,16 +59,23 @@ class FusedMoE(nn.Module):
     output is a partial over the TP group, so exactly one rank of it (TP rank 0) puts the
     identity rows into its expert outputs: they reach the one sum, wherever it runs (the
     boundary's all-reduce or reduce-scatter, or a finalize handoff's completion), once.
+
+    ``swiglu_limit`` (DeepSeek-V4, gated only): the gate pre-activation is clamped to at most
+    the limit and the up pre-activation to [-limit, limit] before ``act(gate) * up``.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  parallel: Parallel, dtype=torch.float32, *, gated: bool = True,
-                 activation: str = "silu", zero_experts: int = 0):
+                 activation: str = "silu", zero_experts: int = 0,
+                 swiglu_limit: float | None = None):
         super().__init__()
+        if swiglu_limit is not None and not gated:
+            raise ValueError("swiglu_limit clamps gated experts only")
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation {activation!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
         self.gated, self.act = gated, ACTIVATIONS[activation]
+        self.limit = swiglu_limit
         dims = parallel.dims
         if num_experts % dims.moe_ep:
             raise ValueError(f"num_experts={num_experts} is not divisible by moe_ep={dims.moe_ep}")
@@ -139,6 +146,8 @@ class FusedMoE(nn.Module):
         h = F.linear(x, self.w13[e])  # [n, 2 * shard] gated, [n, shard] ungated
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
+            if self.limit is not None:
+                gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             h = self.act(gate) * up
         else:
             h = self.act(h)

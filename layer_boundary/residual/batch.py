@@ -197,7 +197,10 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
                 out, residual = ADD_NORM_READ.update_and_read(c.update, previous, value,
                                                               norm_module)
     if out is None:
-        out = residual if (skip_empty and residual.shape[0] == 0) else norm_module(residual)
+        # an empty batch skips the norm kernel, unless the norm changes the residual's shape
+        # (mHC's head collapses [T, N, D] streams): its peers gather [T, D] rows
+        skip = skip_empty and residual.shape[0] == 0 and residual.dim() == 2
+        out = residual if skip else norm_module(residual)
     to_local = rows.move(None, target, local)
     out = to_local(rows, out)
     if capture_output is not None:

@@ -17,6 +17,7 @@ AUTO_BOUNDARY_REDUCTION: dict[str, str] = {
     "deepseek_v3": "rs+rsv",
     "nemotron_h": "rs+rsv",
     "longcat_flash": "rs+rsv",
+    "deepseek_v4": "rs+rsv",
 }
 
 

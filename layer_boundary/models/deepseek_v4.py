@@ -1,0 +1,534 @@
+"""DeepSeek-V4 (sliding-window MQA with attention sinks, grouped output projection, hash and
+top-k routed MoE, mHC residual streams) with layer boundaries. Compute is plain PyTorch;
+parameter names follow transformers' modules (``self_attn.q_a_proj``, ``mlp.gate``,
+``attn_hc.fn``, ...), except the routed experts, which are fused per rank
+(``mlp.experts.w13``/``w2``) at load time. ``load_weights`` maps the on-disk names (the
+original DeepSeek ones: ``attn.wq_a``, ``ffn.experts.N.w1``, ``hc_attn_fn``, ``head.weight``)
+onto them.
+
+Only ``sliding_attention`` layers are supported; the compressed layer types (CSA / HCA, with
+their compressor and indexer) are rejected at config time.
+
+Residual: ``hc_mult`` streams per token. Each stage reads through its own ``HyperConnection``
+(``residual.mhc``): the boundary applies the nonlinear mHC update and read, so the forward is
+the ordinary prepare/finish/exit one; the stack ends in ``MhcFinalNorm`` (HyperHead collapse,
+then the final RMSNorm).
+
+Parallelism:
+
+* Attention over attention TP: q heads split (``q_b_proj`` column-parallel), the single
+  K=V head replicated. The latent projections (``q_a_proj`` and ``kv_proj``) are replicated
+  and run as the stage's ``qkv_latent_func``, before any row gather. The grouped output
+  projection splits by groups (``o_groups`` divisible by attention TP, each rank holding the
+  groups of its heads); ``o_b_proj`` is row-parallel over the group outputs without a
+  reduction (PARTIAL contract). Sinks are sliced with the heads.
+* MoE (every layer): a replicated fp32 router (``hash_moe``: experts from
+  ``tid2eid[token id]``; ``moe``: top-k of the scores plus ``e_score_correction_bias``),
+  clamped-SwiGLU routed experts in ``FusedMoE`` over ``moe_ep x moe_tp`` and a TP-sharded
+  shared expert whose partial joins the routed output's one sum.
+
+The MoE runs on the FFN stage's compute rows, which are every attention-DP rank's rows in DP
+rank order in every row mode (the boundary gathers them). A hash layer needs the token ids of
+those rows: ``ffn_token_ids`` moves this rank's ids with the table's movement from local rows
+to the stage's compute rows, once per forward.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import declare_attn, declare_ffn, make_stages
+from ..residual.mhc import HyperConnection, HyperHead, MhcFinalNorm, mhc_stage
+from ..runtime.args import BoundaryRuntime
+from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
+from ..runtime.norm import RMSNorm
+from .base import CausalLM
+from .deepseek_v3 import DeepseekV3MLP, ReplicatedLinear
+from .kv_cache import KVCache, cached_attention
+from .loader import CheckpointError, require
+from .moe import FusedMoE, expert_stacked_params
+from .rope import inverse_frequencies, rope_cos_sin
+
+SLIDING = "sliding_attention"
+LAYER_TYPES = (SLIDING, "compressed_sparse_attention", "heavily_compressed_attention")
+MLP_TYPES = ("hash_moe", "moe")
+# transformers' defaults (DeepseekV4Config) for fields a config.json may leave out
+DEFAULT_ROPE_FACTOR = 64 / 512  # qk_rope_head_dim / head_dim
+DEFAULT_HASH_LAYERS = 3
+SCORING = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
+
+
+def _number(cfg: dict, field: str, default: float, positive: bool = True) -> float:
+    value = cfg.get(field, default)
+    if value is None:
+        value = default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or (positive and value <= 0):
+        raise CheckpointError(f"config.json field {field} must be a "
+                              f"{'positive ' if positive else ''}number, got {value!r}")
+    return float(value)
+
+
+def _layer_types(cfg: dict, layers: int) -> tuple[str, ...]:
+    """Per-layer attention types: ``layer_types``, else the legacy ``compress_ratios`` (0:
+    sliding), else transformers' default (compressed layers, which are rejected)."""
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("compress_ratios") is not None:
+        ratios = {0: SLIDING, 4: LAYER_TYPES[1], 128: LAYER_TYPES[2]}
+        types = [ratios.get(r, f"compress ratio {r}") for r in cfg["compress_ratios"]]
+    if types is None:
+        raise CheckpointError("config.json has no layer_types (transformers' default schedule "
+                              "is compressed attention; only sliding_attention layers are "
+                              "supported)")
+    if not isinstance(types, list) or len(types) < layers:
+        raise CheckpointError(f"config.json layer_types must list num_hidden_layers={layers} "
+                              f"attention types, got {types!r}")
+    types = tuple(types[:layers])  # transformers keeps the first num_hidden_layers
+    bad = sorted({t for t in types if t != SLIDING})
+    if bad:
+        raise CheckpointError(f"config.json layer_types {bad} are not supported (only "
+                              "sliding_attention: the compressor and indexer of compressed "
+                              "attention are not implemented)")
+    return types
+
+
+def _mlp_types(cfg: dict, layers: int) -> tuple[str, ...]:
+    types = cfg.get("mlp_layer_types")
+    if types is None:
+        hashed = cfg.get("num_hash_layers")
+        hashed = DEFAULT_HASH_LAYERS if hashed is None else hashed
+        types = ["hash_moe"] * min(layers, hashed) + ["moe"] * max(0, layers - hashed)
+    if not isinstance(types, list) or len(types) < layers:
+        raise CheckpointError(f"config.json mlp_layer_types must list num_hidden_layers="
+                              f"{layers} MoE types, got {types!r}")
+    types = tuple(types[:layers])
+    bad = sorted({t for t in types if t not in MLP_TYPES})
+    if bad:
+        raise CheckpointError(f"config.json mlp_layer_types {bad} are not supported "
+                              f"(supported: {', '.join(MLP_TYPES)})")
+    return types
+
+
+def _main_rope(cfg: dict, head_dim: int) -> tuple[float, int]:
+    """(rope_theta, rope channels) of the sliding layers' ("main") rotary embedding.
+
+    transformers nests ``rope_parameters`` as ``{"main": ..., "compress": ...}``; a flat dict
+    (or legacy ``rope_scaling``, such as yarn) applies to the compressed layers only, so the
+    main rope is then the default one with the top-level ``rope_theta``.
+    """
+    rope = cfg.get("rope_parameters") or {}
+    main = rope.get("main") if isinstance(rope.get("main"), dict) else {}
+    kind = main.get("rope_type", main.get("type", "default"))
+    if kind != "default":
+        raise CheckpointError(f"config.json rope_parameters.main.rope_type {kind!r} is not "
+                              "supported (default only)")
+    theta = main.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    factor = main.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if factor is None:
+        legacy = cfg.get("qk_rope_head_dim")
+        factor = legacy / head_dim if legacy is not None else DEFAULT_ROPE_FACTOR
+    rope_dim = int(head_dim * factor)
+    if rope_dim % 2 or not 0 < rope_dim <= head_dim:
+        raise CheckpointError(f"config.json partial_rotary_factor={factor} gives {rope_dim} "
+                              f"rope channels of head_dim={head_dim} (must be even, 2..head_dim)")
+    return float(theta), rope_dim
+
+
+@dataclass(frozen=True)
+class DeepseekV4Config:
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    sliding_window: int
+    layer_types: tuple
+    mlp_layer_types: tuple
+    rope_head_dim: int
+    rope_theta: float = 10000.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float = 10.0
+    routed_scaling_factor: float = 1.5
+    scoring_func: str = "sqrtsoftplus"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    model_type: str = "deepseek_v4"
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def is_hash(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == "hash_moe"
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "DeepseekV4Config":
+        if cfg.get("quantization_config"):
+            raise CheckpointError("config.json quantization_config is not supported (unquantized "
+                                  "checkpoints only)")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu only)")
+        scoring = cfg.get("scoring_func", "sqrtsoftplus")
+        if scoring not in SCORING:
+            raise CheckpointError(f"config.json scoring_func {scoring!r} is not supported "
+                                  f"(supported: {', '.join(SCORING)})")
+        if cfg.get("mlp_bias"):
+            raise CheckpointError("config.json mlp_bias true is not supported (bias-free "
+                                  "shared expert only)")
+        kv_heads = cfg.get("num_key_value_heads", 1)
+        if kv_heads != 1:
+            raise CheckpointError(f"config.json num_key_value_heads={kv_heads} is not supported "
+                                  "(DeepSeek-V4 attention has one shared K=V head)")
+        shared = cfg.get("n_shared_experts", 1)
+        if shared != 1:
+            # transformers builds one shared expert of moe_intermediate_size whatever this says
+            raise CheckpointError(f"config.json n_shared_experts={shared} is not supported "
+                                  "(one shared expert)")
+        layers = require(cfg, "num_hidden_layers")
+        heads, head_dim = require(cfg, "num_attention_heads"), require(cfg, "head_dim")
+        o_groups = require(cfg, "o_groups")
+        if heads % o_groups:
+            raise CheckpointError(f"config.json o_groups={o_groups} does not divide "
+                                  f"num_attention_heads={heads}")
+        experts, top_k = require(cfg, "n_routed_experts"), require(cfg, "num_experts_per_tok")
+        if top_k > experts:
+            raise CheckpointError(f"config.json num_experts_per_tok={top_k} exceeds "
+                                  f"n_routed_experts={experts}")
+        theta, rope_dim = _main_rope(cfg, head_dim)
+        return cls(
+            vocab_size=require(cfg, "vocab_size"),
+            hidden_size=require(cfg, "hidden_size"),
+            moe_intermediate_size=require(cfg, "moe_intermediate_size"),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            head_dim=head_dim,
+            q_lora_rank=require(cfg, "q_lora_rank"),
+            o_groups=o_groups,
+            o_lora_rank=require(cfg, "o_lora_rank"),
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+            sliding_window=require(cfg, "sliding_window"),
+            layer_types=_layer_types(cfg, layers),
+            mlp_layer_types=_mlp_types(cfg, layers),
+            rope_head_dim=rope_dim,
+            rope_theta=theta,
+            hc_mult=require(cfg, "hc_mult") if "hc_mult" in cfg else 4,
+            hc_sinkhorn_iters=(require(cfg, "hc_sinkhorn_iters") if "hc_sinkhorn_iters" in cfg
+                               else 20),
+            hc_eps=_number(cfg, "hc_eps", 1e-6),
+            swiglu_limit=_number(cfg, "swiglu_limit", 10.0),
+            routed_scaling_factor=_number(cfg, "routed_scaling_factor", 1.5),
+            scoring_func=scoring,
+            rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def check_parallel(cfg: DeepseekV4Config, dims) -> None:
+    """Reject a topology this config cannot be sharded over, naming the config field."""
+    if cfg.num_attention_heads % dims.attn_tp:
+        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                         f"attention tp={dims.attn_tp}")
+    if cfg.o_groups % dims.attn_tp:
+        raise ValueError(f"o_groups={cfg.o_groups} is not divisible by attention tp="
+                         f"{dims.attn_tp} (each rank projects the groups of its own heads)")
+    if cfg.n_routed_experts % dims.moe_ep:
+        raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
+                         f"moe_ep={dims.moe_ep}")
+    if cfg.moe_intermediate_size % dims.moe_tp:
+        raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by "
+                         f"moe_tp={dims.moe_tp}")
+    if cfg.moe_intermediate_size % dims.tp:
+        raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} (shared expert) is "
+                         f"not divisible by tp={dims.tp}")
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x [T, H, D]: pairs
+    (x0, x1), (x2, x3), ... rotate and stay where they are (not de-interleaved as
+    ``rope.apply_rope`` lays them out), since the attention output's rope channels feed the
+    output projection in the checkpoint's layout.
+    Computed in fp32 and rounded once, as transformers. ``sin`` negated undoes it."""
+    rope = 2 * cos.shape[-1]
+    nope, rot = x[..., :-rope], x[..., -rope:].float()
+    cos, sin = cos[:, None, :].float(), sin[:, None, :].float()  # [T, 1, rope/2]
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    rot = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((nope, rot.to(x.dtype)), dim=-1)
+
+
+def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight over the last dim (transformers' q_b_norm)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class DeepseekV4Attention(nn.Module):
+    """Sliding-window MQA (one K=V head) with sinks; heads split over attention TP, PARTIAL
+    output."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        group = runtime.parallel.attn_tp
+        self.layer_id, self.cfg = layer_id, cfg
+        self.num_heads = cfg.num_attention_heads // group.size  # local heads
+        self.groups = cfg.o_groups // group.size  # local output groups
+        eps = cfg.rms_norm_eps
+        self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps, dtype=dtype)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank,
+                                             cfg.num_attention_heads * cfg.head_dim, group,
+                                             dtype=dtype, name="q_b_proj")
+        self.kv_proj = ReplicatedLinear(cfg.hidden_size, cfg.head_dim, dtype=dtype)
+        self.kv_norm = RMSNorm(cfg.head_dim, eps, dtype=dtype)
+        # o_a_proj: one [o_lora_rank, heads/groups * head_dim] block per group, stacked on the
+        # output dim; a column split over ranks holds each rank's whole groups
+        per_group = cfg.num_attention_heads * cfg.head_dim // cfg.o_groups
+        self.o_a_proj = ColumnParallelLinear(per_group, cfg.o_groups * cfg.o_lora_rank, group,
+                                             dtype=dtype, name="o_a_proj")
+        # PARTIAL output contract: o_b_proj never reduces; the boundary owns the attn_tp sum
+        self.o_b_proj = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, group,
+                                          reduce_results=False, dtype=dtype, name="o_b_proj")
+        # one sink logit per head (fp32, as transformers keeps it): this rank's heads' slice
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32),
+                                  requires_grad=False)
+        self.sinks.weight_loader = self._head_slice_loader
+        self.rank = group.rank
+        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, cfg.rope_head_dim),
+                             persistent=False)
+        self.latent_split = (cfg.q_lora_rank, cfg.head_dim)
+
+    def _head_slice_loader(self, param, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(0, self.rank * self.num_heads, self.num_heads))
+
+    def prepare_qkv_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] normalized input -> [T, q_lora_rank + head_dim]: the q latent and the
+        K=V head. Row-wise and replicated, so the boundary runs it before gathering rows."""
+        return torch.cat((self.q_a_proj(x), self.kv_proj(x)), dim=-1)
+
+    def forward(self, positions, latent, forward_batch):
+        cfg, tokens = self.cfg, latent.shape[0]
+        q_lat, kv = latent.split(self.latent_split, dim=-1)
+        q = self.q_b_proj(self.q_a_norm(q_lat)).view(tokens, self.num_heads, cfg.head_dim)
+        q = unweighted_rms(q, cfg.rms_norm_eps)  # per head
+        cos, sin = rope_cos_sin(positions, self.inv_freq, latent.dtype)
+        q = rope_tail(q, cos, sin)
+        kv = rope_tail(self.kv_norm(kv)[:, None, :], cos, sin)  # [T, 1, head_dim]
+        out = cached_attention(self.layer_id, q, kv, kv, forward_batch, cfg.softmax_scale,
+                               sinks=self.sinks)  # [T, H, head_dim]
+        # values carry the rope of their own positions: rotate the output back by the query's
+        out = rope_tail(out, cos, -sin)
+        out = out.reshape(tokens, self.groups, -1)  # [T, G, heads/G * head_dim]
+        w = self.o_a_proj.weight.view(self.groups, cfg.o_lora_rank, -1)  # [G, o_lora, in]
+        out = torch.einsum("tgi,goi->tgo", out, w).flatten(1)  # [T, G * o_lora]
+        return self.o_b_proj(out)  # [T, hidden], partial over attn_tp
+
+
+class DeepseekV4MLP(DeepseekV3MLP):
+    """The shared expert: a clamped SwiGLU MLP over the TP group, left unreduced (its partial
+    joins the routed experts' one sum)."""
+
+    def __init__(self, cfg: DeepseekV4Config, runtime: BoundaryRuntime, dtype):
+        super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, runtime, dtype,
+                         reduce_results=False)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x):
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(-self.limit, self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DeepseekV4Router(nn.Module):
+    """Scores ``scoring_func(x @ W.T)`` in fp32. ``hash_moe``: the experts are the token's
+    ``tid2eid`` row; ``moe``: the top-k of the scores plus ``e_score_correction_bias`` (the bias
+    steers only the choice). Weights are the chosen scores normalised, x
+    ``routed_scaling_factor`` (transformers normalises whatever ``norm_topk_prob`` says)."""
+
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool):
+        super().__init__()
+        self.top_k, self.hashed = cfg.num_experts_per_tok, hashed
+        self.score, self.scale = SCORING[cfg.scoring_func], cfg.routed_scaling_factor
+        experts = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(experts, cfg.hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
+        if hashed:
+            self.tid2eid = nn.Parameter(torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long),
+                                        requires_grad=False)
+        else:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None):
+        """x: [T, H], token_ids: [T] (hash layers) -> (weights [T, k] fp32, ids [T, k])."""
+        scores = self.score(F.linear(x.float(), self.weight))
+        if self.hashed:
+            topk_ids = self.tid2eid[token_ids]
+        else:
+            choice = scores + self.e_score_correction_bias
+            topk_ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, topk_ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, topk_ids
+
+
+class DeepseekV4MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.is_hash = cfg.is_hash(layer_id)
+        self.gate = DeepseekV4Router(cfg, self.is_hash)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                runtime.parallel, dtype, swiglu_limit=cfg.swiglu_limit)
+        self.shared_experts = DeepseekV4MLP(cfg, runtime, dtype)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None):
+        """x: [T, H] (every DP rank's rows), token_ids: [T] their ids (hash layers). Returns
+        what the exit's flags ask for, the shared expert riding on the routed sum."""
+        topk_weights, topk_ids = self.gate(x, token_ids)
+        return self.experts(x, topk_ids, topk_weights, shared_output=self.shared_experts(x))
+
+
+_FFN_IDS = "deepseek_v4.ffn_token_ids"
+
+
+def ffn_token_ids(boundary, forward_batch) -> torch.Tensor:
+    """The token ids of ``boundary``'s compute rows (after its prepare()): this rank's ids
+    moved from local rows as the table moves any complete value there (a gather over
+    attention DP in DP rank order, or nothing). Every FFN stage computes on the same rows, so
+    the first hash layer of a forward moves them and the others reuse them."""
+    ids = forward_batch.extra.get(_FFN_IDS)
+    if ids is None:
+        ids = forward_batch.extra[_FFN_IDS] = boundary.to_compute_rows(forward_batch.input_ids,
+                                                                       forward_batch)
+    return ids
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__()
+        self.hidden_size = cfg.hidden_size
+        self.self_attn = DeepseekV4Attention(cfg, layer_id, runtime, dtype)
+        self.mlp = DeepseekV4MoE(cfg, layer_id, runtime, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)  # fp32
+        options = {} if fusions is None else {"fusions": fusions}
+        self.attn_boundary, self.ffn_boundary = make_stages(
+            (declare_attn(**mhc_stage(self.attn_hc)), self.input_layernorm,
+             {"qkv_latent_func": self.self_attn.prepare_qkv_latent, **options}),
+            (declare_ffn(sparse=True, **mhc_stage(self.ffn_hc)), self.post_attention_layernorm,
+             options),
+            # the previous layer's MoE, whose output carries the (nonlinear) mHC update
+            previous=None if layer_id == 0 else declare_ffn(sparse=True,
+                                                            **mhc_stage(self.ffn_hc)),
+            terminal=layer_id == cfg.num_hidden_layers - 1,
+            runtime=runtime,
+            name=f"layer{layer_id}",
+        )
+
+    def forward(self, positions, hidden_states, forward_batch):
+        fb = forward_batch
+        hidden_states = self.attn_boundary.prepare(hidden_states, fb)  # qkv latent
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.self_attn(positions, hidden_states, fb)
+        else:  # no rows on this DP rank: an empty contribution of the residual's width
+            hidden_states = hidden_states.new_zeros((0, self.hidden_size))
+        hidden_states = self.attn_boundary.finish(hidden_states, fb)
+
+        hidden_states = self.ffn_boundary.prepare(hidden_states, fb)
+        ids = ffn_token_ids(self.ffn_boundary, fb) if self.mlp.is_hash else None
+        with self.ffn_boundary.exit(fb) as output:
+            hidden_states = self.mlp(hidden_states, ids)
+        return output.finish(hidden_states)
+
+
+# on-disk (original DeepSeek) names -> this model's, per decoder layer; applied in order to
+# the name after ``layers.N.``. Names already in transformers' form pass unchanged.
+_LAYER_RENAMES = [(re.compile(p), r) for p, r in (
+    (r"^attn\.wq_a\.", "self_attn.q_a_proj."),
+    (r"^attn\.q_norm\.", "self_attn.q_a_norm."),
+    (r"^attn\.wq_b\.", "self_attn.q_b_proj."),
+    (r"^attn\.wkv\.", "self_attn.kv_proj."),
+    (r"^attn\.norm\.", "self_attn.kv_norm."),
+    (r"^attn\.wo_a\.", "self_attn.o_a_proj."),
+    (r"^attn\.wo_b\.", "self_attn.o_b_proj."),
+    (r"^attn\.attn_sink$", "self_attn.sinks"),
+    (r"^attn_norm\.", "input_layernorm."),
+    (r"^ffn_norm\.", "post_attention_layernorm."),
+    (r"^hc_(attn|ffn)_(fn|base|scale)$", r"\1_hc.\2"),
+    (r"^ffn\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
+    (r"^ffn\.(experts\.\d+|shared_experts)\.w1\.", r"mlp.\1.gate_proj."),
+    (r"^ffn\.(experts\.\d+|shared_experts)\.w2\.", r"mlp.\1.down_proj."),
+    (r"^ffn\.(experts\.\d+|shared_experts)\.w3\.", r"mlp.\1.up_proj."),
+    (r"^ffn\.", "mlp."),
+)]
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    layer_cls = DeepseekV4DecoderLayer
+    check_parallel = staticmethod(check_parallel)
+
+    def __init__(self, cfg: DeepseekV4Config, runtime: BoundaryRuntime, dtype=torch.float32,
+                 fusions=None):
+        super().__init__(cfg, runtime, dtype, fusions)
+        # the stack leaves through the HyperHead's collapse of the streams, then the norm
+        head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+        self.model.norm = MhcFinalNorm(head, self.model.norm)
+        names = {id(m): n for n, m in self.named_modules()}
+        self._head_prefix, self._norm_prefix = names[id(head)], names[id(self.model.norm.norm)]
+
+    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, slots, max_len, 1, cfg.head_dim, self.dtype,
+                       device=self.lm_head.weight.device, window=cfg.sliding_window,
+                       shared_kv=True)
+
+    def stacked_params(self) -> list:
+        return expert_stacked_params(self.config.n_routed_experts)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """This model's parameter name for an on-disk tensor name (None: not loaded)."""
+        if name.startswith(("mtp.", "model.mtp.")):
+            return None  # multi-token-prediction layers (transformers ignores them too)
+        m = _LAYER.match(name)
+        if m:
+            rest = m.group(2)
+            for pattern, repl in _LAYER_RENAMES:
+                rest, hit = pattern.subn(repl, rest)
+                if hit:
+                    break
+            return f"model.layers.{m.group(1)}.{rest}"
+        m = _HEAD.match(name)
+        if m:
+            return f"{self._head_prefix}.hc_{m.group(2)}"
+        if name in ("norm.weight", "model.norm.weight"):
+            return f"{self._norm_prefix}.weight"
+        return {"embed.weight": "model.embed_tokens.weight",
+                "head.weight": "lm_head.weight"}.get(name, name)
+
+    def load_weights(self, weights) -> None:
+        renamed = ((self.checkpoint_name(name), t) for name, t in weights)
+        super().load_weights((name, t) for name, t in renamed if name is not None)
+        experts = self.config.n_routed_experts
+        for i, layer in enumerate(self.model.layers):
+            table = getattr(layer.mlp.gate, "tid2eid", None)
+            if table is not None and (table.min() < 0 or table.max() >= experts):
+                raise CheckpointError(
+                    f"checkpoint tensor model.layers.{i}.ffn.gate.tid2eid holds expert ids "
+                    f"outside 0..{experts - 1} (n_routed_experts={experts})")
