@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(inductor); parity is checked against eager world 1")
     run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
                      default=None, help="the torch.compile backend (implies --compile)")
+    _pipeline_args(run)
+    run.add_argument("--split-prefill", type=_positive, default=1,
+                     help="run each stage's prefill in this many layer-range segments")
 
     plan = sub.add_parser("plan", help="print the per-stage boundary paths for a batch shape")
     plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
@@ -91,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-allreduce-fusion", action="store_true")
     plan.add_argument("--no-rs-padding", action="store_true")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    _pipeline_args(plan)
 
     bench = sub.add_parser("bench", help="boundary overhead against a hand-written decoder")
     bench.add_argument("--hidden", type=_positive, default=256)
@@ -100,6 +104,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
                        help="run both forwards under torch.compile(fullgraph=True)")
     return parser
+
+
+def _pipeline_args(parser) -> None:
+    parser.add_argument("--pp", type=_positive, default=1,
+                        help="pipeline stages (world = pp x tp, stage-major ranks)")
+    parser.add_argument("--pp-layers", type=_layer_counts, default=None,
+                        help='layers per stage, e.g. "3,2,2" (default: an even split, the '
+                             "remainder on the first stages)")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--pp-layers {text!r} must be comma-separated integers") from None
+    return counts
 
 
 def _token_counts(text: str) -> tuple[int, ...]:
@@ -165,14 +186,38 @@ def _spec(args):
     # the default job is tp=4 dp=2; an explicit --tp alone means pure tensor parallelism
     tp = args.tp or 4
     dp = args.dp or (1 if args.tp else 2)
-    dims = ParallelDims(world_size=tp, tp=tp, attn_dp=dp, moe_ep=args.ep)  # names bad factors
-    model_classes(model_type_of(model_dir))[2].check_parallel(cfg, dims)
-    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep,
+    dims = ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp,
+                        moe_ep=args.ep)  # names bad factors
+    module = model_classes(model_type_of(model_dir))[2]
+    module.check_parallel(cfg, dims)
+    _check_pipeline(args, cfg, module)
+    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, pp=args.pp,
+                   pp_layers=args.pp_layers, split_prefill=args.split_prefill,
                    boundary_reduction=args.boundary_reduction, dtype=args.dtype,
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
                    rs_padding=not args.no_rs_padding,
                    compile=args.compile_backend or ("inductor" if args.compile else None))
+
+
+def _stack_layers(cfg, module) -> int:
+    """The number of layers a model's pipeline splits (its decoder layers)."""
+    model_cls = next(v for k, v in vars(module).items() if k.endswith("ForCausalLM"))
+    counter = getattr(model_cls, "decoder_layers", None)
+    return counter(cfg) if counter is not None else cfg.num_hidden_layers
+
+
+def _check_pipeline(args, cfg, module) -> None:
+    """Bad --pp / --pp-layers against the model's layers, before any rank starts."""
+    from .models.pipeline import split_layers
+
+    if args.pp_layers is not None and args.pp == 1 and len(args.pp_layers) != 1:
+        raise UsageError(f"--pp-layers {','.join(map(str, args.pp_layers))} needs --pp "
+                         f"{len(args.pp_layers)}")
+    if getattr(args, "compile", False) or getattr(args, "compile_backend", None):
+        if args.pp > 1:
+            raise UsageError("--compile does not support --pp > 1 yet")
+    split_layers(_stack_layers(cfg, module), args.pp, args.pp_layers)
 
 
 def _report(args, spec, results, reference) -> int:
@@ -198,7 +243,7 @@ def _report(args, spec, results, reference) -> int:
         how = f"bf16: prefill within {worst:.3g} of the logit scale, bound {BF16_PREFILL_BOUND}"
     if args.json:
         log.info(json.dumps({
-            "tp": spec.tp, "dp": spec.dp, "ep": spec.ep,
+            "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
             "boundary_reduction": rank0.resolved_reduction,
             "dtype": spec.dtype,
             "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g}
@@ -206,9 +251,9 @@ def _report(args, spec, results, reference) -> int:
             "parity": verdict, "collectives": collectives,
             **({"compile": spec.compile} if spec.compile else {})}))
         return 0 if ok else 1
-    log.info("layer-boundary run: %s  tp=%d dp=%d ep=%d  boundary_reduction=%s (asked %s)  "
-             "dtype=%s%s", spec.model_dir, spec.tp, spec.dp, spec.ep, rank0.resolved_reduction,
-             spec.boundary_reduction, spec.dtype,
+    log.info("layer-boundary run: %s  %stp=%d dp=%d ep=%d  boundary_reduction=%s (asked %s)  "
+             "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
+             spec.dp, spec.ep, rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
              f"  compiled ({spec.compile}, fullgraph)" if spec.compile else "")
     for i, g in zip(run.request_ids, run.generated):
         log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
@@ -220,7 +265,11 @@ def _report(args, spec, results, reference) -> int:
                  verdict["max_abs_diff"], how)
     log.info("\nboundary paths (per stage; row mode per forward: %s):",
              ", ".join(f"step {i} {m}" for i, m in enumerate(rank0.modes)))
-    _plan_table(rank0.plan)
+    for head in (r for r in results if r.rank % spec.tp == 0):  # one rank per pipeline stage
+        if spec.pp > 1:
+            log.info("pipeline stage %d (ranks %d-%d): layers %d-%d", head.pp_rank, head.rank,
+                     head.rank + spec.tp - 1, head.layers[0], head.layers[-1])
+        _plan_table(head.plan)
     if spec.compile:
         log.info("\ncollectives: not observed (a compiled forward runs no Python to report "
                  "from; run without --compile for the ledger)")
@@ -255,27 +304,39 @@ def cmd_plan(args) -> int:
     from .ops import BatchRows, table_rows
     from .models import load_config, model_classes, model_type_of
     from .models.tiny import builtin_checkpoint
-    from .runner import plan_rows
+    from .runner import handoff_contract, plan_rows
     from .runtime.args import BoundaryRuntime, resolve_boundary_reduction
     from .runtime.parallel import virtual_parallel
 
     _setup_logging(0)
     model_dir = args.model or str(builtin_checkpoint())
     cfg = load_config(model_dir)
-    dims = ParallelDims(world_size=args.tp, tp=args.tp, attn_dp=args.dp, moe_ep=args.ep)
+    dims = ParallelDims(world_size=args.pp * args.tp, tp=args.tp, pp=args.pp, attn_dp=args.dp,
+                        moe_ep=args.ep)
     _, model_cls, module = model_classes(model_type_of(model_dir))
     module.check_parallel(cfg, dims)
+    _check_pipeline(args, cfg, module)
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
     policy = resolve_boundary_reduction(args.boundary_reduction, model_type_of(model_dir))
-    runtime = BoundaryRuntime(virtual_parallel(dims), boundary_reduction=policy,
-                              allreduce_fusion=not args.no_allreduce_fusion,
-                              rs_padding=not args.no_rs_padding)
-    with torch.device("meta"):  # boundaries are built at construction; no weights needed
-        model = model_cls(cfg, runtime)
+    runtimes, models = [], []
+    for stage in range(dims.pp):  # each pipeline stage as its first rank builds it
+        runtimes.append(BoundaryRuntime(virtual_parallel(dims, stage * dims.tp),
+                                        boundary_reduction=policy,
+                                        allreduce_fusion=not args.no_allreduce_fusion,
+                                        rs_padding=not args.no_rs_padding,
+                                        pp_layers=args.pp_layers))
+        with torch.device("meta"):  # boundaries are built at construction; no weights needed
+            models.append(model_cls(cfg, runtimes[-1]))
+    runtime = runtimes[0]
     mode, reason = select_mode(runtime, counts)
-    table = plan_rows(model, mode)
+    table = [dict(row, pp_stage=s) if dims.pp > 1 else row
+             for s, m in enumerate(models) for row in plan_rows(m, mode)]
+    pipeline = [{"stage": s, "ranks": [s * dims.tp, (s + 1) * dims.tp - 1],
+                 "layers": [m.stage.layers[0], m.stage.layers[-1]],
+                 "handoff": handoff_contract(models[s + 1], mode) if s + 1 < dims.pp else None}
+                for s, m in enumerate(models)] if dims.pp > 1 else None
     per_rank = []
     for rank in range(dims.tp):
         rows = BatchRows(mode, counts, virtual_parallel(dims, rank))
@@ -286,14 +347,22 @@ def cmd_plan(args) -> int:
         log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "attn_tp": dims.attn_tp,
                              "boundary_reduction": policy, "tokens": list(counts),
                              "mode": mode.value, "reason": reason, "ranks": per_rank,
-                             "stages": table, "movements": movements}))
+                             "stages": table, "movements": movements,
+                             **({"pp": dims.pp, "pipeline": pipeline} if pipeline else {})}))
         return 0
     log.info("layer-boundary plan: %s  tp=%d dp=%d attn_tp=%d  boundary_reduction=%s (asked %s)",
              model_dir, dims.tp, dims.attn_dp, dims.attn_tp, policy, args.boundary_reduction)
     log.info("tokens per DP rank %s -> row mode %s (%s)", list(counts), mode.value, reason)
     log.info("rows per rank (local / scattered / global): %s", ", ".join(
         f"r{r['rank']} {r['local']}/{r['scattered']}/{r['global']}" for r in per_rank))
-    _plan_table(table)
+    if pipeline is None:
+        _plan_table(table)
+    for p in pipeline or ():
+        log.info("pipeline stage %d (ranks %d-%d): layers %d-%d", p["stage"], *p["ranks"],
+                 *p["layers"])
+        _plan_table([row for row in table if row["pp_stage"] == p["stage"]])
+        if p["handoff"]:
+            log.info("  -> stage %d: %s", p["stage"] + 1, p["handoff"])
     log.info("\nthe movement table these paths come from (%s mode, this topology):", mode.value)
     for m in movements:
         owed = f"sum over {m['owed']}" if m["owed"] else "complete"
@@ -317,10 +386,10 @@ def cmd_run(args) -> int:
         rank, world = init_distributed()
         _setup_logging(rank)
         if args.tp is None:
-            args.tp = world
+            args.tp = world // args.pp
         spec = _spec(args)
-        if spec.tp != world:
-            raise TopologyError(f"--tp {spec.tp} != torchrun world size {world}")
+        if spec.world_size != world:
+            raise TopologyError(f"--pp {spec.pp} x --tp {spec.tp} != torchrun world size {world}")
         import torch.distributed as dist
 
         result = run_rank(spec, world)
@@ -335,9 +404,10 @@ def cmd_run(args) -> int:
         return code
     _setup_logging(0)
     spec = _spec(args)
-    results = [run_rank(spec)] if spec.tp == 1 else spawn(_rank_entry, spec.tp, spec)
-    # world 1 needs no reference of itself, unless it ran compiled
-    own = spec.tp == 1 and spec.compile is None
+    world = spec.world_size
+    results = [run_rank(spec)] if world == 1 else spawn(_rank_entry, world, spec)
+    # world 1 needs no reference of itself, unless it ran compiled or in segments
+    own = world == 1 and spec.compile is None and spec.split_prefill == 1
     reference = None if args.no_reference or own else _reference(spec)
     return _report(args, spec, results, reference)
 
@@ -348,7 +418,8 @@ def _reference(spec):
 
     from .runner import merge, run_rank
 
-    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, compile=None), world_size=1)])
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, pp=1, pp_layers=None, split_prefill=1,
+                               compile=None), world_size=1)])
 
 
 def main(argv=None) -> int:

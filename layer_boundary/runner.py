@@ -41,10 +41,17 @@ class RunSpec:
     # run each forward under torch.compile(fullgraph=True) with this backend ("inductor",
     # "aot_eager", "eager"); a graph break anywhere in the forward is an error
     compile: str | None = None
+    pp: int = 1  # pipeline stages (world = pp x tp)
+    pp_layers: tuple | None = None  # layers per stage (None: even split, remainder first)
+    split_prefill: int = 1  # layer-range segments per stage for the prefill
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
-        return ParallelDims(world_size=world_size or self.tp, tp=self.tp, attn_dp=self.dp,
-                            moe_ep=self.ep)
+        return ParallelDims(world_size=world_size or self.world_size, tp=self.tp, pp=self.pp,
+                            attn_dp=self.dp, moe_ep=self.ep)
 
 
 @dataclass
@@ -61,12 +68,16 @@ class RankResult:
     traces: list = field(default_factory=list)
     fused_inputs: int = 0  # inputs a fusion provider's candidate completed
     fused_final_norms: int = 0  # final norms the provider's handoff service completed
+    pp_rank: int = 0
+    last_stage: bool = True  # this rank's logits are the model's (the last pipeline stage)
+    layers: tuple = ()  # the global layers this rank's pipeline stage holds
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
     policy = resolve_boundary_reduction(spec.boundary_reduction, model_type_of(spec.model_dir))
     return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
-                           allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
+                           allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
+                           pp_layers=spec.pp_layers)
 
 
 def plan_rows(model, mode: RowMode = RowMode.AR) -> list[dict]:
@@ -84,6 +95,21 @@ def plan_rows(model, mode: RowMode = RowMode.AR) -> list[dict]:
     return rows
 
 
+def handoff_contract(receiver, mode: RowMode) -> str:
+    """What crosses into pipeline stage ``receiver`` (a model), as its first boundary's own
+    declaration rebuilds it in row mode ``mode``."""
+    from .contracts import BatchVariant
+
+    first = stage_boundaries(receiver)[0]
+    entry = first.plan.paths[(BatchVariant.ORDINARY, mode)].entry
+    text = (f"to_pp() completes per-batch work and applies the update; {first.name}.from_pp() "
+            f"takes the residual on {entry.residual_src}")
+    if entry.declared is not None:
+        text += (f" and the partial output with its {entry.declared.owed.value} sum owed on "
+                 f"{entry.declared.rows}")
+    return text
+
+
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -97,10 +123,11 @@ class _ForwardCheck:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, forward_batch):
-        out = self.forward(forward_batch)
-        self.released &= forward_batch.residual_stream is None
-        self.modes.append(forward_batch.rows.mode.value)
+    def __call__(self, forward_batch, pp_input=None):
+        out = self.forward(forward_batch, pp_input)
+        if out is not None:  # the stage's last segment of this forward
+            self.released &= forward_batch.residual_stream is None
+            self.modes.append(forward_batch.rows.mode.value)
         return out
 
 
@@ -113,6 +140,9 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                        options=spec.model_options)
     forward = model
     if spec.compile is not None:
+        if spec.pp > 1:
+            raise ValueError("--compile runs one stage's whole forward as one graph: it does "
+                             "not support --pp > 1 yet")
         if spec.compile not in COMPILE_BACKENDS:
             raise ValueError(f"compile backend {spec.compile!r} is not one of "
                              f"{', '.join(COMPILE_BACKENDS)}")
@@ -124,10 +154,13 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
         traces = stack.enter_context(LEDGER.tracing()) if spec.trace else []
         gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
                               dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
-                              on_step=_set_ledger_step)
+                              on_step=_set_ledger_step, pp=par.pp if par.dims.pp > 1 else None,
+                              split_prefill=spec.split_prefill)
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
                         plan_rows(model, RowMode(checked.modes[0])), checked.released,
                         runtime.boundary_reduction, checked.modes, list(traces))
+    result.pp_rank, result.last_stage = par.pp_rank, model.stage.last
+    result.layers = tuple(model.stage.layers)
     if provider is not None:
         result.fused_inputs = provider.accepted
         result.fused_final_norms = provider.service.calls
@@ -152,10 +185,11 @@ def _set_ledger_step(step: int) -> None:
 
 
 def merge(results: list[RankResult]) -> Generation:
-    """Every request's tokens and logits, in prompt order, from each DP rank's first TP rank."""
+    """Every request's tokens and logits, in prompt order, from each DP rank's first TP rank
+    of the last pipeline stage."""
     by_request = {}
     for r in results:
-        if r.attn_tp_rank != 0:
+        if r.attn_tp_rank != 0 or not r.last_stage:
             continue
         for j, req in enumerate(r.generation.request_ids):
             by_request[req] = (r.generation.generated[j], r.generation.logits[j])

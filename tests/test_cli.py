@@ -24,7 +24,8 @@ from layer_boundary.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240
-JSON_KEYS = {"tp", "dp", "ep", "boundary_reduction", "dtype", "prompts", "parity", "collectives"}
+JSON_KEYS = {"tp", "dp", "ep", "pp", "boundary_reduction", "dtype", "prompts", "parity",
+             "collectives"}
 RESOLVED_REDUCTIONS = {"ar", "rs", "rsv", "rs+rsv"}
 PROMPTS = [[1, 2, 3], [9, 8]]
 PROMPT_ARGS = ["--prompt-ids", "1,2,3", "--prompt-ids", "9,8"]
@@ -473,3 +474,85 @@ def test_bad_option_value_is_an_argparse_error(capsys, args, option):
     assert len(error_lines) == 1, err
     assert option in error_lines[0]
     assert out == ""
+
+
+# ------------------------------------------------------------------ pipeline parallelism
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_nodes_pp2_tp2_passes(builtin_dir, cache_dir):
+    """Two torchrun "nodes" on this host (2 processes each) run --pp 2 --tp 2: a stage per
+    node; rank 0 reports parity with world 1."""
+    port = str(_free_port())
+
+    def node(rank: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+             "--master-port", port, "-m", "layer_boundary", "run", "--json", "--pp", "2",
+             "--tp", "2", "--max-new-tokens", str(NEW_TOKENS)],
+            cwd=REPO, env=_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+
+    procs = [node(1), node(0)]
+    outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    report = _one_json_object(subprocess.CompletedProcess([], 0, outs[1][0], outs[1][1]))
+    assert (report["pp"], report["tp"]) == (2, 2)
+    assert report["parity"]["tokens_match"] is True
+    assert report["parity"]["max_abs_diff"] <= 1e-5
+    assert outs[0][0].strip() == ""  # only rank 0 prints
+
+
+def test_plan_shows_each_pipeline_stage_and_its_handoff(capsys, restore_logger):
+    assert main(["plan", "--pp", "2", "--tp", "2", "--dp", "1", "--boundary-reduction", "rs",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["pp"] == 2
+    assert [(p["stage"], p["ranks"], p["layers"]) for p in plan["pipeline"]] == [
+        (0, [0, 1], [0, 1]), (1, [2, 3], [2, 2])]
+    assert plan["pipeline"][0]["handoff"] == (
+        "to_pp() completes per-batch work and applies the update; layer2.attn.from_pp() takes "
+        "the residual on attn_tp_scatter")
+    assert [(r["pp_stage"], r["stage"]) for r in plan["stages"]] == [
+        (0, "layer0.attn"), (0, "layer0.ffn"), (0, "layer1.attn"), (0, "layer1.ffn"),
+        (1, "layer2.attn"), (1, "layer2.ffn")]
+    assert main(["plan", "--pp", "3", "--pp-layers", "1,1,1", "--tp", "1", "--dp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline stage 2 (ranks 2-2): layers 2-2" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp", "4"], "pp=4 exceeds the model's 3 layers"),
+    (["--pp", "2", "--pp-layers", "2,2"], "--pp-layers 2,2 holds 4 layers; the model has 3"),
+    (["--pp", "2", "--pp-layers", "3,0"], "--pp-layers 3,0: every stage needs at least one layer"),
+    (["--pp", "3", "--pp-layers", "2,1"], "--pp-layers 2,1 gives 2 stages; pp=3"),
+    (["--pp-layers", "2,1"], "--pp-layers 2,1 needs --pp 2"),
+    (["--pp", "2", "--compile"], "--compile does not support --pp > 1 yet"),
+])
+def test_bad_pipeline_options_are_one_line_errors(args, message, capsys, restore_logger):
+    assert main(["run", "--tp", "1", "--dp", "1", *args]) == 2
+    assert _one_line_error(capsys.readouterr().err).endswith(message)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_stage_ends_the_whole_job(qwen3_dir, tmp_path, capsys, restore_logger):
+    """Stage 1 cannot load its layer (a tensor of the wrong shape); stage 0 loads, runs and
+    sends to it. The job ends with the failing stage's error instead of waiting on the dead
+    peer."""
+    import shutil
+    import time
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = "model.layers.2.mlp.down_proj.weight"  # the last of 3 layers: stage 1's only
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, broken / "model.safetensors")
+    start = time.monotonic()
+    code = main(["run", "--model", str(broken), "--pp", "2", "--tp", "1", "--dp", "1",
+                 "--max-new-tokens", "2"])
+    assert code == 2 and time.monotonic() - start < 90
+    assert name in _one_line_error(capsys.readouterr().err)

@@ -10,28 +10,40 @@ from ..residual import batch as residual_batch
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.norm import RMSNorm
 from .loader import load_weights
+from .pipeline import PipelineStage, run_stack
+
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 class DecoderModel(nn.Module):
+    """The stack on this pipeline stage: the embedding on the first stage, this stage's layers
+    (global indices, ``stage.layers``), the final norm on the last."""
+
     def __init__(self, cfg, runtime, dtype, fusions, layer_cls, num_layers=None):
         super().__init__()
         num_layers = cfg.num_hidden_layers if num_layers is None else num_layers
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                   runtime.parallel.attn_tp, dtype=dtype)
+        self.stage = PipelineStage.of(runtime, num_layers)
+        if self.stage.first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                       runtime.parallel.attn_tp, dtype=dtype)
         self.layers = nn.ModuleList(layer_cls(cfg, i, runtime, dtype, fusions)
-                                    for i in range(num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+                                    for i in self.stage.layers)
+        if self.stage.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         # a provider may offer a service that finalizes a terminal MoE handoff in the final norm
         service = getattr(fusions, "handoff_norm", None)
         self.handoff_norm = service() if service is not None else None
 
-    def forward(self, forward_batch):
-        residual_batch.start(forward_batch)
-        hidden_states = self.embed_tokens(forward_batch.input_ids)
-        for layer in self.layers:
-            hidden_states = layer(forward_batch.positions, hidden_states, forward_batch)
-        return residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True,
-                                   handoff_norm=self.handoff_norm)
+    def forward(self, forward_batch, pp_input=None):
+        """The final norm's output on the last stage, the tensors for the next stage on the
+        others (None after a split-prefill segment that does not end the stage)."""
+        fb = forward_batch
+        return run_stack(
+            self.stage, self.layers, fb, lambda layer, h: layer(fb.positions, h, fb),
+            embed=lambda: self.embed_tokens(fb.input_ids),
+            leave=lambda h: residual_batch.norm(h, fb, self.norm, skip_empty=True,
+                                                handoff_norm=self.handoff_norm),
+            pp_input=pp_input)
 
 
 class CausalLM(nn.Module):
@@ -47,18 +59,27 @@ class CausalLM(nn.Module):
         self.config, self.dtype = cfg, dtype
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
                                   self.decoder_layers(cfg))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
-                                      dtype=dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
+        self.stage = self.model.stage
+        if self.stage.last:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
+                                          runtime.parallel.attn_tp, dtype=dtype)
+            if cfg.tie_word_embeddings and self.stage.first:
+                self.lm_head.tie(self.model.embed_tokens)
 
     @staticmethod
     def decoder_layers(cfg) -> int:
         return cfg.num_hidden_layers
 
-    def forward(self, forward_batch) -> torch.Tensor:
-        """Logits [T, vocab] for every token of this rank's batch."""
-        return self.lm_head(self.model(forward_batch))
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def forward(self, forward_batch, pp_input=None):
+        """Logits [T, vocab] for every token of this rank's batch on the last pipeline stage;
+        the tensors for the next stage on the others (``pp_input``: what this stage
+        received); None after a split-prefill segment that does not end the stage."""
+        out = self.model(forward_batch, pp_input)
+        return self.lm_head(out) if self.stage.last and out is not None else out
 
     def stacked_params(self) -> list:
         """(fused parameter, checkpoint part, shard id) triples for fused parameters."""
@@ -66,7 +87,13 @@ class CausalLM(nn.Module):
 
     def skipped_params(self) -> tuple:
         """Checkpoint name prefixes/suffixes this model does not load."""
-        return ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        tied_here = self.config.tie_word_embeddings and self.stage.first
+        return ("lm_head.weight",) if tied_here else ()
 
     def load_weights(self, weights) -> None:
-        load_weights(self, weights, stacked=self.stacked_params(), skip=self.skipped_params())
+        tied = self.config.tie_word_embeddings
+        locate = self.stage.locator("model.layers.", first_only={EMBEDDING},
+                                    last_only=("model.norm.", HEAD), embedding=EMBEDDING,
+                                    head=HEAD if tied else None)
+        load_weights(self, weights, stacked=self.stacked_params(), skip=self.skipped_params(),
+                     locate=locate)

@@ -33,7 +33,7 @@ from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .kv_cache import KVCache, cached_attention
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
-from .loader import CheckpointError, require
+from .loader import CheckpointError, check_divisible, check_unquantized_silu, require
 from .moe import FusedMoE, expert_stacked_params
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
@@ -49,6 +49,23 @@ def _count(cfg: dict, field: str, default: int) -> int:
         raise CheckpointError(f"config.json field {field} must be a non-negative integer, "
                               f"got {value!r}")
     return value
+
+
+def mla_rope(cfg: dict) -> dict:
+    """The rope parameters of an MLA config.json (DeepSeek-V3, LongCat-Flash): default rope,
+    unquantized, silu; anything else is rejected naming the field."""
+    if cfg.get("rope_parameters"):
+        rope, rope_field = cfg["rope_parameters"], "rope_parameters"
+    else:
+        rope, rope_field = cfg.get("rope_scaling") or {}, "rope_scaling"
+    type_key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"
+    rope_type = rope.get(type_key, "default")
+    if rope_type != "default":
+        raise CheckpointError(
+            f"config.json {rope_field}.{type_key} {rope_type!r} is not supported (default "
+            "only; yarn's frequency and softmax mscale corrections are not implemented)")
+    check_unquantized_silu(cfg)
+    return rope
 
 
 @dataclass(frozen=True)
@@ -103,22 +120,7 @@ class DeepseekV3Config:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DeepseekV3Config":
-        if cfg.get("rope_parameters"):
-            rope, rope_field = cfg["rope_parameters"], "rope_parameters"
-        else:
-            rope, rope_field = cfg.get("rope_scaling") or {}, "rope_scaling"
-        type_key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"
-        rope_type = rope.get(type_key, "default")
-        if rope_type != "default":
-            raise CheckpointError(
-                f"config.json {rope_field}.{type_key} {rope_type!r} is not supported (default "
-                "only; yarn's frequency and softmax mscale corrections are not implemented)")
-        if cfg.get("quantization_config"):
-            raise CheckpointError("config.json quantization_config is not supported (unquantized "
-                                  "checkpoints only)")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu only)")
+        rope = mla_rope(cfg)
         scoring = cfg.get("scoring_func", "sigmoid")
         if scoring != "sigmoid":
             raise CheckpointError(f"config.json scoring_func {scoring!r} is not supported "
@@ -182,15 +184,9 @@ class DeepseekV3Config:
 
 def check_parallel(cfg: DeepseekV3Config, dims) -> None:
     """Reject a topology this config cannot be sharded over, naming the config field."""
-    if cfg.num_attention_heads % dims.attn_tp:
-        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
-                         f"attention tp={dims.attn_tp}")
-    if cfg.n_routed_experts % dims.moe_ep:
-        raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
-                         f"moe_ep={dims.moe_ep}")
-    if cfg.moe_intermediate_size % dims.moe_tp:
-        raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by "
-                         f"moe_tp={dims.moe_tp}")
+    check_divisible("num_attention_heads", cfg.num_attention_heads, "attention tp", dims.attn_tp)
+    check_divisible("n_routed_experts", cfg.n_routed_experts, "moe_ep", dims.moe_ep)
+    check_divisible("moe_intermediate_size", cfg.moe_intermediate_size, "moe_tp", dims.moe_tp)
     if cfg.first_k_dense_replace > 0 and cfg.intermediate_size % dims.tp:
         raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by "
                          f"tp={dims.tp}")
@@ -427,8 +423,8 @@ class DeepseekV3ForCausalLM(CausalLM):
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         cfg = self.config
         local_heads = self.model.layers[0].self_attn.num_heads
-        return KVCache(cfg.num_hidden_layers, slots, max_len, local_heads, cfg.qk_head_dim,
-                       self.dtype, device=self.lm_head.weight.device, v_head_dim=cfg.v_head_dim)
+        return KVCache(self.stage.layers, slots, max_len, local_heads, cfg.qk_head_dim,
+                       self.dtype, device=self.device, v_head_dim=cfg.v_head_dim)
 
     def stacked_params(self) -> list:
         cfg = self.config

@@ -50,7 +50,7 @@ from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3MLP, ReplicatedLinear
 from .kv_cache import KVCache, cached_attention
-from .loader import CheckpointError, require
+from .loader import CheckpointError, check_divisible, check_unquantized_silu, require
 from .moe import FusedMoE, expert_stacked_params
 from .rope import inverse_frequencies, rope_cos_sin
 
@@ -175,12 +175,7 @@ class DeepseekV4Config:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DeepseekV4Config":
-        if cfg.get("quantization_config"):
-            raise CheckpointError("config.json quantization_config is not supported (unquantized "
-                                  "checkpoints only)")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu only)")
+        check_unquantized_silu(cfg)
         scoring = cfg.get("scoring_func", "sqrtsoftplus")
         if scoring not in SCORING:
             raise CheckpointError(f"config.json scoring_func {scoring!r} is not supported "
@@ -239,18 +234,11 @@ class DeepseekV4Config:
 
 def check_parallel(cfg: DeepseekV4Config, dims) -> None:
     """Reject a topology this config cannot be sharded over, naming the config field."""
-    if cfg.num_attention_heads % dims.attn_tp:
-        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
-                         f"attention tp={dims.attn_tp}")
-    if cfg.o_groups % dims.attn_tp:
-        raise ValueError(f"o_groups={cfg.o_groups} is not divisible by attention tp="
-                         f"{dims.attn_tp} (each rank projects the groups of its own heads)")
-    if cfg.n_routed_experts % dims.moe_ep:
-        raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
-                         f"moe_ep={dims.moe_ep}")
-    if cfg.moe_intermediate_size % dims.moe_tp:
-        raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by "
-                         f"moe_tp={dims.moe_tp}")
+    check_divisible("num_attention_heads", cfg.num_attention_heads, "attention tp", dims.attn_tp)
+    check_divisible("o_groups", cfg.o_groups, "attention tp", dims.attn_tp,
+                    " (each rank projects the groups of its own heads)")
+    check_divisible("n_routed_experts", cfg.n_routed_experts, "moe_ep", dims.moe_ep)
+    check_divisible("moe_intermediate_size", cfg.moe_intermediate_size, "moe_tp", dims.moe_tp)
     if cfg.moe_intermediate_size % dims.tp:
         raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} (shared expert) is "
                          f"not divisible by tp={dims.tp}")
@@ -487,16 +475,16 @@ class DeepseekV4ForCausalLM(CausalLM):
     def __init__(self, cfg: DeepseekV4Config, runtime: BoundaryRuntime, dtype=torch.float32,
                  fusions=None):
         super().__init__(cfg, runtime, dtype, fusions)
-        # the stack leaves through the HyperHead's collapse of the streams, then the norm
-        head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
-        self.model.norm = MhcFinalNorm(head, self.model.norm)
-        names = {id(m): n for n, m in self.named_modules()}
-        self._head_prefix, self._norm_prefix = names[id(head)], names[id(self.model.norm.norm)]
+        if self.stage.last:
+            # the stack leaves through the HyperHead's collapse of the streams, then the norm
+            head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+            self.model.norm = MhcFinalNorm(head, self.model.norm)
+        self._head_prefix, self._norm_prefix = "model.norm.head", "model.norm.norm"
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.num_hidden_layers, slots, max_len, 1, cfg.head_dim, self.dtype,
-                       device=self.lm_head.weight.device, window=cfg.sliding_window,
+        return KVCache(self.stage.layers, slots, max_len, 1, cfg.head_dim, self.dtype,
+                       device=self.device, window=cfg.sliding_window,
                        shared_kv=True)
 
     def stacked_params(self) -> list:
@@ -526,7 +514,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         renamed = ((self.checkpoint_name(name), t) for name, t in weights)
         super().load_weights((name, t) for name, t in renamed if name is not None)
         experts = self.config.n_routed_experts
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in zip(self.stage.layers, self.model.layers):
             table = getattr(layer.mlp.gate, "tid2eid", None)
             if table is not None and (table.min() < 0 or table.max() >= experts):
                 raise CheckpointError(

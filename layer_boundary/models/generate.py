@@ -2,6 +2,12 @@
 
 Requests are spread over attention-DP ranks (request i on DP rank i mod dp); each rank runs
 its own requests, and every rank knows every DP rank's token count for the boundaries.
+
+Under pipeline parallelism (``pp``: the runtime's pipeline group) each forward receives the
+previous stage's tensors, runs this stage's layers and sends its own onward; the last stage
+samples and every stage gets the sampled tokens, so the next step's batch is the same on all
+(one batch in flight). ``split_prefill`` runs the prefill of each stage in that many
+layer-range segments.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.collectives import (broadcast_from_last_stage, recv_from_prev_stage,
+                                   send_to_next_stage)
 from ..runtime.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -24,9 +32,22 @@ def requests_of(dp_rank: int, dp: int, n: int) -> list[int]:
     return [i for i in range(n) if i % dp == dp_rank]
 
 
+def segments(layers: range, parts: int) -> list[tuple[int, int]]:
+    """``layers`` in ``parts`` contiguous, non-empty [start, stop) ranges (fewer if short)."""
+    parts = max(1, min(parts, len(layers)))
+    base, extra = divmod(len(layers), parts)
+    out, start = [], layers.start
+    for i in range(parts):
+        stop = start + base + (i < extra)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp: int = 1,
-                    dp_rank: int = 0, keep_logits: bool = True, on_step=None) -> Generation:
+                    dp_rank: int = 0, keep_logits: bool = True, on_step=None, pp=None,
+                    split_prefill: int = 1) -> Generation:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     for i, p in enumerate(prompts):
@@ -46,15 +67,29 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
             on_step(step)
         mode = ForwardMode.EXTEND if step == 0 else ForwardMode.DECODE
         batch = ForwardBatch.build(mode, new_tokens, prefix, dp_token_counts=counts_of(step),
-                                   kv_cache=cache, device=model.lm_head.weight.device)
-        logits = model(batch)  # [T, vocab]
-        last = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
-        picked = logits[last].float()
-        for j in range(len(mine)):
-            token = int(picked[j].argmax())
-            generated[j].append(token)
+                                   kv_cache=cache, device=model.device)
+        stage = getattr(model, "stage", None)
+        first = stage is None or stage.first
+        last = stage is None or stage.last
+        pp_input = None if first else recv_from_prev_stage(pp, site="pp_recv")
+        parts = split_prefill if step == 0 and stage is not None else 1
+        for segment in (segments(stage.layers, parts) if parts > 1 else [None]):
+            batch.layer_segment = segment
+            out = model(batch, pp_input) if stage is not None else model(batch)
+        if not last:
+            send_to_next_stage(out, pp, site="pp_send")
+            tokens = torch.zeros(len(mine), dtype=torch.long)
+        else:
+            ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
+            picked = out[ends].float()  # [requests, vocab]
+            tokens = picked.argmax(-1) if len(mine) else torch.zeros(0, dtype=torch.long)
             if keep_logits:
-                logits_out[j].append(picked[j].clone())
+                for j in range(len(mine)):
+                    logits_out[j].append(picked[j].clone())
+        if pp is not None:  # every stage builds the next step from the last stage's tokens
+            tokens = broadcast_from_last_stage(tokens, pp, site="pp_tokens")
+        for j, token in enumerate(tokens.tolist()):
+            generated[j].append(token)
         prefix = [p + len(t) for p, t in zip(prefix, new_tokens)]
         new_tokens = [[g[-1]] for g in generated]
     return Generation(mine, generated, logits_out)

@@ -6,8 +6,9 @@ import torch
 
 
 class KVCache:
-    """k/v for ``num_layers`` layers: [slots, rows, kv_heads, head_dim] each (v may have its
-    own head dim, as MLA's does).
+    """k/v for ``layers`` (a count, or the global indices a pipeline stage holds): [slots,
+    rows, kv_heads, head_dim] each (v may have its own head dim, as MLA's does), indexed by
+    the layer's global index.
 
     ``window`` (sliding-window attention): a query sees only the last ``window`` positions,
     itself included, so the cache keeps ``min(max_len, window)`` rows per request as a ring
@@ -20,7 +21,7 @@ class KVCache:
     window: int | None = None
     shared_kv: bool = False
 
-    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
+    def __init__(self, layers, slots: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device="cpu", v_head_dim: int | None = None,
                  window: int | None = None, shared_kv: bool = False) -> None:
         if window is not None and window < 1:
@@ -28,9 +29,10 @@ class KVCache:
         rows = max_len if window is None else min(max_len, window)
         k_shape = (slots, rows, kv_heads, head_dim)
         v_shape = (slots, rows, kv_heads, v_head_dim or head_dim)
-        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = self.k if shared_kv else [torch.zeros(v_shape, dtype=dtype, device=device)
-                                           for _ in range(num_layers)]
+        layers = range(layers) if isinstance(layers, int) else layers
+        self.k = {i: torch.zeros(k_shape, dtype=dtype, device=device) for i in layers}
+        self.v = self.k if shared_kv else {i: torch.zeros(v_shape, dtype=dtype, device=device)
+                                           for i in layers}
         self.max_len, self.window, self.rows, self.shared_kv = max_len, window, rows, shared_kv
 
 

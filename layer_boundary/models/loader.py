@@ -40,6 +40,22 @@ def require(cfg: dict, field: str, kind=int):
     return value
 
 
+def check_unquantized_silu(cfg: dict) -> None:
+    """Reject a quantized config.json or one whose ``hidden_act`` is not silu."""
+    if cfg.get("quantization_config"):
+        raise CheckpointError("config.json quantization_config is not supported (unquantized "
+                              "checkpoints only)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu only)")
+
+
+def check_divisible(field: str, value: int, degree: str, size: int, why: str = "") -> None:
+    """A config field that must split evenly over a parallel degree (``check_parallel``)."""
+    if value % size:
+        raise ValueError(f"{field}={value} is not divisible by {degree}={size}{why}")
+
+
 def safetensors_files(path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
@@ -68,12 +84,14 @@ def iter_weights(path):
                 yield name, handle.get_tensor(name)
 
 
-def load_weights(module: torch.nn.Module, weights, stacked=(), skip=()) -> None:
+def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=None) -> None:
     """Copy checkpoint tensors into ``module``'s (sharded) parameters.
 
     ``stacked``: (fused_param_part, checkpoint_part, shard_id) triples, e.g.
     ("qkv_proj", "q_proj", "q"), for parameters that fuse several checkpoint tensors.
     ``skip``: checkpoint name prefixes/suffixes to ignore (such as a tied lm_head).
+    ``locate``: checkpoint name -> the name it loads as (None: not on this rank), e.g. a
+    pipeline stage's renumbered layers; errors name the checkpoint's tensor.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     expected = {n for n, p in module.named_parameters()}
@@ -86,10 +104,13 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=()) -> None:
     for name, tensor in weights:
         if any(name.startswith(s) or name.endswith(s) for s in skip):
             continue
-        target, shard = name, None
+        local = name if locate is None else locate(name)
+        if local is None:
+            continue
+        target, shard = local, None
         for fused, part, shard_id in stacked:
-            if f".{part}." in f".{name}.":
-                target, shard = f".{name}.".replace(f".{part}.", f".{fused}.")[1:-1], shard_id
+            if f".{part}." in f".{local}.":
+                target, shard = f".{local}.".replace(f".{part}.", f".{fused}.")[1:-1], shard_id
                 break
         param = params.get(target)
         if param is None:

@@ -45,9 +45,9 @@ from .. import (branch_input, branch_output, declare_attn, declare_ffn, make_sta
                 merge_branch)
 from ..runtime import BoundaryRuntime, RMSNorm
 from .base import CausalLM
-from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear
+from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_rope
 from .kv_cache import KVCache
-from .loader import CheckpointError, require
+from .loader import CheckpointError, check_divisible, require
 from .moe import FusedMoE, expert_stacked_params
 
 # transformers' defaults for fields a config.json may leave out (LongcatFlashConfig)
@@ -110,22 +110,7 @@ class LongcatFlashConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "LongcatFlashConfig":
-        if cfg.get("rope_parameters"):
-            rope, rope_field = cfg["rope_parameters"], "rope_parameters"
-        else:
-            rope, rope_field = cfg.get("rope_scaling") or {}, "rope_scaling"
-        type_key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"
-        rope_type = rope.get(type_key, "default")
-        if rope_type != "default":
-            raise CheckpointError(
-                f"config.json {rope_field}.{type_key} {rope_type!r} is not supported (default "
-                "only; yarn's frequency and softmax mscale corrections are not implemented)")
-        if cfg.get("quantization_config"):
-            raise CheckpointError("config.json quantization_config is not supported (unquantized "
-                                  "checkpoints only)")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu only)")
+        rope = mla_rope(cfg)
         if cfg.get("router_bias"):
             raise CheckpointError(
                 "config.json router_bias true is not supported (transformers' LongCat-Flash "
@@ -193,18 +178,10 @@ class LongcatFlashConfig:
 
 def check_parallel(cfg: LongcatFlashConfig, dims) -> None:
     """Reject a topology this config cannot be sharded over, naming the config field."""
-    if cfg.num_attention_heads % dims.attn_tp:
-        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
-                         f"attention tp={dims.attn_tp}")
-    if cfg.ffn_hidden_size % dims.tp:
-        raise ValueError(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by "
-                         f"tp={dims.tp}")
-    if cfg.n_routed_experts % dims.moe_ep:
-        raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
-                         f"moe_ep={dims.moe_ep}")
-    if cfg.expert_ffn_hidden_size % dims.moe_tp:
-        raise ValueError(f"expert_ffn_hidden_size={cfg.expert_ffn_hidden_size} is not divisible "
-                         f"by moe_tp={dims.moe_tp}")
+    check_divisible("num_attention_heads", cfg.num_attention_heads, "attention tp", dims.attn_tp)
+    check_divisible("ffn_hidden_size", cfg.ffn_hidden_size, "tp", dims.tp)
+    check_divisible("n_routed_experts", cfg.n_routed_experts, "moe_ep", dims.moe_ep)
+    check_divisible("expert_ffn_hidden_size", cfg.expert_ffn_hidden_size, "moe_tp", dims.moe_tp)
 
 
 class LongcatFlashAttention(DeepseekV3Attention):
@@ -333,8 +310,10 @@ class LongcatFlashForCausalLM(CausalLM):
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         cfg = self.config
         local_heads = self.model.layers[0].self_attn[0].num_heads
-        return KVCache(cfg.num_hidden_layers, slots, max_len, local_heads, cfg.qk_head_dim,
-                       self.dtype, device=self.lm_head.weight.device, v_head_dim=cfg.v_head_dim)
+        # attention 2 i + k of decoder layer i owns KV-cache layer 2 i + k
+        layers = [2 * i + k for i in self.stage.layers for k in range(2)]
+        return KVCache(layers, slots, max_len, local_heads, cfg.qk_head_dim,
+                       self.dtype, device=self.device, v_head_dim=cfg.v_head_dim)
 
     def stacked_params(self) -> list:
         return expert_stacked_params(self.config.n_routed_experts)

@@ -183,12 +183,13 @@ class MambaState:
     """Per request slot and Mamba layer: the conv window (the last ``conv_kernel - 1`` conv
     inputs, model dtype) and the SSM state [heads_local, head_dim, ssm_state_size] (fp32)."""
 
-    def __init__(self, num_layers: int, slots: int, conv_channels: int, kernel: int, heads: int,
+    def __init__(self, layers, slots: int, conv_channels: int, kernel: int, heads: int,
                  head_dim: int, state_size: int, dtype, device="cpu") -> None:
-        self.conv = [torch.zeros((slots, kernel - 1, conv_channels), dtype=dtype, device=device)
-                     for _ in range(num_layers)]
-        self.ssm = [torch.zeros((slots, heads, head_dim, state_size), dtype=torch.float32,
-                                device=device) for _ in range(num_layers)]
+        layers = range(layers) if isinstance(layers, int) else layers  # Mamba layer indices
+        self.conv = {i: torch.zeros((slots, kernel - 1, conv_channels), dtype=dtype,
+                                    device=device) for i in layers}
+        self.ssm = {i: torch.zeros((slots, heads, head_dim, state_size), dtype=torch.float32,
+                                   device=device) for i in layers}
 
 
 class Mamba2Mixer(nn.Module):

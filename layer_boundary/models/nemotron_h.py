@@ -33,6 +33,7 @@ from .deepseek_v3 import DeepseekV3Router
 from .kv_cache import KVCache, cached_attention
 from .loader import CheckpointError, load_weights, require
 from .mamba2 import Mamba2Mixer, MambaState, group_split
+from .pipeline import PipelineStage, run_stack
 from .moe import ACTIVATIONS, FusedMoE, expert_stacked_params
 from .qwen3 import check_heads
 
@@ -313,24 +314,28 @@ class NemotronHModel(nn.Module):
 
     def __init__(self, cfg: NemotronHConfig, runtime: BoundaryRuntime, dtype, fusions=None):
         super().__init__()
-        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                 runtime.parallel.attn_tp, dtype=dtype)
+        self.stage = PipelineStage.of(runtime, cfg.num_hidden_layers)
+        if self.stage.first:
+            self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                     runtime.parallel.attn_tp, dtype=dtype)
         kinds = cfg.layers_block_type
         # each mixer's slot among the blocks of its kind (its KV cache or Mamba state index)
         index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
         self.layers = nn.ModuleList(NemotronHBlock(cfg, i, index[i], runtime, dtype, fusions)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype=dtype)
+                                    for i in self.stage.layers)
+        if self.stage.last:
+            self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype=dtype)
         service = getattr(fusions, "handoff_norm", None)
         self.handoff_norm = service() if service is not None else None
 
-    def forward(self, forward_batch):
-        residual_batch.start(forward_batch)
-        hidden_states = self.embeddings(forward_batch.input_ids)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, forward_batch)
-        return residual_batch.norm(hidden_states, forward_batch, self.norm_f, skip_empty=True,
-                                   handoff_norm=self.handoff_norm)
+    def forward(self, forward_batch, pp_input=None):
+        fb = forward_batch
+        return run_stack(
+            self.stage, self.layers, fb, lambda layer, h: layer(h, fb),
+            embed=lambda: self.embeddings(fb.input_ids),
+            leave=lambda h: residual_batch.norm(h, fb, self.norm_f, skip_empty=True,
+                                                handoff_norm=self.handoff_norm),
+            pp_input=pp_input)
 
 
 class HybridCache(KVCache):
@@ -349,27 +354,36 @@ class NemotronHForCausalLM(nn.Module):
         check_parallel(cfg, runtime.parallel.dims)
         self.config, self.dtype = cfg, dtype
         self.backbone = NemotronHModel(cfg, runtime, dtype, fusions)
+        self.stage = self.backbone.stage
         # never tied: transformers' Nemotron-H declares no tied weights, so it saves and loads
         # lm_head.weight on its own even under tie_word_embeddings (see load_weights)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp,
-                                      dtype=dtype)
+        if self.stage.last:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
+                                          runtime.parallel.attn_tp, dtype=dtype)
 
-    def forward(self, forward_batch) -> torch.Tensor:
-        """Logits [T, vocab] for every token of this rank's batch."""
-        return self.lm_head(self.backbone(forward_batch))
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def forward(self, forward_batch, pp_input=None):
+        """Logits [T, vocab] for every token of this rank's batch on the last pipeline stage;
+        the tensors for the next stage on the others (see CausalLM.forward)."""
+        out = self.backbone(forward_batch, pp_input)
+        return self.lm_head(out) if self.stage.last and out is not None else out
 
     def make_kv_cache(self, slots: int, max_len: int) -> HybridCache:
-        cfg, device = self.config, self.lm_head.weight.device
-        kinds = cfg.layers_block_type
+        """This stage's attention layers' k/v and Mamba layers' states, by their index among
+        the blocks of their kind."""
+        cfg, device = self.config, self.device
         attn = [layer.mixer for layer in self.backbone.layers if layer.kind == ATTENTION]
         mamba = [layer.mixer for layer in self.backbone.layers if layer.kind == MAMBA]
         kv_heads = attn[0].qkv_proj.num_kv_heads if attn else 1
-        kv = KVCache(kinds.count(ATTENTION), slots, max_len, kv_heads, cfg.head_dim, self.dtype,
-                     device=device)
+        kv = KVCache([a.index for a in attn], slots, max_len, kv_heads, cfg.head_dim,
+                     self.dtype, device=device)
         m = mamba[0] if mamba else None
-        state = MambaState(len(mamba), slots, m.conv_channels if m else 0, cfg.conv_kernel,
-                           m.heads if m else 0, cfg.mamba_head_dim, cfg.ssm_state_size,
-                           self.dtype, device=device)
+        state = MambaState([x.index for x in mamba], slots, m.conv_channels if m else 0,
+                           cfg.conv_kernel, m.heads if m else 0, cfg.mamba_head_dim,
+                           cfg.ssm_state_size, self.dtype, device=device)
         return HybridCache(kv, state)
 
     def stacked_params(self) -> list:
@@ -387,8 +401,10 @@ class NemotronHForCausalLM(nn.Module):
         return ("mtp.",)
 
     def load_weights(self, weights) -> None:
+        locate = self.stage.locator("backbone.layers.", first_only={"backbone.embeddings.weight"},
+                                    last_only=("backbone.norm_f.", "lm_head."))
         load_weights(self, self._with_head(weights), stacked=self.stacked_params(),
-                     skip=self.skipped_params())
+                     skip=self.skipped_params(), locate=locate)
 
     def _with_head(self, weights):
         """The checkpoint's tensors; a tied checkpoint without lm_head.weight reads the

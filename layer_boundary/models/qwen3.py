@@ -173,5 +173,5 @@ class Qwen3ForCausalLM(CausalLM):
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         kv_heads = self.model.layers[0].self_attn.qkv_proj.num_kv_heads
-        return KVCache(self.config.num_hidden_layers, slots, max_len, kv_heads,
-                       self.config.head_dim, self.dtype, device=self.lm_head.weight.device)
+        return KVCache(self.stage.layers, slots, max_len, kv_heads,
+                       self.config.head_dim, self.dtype, device=self.device)

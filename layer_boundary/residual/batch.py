@@ -14,7 +14,7 @@ from ..fusions import Arrival
 from ..runtime.ledger import active_observer
 from .access import complete_onto, completed, local_rows, residual_on
 from .add_norm import ADD_NORM_READ, PLAIN_ADD
-from .stream import ResidualStream, stream_of
+from .stream import START_FIRST, ResidualStream, stream_of  # noqa: F401 - the stack's error text
 
 PENDING_AT_TAKE = "write the residual update before taking the final output"
 SNAPSHOT_NOT_PLAIN = "snapshot requires a plain residual update"
@@ -112,6 +112,9 @@ def to_pp(hidden_states, forward_batch) -> dict:
     receiver's contract to complete: ``{"residual", "partial"}``.
     """
     stream = _checked(hidden_states, forward_batch)
+    observer = active_observer()
+    if observer is not None:
+        observer.enter("to_pp")
     rows = forward_batch.rows
     c = stream.contribution
     target = stream.residual_rows or local_rows(rows)

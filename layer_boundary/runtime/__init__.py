@@ -7,9 +7,9 @@ API").
 
 from .args import (AUTO_BOUNDARY_REDUCTION, BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime,
                    resolve_boundary_reduction, set_runtime)
-from .collectives import (all_reduce_rows, gather_last_dim, gather_rows, gather_rows_v,
-                          recv_from_prev_stage, reduce_scatter_rows, reduce_scatter_rows_v,
-                          send_to_next_stage)
+from .collectives import (all_reduce_rows, broadcast_from_last_stage, gather_last_dim,
+                          gather_rows, gather_rows_v, recv_from_prev_stage, reduce_scatter_rows,
+                          reduce_scatter_rows_v, send_to_next_stage)
 from .context import NO_FLAGS, ForwardFlags, get_forward, get_parallel
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .forward_batch import BatchVariant, ForwardBatch, ForwardMode
@@ -32,6 +32,7 @@ __all__ = [
     # collectives (row contracts in collectives.py)
     "all_reduce_rows", "reduce_scatter_rows", "reduce_scatter_rows_v", "gather_rows",
     "gather_rows_v", "gather_last_dim", "send_to_next_stage", "recv_from_prev_stage",
+    "broadcast_from_last_stage",
     # layers that honour the flags
     "ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "ParallelLMHead", "RMSNorm",

@@ -49,6 +49,8 @@ class BoundaryRuntime:
     # The batch variants the engine will run: every stage builds a path for each, or is
     # rejected at construction.
     batch_variants: tuple = (BatchVariant.ORDINARY,)
+    # Layers per pipeline stage (``--pp-layers``); None: an even split, remainder first.
+    pp_layers: tuple | None = None
 
     def __post_init__(self) -> None:
         if self.boundary_reduction not in BOUNDARY_REDUCTIONS[:-1]:

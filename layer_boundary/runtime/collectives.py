@@ -176,3 +176,15 @@ def recv_from_prev_stage(group: Group, site: str | None = None) -> dict:
             dist.recv(t, src=src, group=group.pg)
         out[name] = t
     return out
+
+
+def broadcast_from_last_stage(x: torch.Tensor, group: Group, site: str | None = None):
+    """Rows unchanged; every pipeline stage ends with the last stage's ``x`` (same shape on
+    every stage), e.g. the tokens it sampled."""
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    if x.numel():
+        _observe("broadcast", group, x.numel(), x.dtype, site)
+        dist.broadcast(x, src=group.ranks[-1], group=group.pg)
+    return x

@@ -43,6 +43,9 @@ class ForwardBatch:
     residual_stream: object = None
     rows: object = None  # BatchRows: set by the first boundary of the forward
     extra: dict = field(default_factory=dict)
+    # split prefill: the global layers [start, stop) this call runs (None: all of this
+    # pipeline stage's); a stage's segments run in order on one batch
+    layer_segment: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

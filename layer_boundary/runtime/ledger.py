@@ -73,6 +73,8 @@ class LedgerEntry:
         n = self.group_size
         if self.kind in ("send", "recv"):  # point to point: the payload, once
             return size if self.kind == "send" else 0
+        if self.kind == "broadcast":  # from one root: a tree sends it once per receiver
+            return size
         if self.kind == "all_reduce":
             return 2 * (n - 1) * size // n
         return (n - 1) * size // n

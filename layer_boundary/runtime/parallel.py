@@ -296,10 +296,13 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
         if p.is_alive():
             p.kill()
     if errors:
-        rank, exc, text = min(errors, key=lambda e: e[0])
-        exc = pickle.loads(exc) if exc is not None else None
-        if isinstance(exc, ValueError):  # a bad input: the same one-line error as in-process
-            raise exc
+        # a bad input on any rank is the cause (its peers then fail on the dead rank, e.g. a
+        # pipeline stage's send): the same one-line error as in-process; otherwise the errors
+        # in the order they arrived, the first one most likely the cause
+        for rank, exc, text in errors:
+            exc = pickle.loads(exc) if exc is not None else None
+            if isinstance(exc, ValueError):
+                raise exc
         raise RankError("a rank failed:\n" + "\n".join(f"rank {r}: {t}" for r, _, t in errors))
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))

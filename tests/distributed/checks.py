@@ -1,6 +1,39 @@
-"""Assertions the multi-rank model tests share."""
+"""Assertions and references the multi-rank model tests share."""
 
 from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+from layer_boundary.runner import RunSpec, merge, run_rank
+
+from .pool import get_pool
+
+
+@functools.lru_cache(maxsize=None)
+def world1(spec: RunSpec):
+    """The same requests on one rank: no TP, DP, EP, pipeline or fusion provider (cached per
+    spec, so the cases of a module share it)."""
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, pp=1, pp_layers=None,
+                                   split_prefill=1, boundary_reduction="ar", fusions=None),
+                           world_size=1)])
+
+
+def cli(args, capsys) -> tuple[int, str]:
+    """``layer-boundary`` in this process: its exit code and what rank 0 printed (the
+    logger's handlers restored afterwards)."""
+    import logging
+
+    from layer_boundary.cli import main
+
+    log = logging.getLogger("layer_boundary")
+    saved = log.handlers[:], log.propagate, log.level
+    try:
+        code = main(args)
+    finally:
+        log.handlers[:], log.propagate = saved[0], saved[1]
+        log.setLevel(saved[2])
+    return code, capsys.readouterr().out
 
 
 def assert_logits_match(run, ref, n_requests: int, tol: float = 1e-5) -> None:
@@ -26,3 +59,18 @@ def sums_of_ffn_outputs(ledger, layers: int, step: int) -> dict[int, list]:
                 and e.site in owner):
             out[owner[e.site]].append((e.kind, e.site))
     return out
+
+
+def run_matching_world1(spec: RunSpec, mode: str) -> list:
+    """``spec`` on its ranks: every request's logits and tokens as world 1's, the first
+    forward in row ``mode``, every stream released; with more DP ranks than requests, the idle
+    ranks hold none (yet ran every collective). Returns the rank results."""
+    results = get_pool(spec.world_size).run(run_rank, spec)
+    n = len(spec.prompts)
+    assert_logits_match(merge(results), world1(spec), n)
+    for r in results:
+        assert r.modes[0] == mode, (r.rank, r.modes)
+        assert r.streams_released
+        if r.dp_rank >= n:
+            assert r.generation.request_ids == [], r.rank
+    return results

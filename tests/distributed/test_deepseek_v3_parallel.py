@@ -5,7 +5,6 @@ defers the MoE finalize (shared experts riding on the handoff)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import pytest
@@ -14,7 +13,7 @@ from ds_checkpoints import hf_deepseek_v3
 from layer_boundary.models import load_config
 from layer_boundary.runner import RunSpec, merge, run_rank
 
-from .checks import assert_logits_match, sums_of_ffn_outputs
+from .checks import assert_logits_match, sums_of_ffn_outputs, world1
 from .pool import get_pool
 
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))  # skewed; dp=4 leaves a rank idle
@@ -36,12 +35,6 @@ def ds_noqlora_dir(tmp_path_factory):
     """Without q LoRA: q_proj is head-sharded, so the moved latent carries the input itself."""
     return str(hf_deepseek_v3(tmp_path_factory.mktemp("deepseek_v3_noqlora"), seed=2,
                               q_lora_rank=None, norm_topk_prob=False, rope_interleave=False))
-
-
-@functools.lru_cache(maxsize=None)
-def world1(spec: RunSpec):
-    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar",
-                                   fusions=None), world_size=1)])
 
 
 def expected_mode(policy: str, tp: int, dp: int) -> str:

@@ -6,7 +6,6 @@ one gather per forward; every layer's two sums are counted in the ledger, each c
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import replace
 
@@ -16,7 +15,7 @@ from ds4_checkpoints import TINY_DS4, hf_deepseek_v4
 
 from layer_boundary.runner import RunSpec, merge, run_rank
 
-from .checks import assert_logits_match
+from .checks import assert_logits_match, cli, run_matching_world1, world1
 from .pool import get_pool
 
 LAYERS = TINY_DS4["num_hidden_layers"]
@@ -71,25 +70,13 @@ def ds4_dir(tmp_path_factory):
     return str(hf_deepseek_v4(tmp_path_factory.mktemp("deepseek_v4")))
 
 
-@functools.lru_cache(maxsize=None)
-def world1(spec: RunSpec):
-    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar"),
-                           world_size=1)])
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,dp,ep,policy,mode", CASES,
                          ids=[f"tp{c[0]}-dp{c[1]}-ep{c[2]}-{c[3]}" for c in CASES])
 def test_matches_world1(ds4_dir, tp, dp, ep, policy, mode):
     spec = RunSpec(ds4_dir, tp=tp, dp=dp, ep=ep, boundary_reduction=policy, prompts=PROMPTS,
                    max_new_tokens=STEPS)
-    results = get_pool(tp).run(run_rank, spec)
-    assert_logits_match(merge(results), world1(spec), len(PROMPTS))
-    for r in results:
-        assert r.modes[0] == mode, (r.rank, r.modes)
-        assert r.streams_released
-        if dp == 4:  # the fourth DP rank has no request, yet ran every collective
-            assert (r.dp_rank == 3) == (r.generation.request_ids == [])
+    for r in run_matching_world1(spec, mode):
         check_ledger(r.ledger, tp // dp, dp, STEPS)
 
 
@@ -126,30 +113,15 @@ def test_ledger_check_catches_a_missing_or_doubled_sum():
         check_ledger(good, attn_tp=2, dp=1, steps=1)  # ids gathered without DP
 
 
-def _cli(args, capsys):
-    import logging
-
-    from layer_boundary.cli import main
-
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    try:
-        code = main(args)
-    finally:
-        log.handlers[:], log.propagate = saved[0], saved[1]
-        log.setLevel(saved[2])
-    return code, capsys.readouterr().out
-
-
 @pytest.mark.timeout(240)
 def test_run_and_plan_commands(ds4_dir, capsys):
     """``run`` passes parity on a DeepSeek-V4 directory; ``plan`` shows each layer's two
     stages with the mHC update in every row mode."""
-    code, out = _cli(["run", "--model", ds4_dir, "--tp", "4", "--dp", "2", "--ep", "2",
+    code, out = cli(["run", "--model", ds4_dir, "--tp", "4", "--dp", "2", "--ep", "2",
                       "--boundary-reduction", "rs+rsv", "--max-new-tokens", "2"], capsys)
     assert code == 0 and "parity vs world 1: PASS" in out
     for policy in ("ar", "rs", "rsv"):
-        code, out = _cli(["plan", "--model", ds4_dir, "--tp", "4", "--dp", "2",
+        code, out = cli(["plan", "--model", ds4_dir, "--tp", "4", "--dp", "2",
                           "--boundary-reduction", policy, "--json"], capsys)
         assert code == 0
         plan = json.loads(out)

@@ -6,17 +6,14 @@ are counted in the ledger: each completed exactly once, by the group its produce
 
 from __future__ import annotations
 
-import functools
 import json
-from dataclasses import replace
 
 import pytest
 from lc_checkpoints import TINY_LC, hf_longcat_flash
 
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.runner import RunSpec
 
-from .checks import assert_logits_match
-from .pool import get_pool
+from .checks import cli, run_matching_world1
 
 LAYERS = TINY_LC["num_layers"]
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))  # dp=4 leaves a rank idle
@@ -77,12 +74,6 @@ def lc_dir(tmp_path_factory):
     return str(hf_longcat_flash(tmp_path_factory.mktemp("longcat_flash")))
 
 
-@functools.lru_cache(maxsize=None)
-def world1(spec: RunSpec):
-    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar",
-                                   fusions=None), world_size=1)])
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,dp,ep,policy,fusions,mode", CASES,
                          ids=[f"tp{c[0]}-dp{c[1]}-ep{c[2]}-{c[3]}" + (f"-{c[4]}" if c[4] else "")
@@ -90,13 +81,8 @@ def world1(spec: RunSpec):
 def test_matches_world1(lc_dir, tp, dp, ep, policy, fusions, mode):
     spec = RunSpec(lc_dir, tp=tp, dp=dp, ep=ep, boundary_reduction=policy, prompts=PROMPTS,
                    max_new_tokens=STEPS, fusions=fusions)
-    results = get_pool(tp).run(run_rank, spec)
-    assert_logits_match(merge(results), world1(spec), len(PROMPTS))
+    results = run_matching_world1(spec, mode)
     for r in results:
-        assert r.modes[0] == mode, (r.rank, r.modes)
-        assert r.streams_released
-        if dp == 4:  # the third DP rank has no request, yet ran every collective
-            assert (r.dp_rank == 3) == (r.generation.request_ids == [])
         check_sums_per_layer(r.ledger, tp // dp, STEPS)
     if fusions == "reference":
         assert all(r.fused_inputs > 0 for r in results)
@@ -130,30 +116,15 @@ def test_a_missing_or_doubled_branch_sum_is_caught():
         check_sums_per_layer(good, attn_tp=1, steps=1)  # attention sums that nothing owes
 
 
-def _cli(args, capsys):
-    import logging
-
-    from layer_boundary.cli import main
-
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    try:
-        code = main(args)
-    finally:
-        log.handlers[:], log.propagate = saved[0], saved[1]
-        log.setLevel(saved[2])
-    return code, capsys.readouterr().out
-
-
 @pytest.mark.timeout(240)
 def test_run_and_plan_commands(lc_dir, capsys):
     """``run`` passes parity on a LongCat-Flash directory; ``plan`` lists both branches and
     the merge in every row mode."""
-    code, out = _cli(["run", "--model", lc_dir, "--tp", "4", "--dp", "2", "--ep", "2",
+    code, out = cli(["run", "--model", lc_dir, "--tp", "4", "--dp", "2", "--ep", "2",
                       "--boundary-reduction", "rs+rsv", "--max-new-tokens", "2"], capsys)
     assert code == 0 and "parity vs world 1: PASS" in out
     for policy in ("ar", "rs", "rsv"):
-        code, out = _cli(["plan", "--model", lc_dir, "--tp", "4", "--dp", "2",
+        code, out = cli(["plan", "--model", lc_dir, "--tp", "4", "--dp", "2",
                           "--boundary-reduction", policy, "--json"], capsys)
         stages = [s["stage"] for s in json.loads(out)["stages"]]
         for i in range(LAYERS):

@@ -7,16 +7,13 @@ chunks and SSM/KV-cache decode steps."""
 
 from __future__ import annotations
 
-import functools
-from dataclasses import replace
 
 import pytest
 from nh_checkpoints import TINY_NH, hf_nemotron_h
 
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.runner import RunSpec
 
-from .checks import assert_logits_match
-from .pool import get_pool
+from .checks import cli, run_matching_world1
 
 N_GROUPS = TINY_NH["n_groups"]
 MAMBA_LAYERS = [i for i, kind in enumerate(TINY_NH["layers_block_type"])
@@ -43,12 +40,6 @@ def nh_dir(tmp_path_factory):
     return str(hf_nemotron_h(tmp_path_factory.mktemp("nemotron_h")))
 
 
-@functools.lru_cache(maxsize=None)
-def world1(spec: RunSpec):
-    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar",
-                                   fusions=None), world_size=1)])
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,dp,ep,policy,fusions,mode", CASES,
                          ids=[f"tp{c[0]}-dp{c[1]}-ep{c[2]}-{c[3]}" + (f"-{c[4]}" if c[4] else "")
@@ -56,13 +47,7 @@ def world1(spec: RunSpec):
 def test_matches_world1(nh_dir, tp, dp, ep, policy, fusions, mode):
     spec = RunSpec(nh_dir, tp=tp, dp=dp, ep=ep, boundary_reduction=policy, prompts=PROMPTS,
                    max_new_tokens=STEPS, fusions=fusions)
-    results = get_pool(tp).run(run_rank, spec)
-    assert_logits_match(merge(results), world1(spec), len(PROMPTS))
-    for r in results:
-        assert r.modes[0] == mode, (r.rank, r.modes)
-        assert r.streams_released
-        if dp == 4:  # the third DP rank has no request, yet ran every collective
-            assert (r.dp_rank == 3) == (r.generation.request_ids == [])
+    results = run_matching_world1(spec, mode)
     if fusions == "reference":
         assert all(r.fused_inputs > 0 for r in results)
     if tp // dp == 4:  # each B/C group spans 2 ranks: its squares summed once per Mamba layer
@@ -73,21 +58,6 @@ def test_matches_world1(nh_dir, tp, dp, ep, policy, fusions, mode):
             assert sums == [f"layer{i}.attn.compute" for i in MAMBA_LAYERS], (r.rank, sums)
 
 
-def _cli(args, capsys):
-    import logging
-
-    from layer_boundary.cli import main
-
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    try:
-        code = main(args)
-    finally:
-        log.handlers[:], log.propagate = saved[0], saved[1]
-        log.setLevel(saved[2])
-    return code, capsys.readouterr().out
-
-
 @pytest.mark.timeout(240)
 def test_run_and_plan_commands(nh_dir, capsys):
     """``run`` passes parity on a Nemotron-H directory; ``plan`` shows each block's path: a
@@ -95,11 +65,11 @@ def test_run_and_plan_commands(nh_dir, capsys):
     compute with it, and always leaves it to an FFN's input."""
     import json
 
-    code, out = _cli(["run", "--model", nh_dir, "--tp", "2", "--max-new-tokens", "2"], capsys)
+    code, out = cli(["run", "--model", nh_dir, "--tp", "2", "--max-new-tokens", "2"], capsys)
     assert code == 0 and "parity vs world 1: PASS" in out
     for dp, mixer_to_mixer in ((1, "attn_tp sum left to the next input (all-reduce)"),
                                (2, "all_reduce(attn_tp) in compute")):
-        code, out = _cli(["plan", "--model", nh_dir, "--tp", "4", "--dp", str(dp),
+        code, out = cli(["plan", "--model", nh_dir, "--tp", "4", "--dp", str(dp),
                           "--boundary-reduction", "ar", "--json"], capsys)
         exits = {s["stage"]: s["exit"] for s in json.loads(out)["stages"]}
         assert exits["layer0.attn"] == mixer_to_mixer  # Mamba2 -> Mamba2

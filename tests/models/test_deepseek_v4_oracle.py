@@ -8,21 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 from ds4_checkpoints import TINY_DS4, hf_deepseek_v4, hf_deepseek_v4_reference
+from oracle import TOL, assert_decode_matches, assert_prefill_matches, world1
+from oracle import prefill as oracle_prefill
 
 from layer_boundary.models import load_model
 from layer_boundary.models.deepseek_v4 import DeepseekV4Config, check_parallel
-from layer_boundary.models.generate import greedy_generate
 from layer_boundary.models.kv_cache import KVCache
 from layer_boundary.models.loader import CheckpointError
-from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
-from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+from layer_boundary.runtime.parallel import ParallelDims
 
 # the third prompt is longer than the window (nearly three of the default one); the last
 # grows past one while decoding
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [50, 3, 17, 88, 2, 61, 33, 5, 9, 10, 11], [42]]
 STEPS = 5
-TOL = 1e-5
 
 CASES = {
     "default": dict(),
@@ -34,30 +33,8 @@ CASES = {
 }
 
 
-def world1():
-    return BoundaryRuntime(build_parallel(ParallelDims()))
-
-
-def hf_cached_decode(ref, prompt, tokens):
-    """transformers' logits [len(tokens) + 1, vocab]: the prompt's last position after a
-    cached prefill, then one cached decode step per token."""
-    from transformers import DynamicCache
-
-    with torch.no_grad():
-        out = ref(torch.tensor([prompt]), cache=DynamicCache(config=ref.config), use_cache=True)
-        logits = [out.logits[0, -1]]
-        for t in tokens:
-            out = ref(torch.tensor([[t]]), cache=out.cache, use_cache=True)
-            logits.append(out.logits[0, -1])
-    return torch.stack(logits)
-
-
 def prefill(model, prompts=PROMPTS):
-    batch = ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * len(prompts),
-                               kv_cache=model.make_kv_cache(len(prompts),
-                                                            max(map(len, prompts))))
-    with torch.no_grad():
-        return model(batch)
+    return oracle_prefill(model, prompts)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -67,22 +44,8 @@ def test_world1_matches_transformers(tmp_path, case):
     ref = hf_deepseek_v4_reference(path)
     assert len(PROMPTS[2]) > ref.config.sliding_window
 
-    logits = prefill(ours)
-    start = 0
-    for j, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            expected = ref(torch.tensor([prompt])).logits[0]
-        diff = (logits[start:start + len(prompt)] - expected).abs().max().item()
-        assert diff <= TOL, f"prompt {j} prefill: max abs diff {diff}"
-        start += len(prompt)
-
-    gen = greedy_generate(ours, PROMPTS, STEPS)
-    for j, prompt in enumerate(PROMPTS):
-        expected = hf_cached_decode(ref, prompt, gen.generated[j][:-1])
-        for step in range(STEPS):
-            diff = (expected[step] - gen.logits[j][step]).abs().max().item()
-            assert diff <= TOL, f"prompt {j} step {step}: max abs diff {diff}"
-        assert gen.generated[j] == expected.argmax(-1).tolist()
+    assert_prefill_matches(ours, ref, PROMPTS)
+    assert_decode_matches(ours, ref, PROMPTS, STEPS)
 
 
 def test_window_sinks_clamp_and_hash_table_matter(tmp_path):

@@ -11,19 +11,17 @@ import logging
 import pytest
 import torch
 from lc_checkpoints import TINY_LC, hf_longcat_flash, hf_longcat_flash_reference
+from oracle import assert_decode_matches, assert_prefill_matches, world1
 
 from layer_boundary.cli import main
 from layer_boundary.models import load_model
-from layer_boundary.models.generate import greedy_generate
 from layer_boundary.models.loader import CheckpointError
 from layer_boundary.models.longcat_flash import LongcatFlashConfig, check_parallel
-from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
-from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+from layer_boundary.runtime.parallel import ParallelDims
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [50, 3, 17, 88, 2, 61, 33, 5, 9, 10, 11], [42]]
 STEPS = 4
-TOL = 1e-5
 
 CASES = {
     "default": dict(),
@@ -31,24 +29,6 @@ CASES = {
     "tied-top3": dict(seed=1, tie=True, zero_expert_num=4, moe_topk=3,
                       routed_scaling_factor=2.5, rope_theta=1e6),
 }
-
-
-def world1():
-    return BoundaryRuntime(build_parallel(ParallelDims()))
-
-
-def hf_cached_decode(ref, prompt, tokens):
-    """transformers' logits [len(tokens) + 1, vocab]: the prompt's last position after a
-    cached prefill, then one cached decode step per token."""
-    from transformers import DynamicCache
-
-    with torch.no_grad():
-        out = ref(torch.tensor([prompt]), cache=DynamicCache(config=ref.config), use_cache=True)
-        logits = [out.logits[0, -1]]
-        for t in tokens:
-            out = ref(torch.tensor([[t]]), cache=out.cache, use_cache=True)
-            logits.append(out.logits[0, -1])
-    return torch.stack(logits)
 
 
 def zero_expert_share(ref, prompts) -> float:
@@ -78,25 +58,8 @@ def test_world1_matches_transformers(tmp_path, case):
     share = zero_expert_share(ref, PROMPTS)
     assert 0 < share < 1, f"identity experts chosen for {share:.0%} of slots: not a test of them"
 
-    batch = ForwardBatch.build(ForwardMode.EXTEND, PROMPTS, [0] * len(PROMPTS),
-                               kv_cache=ours.make_kv_cache(len(PROMPTS), max(map(len, PROMPTS))))
-    with torch.no_grad():
-        logits = ours(batch)
-    start = 0
-    for j, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            expected = ref(torch.tensor([prompt])).logits[0]
-        diff = (logits[start:start + len(prompt)] - expected).abs().max().item()
-        assert diff <= TOL, f"prompt {j} prefill: max abs diff {diff}"
-        start += len(prompt)
-
-    gen = greedy_generate(ours, PROMPTS, STEPS)
-    for j, prompt in enumerate(PROMPTS):
-        expected = hf_cached_decode(ref, prompt, gen.generated[j][:-1])
-        for step in range(STEPS):
-            diff = (expected[step] - gen.logits[j][step]).abs().max().item()
-            assert diff <= TOL, f"prompt {j} step {step}: max abs diff {diff}"
-        assert gen.generated[j] == expected.argmax(-1).tolist()
+    assert_prefill_matches(ours, ref, PROMPTS)
+    assert_decode_matches(ours, ref, PROMPTS, STEPS)
 
 
 def test_identity_experts_are_not_dropped(tmp_path):

@@ -10,20 +10,19 @@ import logging
 import pytest
 import torch
 from nh_checkpoints import TINY_NH, hf_nemotron_h, hf_nemotron_h_reference
+from oracle import TOL, hf_cached_decode, world1
 
 from layer_boundary.cli import main
 from layer_boundary.models import load_model
 from layer_boundary.models.generate import greedy_generate
 from layer_boundary.models.loader import CheckpointError
 from layer_boundary.models.nemotron_h import NemotronHConfig, check_parallel
-from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
-from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+from layer_boundary.runtime.parallel import ParallelDims
 
 # lengths 5, 3, 11 and 1: two, one and three chunks of 4, prompts shorter than the conv window
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [50, 3, 17, 88, 2, 61, 33, 5, 9, 10, 11], [42]]
 STEPS = 5
-TOL = 1e-5
 
 CASES = {
     # TINY_NH: every block kind, mixer->mixer and ffn->ffn, terminal MoE
@@ -40,24 +39,6 @@ CASES = {
     "groups8-noconvbias": dict(seed=2, n_groups=8, use_conv_bias=False, ssm_state_size=8,
                                n_group=1, topk_group=1, conv_kernel=2),
 }
-
-
-def world1():
-    return BoundaryRuntime(build_parallel(ParallelDims()))
-
-
-def hf_cached_decode(ref, prompt, tokens):
-    """transformers' logits [len(tokens) + 1, vocab]: the prompt's last position after a
-    cached prefill, then one cached decode step per token."""
-    from transformers import DynamicCache
-
-    with torch.no_grad():
-        out = ref(torch.tensor([prompt]), cache=DynamicCache(config=ref.config), use_cache=True)
-        logits = [out.logits[0, -1]]
-        for t in tokens:
-            out = ref(torch.tensor([[t]]), cache=out.cache, use_cache=True)
-            logits.append(out.logits[0, -1])
-    return torch.stack(logits)
 
 
 def hf_full(ref, seq):

@@ -1,0 +1,63 @@
+"""World 1 against transformers: the comparisons the model oracle tests share (DESIGN.md,
+the correctness oracle: prefill logits at every position, KV-cache decode logits against
+transformers' own cached decode, the same greedy tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+from layer_boundary.models.generate import greedy_generate
+from layer_boundary.runtime.args import BoundaryRuntime
+from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
+from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+
+TOL = 1e-5
+
+
+def world1() -> BoundaryRuntime:
+    return BoundaryRuntime(build_parallel(ParallelDims()))
+
+
+def hf_cached_decode(ref, prompt, tokens) -> torch.Tensor:
+    """transformers' logits [len(tokens) + 1, vocab]: the prompt's last position after a
+    cached prefill, then one cached decode step per token."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        out = ref(torch.tensor([prompt]), cache=DynamicCache(config=ref.config), use_cache=True)
+        logits = [out.logits[0, -1]]
+        for t in tokens:
+            out = ref(torch.tensor([[t]]), cache=out.cache, use_cache=True)
+            logits.append(out.logits[0, -1])
+    return torch.stack(logits)
+
+
+def prefill(model, prompts) -> torch.Tensor:
+    """Our logits [tokens, vocab] of one prefill of every prompt, in one batch."""
+    batch = ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * len(prompts),
+                               kv_cache=model.make_kv_cache(len(prompts),
+                                                            max(map(len, prompts))))
+    with torch.no_grad():
+        return model(batch)
+
+
+def assert_prefill_matches(ours, ref, prompts, tol: float = TOL) -> None:
+    """Every position of every prompt, the prompts in one batch."""
+    logits, start = prefill(ours, prompts), 0
+    for j, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = ref(torch.tensor([prompt])).logits[0]
+        diff = (logits[start:start + len(prompt)] - expected).abs().max().item()
+        assert diff <= tol, f"prompt {j} prefill: max abs diff {diff}"
+        start += len(prompt)
+
+
+def assert_decode_matches(ours, ref, prompts, steps: int, tol: float = TOL) -> None:
+    """Our cached greedy steps against transformers' cached decode of the same tokens."""
+    gen = greedy_generate(ours, prompts, steps)
+    for j, prompt in enumerate(prompts):
+        expected = hf_cached_decode(ref, prompt, gen.generated[j][:-1])
+        for step in range(steps):
+            diff = (expected[step] - gen.logits[j][step]).abs().max().item()
+            assert diff <= tol, f"prompt {j} step {step}: max abs diff {diff}"
+        assert gen.generated[j] == expected.argmax(-1).tolist()
