@@ -13,11 +13,12 @@ from .output import HandoffOutput
 from .residual.stream import OwedOutput, ResidualStream
 from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
 from .adapters import branch_input, branch_output, merge_branch
+from .adapters.tbo import run_two_batches, split_batch
 
 __all__ = [
     "BatchVariant", "FfnExit", "HandoffOutput", "Layout", "MixerExit", "Owed", "OwedOutput",
     "ProducerReduction", "ResidualStream", "StageBoundary", "StageDeclaration", "StageKind",
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
     "make_ffn_stage", "make_stages", "boundary_guard_filter", "stage_boundaries",
-    "branch_input", "branch_output", "merge_branch",
+    "branch_input", "branch_output", "merge_branch", "run_two_batches", "split_batch",
 ]

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_args(run)
     run.add_argument("--split-prefill", type=_positive, default=1,
                      help="run each stage's prefill in this many layer-range segments")
+    run.add_argument("--tbo", action="store_true",
+                     help="two-batch overlap: each forward as two interleaved microbatches")
 
     plan = sub.add_parser("plan", help="print the per-stage boundary paths for a batch shape")
     plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
@@ -94,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-allreduce-fusion", action="store_true")
     plan.add_argument("--no-rs-padding", action="store_true")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--tbo", action="store_true",
+                      help="also show the rows of both two-batch-overlap microbatches (each "
+                           "DP rank's tokens taken as one-token requests)")
     _pipeline_args(plan)
 
     bench = sub.add_parser("bench", help="boundary overhead against a hand-written decoder")
@@ -191,8 +196,12 @@ def _spec(args):
     module = model_classes(model_type_of(model_dir))[2]
     module.check_parallel(cfg, dims)
     _check_pipeline(args, cfg, module)
+    if args.tbo and (args.pp > 1 or args.split_prefill > 1 or args.compile
+                     or args.compile_backend):
+        raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
+                         "not combine with --pp, --split-prefill or --compile yet")
     return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, pp=args.pp,
-                   pp_layers=args.pp_layers, split_prefill=args.split_prefill,
+                   pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
                    boundary_reduction=args.boundary_reduction, dtype=args.dtype,
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
@@ -337,24 +346,44 @@ def cmd_plan(args) -> int:
                  "layers": [m.stage.layers[0], m.stage.layers[-1]],
                  "handoff": handoff_contract(models[s + 1], mode) if s + 1 < dims.pp else None}
                 for s, m in enumerate(models)] if dims.pp > 1 else None
-    per_rank = []
-    for rank in range(dims.tp):
-        rows = BatchRows(mode, counts, virtual_parallel(dims, rank))
-        per_rank.append({"rank": rank, "dp_rank": rows.dp_rank, "local": rows.local,
-                         "scattered": rows.scattered, "global": rows.total})
+    def rows_per_rank(mode, counts):
+        out = []
+        for rank in range(dims.tp):
+            rows = BatchRows(mode, counts, virtual_parallel(dims, rank))
+            out.append({"rank": rank, "dp_rank": rows.dp_rank, "local": rows.local,
+                        "scattered": rows.scattered, "global": rows.total})
+        return out
+
+    per_rank = rows_per_rank(mode, counts)
+    microbatches = None
+    if args.tbo:
+        from .adapters.tbo import split_counts
+
+        microbatches = []
+        for name, part in zip("AB", split_counts(tuple((1,) * c for c in counts))):
+            part_mode, _ = select_mode(runtime, part)
+            microbatches.append({"microbatch": name, "tokens": list(part),
+                                 "mode": part_mode.value,
+                                 "ranks": rows_per_rank(part_mode, part)})
     movements = table_rows(runtime.parallel, mode)
     if args.json:
         log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "attn_tp": dims.attn_tp,
                              "boundary_reduction": policy, "tokens": list(counts),
                              "mode": mode.value, "reason": reason, "ranks": per_rank,
                              "stages": table, "movements": movements,
-                             **({"pp": dims.pp, "pipeline": pipeline} if pipeline else {})}))
+                             **({"pp": dims.pp, "pipeline": pipeline} if pipeline else {}),
+                             **({"microbatches": microbatches} if microbatches else {})}))
         return 0
     log.info("layer-boundary plan: %s  tp=%d dp=%d attn_tp=%d  boundary_reduction=%s (asked %s)",
              model_dir, dims.tp, dims.attn_dp, dims.attn_tp, policy, args.boundary_reduction)
     log.info("tokens per DP rank %s -> row mode %s (%s)", list(counts), mode.value, reason)
     log.info("rows per rank (local / scattered / global): %s", ", ".join(
         f"r{r['rank']} {r['local']}/{r['scattered']}/{r['global']}" for r in per_rank))
+    for mb in microbatches or ():
+        log.info("two-batch overlap, microbatch %s: tokens per DP rank %s -> %s; rows %s",
+                 mb["microbatch"], mb["tokens"], mb["mode"], ", ".join(
+                     f"r{r['rank']} {r['local']}/{r['scattered']}/{r['global']}"
+                     for r in mb["ranks"]))
     if pipeline is None:
         _plan_table(table)
     for p in pipeline or ():
@@ -407,7 +436,7 @@ def cmd_run(args) -> int:
     world = spec.world_size
     results = [run_rank(spec)] if world == 1 else spawn(_rank_entry, world, spec)
     # world 1 needs no reference of itself, unless it ran compiled or in segments
-    own = world == 1 and spec.compile is None and spec.split_prefill == 1
+    own = world == 1 and spec.compile is None and spec.split_prefill == 1 and not spec.tbo
     reference = None if args.no_reference or own else _reference(spec)
     return _report(args, spec, results, reference)
 
@@ -419,7 +448,7 @@ def _reference(spec):
     from .runner import merge, run_rank
 
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, pp=1, pp_layers=None, split_prefill=1,
-                               compile=None), world_size=1)])
+                               tbo=False, compile=None), world_size=1)])
 
 
 def main(argv=None) -> int:

@@ -72,7 +72,18 @@ def _sum(runtime, which: SumGroup) -> SumGroup | None:
     return which if sum_group(runtime.parallel, which).size > 1 else None
 
 
-def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None) -> StageOutput:
+def handoff_rows(decl, layouts: Layouts, mode: RowMode):
+    """Where a complete FFN output is handed on (a plain scatter of its rows): this DP rank's
+    rows, or, between two sparse FFNs (``sparse`` with ``next_sparse``: the layer after the
+    consumer is sparse too, as between MoE layers), the residual's rows in ``mode``, so the
+    rows two-batch overlap splits and merges stay token-sharded across the pair."""
+    if decl.sparse and decl.next_sparse:
+        return layouts.residual(mode)
+    return layouts.local
+
+
+def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
+                   mode: RowMode = RowMode.AR) -> StageOutput:
     """A declaration's output contract: its rows, its sum, and the handoffs it may take."""
     at_producer = decl.residual.update.at_producer
     known = following is not None and not decl.terminal  # a consumer that can finish a sum
@@ -94,7 +105,8 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None) -> 
     # but its reduce-scatter permission stays (compute then adds the tail on one rank)
     return StageOutput(
         StageKind.FFN, layouts.replicated, decl.reduction,
-        _sum(runtime, SumGroup.MOE_OUT if decl.sparse else SumGroup.TP), layouts.local,
+        _sum(runtime, SumGroup.MOE_OUT if decl.sparse else SumGroup.TP),
+        handoff_rows(decl, layouts, mode),
         leaves_for_all_reduce=known and scoped and runtime.allreduce_fusion,
         leaves_for_reduce_scatter=known,
         hands_off_finalize=decl.sparse and fusions is not None and not at_producer,
@@ -187,14 +199,15 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
     for mode in supported_modes(runtime):
         table = tables[mode] = movement_table(runtime.parallel, mode)
         layouts = table["layouts"]
-        output = resolve_output(declaration, following, runtime, layouts, fusions)
+        output = resolve_output(declaration, following, runtime, layouts, fusions, mode)
         stage_input = resolve_input(declaration, runtime, layouts)
         try:
             exit_path = bind_exit(output, mode, table, fusions=fusions, name=name,
                                   declaration=declaration)
             prev_output = prev_exit = None
             if prev is not None:
-                prev_output = resolve_output(prev, declaration, runtime, layouts, fusions)
+                prev_output = resolve_output(prev, declaration, runtime, layouts, fusions,
+                                             mode)
                 prev_exit = bind_exit(prev_output, mode, table, fusions=fusions,
                                       declaration=prev)
             residual = layouts.residual(mode)

@@ -13,6 +13,7 @@ from typing import Callable
 from .layout import Layout, SumGroup
 from .ops import Movement
 from .output import HandoffOutput
+from .residual.access import start_completion
 from .residual.batch import fold_stream
 from .residual.stream import arrival_key
 from .runtime.context import ForwardFlags, swap_flags
@@ -74,8 +75,10 @@ class ExitPath:
         return self.default
 
 
-def publish(stream, decision: ExitDecision, value, update, rows, at_producer: bool):
-    """Record compute's output with the decided owed work; return what the model passes on."""
+def publish(stream, decision: ExitDecision, value, update, rows, at_producer: bool,
+            overlap: bool = False):
+    """Record compute's output with the decided owed work; return what the model passes on.
+    ``overlap`` (a two-batch-overlap microbatch): owed work starts now, asynchronously."""
     if decision.finish_move is not None:
         stream.leave(decision.finish_move(rows, value), None, update, decision.finish_move.dst)
     else:
@@ -83,6 +86,9 @@ def publish(stream, decision: ExitDecision, value, update, rows, at_producer: bo
                      handoff=isinstance(value, HandoffOutput), declared=decision.declared)
     if at_producer:
         return fold_stream(stream, rows)
+    c = stream.contribution
+    if overlap and (c.owed is not None or c.handoff):
+        start_completion(stream, rows)
     return stream.handle
 
 
@@ -108,7 +114,7 @@ class StageExit:
         if self._state != "new":
             raise RuntimeError("an exit scope can be entered once")
         self._decision = self._path.select(self._forward_batch)
-        self._previous = swap_flags(self._decision.flags)
+        self._previous = swap_flags(self._decision.flags, opening=True)
         observer = active_observer()
         if observer is not None:
             observer.enter(self._site)
@@ -116,7 +122,7 @@ class StageExit:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        swap_flags(self._previous)
+        swap_flags(self._previous, opening=False)
         self._state = "failed" if exc_type is not None else "computed"
         return False
 
@@ -161,7 +167,7 @@ class StageExit:
         if observer is not None:
             observer.enter(self._finish_site)
         handle = publish(self._stream, self._decision, hidden_states, self._update, rows,
-                         self._path.at_producer)
+                         self._path.at_producer, self._forward_batch.overlap)
         if observer is not None:
             observer.boundary(self._finish_site, self._stream, rows)
         return handle

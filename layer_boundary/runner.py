@@ -44,6 +44,7 @@ class RunSpec:
     pp: int = 1  # pipeline stages (world = pp x tp)
     pp_layers: tuple | None = None  # layers per stage (None: even split, remainder first)
     split_prefill: int = 1  # layer-range segments per stage for the prefill
+    tbo: bool = False  # two-batch overlap: every forward as two interleaved microbatches
 
     @property
     def world_size(self) -> int:
@@ -155,7 +156,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
         gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
                               dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
                               on_step=_set_ledger_step, pp=par.pp if par.dims.pp > 1 else None,
-                              split_prefill=spec.split_prefill)
+                              split_prefill=spec.split_prefill, tbo=spec.tbo)
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
                         plan_rows(model, RowMode(checked.modes[0])), checked.released,
                         runtime.boundary_reduction, checked.modes, list(traces))

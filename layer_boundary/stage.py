@@ -10,12 +10,13 @@ import torch
 
 from .construction import UnsupportedBoundary, build_plan
 from .contracts import ProducerReduction, StageKind
-from .exit import FfnExit, MixerExit, publish
+from .exit import ExitDecision, FfnExit, MixerExit, publish
 from .residual import LayerResidual
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
 from .runtime.args import get_runtime
+from .runtime.context import NO_FLAGS
 from .runtime.ledger import active_observer
 
 BRANCH_ENTRY = "a prepared branch must enter through branch_input, not prepare"
@@ -270,7 +271,7 @@ class StageBoundary:
         if observer is not None:
             observer.enter(self._finish_site)
         handle = publish(stream, path.exit.default, hidden_states, self._update, rows,
-                         path.exit.at_producer)
+                         path.exit.at_producer, forward_batch.overlap)
         if observer is not None:
             observer.boundary(self._finish_site, stream, rows)
         return handle
@@ -285,6 +286,38 @@ class StageBoundary:
         path, _ = self.plan.select(forward_batch)
         return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site,
                               self._finish_site)
+
+    def postprocess(self, hidden_states, forward_batch):
+        """The operation-scheduled FFN's output: compute ran without an exit() scope, so no
+        flag was published and its output is complete, on the stage's output rows. Moves it
+        to the layer's handoff rows (under attention DP, this DP rank's slice of the global
+        rows) and leaves nothing owed; returns what the model passes on."""
+        if self._is_attn:
+            raise RuntimeError(f"postprocess() is for FFN stages; stage {self.name} publishes "
+                               "with finish() or exit()")
+        stream = stream_of(forward_batch)
+        if (stream.handle is not IN_COMPUTE or stream.prepared is None
+                or stream.prepared[0] is not self):
+            raise RuntimeError(f"postprocess() on stage {self.name} without its prepare()")
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError("postprocess() takes the complete compute output tensor, got "
+                            f"{type(hidden_states).__name__}")
+        path, rows = self.plan.select(forward_batch)
+        output = path.decl.output
+        if hidden_states.shape[0] != rows.count(output.rows):
+            raise ValueError(f"postprocess() on stage {self.name} takes its complete output on "
+                             f"{output.rows} rows ({rows.count(output.rows)} here), got "
+                             f"{hidden_states.shape[0]}")
+        observer = active_observer()
+        if observer is not None:
+            observer.enter(self._finish_site)
+        move = rows.move(None, output.rows, output.handoff_rows)
+        decision = ExitDecision(NO_FLAGS, None, output.rows, "postprocess", finish_move=move)
+        handle = publish(stream, decision, hidden_states, self._update, rows,
+                         path.exit.at_producer, forward_batch.overlap)
+        if observer is not None:
+            observer.boundary(self._finish_site, stream, rows)
+        return handle
 
     def capture_output(self, hidden_states, forward_batch):
         """(handle, snapshot): complete the exit-decided work on the main contribution (a

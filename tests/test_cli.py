@@ -556,3 +556,29 @@ def test_a_failed_stage_ends_the_whole_job(qwen3_dir, tmp_path, capsys, restore_
                  "--max-new-tokens", "2"])
     assert code == 2 and time.monotonic() - start < 90
     assert name in _one_line_error(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ two-batch overlap
+
+
+@pytest.mark.timeout(240)
+def test_tbo_run_passes_parity(qwen3_dir, capsys, restore_logger):
+    assert main(["run", "--model", str(qwen3_dir), "--tbo", "--tp", "4", "--dp", "2",
+                 *PROMPT_ARGS, "--prompt-ids", "4,5,6,7", "--max-new-tokens", "2"]) == 0
+    assert "parity vs world 1: PASS" in capsys.readouterr().out
+
+
+def test_plan_shows_both_microbatches(capsys, restore_logger):
+    assert main(["plan", "--tbo", "--tokens", "5,1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    a, b = plan["microbatches"]
+    assert (a["tokens"], b["tokens"]) == ([3, 1], [2, 0])
+    assert [r["local"] for r in b["ranks"]] == [2, 2, 0, 0] and b["mode"] == plan["mode"]
+
+
+@pytest.mark.parametrize("args", [["--pp", "2"], ["--split-prefill", "2"], ["--compile"]])
+def test_tbo_with_what_it_does_not_combine_with_is_a_one_line_error(args, capsys,
+                                                                    restore_logger):
+    assert main(["run", "--tbo", "--tp", "1", "--dp", "1", *args]) == 2
+    assert "--tbo runs the whole stack eagerly on one pipeline stage" in _one_line_error(
+        capsys.readouterr().err)

@@ -67,7 +67,8 @@ def toy_norm(seed: int) -> RMSNorm:
 
 class ToyLayer(nn.Module):
     def __init__(self, rt: BoundaryRuntime, layer_id: int, num_layers: int, ffn_update=None,
-                 ffn_reduction=None, fusions=None, attn_read=None, ffn_read=None):
+                 ffn_reduction=None, fusions=None, attn_read=None, ffn_read=None,
+                 ffn_sparse=False):
         super().__init__()
         par = rt.parallel
         self.attn_norm, self.ffn_norm = toy_norm(100 + layer_id), toy_norm(200 + layer_id)
@@ -77,6 +78,8 @@ class ToyLayer(nn.Module):
         full = attn_weights(2, seed=50 + layer_id).transpose(0, 1).reshape(HIDDEN, 2 * HIDDEN)
         self.down.weight_loader(self.down.weight, full)  # the same [H, 2H] weight at every tp
         kwargs = {} if ffn_reduction is None else {"reduction": ffn_reduction}
+        if ffn_sparse:  # every FFN sparse: each declares the next one sparse too
+            kwargs.update(sparse=True, next_sparse=True)
         ffn = declare_ffn(update=ffn_update, read=ffn_read, **kwargs)
         attn = declare_attn(read=attn_read)
         options = {} if fusions is None else {"fusions": fusions}

@@ -23,6 +23,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         num_layers = cfg.num_hidden_layers if num_layers is None else num_layers
         self.stage = PipelineStage.of(runtime, num_layers)
+        self.dp_rank = runtime.parallel.attn_dp_rank
         if self.stage.first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                        runtime.parallel.attn_tp, dtype=dtype)
@@ -39,11 +40,11 @@ class DecoderModel(nn.Module):
         others (None after a split-prefill segment that does not end the stage)."""
         fb = forward_batch
         return run_stack(
-            self.stage, self.layers, fb, lambda layer, h: layer(fb.positions, h, fb),
+            self.stage, self.layers, fb, lambda layer, h, mb: layer(mb.positions, h, mb),
             embed=lambda: self.embed_tokens(fb.input_ids),
-            leave=lambda h: residual_batch.norm(h, fb, self.norm, skip_empty=True,
-                                                handoff_norm=self.handoff_norm),
-            pp_input=pp_input)
+            leave=lambda h, mb: residual_batch.norm(h, mb, self.norm, skip_empty=True,
+                                                    handoff_norm=self.handoff_norm),
+            pp_input=pp_input, dp_rank=self.dp_rank)
 
 
 class CausalLM(nn.Module):

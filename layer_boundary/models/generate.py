@@ -47,7 +47,7 @@ def segments(layers: range, parts: int) -> list[tuple[int, int]]:
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp: int = 1,
                     dp_rank: int = 0, keep_logits: bool = True, on_step=None, pp=None,
-                    split_prefill: int = 1) -> Generation:
+                    split_prefill: int = 1, tbo: bool = False) -> Generation:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     for i, p in enumerate(prompts):
@@ -57,8 +57,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
     cache = model.make_kv_cache(max(1, len(mine)), max(len(p) for p in prompts) + max_new_tokens)
     new_tokens = [list(prompts[i]) for i in mine]
     prefix = [0] * len(mine)
-    counts_of = lambda step: tuple(  # noqa: E731 - every DP rank's tokens this step
-        sum(len(prompts[i]) if step == 0 else 1 for i in requests_of(r, dp, len(prompts)))
+    lens_of = lambda step: tuple(  # noqa: E731 - every DP rank's requests' tokens this step
+        tuple(len(prompts[i]) if step == 0 else 1 for i in requests_of(r, dp, len(prompts)))
         for r in range(dp))
     generated = [[] for _ in mine]
     logits_out = [[] for _ in mine]
@@ -66,8 +66,11 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         if on_step is not None:
             on_step(step)
         mode = ForwardMode.EXTEND if step == 0 else ForwardMode.DECODE
-        batch = ForwardBatch.build(mode, new_tokens, prefix, dp_token_counts=counts_of(step),
-                                   kv_cache=cache, device=model.device)
+        lens = lens_of(step)
+        batch = ForwardBatch.build(mode, new_tokens, prefix,
+                                   dp_token_counts=tuple(map(sum, lens)), kv_cache=cache,
+                                   device=model.device)
+        batch.dp_request_lens, batch.tbo = lens, tbo
         stage = getattr(model, "stage", None)
         first = stage is None or stage.first
         last = stage is None or stage.last

@@ -315,6 +315,7 @@ class NemotronHModel(nn.Module):
     def __init__(self, cfg: NemotronHConfig, runtime: BoundaryRuntime, dtype, fusions=None):
         super().__init__()
         self.stage = PipelineStage.of(runtime, cfg.num_hidden_layers)
+        self.dp_rank = runtime.parallel.attn_dp_rank
         if self.stage.first:
             self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                      runtime.parallel.attn_tp, dtype=dtype)
@@ -331,11 +332,11 @@ class NemotronHModel(nn.Module):
     def forward(self, forward_batch, pp_input=None):
         fb = forward_batch
         return run_stack(
-            self.stage, self.layers, fb, lambda layer, h: layer(h, fb),
+            self.stage, self.layers, fb, lambda layer, h, mb: layer(h, mb),
             embed=lambda: self.embeddings(fb.input_ids),
-            leave=lambda h: residual_batch.norm(h, fb, self.norm_f, skip_empty=True,
-                                                handoff_norm=self.handoff_norm),
-            pp_input=pp_input)
+            leave=lambda h, mb: residual_batch.norm(h, mb, self.norm_f, skip_empty=True,
+                                                    handoff_norm=self.handoff_norm),
+            pp_input=pp_input, dp_rank=self.dp_rank)
 
 
 class HybridCache(KVCache):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .. import stage_boundaries
+from .. import run_two_batches, stage_boundaries
 from ..residual import batch as residual_batch
 
 _SEGMENT = "pipeline.segment"  # (next layer, handle) between split-prefill segments
@@ -92,12 +92,19 @@ class PipelineStage:
 
 
 def run_stack(stage: PipelineStage, layers, forward_batch, run_layer, embed, leave,
-              pp_input=None):
+              pp_input=None, dp_rank: int = 0):
     """One forward over this stage's layers, or over ``forward_batch.layer_segment`` (global
-    [start, stop)) of them. Returns ``leave(h)`` on the last stage, the tensors to send on
-    the others, and None after a segment that does not end the stage's layers."""
+    [start, stop)) of them. Returns ``leave(h, fb)`` on the last stage, the tensors to send on
+    the others, and None after a segment that does not end the stage's layers.
+    ``run_layer(layer, h, fb)``. With ``forward_batch.tbo`` the stack runs as two interleaved
+    microbatches (one stage, whole stack) and their outputs merge in request order."""
     fb = forward_batch
     lo, hi = stage.layers.start, stage.layers.stop
+    if fb.tbo:
+        if stage.count > 1 or fb.layer_segment is not None:
+            raise ValueError("two-batch overlap runs the whole stack on one pipeline stage "
+                             "(no --pp, no --split-prefill)")
+        return run_two_batches(fb, embed(), dp_rank, layers, run_layer, leave)
     start, stop = fb.layer_segment or (lo, hi)
     if not lo <= start < stop <= hi:
         raise ValueError(f"layer segment [{start}, {stop}) is not inside this pipeline stage's "
@@ -121,8 +128,8 @@ def run_stack(stage: PipelineStage, layers, forward_batch, run_layer, embed, lea
                                f"segment, which ended at layer {carried[0]}")
         h = carried[1]
     for i in range(start, stop):
-        h = run_layer(layers[i - lo], h)
+        h = run_layer(layers[i - lo], h, fb)
     if stop < hi:
         fb.extra[_SEGMENT] = (stop, h)
         return None
-    return leave(h) if stage.last else residual_batch.to_pp(h, fb)
+    return leave(h, fb) if stage.last else residual_batch.to_pp(h, fb)

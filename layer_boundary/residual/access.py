@@ -7,7 +7,7 @@ chooses a collective.
 from __future__ import annotations
 
 from ..layout import Layout
-from .stream import Contribution, ResidualStream
+from .stream import Contribution, OwedOutput, ResidualStream
 
 
 def local_rows(rows) -> Layout:
@@ -44,3 +44,15 @@ def residual_on(stream: ResidualStream, rows, target: Layout):
         return stream.residual
     src = stream.residual_rows or rows.layouts.local
     return rows.move(None, src, target)(rows, stream.residual)
+
+
+def start_completion(stream: ResidualStream, rows) -> None:
+    """Issue the contribution's owed sum (and finalize) onto the residual's rows now, the
+    sums asynchronously: the next boundary call on this stream waits for them, so another
+    microbatch computes meanwhile (two-batch overlap). The handle stays opaque."""
+    from ..runtime.collectives import issuing_async
+
+    with issuing_async() as issued:
+        complete_onto(stream, rows, stream.residual_rows or local_rows(rows))
+    stream.pending = issued or None
+    stream.handle = OwedOutput(stream)

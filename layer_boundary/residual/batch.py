@@ -23,10 +23,7 @@ SNAPSHOT_NOT_PLAIN = "snapshot requires a plain residual update"
 def start(forward_batch) -> ResidualStream:
     """Begin the layer stack: a fresh, initial stream for this forward batch (and fresh row
     facts: the first boundary computes them from the batch's DP token counts)."""
-    stream = ResidualStream()
-    forward_batch.residual_stream = stream
-    forward_batch.rows = None
-    return stream
+    return ResidualStream.arrive(forward_batch)
 
 
 def _checked(hidden_states, forward_batch) -> ResidualStream:

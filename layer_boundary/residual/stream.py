@@ -10,6 +10,7 @@ silently applying the wrong pending work.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from ..layout import Layout, SumGroup
 NOT_OURS = ("output does not belong to this residual stream; "
             "change layer outputs through boundary accessors")
 START_FIRST = "start the layer stack before entering a stage"
+SHARED_STREAM = ("this residual stream belongs to another forward batch: each two-batch-overlap "
+                 "microbatch needs its own stream (ResidualStream.arrive)")
 
 
 class StreamState(enum.Enum):
@@ -79,7 +82,7 @@ IN_COMPUTE = _InCompute()
 
 class ResidualStream:
     __slots__ = ("residual", "residual_rows", "contribution", "handle", "prepared", "parent",
-                 "branch_output")
+                 "branch_output", "owner", "pending")
 
     def __init__(self, parent: "ResidualStream | None" = None) -> None:
         self.residual: torch.Tensor | None = None
@@ -89,6 +92,20 @@ class ResidualStream:
         self.prepared: tuple | None = None  # (stage, compute input) of the last prepare()
         self.parent = parent  # a branch's stream: the stream it forked from
         self.branch_output: object = None  # a branch's output, once branch_output() made it
+        self.owner = None  # weakref to the forward batch the stream was started or arrived on
+        # collectives issued asynchronously for the contribution (two-batch overlap), waited
+        # on by the next boundary call on this stream
+        self.pending: list | None = None
+
+    @classmethod
+    def arrive(cls, forward_batch) -> "ResidualStream":
+        """A microbatch's own stream (two-batch overlap): fresh, owned by ``forward_batch``,
+        with fresh row facts. Its stack input enters through the first stage's prepare()."""
+        stream = cls()
+        stream.owner = weakref.ref(forward_batch)
+        forward_batch.residual_stream = stream
+        forward_batch.rows = None
+        return stream
     @property
     def state(self) -> StreamState:
         if self.contribution is not None:
@@ -118,4 +135,11 @@ def stream_of(forward_batch) -> ResidualStream:
     stream = forward_batch.residual_stream
     if stream is None:
         raise RuntimeError(START_FIRST)
+    owner = stream.owner
+    if owner is not None and owner() is not forward_batch:
+        raise RuntimeError(SHARED_STREAM)
+    if stream.pending is not None:  # the result is needed now: wait for its collectives
+        for work, _ in stream.pending:
+            work.wait()
+        stream.pending = None
     return stream

@@ -12,6 +12,7 @@ one that does not (a reduce-scatter of uneven blocks) runs as a custom op while 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -19,6 +20,32 @@ import torch.distributed as dist
 
 from .ledger import active_observer
 from .parallel import Group, process_group
+
+# Work handles of the collectives issued inside ``issuing_async()`` (None outside it)
+_ISSUED: list | None = None
+
+
+@contextlib.contextmanager
+def issuing_async():
+    """Inside, the sums whose result is written into storage the caller only views (all-reduce,
+    reduce-scatter) are issued with ``async_op=True`` and return at once; the block yields
+    the list of (work, tensors kept alive) to wait on before anything reads those results.
+    Collectives whose own code reads their result (gathers) stay synchronous."""
+    global _ISSUED
+    outer, _ISSUED = _ISSUED, []
+    try:
+        yield _ISSUED
+    finally:
+        _ISSUED = outer
+
+
+def _issue(call, *keep) -> None:
+    """Run a torch.distributed call, asynchronously inside ``issuing_async()``."""
+    if _ISSUED is None or torch.compiler.is_compiling():
+        call(async_op=False)
+    else:
+        _ISSUED.append((call(async_op=True), keep))
+
 
 def _observe(kind: str, group: Group, numel: int, dtype, site: str | None) -> None:
     observer = active_observer()
@@ -32,7 +59,7 @@ def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> t
         return x
     _observe("all_reduce", group, x.numel(), x.dtype, site)
     x = x.contiguous()
-    dist.all_reduce(x, group=group.pg)
+    _issue(lambda async_op: dist.all_reduce(x, group=group.pg, async_op=async_op), x)
     return x
 
 
@@ -46,7 +73,9 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.numel() == 0:
         return out
     _observe("reduce_scatter", group, x.numel(), x.dtype, None)
-    dist.reduce_scatter_single(out, x.contiguous(), group=group.pg)
+    x = x.contiguous()
+    _issue(lambda async_op: dist.reduce_scatter_single(out, x, group=group.pg,
+                                                      async_op=async_op), out, x)
     return out
 
 
@@ -65,7 +94,8 @@ def reduce_scatter_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...])
 def _reduce_scatter_v(x, pg, sizes, rank):
     blocks = list(x.contiguous().split(list(sizes), dim=0))
     out = x.new_empty((sizes[rank], *x.shape[1:]))
-    dist.reduce_scatter(out, blocks, group=pg)
+    _issue(lambda async_op: dist.reduce_scatter(out, blocks, group=pg, async_op=async_op),
+           out, blocks)
     return out
 
 

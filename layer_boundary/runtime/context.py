@@ -26,10 +26,11 @@ NO_FLAGS = ForwardFlags()
 
 
 class _ForwardState:
-    __slots__ = ("flags",)
+    __slots__ = ("flags", "open_scopes")
 
     def __init__(self) -> None:
         self.flags = NO_FLAGS
+        self.open_scopes = 0  # exit scopes entered and not yet left
 
 
 _STATE = _ForwardState()
@@ -40,11 +41,18 @@ def get_forward() -> ForwardFlags:
     return _STATE.flags
 
 
-def swap_flags(flags: ForwardFlags) -> ForwardFlags:
-    """Install ``flags`` and return the previous ones; for exit scopes only."""
+def swap_flags(flags: ForwardFlags, opening: bool) -> ForwardFlags:
+    """Install ``flags`` and return the previous ones; for exit scopes only (``opening``: a
+    scope is entered, else left)."""
     previous = _STATE.flags
     _STATE.flags = flags
+    _STATE.open_scopes += 1 if opening else -1
     return previous
+
+
+def open_exit_scopes() -> int:
+    """How many exit scopes are open now (a two-batch-overlap yield point requires none)."""
+    return _STATE.open_scopes
 
 
 def get_parallel() -> Parallel:

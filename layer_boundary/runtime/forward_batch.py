@@ -46,6 +46,12 @@ class ForwardBatch:
     # split prefill: the global layers [start, stop) this call runs (None: all of this
     # pipeline stage's); a stage's segments run in order on one batch
     layer_segment: tuple[int, int] | None = None
+    # every attention-DP rank's requests' token counts in this forward (what a two-batch
+    # overlap split needs to agree on all ranks); None where no split is asked
+    dp_request_lens: tuple | None = None
+    tbo: bool = False  # run the stack as two interleaved microbatches
+    # a two-batch-overlap microbatch: owed sums start at the producer's finish, asynchronously
+    overlap: bool = False
 
     @property
     def num_tokens(self) -> int:

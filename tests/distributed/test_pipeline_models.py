@@ -7,37 +7,15 @@ is scattered; the sampled tokens reach every stage.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
-from checkpoints import hf_qwen3, hf_qwen3_moe, hf_reference, hf_reference_moe
-from ds4_checkpoints import TINY_DS4, hf_deepseek_v4, hf_deepseek_v4_reference
-from ds_checkpoints import hf_deepseek_v3, hf_deepseek_v3_reference
-from lc_checkpoints import hf_longcat_flash, hf_longcat_flash_reference
-from nh_checkpoints import hf_nemotron_h, hf_nemotron_h_reference
+from ds4_checkpoints import TINY_DS4
 
 from layer_boundary.models.generate import requests_of
 from layer_boundary.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, world1
+from .models import MODELS, PROMPTS, STEPS, transformers_prefill
 from .pool import get_pool
-
-PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))
-STEPS = 3
-
-# (writer, transformers reference, overrides): four or more layers, so pp 3 splits unevenly;
-# Qwen3 tied, so a later stage's head reads the embedding
-MODELS = {
-    "qwen3": (hf_qwen3, hf_reference, dict(num_hidden_layers=4, tie=True)),
-    "qwen3_moe": (hf_qwen3_moe, hf_reference_moe, dict(num_hidden_layers=4)),
-    "deepseek_v3": (hf_deepseek_v3, hf_deepseek_v3_reference, dict(num_hidden_layers=4)),
-    "deepseek_v4": (hf_deepseek_v4, hf_deepseek_v4_reference, dict(
-        num_hidden_layers=4, layer_types=TINY_DS4["layer_types"][:1] * 4,
-        mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"])),
-    "nemotron_h": (hf_nemotron_h, hf_nemotron_h_reference, {}),  # 8 blocks
-    "longcat_flash": (hf_longcat_flash, hf_longcat_flash_reference, dict(num_layers=4)),
-}
 
 # (pp, tp, dp, ep, policy, split_prefill, pp_layers)
 CASES = {
@@ -45,19 +23,6 @@ CASES = {
     "pp3-uneven": (3, 1, 1, 1, "ar", 1, None),
     "pp2-tp2-dp2-rsv": (2, 2, 2, 2, "rsv", 2, None),
 }
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pp")
-    return {name: str(write(root / name, **kw)) for name, (write, _, kw) in MODELS.items()}
-
-
-@functools.lru_cache(maxsize=None)
-def transformers_prefill(model: str, path: str) -> list[torch.Tensor]:
-    ref = MODELS[model][1](path)
-    with torch.no_grad():
-        return [ref(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
 
 
 def check_handoffs(results, spec: RunSpec, width: int) -> None:
@@ -97,15 +62,15 @@ def spec_mode(results) -> str:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_pipeline_matches_world1_and_transformers(checkpoints, model, case):
+def test_pipeline_matches_world1_and_transformers(model_dirs, model, case):
     pp, tp, dp, ep, policy, split, layers = CASES[case]
-    spec = RunSpec(checkpoints[model], tp=tp, dp=dp, ep=ep, pp=pp, boundary_reduction=policy,
+    spec = RunSpec(model_dirs[model], tp=tp, dp=dp, ep=ep, pp=pp, boundary_reduction=policy,
                    prompts=PROMPTS, max_new_tokens=STEPS, split_prefill=split,
                    pp_layers=layers)
     results = get_pool(pp * tp).run(run_rank, spec)
     run = merge(results)
     assert_logits_match(run, world1(spec), len(PROMPTS))
-    for j, expected in enumerate(transformers_prefill(model, checkpoints[model])):
+    for j, expected in enumerate(transformers_prefill(model, model_dirs[model])):
         diff = (run.logits[j][0] - expected).abs().max().item()
         assert diff <= 1e-5, f"request {j} prefill vs transformers: max abs diff {diff}"
     stages = sorted({r.layers for r in results})

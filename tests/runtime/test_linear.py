@@ -83,12 +83,12 @@ def _row(weight, bias, x, reduce_results, flags):
         layer.bias.weight_loader(layer.bias, bias)
     k = weight.shape[1] // group.size
     x_local = x[:, group.rank * k:(group.rank + 1) * k]  # input features split contiguously
-    previous = swap_flags(NO_FLAGS if flags is None else flags)
+    previous = swap_flags(NO_FLAGS if flags is None else flags, opening=True)
     try:
         with LEDGER.recording() as entries:
             y = layer(x_local)
     finally:
-        swap_flags(previous)
+        swap_flags(previous, opening=False)
     return group.rank, y, _entries(entries), get_forward() is previous
 
 

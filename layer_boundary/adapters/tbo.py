@@ -1,0 +1,119 @@
+"""Two-batch overlap (TBO): two microbatches, each with its own residual stream, interleaved.
+
+A forward batch splits by requests: each attention-DP rank splits its own requests into a
+first and a second group with token counts as even as the requests allow (a group may be empty
+on some rank, or everywhere). Every rank computes every DP rank's split from the batch's
+``dp_request_lens``, so the microbatches' DP token counts agree on all ranks. Each microbatch
+enters with ``ResidualStream.arrive()`` (a stream it owns: a stream reached through another
+batch raises) and the operations of the two interleave, stage by stage; at every switch (a
+yield point) no ``exit()`` scope may be open, so no compute flag of one microbatch is seen by
+the other. The outputs merge back in request order: on every rank the first microbatch holds
+the first requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..residual.stream import ResidualStream
+from ..runtime.context import open_exit_scopes
+
+EXIT_ACROSS_YIELD = ("an exit() scope is open across a two-batch-overlap yield point: finish "
+                     "the stage's compute inside the scope before the other microbatch runs")
+
+
+def split_point(lens) -> int:
+    """How many of ``lens`` (one DP rank's requests' token counts) the first microbatch takes:
+    the most even split of tokens, the first microbatch taking the larger half on a tie."""
+    total = sum(lens)
+    # the smallest gap; on a tie, the larger first half (its prefix sum is the larger one)
+    return min(range(len(lens) + 1),
+               key=lambda i: (abs(total - 2 * sum(lens[:i])), -sum(lens[:i])))
+
+
+def split_counts(dp_request_lens) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Every DP rank's token counts in the first and the second microbatch."""
+    cuts = [split_point(lens) for lens in dp_request_lens]
+    first = tuple(sum(lens[:k]) for lens, k in zip(dp_request_lens, cuts))
+    second = tuple(sum(lens[k:]) for lens, k in zip(dp_request_lens, cuts))
+    return first, second
+
+
+def split_batch(forward_batch, dp_rank: int = 0, overlap: bool = True) -> list:
+    """The two microbatches of ``forward_batch`` (``dp_rank``: this rank's attention-DP rank).
+    ``overlap=False`` keeps their collectives synchronous (a baseline for benchmarks)."""
+    fb = forward_batch
+    lens = fb.dp_request_lens
+    if lens is None:
+        if len(fb.dp_token_counts) > 1:
+            raise ValueError("two-batch overlap under attention DP needs every DP rank's request "
+                             "lengths (ForwardBatch.dp_request_lens)")
+        lens = (fb.extend_lens,)
+    if tuple(lens[dp_rank]) != tuple(fb.extend_lens):
+        raise ValueError(f"ForwardBatch.dp_request_lens[{dp_rank}] {tuple(lens[dp_rank])} is not "
+                         f"this rank's requests {tuple(fb.extend_lens)}")
+    k = split_point(lens[dp_rank])
+    tokens = sum(fb.extend_lens[:k])
+    counts = split_counts(lens)
+    parts = []
+    for (lo, hi), (t0, t1), mine, theirs in (
+            ((0, k), (0, tokens), counts[0], tuple(x[:split_point(x)] for x in lens)),
+            ((k, len(fb.extend_lens)), (tokens, fb.num_tokens), counts[1],
+             tuple(x[split_point(x):] for x in lens))):
+        parts.append(replace(
+            fb, input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
+            seq_lens=fb.seq_lens[lo:hi], extend_lens=fb.extend_lens[lo:hi],
+            req_slots=fb.req_slots[lo:hi], dp_token_counts=mine, dp_request_lens=theirs,
+            residual_stream=None, rows=None, extra={}, layer_segment=None, tbo=False,
+            overlap=overlap))
+    return parts
+
+
+def check_yield() -> None:
+    """A switch between microbatches: no exit scope (and so no compute flag) may be open."""
+    if open_exit_scopes():
+        raise RuntimeError(EXIT_ACROSS_YIELD)
+
+
+def interleave(operations) -> None:
+    """Run two microbatches' operation lists alternately (A0, B0, A1, B1, ...), checking each
+    yield point."""
+    for step in range(max(map(len, operations))):
+        for ops in operations:
+            if step < len(ops):
+                ops[step]()
+                check_yield()
+
+
+def run_two_batches(forward_batch, hidden_states, dp_rank: int, layers, run_layer, leave):
+    """The stack over two interleaved microbatches: split the stack's input, enter each
+    microbatch with its own stream, run every layer on A then B, leave each, merge the outputs
+    in request order. ``run_layer(layer, h, fb)``, ``leave(h, fb)`` as the stack's own.
+    ``forward_batch.extra["tbo_synchronous"]``: the same schedule without asynchronous sums
+    (what the overlap benchmark compares against)."""
+    microbatches = split_batch(forward_batch, dp_rank,
+                               overlap=not forward_batch.extra.get("tbo_synchronous", False))
+    n = microbatches[0].num_tokens
+    state = {id(mb): h for mb, h in zip(microbatches, (hidden_states[:n], hidden_states[n:]))}
+    for mb in microbatches:
+        ResidualStream.arrive(mb)
+
+    def op(layer, mb):
+        def run():
+            state[id(mb)] = run_layer(layer, state[id(mb)], mb)
+        return run
+
+    def out(mb):
+        def run():
+            state[id(mb)] = leave(state[id(mb)], mb)
+        return run
+
+    interleave([[op(layer, mb) for layer in layers] + [out(mb)] for mb in microbatches])
+    # the batch itself held no stream; its row facts are its first microbatch's (the row mode
+    # of the forward, for reports), and each microbatch's rows stay on the microbatch
+    forward_batch.residual_stream = None
+    forward_batch.rows = microbatches[0].rows
+    forward_batch.extra["tbo_microbatches"] = microbatches
+    return torch.cat([state[id(mb)] for mb in microbatches])

@@ -1,0 +1,212 @@
+"""Two-batch overlap on the toy stack: the split, an operation-scheduled run (A attention,
+B attention, A FFN, B FFN, ...) whose FFNs run without exit() and hand on through
+postprocess(), on every row mode against world 1, and the misuse the spec names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed.pool import get_pool
+from toy import HIDDEN, DpBatch, ToyStack, runtime, seeded
+
+from layer_boundary.adapters.tbo import (EXIT_ACROSS_YIELD, interleave, split_batch,
+                                         split_counts, split_point)
+from layer_boundary.residual import batch as residual_batch
+from layer_boundary.residual.stream import NOT_OURS, SHARED_STREAM, ResidualStream
+from layer_boundary.runtime import LEDGER, ForwardBatch, ForwardMode
+
+LAYERS = 2
+
+
+def test_split_balances_tokens_by_requests():
+    assert split_point((5,)) == 1  # one request: the first microbatch takes it
+    assert split_point((3, 3)) == 1 and split_point((4, 1, 1, 1)) == 1
+    assert split_point((1, 1, 4)) == 2 and split_point(()) == 0
+    assert split_counts(((5, 3), (7,), ())) == ((5, 7, 0), (3, 0, 0))
+    fb = ForwardBatch.build(ForwardMode.EXTEND, [[1, 2], [3], [4, 5, 6]], [0, 0, 0],
+                            dp_token_counts=(6, 1))
+    fb.dp_request_lens = ((2, 1, 3), (1,))
+    a, b = split_batch(fb, dp_rank=0)
+    assert (a.input_ids.tolist(), b.input_ids.tolist()) == ([1, 2, 3], [4, 5, 6])
+    assert (a.extend_lens, b.extend_lens) == ((2, 1), (3,))
+    assert (a.dp_token_counts, b.dp_token_counts) == ((3, 1), (3, 0))
+    assert a.kv_cache is fb.kv_cache and a.residual_stream is None
+    fb.dp_request_lens = ((2, 1), (1,))
+    with pytest.raises(ValueError, match=r"dp_request_lens\[0\] \(2, 1\) is not this rank's "
+                                         r"requests \(2, 1, 3\)"):
+        split_batch(fb, dp_rank=0)
+
+
+def _microbatches(rt, counts):
+    """This rank's two microbatches of a batch with one-token requests."""
+    b = DpBatch(counts, rt)
+    fb = b.fb
+    n = fb.num_tokens
+    fb = ForwardBatch.build(ForwardMode.EXTEND, [[t] for t in range(n)], [0] * n,
+                            dp_token_counts=b.counts)
+    fb.dp_request_lens = tuple((1,) * c for c in b.counts)
+    return b, split_batch(fb, rt.parallel.attn_dp_rank if len(b.counts) > 1 else 0)
+
+
+def run(tp: int, dp: int, policy: str, counts, postprocess: bool = True,
+        sparse: bool = False) -> dict:
+    """Two microbatches, operation-scheduled: per layer A attention, B attention, A FFN, B FFN
+    (the FFNs computing without exit() and handing on through postprocess(), or with exit()
+    and their owed sums issued asynchronously at finish); then each leaves through the final
+    norm and the outputs merge in request order."""
+    rt = runtime(tp, dp, boundary_reduction=policy)
+    stack = ToyStack(rt, layers=LAYERS, ffn_sparse=sparse)
+    b, mbs = _microbatches(rt, counts)
+    x = b.mine(seeded((sum(counts), HIDDEN), 8))
+    n = mbs[0].num_tokens
+    h = {0: x[:n], 1: x[n:]}
+    for mb in mbs:
+        ResidualStream.arrive(mb)
+
+    def attn(layer, i):
+        def op():
+            h[i] = layer.attn_half(h[i], mbs[i])
+        return op
+
+    in_flight, handed_on = [], []
+
+    def ffn(layer, i):
+        def op():
+            x = layer.ffn.prepare(h[i], mbs[i])
+            if postprocess:
+                h[i] = layer.ffn.postprocess(layer.ffn_compute(x), mbs[i])  # fully reduced
+                handed_on.append(str(mbs[i].residual_stream.contribution.rows))
+            else:
+                with layer.ffn.exit(mbs[i]) as out:
+                    y = layer.ffn_compute(x)
+                h[i] = out.finish(y)
+                # what the other microbatch's next operation overlaps
+                in_flight.append(len(mbs[i].residual_stream.pending or ()))
+        return op
+
+    def leave(i):
+        def op():
+            h[i] = stack.final(h[i], mbs[i])
+        return op
+
+    with LEDGER.recording() as ledger:
+        interleave([[f(layer, i) for layer in stack.layers for f in (attn, ffn)] + [leave(i)]
+                    for i in (0, 1)])
+    return {"out": torch.cat([h[0], h[1]]), "rows": (b.rows.start, b.rows.stop),
+            "mode": mbs[0].rows.mode.value,
+            "released": all(mb.residual_stream is None for mb in mbs),
+            "sites": sorted({e.site for e in ledger}), "in_flight": in_flight,
+            "handed_on": handed_on}
+
+
+def world1(counts) -> torch.Tensor:
+    rt = runtime()
+    stack = ToyStack(rt, layers=LAYERS)
+    b = DpBatch(counts, rt)
+    residual_batch.start(b.fb)
+    h = seeded((sum(counts), HIDDEN), 8)
+    for layer in stack.layers:
+        h = layer.forward_layer(h, b.fb)
+    return stack.final(h, b.fb)
+
+
+CASES = [(1, 1, "ar", (5,)), (2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 2, "ar", (5, 3)),
+         (4, 2, "rs", (5, 1)), (4, 2, "rsv", (3, 5)), (4, 4, "rsv", (2, 0, 3, 1))]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,policy,counts", CASES,
+                         ids=[f"tp{t}-dp{d}-{p}" for t, d, p, _ in CASES])
+def test_operation_scheduled_microbatches_match_world1(tp, dp, policy, counts):
+    ref = world1(counts)
+    for rank, r in enumerate(get_pool(tp).run(run, tp, dp, policy, counts)):
+        assert r["mode"] == policy and r["released"]
+        torch.testing.assert_close(r["out"], ref[slice(*r["rows"])], atol=1e-5, rtol=0,
+                                   msg=lambda m: f"rank {rank}: {m}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,policy,counts", [(2, 1, "rs", (5,)), (4, 2, "rsv", (3, 5)),
+                                                 (4, 2, "ar", (5, 3))])
+def test_between_sparse_ffns_postprocess_hands_on_the_residuals_rows(tp, dp, policy, counts):
+    """(sparse, next_sparse) decides the handoff rows: between sparse FFNs the complete
+    output stays on the residual's rows (scattered under rs/rsv, local under ar)."""
+    ref = world1(counts)
+    for r in get_pool(tp).run(run, tp, dp, policy, counts, True, True):
+        torch.testing.assert_close(r["out"], ref[slice(*r["rows"])], atol=1e-5, rtol=0)
+        scattered = "attn_dp+attn_tp_scatter" if dp > 1 else "attn_tp_scatter"
+        expected = "attn_dp" if policy == "ar" else scattered
+        assert set(r["handed_on"]) == {expected}, r["handed_on"]
+    dense = get_pool(tp).run(run, tp, dp, policy, counts)[0]
+    assert set(dense["handed_on"]) == {"attn_dp" if dp > 1 else "replicated"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,policy,counts", [(2, 1, "ar", (5,)), (4, 2, "rs", (5, 1)),
+                                                 (4, 2, "rsv", (3, 5))])
+def test_owed_sums_run_asynchronously_between_microbatches(tp, dp, policy, counts):
+    """With exit(), each non-terminal FFN of a microbatch leaves its TP sum in flight when the
+    other microbatch's next operation starts; the numbers are world 1's."""
+    ref = world1(counts)
+    for rank, r in enumerate(get_pool(tp).run(run, tp, dp, policy, counts, False)):
+        torch.testing.assert_close(r["out"], ref[slice(*r["rows"])], atol=1e-5, rtol=0)
+        # per microbatch: the first layer's FFN sum in flight, the terminal one done in compute
+        assert r["in_flight"] == [1, 1, 0, 0], (rank, r["in_flight"])
+
+
+def _two(counts=(4,)):
+    rt = runtime()
+    stack = ToyStack(rt, layers=LAYERS)
+    b, mbs = _microbatches(rt, counts)
+    x = seeded((sum(counts), HIDDEN), 8)
+    n = mbs[0].num_tokens
+    for mb in mbs:
+        ResidualStream.arrive(mb)
+    return stack, mbs, x[:n], x[n:]
+
+
+def test_a_stream_shared_between_microbatches_raises():
+    stack, (a, b), xa, xb = _two()
+    b.residual_stream = a.residual_stream
+    stack.layers[0].attn_half(xa, a)
+    with pytest.raises(RuntimeError, match=f"^{SHARED_STREAM.replace('(', '[(]').replace(')', '[)]')}$"):
+        stack.layers[0].attn_half(xb, b)
+
+
+def test_an_exit_scope_open_across_a_yield_raises():
+    stack, (a, b), xa, xb = _two()
+    layer = stack.layers[0]
+    state = {}
+
+    def a_attn_then_open_exit():
+        layer.ffn.prepare(layer.attn_half(xa, a), a)
+        scope = layer.ffn.exit(a)
+        scope.__enter__()  # the FFN's exit scope left open at the switch to B
+        state["scope"] = scope
+
+    with pytest.raises(RuntimeError, match=f"^{EXIT_ACROSS_YIELD.replace('(', '[(]').replace(')', '[)]')}$"):
+        interleave([[a_attn_then_open_exit], [lambda: layer.attn_half(xb, b)]])
+    state["scope"].__exit__(None, None, None)
+
+
+def test_one_microbatchs_output_at_the_others_boundary_raises():
+    stack, (a, b), xa, xb = _two()
+    layer = stack.layers[0]
+    ha = layer.attn_half(xa, a)
+    layer.attn_half(xb, b)
+    with pytest.raises(RuntimeError, match=f"^{NOT_OURS}$"):
+        layer.ffn.prepare(ha, b)
+
+
+def test_postprocess_misuse():
+    stack, (a, b), xa, xb = _two()
+    layer = stack.layers[0]
+    with pytest.raises(RuntimeError, match="postprocess\\(\\) is for FFN stages"):
+        layer.attn.postprocess(xa, a)
+    h = layer.attn_half(xa, a)
+    with pytest.raises(RuntimeError, match="postprocess\\(\\) on stage layer0.ffn without its "
+                                           "prepare\\(\\)"):
+        layer.ffn.postprocess(h, a)
+    layer.ffn.prepare(h, a)
+    with pytest.raises(ValueError, match="takes its complete output on replicated rows"):
+        layer.ffn.postprocess(torch.zeros(7, HIDDEN), a)
