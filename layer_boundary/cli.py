@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run each stage's prefill in this many layer-range segments")
     run.add_argument("--tbo", action="store_true",
                      help="two-batch overlap: each forward as two interleaved microbatches")
+    run.add_argument("--draft-model", default=None,
+                     help="speculative decoding: a draft checkpoint with the target's vocabulary")
+    run.add_argument("--speculative-algorithm", choices=("draft", "nextn"), default=None,
+                     help="draft: --draft-model proposes; nextn: the target DeepSeek-V3's own "
+                          "NextN/MTP layer proposes (default: draft with --draft-model)")
+    run.add_argument("--speculative-steps", type=_positive, default=3,
+                     help="draft tokens proposed per verification forward")
+    run.add_argument("--speculative-boundary-reduction", choices=BOUNDARY_REDUCTIONS,
+                     default="auto", help="the draft stack's own boundary-reduction policy")
 
     plan = sub.add_parser("plan", help="print the per-stage boundary paths for a batch shape")
     plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
@@ -200,8 +209,34 @@ def _spec(args):
                      or args.compile_backend):
         raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
                          "not combine with --pp, --split-prefill or --compile yet")
+    algorithm = args.speculative_algorithm or ("draft" if args.draft_model else None)
+    if algorithm is not None:
+        from .runner import check_draft
+
+        if args.tbo or args.pp > 1 or args.split_prefill > 1:
+            raise UsageError("speculative decoding does not combine with --tbo, --pp or "
+                             "--split-prefill yet")
+        if algorithm == "draft":
+            if args.draft_model is None:
+                raise UsageError("--speculative-algorithm draft needs --draft-model")
+            safetensors_files(args.draft_model)
+            check_draft(cfg, load_config(args.draft_model), model_type_of(args.draft_model),
+                        dims)
+        elif args.draft_model is not None:
+            raise UsageError("--speculative-algorithm nextn drafts with the target's own NextN "
+                             "layer: drop --draft-model")
+        elif cfg.model_type != "deepseek_v3" or not cfg.num_nextn_predict_layers:
+            raise UsageError(f"--speculative-algorithm nextn needs a deepseek_v3 checkpoint with "
+                             f"its NextN layer (config.json num_nextn_predict_layers > 0); "
+                             f"{model_dir} has model_type {cfg.model_type!r}"
+                             + (f", num_nextn_predict_layers="
+                                f"{cfg.num_nextn_predict_layers}"
+                                if cfg.model_type == "deepseek_v3" else ""))
     return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, pp=args.pp,
                    pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
+                   draft_model=args.draft_model, speculative_algorithm=algorithm,
+                   speculative_steps=args.speculative_steps,
+                   speculative_boundary_reduction=args.speculative_boundary_reduction,
                    boundary_reduction=args.boundary_reduction, dtype=args.dtype,
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
@@ -230,9 +265,11 @@ def _check_pipeline(args, cfg, module) -> None:
 
 
 def _report(args, spec, results, reference) -> int:
-    from .runner import BF16_PREFILL_BOUND, bf16_prefill_within_bound, merge, parity
+    from .runner import (BF16_PREFILL_BOUND, bf16_prefill_within_bound, merge, parity,
+                         speculative_summary)
 
     run = merge(results)
+    speculative = speculative_summary(results)
     rank0 = results[0]
     verdict = parity(run, reference) if reference is not None else None
     collectives = summarize(rank0.ledger)
@@ -258,6 +295,7 @@ def _report(args, spec, results, reference) -> int:
             "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g}
                         for i, g in zip(run.request_ids, run.generated)],
             "parity": verdict, "collectives": collectives,
+            **({"speculative": speculative} if speculative else {}),
             **({"compile": spec.compile} if spec.compile else {})}))
         return 0 if ok else 1
     log.info("layer-boundary run: %s  %stp=%d dp=%d ep=%d  boundary_reduction=%s (asked %s)  "
@@ -266,6 +304,11 @@ def _report(args, spec, results, reference) -> int:
              f"  compiled ({spec.compile}, fullgraph)" if spec.compile else "")
     for i, g in zip(run.request_ids, run.generated):
         log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
+    if speculative:
+        log.info("speculative (%d draft steps): acceptance %.2f, %.2f tokens per target forward "
+                 "per request, %d verification forwards, %d reruns", spec.speculative_steps,
+                 speculative["acceptance_rate"], speculative["tokens_per_target_forward"],
+                 speculative["target_forwards"], speculative["reruns"])
     if verdict is None:
         log.info("parity: not checked")
     else:
@@ -436,7 +479,8 @@ def cmd_run(args) -> int:
     world = spec.world_size
     results = [run_rank(spec)] if world == 1 else spawn(_rank_entry, world, spec)
     # world 1 needs no reference of itself, unless it ran compiled or in segments
-    own = world == 1 and spec.compile is None and spec.split_prefill == 1 and not spec.tbo
+    own = (world == 1 and spec.compile is None and spec.split_prefill == 1 and not spec.tbo
+           and not spec.speculative)
     reference = None if args.no_reference or own else _reference(spec)
     return _report(args, spec, results, reference)
 
@@ -448,7 +492,8 @@ def _reference(spec):
     from .runner import merge, run_rank
 
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, pp=1, pp_layers=None, split_prefill=1,
-                               tbo=False, compile=None), world_size=1)])
+                               tbo=False, draft_model=None, speculative_algorithm=None,
+                               compile=None), world_size=1)])
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,7 @@ from .adapters.branch import describe_merge
 from .layout import RowMode
 from .models import load_model, model_type_of
 from .models.generate import Generation, greedy_generate
+from .models.speculative import speculative_generate
 from .runtime.args import BoundaryRuntime, resolve_boundary_reduction
 from .runtime.ledger import LEDGER, LedgerEntry
 from .runtime.parallel import ParallelDims, build_parallel
@@ -45,10 +46,18 @@ class RunSpec:
     pp_layers: tuple | None = None  # layers per stage (None: even split, remainder first)
     split_prefill: int = 1  # layer-range segments per stage for the prefill
     tbo: bool = False  # two-batch overlap: every forward as two interleaved microbatches
+    draft_model: str | None = None  # speculative decoding: the draft stack's checkpoint
+    speculative_algorithm: str | None = None  # None | "draft" (draft_model) | "nextn"
+    speculative_steps: int = 3  # draft tokens proposed per round
+    speculative_boundary_reduction: str = "auto"  # the draft's own policy (its architecture's)
 
     @property
     def world_size(self) -> int:
         return self.pp * self.tp
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft_model is not None or self.speculative_algorithm == "nextn"
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size or self.world_size, tp=self.tp, pp=self.pp,
@@ -72,6 +81,7 @@ class RankResult:
     pp_rank: int = 0
     last_stage: bool = True  # this rank's logits are the model's (the last pipeline stage)
     layers: tuple = ()  # the global layers this rank's pipeline stage holds
+    speculative: dict | None = None  # proposed/accepted/target_forwards/emitted/reruns
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
@@ -124,8 +134,8 @@ class _ForwardCheck:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, forward_batch, pp_input=None):
-        out = self.forward(forward_batch, pp_input)
+    def __call__(self, forward_batch, pp_input=None, **kwargs):
+        out = self.forward(forward_batch, pp_input, **kwargs)
         if out is not None:  # the stage's last segment of this forward
             self.released &= forward_batch.residual_stream is None
             self.modes.append(forward_batch.rows.mode.value)
@@ -151,21 +161,74 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
         forward = torch.compile(model, fullgraph=True, backend=spec.compile,
                                 options={"guard_filter_fn": boundary_guard_filter(model)})
     checked = _ForwardCheck(model, forward)
+    draft = load_draft(spec, runtime, model) if spec.speculative else None
+    stats = None
     with LEDGER.recording() as entries, contextlib.ExitStack() as stack:
         traces = stack.enter_context(LEDGER.tracing()) if spec.trace else []
-        gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
-                              dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
-                              on_step=_set_ledger_step, pp=par.pp if par.dims.pp > 1 else None,
-                              split_prefill=spec.split_prefill, tbo=spec.tbo)
+        if draft is not None:
+            gen, stats = speculative_generate(
+                checked, draft, [list(p) for p in spec.prompts], spec.max_new_tokens,
+                spec.speculative_steps, parallel=par, dp=par.dims.attn_dp,
+                dp_rank=par.attn_dp_rank, on_step=_set_ledger_step)
+        else:
+            gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
+                                  dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
+                                  on_step=_set_ledger_step,
+                                  pp=par.pp if par.dims.pp > 1 else None,
+                                  split_prefill=spec.split_prefill, tbo=spec.tbo)
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
                         plan_rows(model, RowMode(checked.modes[0])), checked.released,
                         runtime.boundary_reduction, checked.modes, list(traces))
+    if stats is not None:
+        result.speculative = {k: getattr(stats, k) for k in
+                              ("proposed", "accepted", "target_forwards", "emitted", "reruns",
+                               "request_rounds")}
     result.pp_rank, result.last_stage = par.pp_rank, model.stage.last
     result.layers = tuple(model.stage.layers)
     if provider is not None:
         result.fused_inputs = provider.accepted
         result.fused_final_norms = provider.service.calls
     return result
+
+
+def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
+    """The draft stack on the target's ranks and topology, with its own boundary-reduction
+    policy (``auto`` resolved for the draft's own architecture): a draft checkpoint, or the
+    target's own NextN layer."""
+    from .models import load_config
+
+    if spec.speculative_algorithm == "nextn":
+        from .models.nextn import load_nextn
+
+        policy = resolve_boundary_reduction(spec.speculative_boundary_reduction,
+                                            model_type_of(spec.model_dir))
+        runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
+                                  allreduce_fusion=spec.allreduce_fusion,
+                                  rs_padding=spec.rs_padding)
+        return load_nextn(spec.model_dir, runtime, target, dtype=DTYPES[spec.dtype])
+    draft_type = model_type_of(spec.draft_model)
+    target_cfg, draft_cfg = load_config(spec.model_dir), load_config(spec.draft_model)
+    check_draft(target_cfg, draft_cfg, draft_type, target_runtime.parallel.dims)
+    policy = resolve_boundary_reduction(spec.speculative_boundary_reduction, draft_type)
+    runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
+                              allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
+    return load_model(spec.draft_model, runtime, dtype=DTYPES[spec.dtype])
+
+
+def check_draft(target_cfg, draft_cfg, draft_type: str, dims) -> None:
+    """A draft must share the target's vocabulary and shard over the same topology; its cache
+    must be positional (rejected draft tokens are overwritten, never folded in)."""
+    from .models import model_classes
+
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"draft vocab_size={draft_cfg.vocab_size} differs from the target's "
+                         f"vocab_size={target_cfg.vocab_size}")
+    model_classes(draft_type)[2].check_parallel(draft_cfg, dims)
+    if draft_type in ("nemotron_h", "deepseek_v4"):
+        raise ValueError(f"a {draft_type} draft keeps state that folds every token in (Mamba "
+                         "states, a sliding-window ring): drafts need a positional KV cache")
+    if dims.pp > 1:
+        raise ValueError("speculative decoding does not support --pp > 1 yet")
 
 
 def make_fusions(name: str | None):
@@ -196,6 +259,19 @@ def merge(results: list[RankResult]) -> Generation:
             by_request[req] = (r.generation.generated[j], r.generation.logits[j])
     order = sorted(by_request)
     return Generation(order, [by_request[i][0] for i in order], [by_request[i][1] for i in order])
+
+
+def speculative_summary(results: list[RankResult]) -> dict | None:
+    """Acceptance over every DP rank's requests: the rate at which the target confirmed the
+    draft's tokens, and the tokens each verification forward emitted per request."""
+    heads = [r.speculative for r in results if r.attn_tp_rank == 0 and r.speculative]
+    if not heads:
+        return None
+    total = {k: sum(h[k] for h in heads) for k in heads[0]}
+    return {"acceptance_rate": total["accepted"] / max(1, total["proposed"]),
+            "tokens_per_target_forward": total["emitted"] / max(1, total["request_rounds"]),
+            "target_forwards": max(h["target_forwards"] for h in heads),
+            "reruns": max(h["reruns"] for h in heads)}
 
 
 def parity(run: Generation, reference: Generation) -> dict:

@@ -75,12 +75,16 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def forward(self, forward_batch, pp_input=None):
+    def forward(self, forward_batch, pp_input=None, return_hidden: bool = False):
         """Logits [T, vocab] for every token of this rank's batch on the last pipeline stage;
         the tensors for the next stage on the others (``pp_input``: what this stage
-        received); None after a split-prefill segment that does not end the stage."""
+        received); None after a split-prefill segment that does not end the stage. With
+        ``return_hidden``: (logits, the final norm's output) (a NextN draft reads it)."""
         out = self.model(forward_batch, pp_input)
-        return self.lm_head(out) if self.stage.last and out is not None else out
+        if not self.stage.last or out is None:
+            return out
+        logits = self.lm_head(out)
+        return (logits, out) if return_hidden else logits
 
     def stacked_params(self) -> list:
         """(fused parameter, checkpoint part, shard id) triples for fused parameters."""

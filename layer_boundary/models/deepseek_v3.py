@@ -368,12 +368,17 @@ class DeepseekV3MoE(nn.Module):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
+    """One decoder layer. ``nextn``: the multi-token-prediction block stored after the stack
+    (index ``num_hidden_layers``), a stack of its own: it enters with ``previous=None`` and is
+    terminal at its own count of one layer; MoE where the model has MoE layers."""
+
     def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
-                 fusions=None):
+                 fusions=None, nextn: bool = False):
         super().__init__()
         self.hidden_size = cfg.hidden_size
         self.self_attn = DeepseekV3Attention(cfg, layer_id, runtime, dtype)
-        self.is_moe = cfg.is_moe(layer_id)
+        self.is_moe = (cfg.first_k_dense_replace < cfg.num_hidden_layers if nextn
+                       else cfg.is_moe(layer_id))
         if self.is_moe:
             self.mlp = DeepseekV3MoE(cfg, runtime, dtype)
         else:
@@ -382,14 +387,18 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         last = cfg.num_hidden_layers - 1
         options = {} if fusions is None else {"fusions": fusions}
+        tail = cfg.shared_experts_tp1 and self.is_moe
+        ffn = (declare_ffn(sparse=self.is_moe, reduction=ProducerReduction.LOCAL_TAIL if tail
+                           else ProducerReduction.SCOPED)
+               if nextn else ffn_declaration(cfg, layer_id))
         self.attn_boundary, self.ffn_boundary = make_stages(
             (declare_attn(), self.input_layernorm,
              {"qkv_latent_func": self.self_attn.prepare_qkv_latent, **options}),
-            (ffn_declaration(cfg, layer_id), self.post_attention_layernorm, options),
-            previous=None if layer_id == 0 else ffn_declaration(cfg, layer_id - 1),
-            terminal=layer_id == last,
+            (ffn, self.post_attention_layernorm, options),
+            previous=None if layer_id == 0 or nextn else ffn_declaration(cfg, layer_id - 1),
+            terminal=nextn or layer_id == last,
             runtime=runtime,
-            name=f"layer{layer_id}",
+            name=f"nextn{layer_id}" if nextn else f"layer{layer_id}",
         )
 
     def forward(self, positions, hidden_states, forward_batch):

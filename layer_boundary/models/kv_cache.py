@@ -35,6 +35,30 @@ class KVCache:
                                            for i in layers}
         self.max_len, self.window, self.rows, self.shared_kv = max_len, window, rows, shared_kv
 
+    @property
+    def positional(self) -> bool:
+        """Whether entry p holds position p and nothing else: then a later write at p replaces
+        a rejected speculative token, and rolling back needs no copy. A windowed ring (row p
+        mod window) overwrites older positions instead."""
+        return self.window is None
+
+    def snapshot(self):
+        """What ``restore`` needs to undo the writes of the forwards in between (None where
+        rolling back needs nothing)."""
+        if self.positional:
+            return None
+        return ({i: t.clone() for i, t in self.k.items()},
+                None if self.shared_kv else {i: t.clone() for i, t in self.v.items()})
+
+    def restore(self, snapshot) -> None:
+        if snapshot is None:
+            return
+        k, v = snapshot
+        for i, t in k.items():
+            self.k[i].copy_(t)
+        for i, t in (v or {}).items():
+            self.v[i].copy_(t)
+
 
 def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      forward_batch, scaling: float, sinks: torch.Tensor | None = None

@@ -347,6 +347,23 @@ class HybridCache(KVCache):
         self.k, self.v, self.max_len = kv.k, kv.v, kv.max_len
         self.conv, self.ssm = mamba.conv, mamba.ssm
 
+    @property
+    def positional(self) -> bool:
+        return not self.conv  # the Mamba states hold every token seen, rejected ones too
+
+    def snapshot(self):
+        if self.positional:
+            return None
+        return ({i: t.clone() for i, t in self.conv.items()},
+                {i: t.clone() for i, t in self.ssm.items()})
+
+    def restore(self, snapshot) -> None:
+        if snapshot is None:
+            return
+        for saved, live in zip(snapshot, (self.conv, self.ssm)):
+            for i, t in saved.items():
+                live[i].copy_(t)
+
 
 class NemotronHForCausalLM(nn.Module):
     def __init__(self, cfg: NemotronHConfig, runtime: BoundaryRuntime, dtype=torch.float32,

@@ -15,7 +15,8 @@ def world1(spec: RunSpec):
     """The same requests on one rank: no TP, DP, EP, pipeline or fusion provider (cached per
     spec, so the cases of a module share it)."""
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, pp=1, pp_layers=None,
-                                   split_prefill=1, tbo=False, boundary_reduction="ar",
+                                   split_prefill=1, tbo=False, draft_model=None,
+                                   speculative_algorithm=None, boundary_reduction="ar",
                                    fusions=None),
                            world_size=1)])
 
