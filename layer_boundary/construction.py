@@ -142,18 +142,38 @@ class StagePlan:
     def rows(self, forward_batch) -> BatchRows:
         """This forward's row facts; the first boundary of a forward computes them for all."""
         rows = forward_batch.rows
+        counts = forward_batch.dp_token_counts
+        if rows is not None and rows.counts != counts:
+            raise ValueError(f"ForwardBatch.dp_token_counts changed to {tuple(counts)} inside a "
+                             f"forward whose rows were placed for {tuple(rows.counts)}; start "
+                             "the layer stack again (residual_batch.start) for new counts")
+        if rows is not None and rows.runtime is not self.runtime:
+            raise ValueError(f"stage {self.name} was built on another runtime than the stages "
+                             "this forward already ran (one forward, one BoundaryRuntime)")
+        if rows is not None:  # equal counts in another tuple: keep the fast path
+            rows.counts = counts
+            return rows
         if rows is None:
-            counts = forward_batch.dp_token_counts
+            dims = self.runtime.parallel.dims
+            dp_rank = self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
+            if len(counts) != dims.attn_dp or counts[dp_rank] != forward_batch.num_tokens:
+                raise ValueError(
+                    f"ForwardBatch.dp_token_counts {tuple(counts)} does not describe this rank: "
+                    f"it needs one count per attention-DP rank ({dims.attn_dp}), and this DP "
+                    f"rank ({dp_rank}) holds {forward_batch.num_tokens} tokens")
             mode, _ = select_mode(self.runtime, counts)
             rows = forward_batch.rows = BatchRows(mode, counts, self.runtime.parallel,
                                                   self.tables[mode])
+            rows.counts = counts  # the batch's own tuple: select() compares by identity
             rows.path_key = (forward_batch.variant.value, mode.value)
+            rows.runtime = self.runtime
         return rows
 
     def select(self, forward_batch) -> tuple[StagePath, BatchRows]:
         rows = forward_batch.rows
-        if rows is None:
-            rows = self.rows(forward_batch)
+        if (rows is None or rows.runtime is not self.runtime
+                or rows.counts is not forward_batch.dp_token_counts):
+            rows = self.rows(forward_batch)  # places the rows, or names the misuse
         path = self._by_key.get(rows.path_key)
         if path is None:
             raise no_path_error(forward_batch.variant)

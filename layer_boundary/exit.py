@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from .layout import Layout, SumGroup
 from .ops import Movement
 from .output import HandoffOutput
@@ -73,6 +75,16 @@ class ExitPath:
         if self.provider_choice is not None and self.provider_choice(forward_batch):
             return self.deferred
         return self.default
+
+
+def check_output_dtype(stream, value, stage: str) -> None:
+    """A stage's output in the residual's dtype (a silent promotion or downcast would change
+    every later number)."""
+    residual = stream.residual
+    if (isinstance(value, torch.Tensor) and residual is not None
+            and value.dtype != residual.dtype):
+        raise TypeError(f"stage {stage} returned a {value.dtype} output; the residual stream "
+                        f"holds {residual.dtype}")
 
 
 def publish(stream, decision: ExitDecision, value, update, rows, at_producer: bool,
@@ -161,6 +173,7 @@ class StageExit:
         if isinstance(hidden_states, HandoffOutput) and not self.defer_moe_finalize:
             raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
                                "publish defer_moe_finalize")
+        check_output_dtype(self._stream, hidden_states, self._finish_site.rsplit(".", 1)[0])
         self._state = "finished"
         rows = self._forward_batch.rows
         observer = active_observer()

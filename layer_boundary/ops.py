@@ -73,6 +73,7 @@ class BatchRows:
         self.scatter_offset = sum(self.segment_sizes[: self.tp_rank])
         self._pad_index = None
         self.path_key = ("ordinary", mode.value)  # (batch variant, mode): what plans select on
+        self.runtime = None  # the BoundaryRuntime of the stages that placed these rows
 
     def move(self, owed: SumGroup | None, src: Layout, dst: Layout) -> "Movement":
         """The prebuilt movement for (owed, src, dst) in this forward's mode."""

@@ -10,7 +10,7 @@ import torch
 
 from .construction import UnsupportedBoundary, build_plan
 from .contracts import ProducerReduction, StageKind
-from .exit import ExitDecision, FfnExit, MixerExit, publish
+from .exit import ExitDecision, FfnExit, MixerExit, check_output_dtype, publish
 from .residual import LayerResidual
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
@@ -266,6 +266,7 @@ class StageBoundary:
             raise RuntimeError(f"finish() on stage {self.name} without its prepare()")
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"finish() takes the compute output tensor, got {type(hidden_states).__name__}")
+        check_output_dtype(stream, hidden_states, self.name)
         path, rows = self.plan.select(forward_batch)
         observer = active_observer()
         if observer is not None:
@@ -308,6 +309,7 @@ class StageBoundary:
             raise ValueError(f"postprocess() on stage {self.name} takes its complete output on "
                              f"{output.rows} rows ({rows.count(output.rows)} here), got "
                              f"{hidden_states.shape[0]}")
+        check_output_dtype(stream, hidden_states, self.name)
         observer = active_observer()
         if observer is not None:
             observer.enter(self._finish_site)

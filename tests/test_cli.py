@@ -182,7 +182,9 @@ def test_json_report_has_the_documented_shape_and_passes_parity(default_json, bu
         assert all(_is_int(t) and 0 <= t < vocab for t in p["generated_ids"])
 
     parity = report["parity"]
-    assert set(parity) == {"tokens_match", "max_abs_diff"}
+    assert set(parity) == {"tokens_match", "max_abs_diff", "non_finite", "logit_scale",
+                           "tolerance"}
+    assert parity["non_finite"] == [] and parity["tolerance"] >= 1e-5
     assert parity["tokens_match"] is True
     assert isinstance(parity["max_abs_diff"], float)
     assert 0.0 <= parity["max_abs_diff"] <= 1e-5
@@ -581,4 +583,26 @@ def test_tbo_with_what_it_does_not_combine_with_is_a_one_line_error(args, capsys
                                                                     restore_logger):
     assert main(["run", "--tbo", "--tp", "1", "--dp", "1", *args]) == 2
     assert "--tbo runs the whole stack eagerly on one pipeline stage" in _one_line_error(
+        capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ input refused up front
+
+
+def test_positions_past_max_position_embeddings_are_refused(qwen3_dir, capsys, restore_logger):
+    limit = json.loads((Path(qwen3_dir) / "config.json").read_text())["max_position_embeddings"]
+    assert main(["run", "--model", str(qwen3_dir), "--tp", "1", "--dp", "1", "--prompt-ids",
+                 "1,2,3", "--max-new-tokens", str(limit)]) == 2
+    assert _one_line_error(capsys.readouterr().err).endswith(
+        f"--max-new-tokens {limit} after a 3-token prompt needs {limit + 3} positions; the "
+        f"checkpoint's max_position_embeddings is {limit}")
+    long_prompt = ",".join(["1"] * (limit + 1))
+    assert main(["run", "--model", str(qwen3_dir), "--tp", "1", "--dp", "1", "--prompt-ids",
+                 long_prompt]) == 2
+    assert f"prompt 0 has {limit + 1} tokens" in _one_line_error(capsys.readouterr().err)
+
+
+def test_ep_on_a_dense_model_is_an_error(qwen3_dir, capsys, restore_logger):
+    assert main(["run", "--model", str(qwen3_dir), "--tp", "2", "--ep", "2"]) == 2
+    assert "--ep 2 splits MoE experts over ranks; the qwen3 checkpoint" in _one_line_error(
         capsys.readouterr().err)

@@ -97,8 +97,18 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights) -> None:
         tied = self.config.tie_word_embeddings
-        locate = self.stage.locator("model.layers.", first_only={EMBEDDING},
-                                    last_only=("model.norm.", HEAD), embedding=EMBEDDING,
-                                    head=HEAD if tied else None)
+        on_stage = self.stage.locator("model.layers.", first_only={EMBEDDING},
+                                      last_only=("model.norm.", HEAD), embedding=EMBEDDING,
+                                      head=HEAD if tied else None)
+
+        def locate(name: str) -> str | None:
+            ours = self.checkpoint_name(name)
+            return None if ours is None else on_stage(ours)
+
         load_weights(self, weights, stacked=self.stacked_params(), skip=self.skipped_params(),
                      locate=locate)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """This model's name for an on-disk tensor name (None: not loaded); errors still name
+        the tensor as it is on disk."""
+        return name

@@ -511,8 +511,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                 "head.weight": "lm_head.weight"}.get(name, name)
 
     def load_weights(self, weights) -> None:
-        renamed = ((self.checkpoint_name(name), t) for name, t in weights)
-        super().load_weights((name, t) for name, t in renamed if name is not None)
+        super().load_weights(weights)
         experts = self.config.n_routed_experts
         for i, layer in zip(self.stage.layers, self.model.layers):
             table = getattr(layer.mlp.gate, "tid2eid", None)

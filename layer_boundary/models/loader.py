@@ -115,6 +115,12 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
         param = params.get(target)
         if param is None:
             raise CheckpointError(f"checkpoint tensor {name} matches no model parameter")
+        if param.is_floating_point() and not tensor.is_floating_point():
+            raise CheckpointError(f"checkpoint tensor {name} has dtype {tensor.dtype}; parameter "
+                                  f"{target} needs a floating-point tensor")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"checkpoint tensor {name} holds non-finite values (NaN or "
+                                  "Inf)")
         loader = getattr(param, "weight_loader", None)
         try:
             with torch.no_grad():
@@ -126,7 +132,7 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
                     loader(param, tensor.to(param.dtype))
                 else:
                     loader(param, tensor.to(param.dtype), shard)
-        except (RuntimeError, IndexError) as exc:
+        except (RuntimeError, IndexError, ValueError) as exc:
             raise CheckpointError(
                 f"checkpoint tensor {name} (shape {tuple(tensor.shape)}) does not fit parameter "
                 f"{target} (local shape {tuple(param.shape)}): {exc}") from None

@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import HandoffOutput
 from ..runtime import Parallel, all_reduce_rows, get_forward
+from ..runtime.linear import expect_shape
 
 
 class MoeFinalize(HandoffOutput):
@@ -89,6 +90,7 @@ class FusedMoE(nn.Module):
         self.local = num_experts // dims.moe_ep
         self.first = parallel.moe_ep_rank * self.local
         self.shard = intermediate_size // dims.moe_tp
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.shard_start = parallel.moe_tp_rank * self.shard
         up_rows = 2 * self.shard if gated else self.shard
         self.w13 = nn.Parameter(torch.empty(self.local, up_rows, hidden_size, dtype=dtype),
@@ -99,6 +101,8 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param, loaded: torch.Tensor, shard_id) -> None:
         expert, which = shard_id
+        hidden, inter = self.hidden_size, self.intermediate_size  # one expert, unsharded
+        expect_shape(loaded, *((hidden, inter) if which == "down" else (inter, hidden)))
         e = expert - self.first
         if not 0 <= e < self.local:
             return  # another expert-parallel rank's expert

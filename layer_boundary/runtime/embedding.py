@@ -27,9 +27,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.shape[0] != self.vocab_size:
-            raise ValueError(
-                f"embedding weight has {loaded.shape[0]} rows but vocab_size is {self.vocab_size}")
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            raise RuntimeError(f"expected the full shape {(self.vocab_size, param.shape[1])} "
+                               f"(vocab_size, hidden_size)")
         param.data.zero_()
         param.data[: self.end - self.start].copy_(loaded[self.start:self.end])
 

@@ -20,6 +20,13 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def expect_shape(loaded: torch.Tensor, *shape: int) -> None:
+    """A checkpoint tensor has the full (unsharded) shape its layer implies, before any shard
+    is taken from it: a larger tensor would otherwise load a slice of the wrong values."""
+    if tuple(loaded.shape) != shape:
+        raise RuntimeError(f"expected the full shape {shape}")
+
+
 class ColumnParallelLinear(nn.Module):
     """y[:, shard] = x @ W[shard].T: output features split over ``group``; rows unchanged."""
 
@@ -37,6 +44,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, self.out_per_rank * self.group.size, *param.shape[1:])
         start = self.group.rank * self.out_per_rank
         param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
 
@@ -62,7 +70,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
             self.kv_replicas = 1
-        self.head_dim = head_dim
+        self.head_dim, self.total_heads, self.total_kv_heads = head_dim, num_heads, num_kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         per_rank_out = self.q_size + 2 * self.kv_size
@@ -70,6 +78,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         rank = self.group.rank
+        heads = self.total_heads if shard_id == "q" else self.total_kv_heads
+        expect_shape(loaded, heads * self.head_dim, *param.shape[1:])
         if shard_id == "q":
             offset, size, start = 0, self.q_size, rank * self.q_size
         else:
@@ -101,9 +111,11 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = self._bias_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, param.shape[0], self.in_per_rank * self.group.size)
         param.data.copy_(loaded.narrow(1, self.group.rank * self.in_per_rank, self.in_per_rank))
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, *param.shape)
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

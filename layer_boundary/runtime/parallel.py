@@ -144,11 +144,16 @@ def _local_group(name: str) -> Group:
     return Group(name=name, ranks=(0,), rank=0, pg=None)
 
 
+# how long a collective may wait for a peer before the job ends (an inference collective takes
+# milliseconds; a silent peer is a stopped or dead rank): set by init_distributed
+_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=45)
+
+
 def _new_groups(name: str, all_ranks: list[list[int]], rank: int) -> Group:
     """Create every group of one kind (all ranks call this in the same order); keep ours."""
     mine = None
     for ranks in all_ranks:
-        pg = dist.new_group(ranks) if len(ranks) > 1 else None
+        pg = dist.new_group(ranks, timeout=_COLLECTIVE_TIMEOUT) if len(ranks) > 1 else None
         if rank in ranks:
             mine = Group(name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=pg)
             if pg is not None:
@@ -223,11 +228,14 @@ def launched_by_torchrun() -> bool:
 
 def init_distributed(rank: int | None = None, world_size: int | None = None,
                      init_method: str | None = None, backend: str = "gloo",
-                     timeout_s: float = 120.0) -> tuple[int, int]:
-    """Initialise torch.distributed once: from torchrun's environment or explicit arguments."""
+                     timeout_s: float = 45.0) -> tuple[int, int]:
+    """Initialise torch.distributed once: from torchrun's environment or explicit arguments.
+    ``timeout_s`` bounds every collective of the world and of every group built later: a
+    peer silent that long (stopped, dead) ends the job instead of stalling it."""
+    global _COLLECTIVE_TIMEOUT
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     if rank is None:
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
@@ -241,9 +249,26 @@ class RankError(RuntimeError):
     """A spawned rank failed; carries the first rank's exception when it can be re-raised."""
 
 
-def _spawn_entry(rank, world_size, port, fn, args, queue):
+HEARTBEAT_S = 2.0  # a rank reports it is alive this often
+SILENT_S = 20.0  # a rank silent this long (stopped, stuck) ends the job
+
+
+def _watch(queue, rank: int, parent: int) -> None:
+    """A rank's daemon thread: heartbeats to the spawner, and an exit when the spawner is gone
+    (whatever killed it), so no rank outlives the job."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        queue.put((rank, "beat", None))
+        time.sleep(HEARTBEAT_S)
+
+
+def _spawn_entry(rank, world_size, port, fn, args, queue, parent, timeout_s):
+    import threading
+
+    threading.Thread(target=_watch, args=(queue, rank, parent), daemon=True).start()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}")
+    init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=timeout_s)
     try:
         # plain pickle copies tensors by value; the queue's pickler would share file
         # descriptors that vanish when this process exits
@@ -260,41 +285,67 @@ def _spawn_entry(rank, world_size, port, fn, args, queue):
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
-    """Run ``fn(*args)`` on ``world_size`` local CPU ranks over gloo; return per-rank results."""
+def spawn(fn, world_size: int, *args, timeout_s: float = 600.0,
+          collective_timeout_s: float = 45.0, silent_s: float = SILENT_S) -> list:
+    """Run ``fn(*args)`` on ``world_size`` local CPU ranks over gloo; return per-rank results.
+
+    The job ends, and every rank with it, when a rank fails (its peers are not waited for),
+    dies before reporting, or falls silent (no heartbeat for ``silent_s``: stopped or stuck);
+    the error names the rank. Ranks exit by themselves when this process is gone.
+    """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, queue))
+    procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, queue,
+                                                     os.getpid(), collective_timeout_s))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, queue, world_size, timeout_s, silent_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+def _collect(procs, queue, world_size: int, timeout_s: float, silent_s: float) -> list:
     results: dict[int, object] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout_s
+    errors: list = []
+    start = time.monotonic()
+    beats = {r: start for r in range(world_size)}
+    deadline = start + timeout_s
     first_error = None
+    lost = None  # a rank that died or fell silent: (rank, why)
     while len(results) + len(errors) < world_size:
         if not queue.empty():
             rank, status, payload = queue.get()
+            beats[rank] = time.monotonic()
             if status == "ok":
                 results[rank] = pickle.loads(payload)
-            else:
+            elif status == "error":
                 errors.append((rank, *payload))
                 first_error = first_error or time.monotonic()
             continue
         now = time.monotonic()
-        # peers of a failed rank sit in a collective until gloo's timeout: do not wait for them
-        if now > deadline or (first_error and now - first_error > 10):
-            break
-        if not any(p.is_alive() for p in procs) and queue.empty():
+        done = set(results) | {e[0] for e in errors}
+        for r, p in enumerate(procs):
+            if r in done:
+                continue
+            if p.exitcode is not None and queue.empty():
+                how = (f"was killed (signal {-p.exitcode})" if p.exitcode < 0
+                       else f"exited with code {p.exitcode}")
+                lost = lost or (r, f"rank {r} {how} before reporting")
+            elif now - beats[r] > silent_s:
+                lost = lost or (r, f"rank {r} stopped responding (no heartbeat for "
+                                   f"{silent_s:.0f} s)")
+        # peers of a failed rank sit in a collective until it times out: do not wait for them
+        if lost or now > deadline or (first_error and now - first_error > 10):
             break
         time.sleep(0.01)
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
     if errors:
         # a bad input on any rank is the cause (its peers then fail on the dead rank, e.g. a
         # pipeline stage's send): the same one-line error as in-process; otherwise the errors
@@ -303,8 +354,13 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
             exc = pickle.loads(exc) if exc is not None else None
             if isinstance(exc, ValueError):
                 raise exc
-        raise RankError("a rank failed:\n" + "\n".join(f"rank {r}: {t}" for r, _, t in errors))
+        if lost is None:
+            raise RankError("a rank failed:\n" + "\n".join(f"rank {r}: {t}"
+                                                            for r, _, t in errors))
+    if lost is not None:
+        raise RankError(lost[1] + "; the job was stopped")
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))
-        raise RuntimeError(f"ranks {missing} did not report a result")
+        raise RankError(f"ranks {missing} did not report within {timeout_s:.0f} s; the job was "
+                        "stopped")
     return [results[r] for r in range(world_size)]

@@ -94,8 +94,9 @@ def test_world1_matches_dense():
 def test_loader_rejects_a_weight_of_the_wrong_vocab():
     group = build_parallel(ParallelDims()).tp
     emb = VocabParallelEmbedding(VOCAB, HIDDEN, group)
-    with pytest.raises(ValueError, match=str(VOCAB)):
-        emb.weight.weight_loader(emb.weight, torch.zeros(VOCAB + 1, HIDDEN))
+    for wrong in ((VOCAB + 1, HIDDEN), (VOCAB, HIDDEN + 1)):
+        with pytest.raises(RuntimeError, match=f"expected the full shape \\({VOCAB}, {HIDDEN}\\)"):
+            emb.weight.weight_loader(emb.weight, torch.zeros(*wrong))
 
 
 @pytest.mark.parametrize("vocab, n", [(5, 4), (9, 8)])
