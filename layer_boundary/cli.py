@@ -197,6 +197,14 @@ def _spec(args):
         if bad:
             raise UsageError(f"prompt {i} has token ids {bad} outside vocab_size={cfg.vocab_size}")
     _check_lengths(model_dir, prompts, args.max_new_tokens)
+    if args.logits_out:  # refused now, not after the whole run
+        import os
+        from pathlib import Path
+
+        target = Path(args.logits_out).resolve()
+        if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent,
+                                                                           os.W_OK):
+            raise UsageError(f"--logits-out {args.logits_out}: cannot write a file there")
     experts = getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0)
     if args.ep > 1 and not experts:
         raise UsageError(f"--ep {args.ep} splits MoE experts over ranks; the {cfg.model_type} "

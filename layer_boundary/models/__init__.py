@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .loader import CheckpointError, iter_weights, read_config
+from .loader import CheckpointError, iter_weights, read_config, validate_config
 
 
 # model_type -> (module, config class, model class); imported on first use
@@ -45,6 +45,7 @@ def _load_config(path):
     """(config, model class) from one read of config.json."""
     raw = read_config(path)
     config_cls, model_cls, _ = model_classes(_supported_type(raw))
+    validate_config(raw)
     return config_cls.from_dict(raw), model_cls
 
 

@@ -29,6 +29,66 @@ def read_config(path) -> dict:
     return cfg
 
 
+_POSITIVE_INT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                 "moe_intermediate_size", "num_experts", "num_local_experts",
+                 "n_routed_experts", "num_experts_per_tok", "moe_topk", "decoder_sparse_step",
+                 "max_position_embeddings", "q_lora_rank", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                 "topk_group", "n_shared_experts", "ffn_hidden_size", "expert_ffn_hidden_size",
+                 "hc_mult", "hc_sinkhorn_iters", "sliding_window", "o_groups", "o_lora_rank",
+                 "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
+                 "conv_kernel", "chunk_size")
+_NON_NEGATIVE_INT = ("first_k_dense_replace", "num_nextn_predict_layers", "zero_expert_num")
+_POSITIVE_NUMBER = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta",
+                    "routed_scaling_factor")
+_BOOL = ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "mlp_bias", "use_bias",
+         "use_conv_bias", "router_bias")
+_INT_LIST = ("mlp_only_layers",)
+_OBJECT = ("rope_parameters", "rope_scaling", "quantization_config")
+
+
+def validate_config(cfg: dict) -> None:
+    """Types and ranges of the fields the reference architectures read, checked once before
+    any model reads them (null counts as absent): a string, a bool where a number belongs, a
+    zero count or a list where an object belongs is an error naming the field, never a
+    silent misread (``"false"`` read as true, ``0`` read as absent)."""
+    def bad(field, what):
+        raise CheckpointError(f"config.json field {field} must be {what}, got {cfg[field]!r}")
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for field in _POSITIVE_INT:
+        if cfg.get(field) is not None and not (is_int(cfg[field]) and cfg[field] >= 1):
+            bad(field, "a positive integer")
+    for field in _NON_NEGATIVE_INT:
+        if cfg.get(field) is not None and not (is_int(cfg[field]) and cfg[field] >= 0):
+            bad(field, "a non-negative integer")
+    for field in _POSITIVE_NUMBER:
+        v = cfg.get(field)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                  and v > 0):
+            bad(field, "a positive number")
+    for field in _BOOL:
+        if cfg.get(field) is not None and not isinstance(cfg[field], bool):
+            bad(field, "true or false")
+    for field in _INT_LIST:
+        v = cfg.get(field)
+        if v is not None and not (isinstance(v, list) and all(is_int(x) for x in v)):
+            bad(field, "a list of integers")
+    for field in _OBJECT:
+        if cfg.get(field) is not None and not isinstance(cfg[field], dict):
+            bad(field, "an object")
+    experts = next((cfg[f] for f in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if cfg.get(f) is not None), None)
+    top_k = cfg.get("num_experts_per_tok")
+    if experts is not None and top_k is not None and top_k > experts + (
+            cfg.get("zero_expert_num") or 0):
+        raise CheckpointError(f"config.json field num_experts_per_tok={top_k} exceeds the "
+                              f"{experts} experts")
+
+
 def require(cfg: dict, field: str, kind=int):
     if field not in cfg or cfg[field] is None:
         raise CheckpointError(f"config.json has no {field}")
@@ -60,7 +120,14 @@ def safetensors_files(path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, AttributeError):
+            raise CheckpointError(f"{index} is not a JSON object") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} field weight_map must map tensor names to file "
+                                  "names")
         files = sorted({path / f for f in weight_map.values()})
     else:
         files = sorted(path.glob("*.safetensors"))
