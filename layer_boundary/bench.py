@@ -16,6 +16,9 @@ from .runtime.forward_batch import ForwardBatch, ForwardMode
 from .runtime.parallel import ParallelDims, build_parallel
 
 
+BENCH_HEADS = 8  # attention heads of the overhead benchmark's model
+
+
 def hand_written(model: Qwen3ForCausalLM, fb: ForwardBatch) -> torch.Tensor:
     """The same forward without boundaries: fp32 residual add + norm written inline."""
     m = model.model
@@ -52,8 +55,8 @@ def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int
     stages). With
     ``compile`` (a torch.compile backend) both forwards run compiled, fullgraph."""
     cfg = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=hidden // 8)
+                      num_hidden_layers=layers, num_attention_heads=BENCH_HEADS,
+                      num_key_value_heads=2, head_dim=hidden // BENCH_HEADS)
     model = _random_model(cfg)
     cache = model.make_kv_cache(requests, prefix + 1)
     prompts = [[(7 * r + t) % cfg.vocab_size for t in range(prefix)] for r in range(requests)]

@@ -553,8 +553,11 @@ def main(argv=None) -> int:
         if args.command == "plan":
             return cmd_plan(args)
         if args.command == "bench":
-            from .bench import overhead
+            from .bench import BENCH_HEADS, overhead
 
+            if args.hidden % BENCH_HEADS:
+                raise UsageError(f"--hidden {args.hidden} must be a multiple of {BENCH_HEADS}, "
+                                 "the benchmark model's attention heads")
             _setup_logging(0)
             result = overhead(args.hidden, args.layers, args.requests, repeats=args.repeats,
                               compile=args.compile)

@@ -606,3 +606,16 @@ def test_ep_on_a_dense_model_is_an_error(qwen3_dir, capsys, restore_logger):
     assert main(["run", "--model", str(qwen3_dir), "--tp", "2", "--ep", "2"]) == 2
     assert "--ep 2 splits MoE experts over ranks; the qwen3 checkpoint" in _one_line_error(
         capsys.readouterr().err)
+
+
+def test_bench_with_a_hidden_size_the_heads_cannot_split(capsys, restore_logger):
+    assert main(["bench", "--hidden", "60"]) == 2
+    assert "--hidden 60 must be a multiple of 8" in _one_line_error(capsys.readouterr().err)
+
+
+def test_an_unwritable_cache_is_a_one_line_error(tmp_path, capsys, restore_logger, monkeypatch):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("LAYER_BOUNDARY_CACHE", str(blocked / "sub"))
+    assert main(["run", "--tp", "1", "--dp", "1"]) == 2
+    assert "cannot write the built-in checkpoint" in _one_line_error(capsys.readouterr().err)

@@ -45,7 +45,7 @@ from torch import nn
 from .. import declare_attn, declare_ffn, make_stages
 from ..residual.mhc import HyperConnection, HyperHead, MhcFinalNorm, mhc_stage
 from ..runtime.args import BoundaryRuntime
-from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
+from ..runtime.linear import ColumnParallelLinear, RowParallelLinear, expect_shape
 from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3MLP, ReplicatedLinear
@@ -293,12 +293,13 @@ class DeepseekV4Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32),
                                   requires_grad=False)
         self.sinks.weight_loader = self._head_slice_loader
-        self.rank = group.rank
+        self.rank, self.tp = group.rank, group.size
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, cfg.rope_head_dim),
                              persistent=False)
         self.latent_split = (cfg.q_lora_rank, cfg.head_dim)
 
     def _head_slice_loader(self, param, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, self.num_heads * self.tp)  # every head's sink
         param.data.copy_(loaded.narrow(0, self.rank * self.num_heads, self.num_heads))
 
     def prepare_qkv_latent(self, x: torch.Tensor) -> torch.Tensor:

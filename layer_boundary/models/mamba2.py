@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear, all_reduce_rows
+from ..runtime.linear import expect_shape
 
 
 def group_split(n_groups: int, num_heads: int, tp: int) -> tuple[int, int]:
@@ -35,29 +36,32 @@ def group_split(n_groups: int, num_heads: int, tp: int) -> tuple[int, int]:
                      f"attention tp={tp}: one of n_groups and tp must divide the other")
 
 
-def _slices_loader(ranges: list[tuple[int, int]]):
-    """A weight_loader that keeps the (start, size) row ranges of the full tensor, in order."""
+def _slices_loader(ranges: list[tuple[int, int]], full: int):
+    """A weight_loader that keeps the (start, size) row ranges of the full tensor (``full``
+    rows), in order."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, full, *param.shape[1:])
         param.data.copy_(torch.cat([loaded.narrow(0, start, size) for start, size in ranges]))
 
     return load
 
 
-def _param(shape, dtype, ranges) -> nn.Parameter:
+def _param(shape, dtype, ranges, full: int) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    p.weight_loader = _slices_loader(ranges)
+    p.weight_loader = _slices_loader(ranges, full)
     return p
 
 
 class ShardedLinear(nn.Module):
     """y = x @ W[rows].T (+ b[rows]) for the given (start, size) row ranges of the full W."""
 
-    def __init__(self, in_features: int, ranges: list[tuple[int, int]], bias: bool, dtype):
+    def __init__(self, in_features: int, ranges: list[tuple[int, int]], bias: bool, dtype,
+                 full: int):
         super().__init__()
         out = sum(size for _, size in ranges)
-        self.weight = _param((out, in_features), dtype, ranges)
-        self.bias = _param((out,), dtype, ranges) if bias else None
+        self.weight = _param((out, in_features), dtype, ranges, full)
+        self.bias = _param((out,), dtype, ranges, full) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -66,11 +70,12 @@ class ShardedLinear(nn.Module):
 class DepthwiseConv(nn.Module):
     """The causal depthwise conv over this rank's conv channels (``conv1d.weight/bias`` names)."""
 
-    def __init__(self, ranges: list[tuple[int, int]], kernel: int, bias: bool, dtype):
+    def __init__(self, ranges: list[tuple[int, int]], kernel: int, bias: bool, dtype,
+                 full: int):
         super().__init__()
         channels = sum(size for _, size in ranges)
-        self.weight = _param((channels, 1, kernel), dtype, ranges)
-        self.bias = _param((channels,), dtype, ranges) if bias else None
+        self.weight = _param((channels, 1, kernel), dtype, ranges, full)
+        self.bias = _param((channels,), dtype, ranges, full) if bias else None
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         """window: [kernel - 1 + n, C] (the cached inputs, then n new) -> [n, C] after silu."""
@@ -85,9 +90,9 @@ class GatedRMSNorm(nn.Module):
     runs the same all-reduce, so none may skip it)."""
 
     def __init__(self, channels: int, group_size: int, eps: float, group, ranks_per_group: int,
-                 n_groups: int, ranges, dtype):
+                 n_groups: int, ranges, dtype, full: int):
         super().__init__()
-        self.weight = _param((channels,), dtype, ranges)
+        self.weight = _param((channels,), dtype, ranges, full)
         self.group, self.eps, self.group_size = group, eps, group_size
         self.ranks_per_group, self.n_groups = ranks_per_group, n_groups
         self.first_group = group.rank // ranks_per_group  # the group of a split one
@@ -219,13 +224,15 @@ class Mamba2Mixer(nn.Module):
         conv_dim = inner + 2 * g * s
         proj = ([x_rows] + [(inner + start, n) for start, n in conv]
                 + [(inner + conv_dim + rank * self.heads, self.heads)])
-        self.in_proj = ShardedLinear(cfg.hidden_size, proj, cfg.use_bias, dtype)
-        self.conv1d = DepthwiseConv(conv, cfg.conv_kernel, cfg.use_conv_bias, dtype)
-        self.dt_bias = _param((self.heads,), dtype, heads_rows)
-        self.A_log = _param((self.heads,), dtype, heads_rows)
-        self.D = _param((self.heads,), dtype, heads_rows)
+        self.in_proj = ShardedLinear(cfg.hidden_size, proj, cfg.use_bias, dtype,
+                                     full=inner + conv_dim + heads)
+        self.conv1d = DepthwiseConv(conv, cfg.conv_kernel, cfg.use_conv_bias, dtype,
+                                    full=conv_dim)
+        self.dt_bias = _param((self.heads,), dtype, heads_rows, heads)
+        self.A_log = _param((self.heads,), dtype, heads_rows, heads)
+        self.D = _param((self.heads,), dtype, heads_rows, heads)
         self.norm = GatedRMSNorm(self.inner, inner // g, cfg.layer_norm_epsilon, group,
-                                 ranks_per_group, g, [x_rows], dtype)
+                                 ranks_per_group, g, [x_rows], dtype, full=inner)
         self.out_proj = RowParallelLinear(inner, cfg.hidden_size, group, bias=cfg.use_bias,
                                           dtype=dtype, name="out_proj")
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .loader import CheckpointError
+
 TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -90,5 +92,9 @@ def builtin_checkpoint() -> Path:
     """The main job's checkpoint, written to the cache folder on first use."""
     path = default_cache_dir() / "tiny-qwen3"
     if not (path / "model.safetensors").is_file():
-        write_tiny_qwen3(path)
+        try:
+            write_tiny_qwen3(path)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write the built-in checkpoint to {path} ({exc.strerror}"
+                                  "); set LAYER_BOUNDARY_CACHE to a writable folder") from None
     return path

@@ -27,7 +27,8 @@ WRITERS = {"qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe, "deepseek_v3": hf_deeps
 
 # a sharded projection of each architecture (rows split over TP, or an expert's rows)
 GROW = re.compile(r"(mlp\.gate_proj|mlps\.0\.gate_proj|experts\.0\.gate_proj|experts\.0\.up_proj"
-                  r"|self_attn\.q_proj|q_b_proj|mixer\.up_proj|ffn\.experts\.0\.w1)\.weight$")
+                  r"|self_attn\.q_proj|q_b_proj|mixer\.in_proj|mixer\.up_proj|ffn\.experts\.0\.w1)"
+                  r"\.weight$")
 
 
 @pytest.fixture(scope="module")
