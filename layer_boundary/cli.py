@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_args(run)
     run.add_argument("--split-prefill", type=_positive, default=1,
                      help="run each stage's prefill in this many layer-range segments")
+    run.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                     help="how long a collective waits for a silent peer before the job ends "
+                          "(default 45 s; 15 s under torchrun; 900 s with --compile)")
     run.add_argument("--tbo", action="store_true",
                      help="two-batch overlap: each forward as two interleaved microbatches")
     run.add_argument("--draft-model", default=None,
@@ -476,9 +479,12 @@ def cmd_run(args) -> int:
     from .runtime.parallel import init_distributed, launched_by_torchrun, spawn
     from .runner import run_rank
 
-    timeout = COMPILE_COLLECTIVE_TIMEOUT_S if (args.compile or args.compile_backend) else None
+    timeout = args.collective_timeout or (
+        COMPILE_COLLECTIVE_TIMEOUT_S if (args.compile or args.compile_backend) else None)
     if launched_by_torchrun():
-        rank, world = init_distributed(**({"timeout_s": timeout} if timeout else {}))
+        # no spawner watches these ranks: a silent peer is found by the collective timeout,
+        # and torchrun then needs about half a minute to stop the group
+        rank, world = init_distributed(timeout_s=timeout or TORCHRUN_COLLECTIVE_TIMEOUT_S)
         _setup_logging(rank)
         if args.tp is None:
             args.tp = world // args.pp
@@ -512,6 +518,7 @@ def cmd_run(args) -> int:
 
 # a compiling rank may reach its first collective minutes after a peer (cold inductor caches)
 COMPILE_COLLECTIVE_TIMEOUT_S = 900.0
+TORCHRUN_COLLECTIVE_TIMEOUT_S = 15.0
 
 
 @contextlib.contextmanager

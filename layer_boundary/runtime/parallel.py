@@ -147,6 +147,7 @@ def _local_group(name: str) -> Group:
 # how long a collective may wait for a peer before the job ends (an inference collective takes
 # milliseconds; a silent peer is a stopped or dead rank): set by init_distributed
 _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=45)
+JOIN_TIMEOUT_S = 300.0  # the world group: rendezvous of ranks that start at different times
 
 
 def _new_groups(name: str, all_ranks: list[list[int]], rank: int) -> Group:
@@ -230,18 +231,20 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
                      init_method: str | None = None, backend: str = "gloo",
                      timeout_s: float = 45.0) -> tuple[int, int]:
     """Initialise torch.distributed once: from torchrun's environment or explicit arguments.
-    ``timeout_s`` bounds every collective of the world and of every group built later: a
-    peer silent that long (stopped, dead) ends the job instead of stalling it."""
+    ``timeout_s`` bounds every collective of the groups built later (every boundary
+    collective runs on one): a peer silent that long (stopped, dead) ends the job instead of
+    stalling it. Joining the world (ranks still importing, loading) may take longer."""
     global _COLLECTIVE_TIMEOUT
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    timeout = _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
+    _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     if rank is None:
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
         init_method = "env://"
     dist.init_process_group(backend, init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timeout)
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
     return rank, world_size
 
 

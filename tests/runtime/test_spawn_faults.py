@@ -106,3 +106,27 @@ def test_ranks_end_with_their_parent(tmp_path, how):
     while any(_alive(pid) for pid in ranks):
         assert time.monotonic() < deadline, f"ranks {ranks} outlived their parent"
         time.sleep(0.2)
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_rank_under_torchrun_ends_the_job(tmp_path):
+    """Under torchrun no spawner watches the ranks: the collective timeout (15 s there) fails
+    the peer, torchrun stops the group, stopped rank included, within a minute."""
+    pids = str(tmp_path / "pid")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), str(REPO / "tests/runtime/torchrun_stopped_rank.py")],
+        cwd=REPO, env={**os.environ, "PIDS": pids}, capture_output=True, text=True, timeout=150)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60
+    ranks = [int(Path(f"{pids}.{r}").read_text()) for r in range(2)]
+    assert not any(_alive(pid) for pid in ranks)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
