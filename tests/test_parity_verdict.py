@@ -69,7 +69,7 @@ def _verdict(spec: RunSpec, results) -> tuple[bool, dict]:
     ref = merge([run_rank(RunSpec(spec.model_dir, prompts=spec.prompts,
                                   max_new_tokens=spec.max_new_tokens), world_size=1)])
     verdict = parity(run, ref)
-    return verdict_ok(verdict, "float32", run, ref)[0], verdict
+    return verdict_ok(verdict, spec.dtype, run, ref)[0], verdict
 
 
 @pytest.mark.timeout(180)
@@ -83,8 +83,8 @@ def test_large_logit_checkpoints_pass(qwen3_dir, tmp_path, factor):
     assert verdict["logit_scale"] > factor / 8
 
 
-def corrupted_rank_run(spec: RunSpec, rank: int):
-    """run_rank with one rank's shard of one weight perturbed (1% of its values' scale)."""
+def corrupted_rank_run(spec: RunSpec, rank: int, scale: float = 0.01):
+    """run_rank with one rank's shard of one weight perturbed (``scale`` of its values' size)."""
     import torch.distributed as dist
 
     import layer_boundary.runner as runner
@@ -96,7 +96,7 @@ def corrupted_rank_run(spec: RunSpec, rank: int):
         if dist.get_rank() == rank:
             with torch.no_grad():
                 w = model.model.layers[1].mlp.down_proj.weight
-                w.add_(0.01 * w.abs().mean() * torch.randn_like(w))
+                w.add_(scale * w.abs().mean() * torch.randn_like(w))
         return model
 
     runner.load_model = corrupt
@@ -113,4 +113,16 @@ def test_a_corrupted_shard_fails(qwen3_dir, tmp_path, factor):
     spec = RunSpec(path, tp=4, dp=2, boundary_reduction="rsv", prompts=PROMPTS,
                    max_new_tokens=3)
     ok, verdict = _verdict(spec, get_pool(4).run(corrupted_rank_run, spec, 1))
+    assert not ok, verdict
+
+
+@pytest.mark.timeout(180)
+def test_bf16_passes_and_a_corrupted_shard_fails(qwen3_dir):
+    """bfloat16 against the fp32 world 1: the legitimate run is within its bound; one rank's
+    shard perturbed by its own size is not."""
+    spec = RunSpec(str(qwen3_dir), tp=4, dp=2, boundary_reduction="rsv", prompts=PROMPTS,
+                   max_new_tokens=2, dtype="bfloat16")
+    ok, verdict = _verdict(spec, get_pool(4).run(run_rank, spec))
+    assert ok, verdict
+    ok, verdict = _verdict(spec, get_pool(4).run(corrupted_rank_run, spec, 1, 1.0))
     assert not ok, verdict
