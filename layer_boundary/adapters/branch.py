@@ -68,7 +68,7 @@ def branch_output(hidden_states, forward_batch):
         raise RuntimeError("branch_output() needs the branch's last output; nothing is pending")
     _enter(stream, "branch_output")
     rows = forward_batch.rows
-    stream.branch_output = stream.handle = complete_onto(stream, rows, local_rows(rows)).value
+    stream.branch_output = complete_onto(stream, rows, local_rows(rows)).value
     return stream.branch_output
 
 

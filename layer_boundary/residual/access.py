@@ -7,6 +7,7 @@ chooses a collective.
 from __future__ import annotations
 
 from ..layout import Layout
+from ..runtime.collectives import issuing_async
 from .stream import Contribution, OwedOutput, ResidualStream
 
 
@@ -29,6 +30,7 @@ def complete_onto(stream: ResidualStream, rows, target: Layout) -> Contribution:
     pending and the completed value becomes the handle."""
     c = stream.contribution
     if c.owed is None and not c.handoff and c.rows == target:
+        stream.handle = c.value  # already complete there (an opaque handle may have stood in)
         return c
     declared = c.completed_declared or (c.declared and c.owed is not None)
     done = Contribution(completed(c, rows, target), None, c.update, target,
@@ -50,8 +52,6 @@ def start_completion(stream: ResidualStream, rows) -> None:
     """Issue the contribution's owed sum (and finalize) onto the residual's rows now, the
     sums asynchronously: the next boundary call on this stream waits for them, so another
     microbatch computes meanwhile (two-batch overlap). The handle stays opaque."""
-    from ..runtime.collectives import issuing_async
-
     with issuing_async() as issued:
         complete_onto(stream, rows, stream.residual_rows or local_rows(rows))
     stream.pending = issued or None

@@ -49,7 +49,7 @@ def _microbatches(rt, counts):
 
 
 def run(tp: int, dp: int, policy: str, counts, postprocess: bool = True,
-        sparse: bool = False) -> dict:
+        sparse: bool = False, accessor: bool = False) -> dict:
     """Two microbatches, operation-scheduled: per layer A attention, B attention, A FFN, B FFN
     (the FFNs computing without exit() and handing on through postprocess(), or with exit()
     and their owed sums issued asynchronously at finish); then each leaves through the final
@@ -82,6 +82,8 @@ def run(tp: int, dp: int, policy: str, counts, postprocess: bool = True,
                 h[i] = out.finish(y)
                 # what the other microbatch's next operation overlaps
                 in_flight.append(len(mbs[i].residual_stream.pending or ()))
+                if accessor:  # the model takes the completed output itself
+                    h[i] = residual_batch.complete_output(h[i], mbs[i])
         return op
 
     def leave(i):
@@ -144,11 +146,14 @@ def test_between_sparse_ffns_postprocess_hands_on_the_residuals_rows(tp, dp, pol
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tp,dp,policy,counts", [(2, 1, "ar", (5,)), (4, 2, "rs", (5, 1)),
                                                  (4, 2, "rsv", (3, 5))])
-def test_owed_sums_run_asynchronously_between_microbatches(tp, dp, policy, counts):
+@pytest.mark.parametrize("accessor", [False, True], ids=["boundary", "complete_output"])
+def test_owed_sums_run_asynchronously_between_microbatches(tp, dp, policy, counts, accessor):
     """With exit(), each non-terminal FFN of a microbatch leaves its TP sum in flight when the
-    other microbatch's next operation starts; the numbers are world 1's."""
+    other microbatch's next operation starts; the next boundary, or complete_output(), waits
+    for it. The numbers are world 1's."""
     ref = world1(counts)
-    for rank, r in enumerate(get_pool(tp).run(run, tp, dp, policy, counts, False)):
+    for rank, r in enumerate(get_pool(tp).run(run, tp, dp, policy, counts, False, False,
+                                              accessor)):
         torch.testing.assert_close(r["out"], ref[slice(*r["rows"])], atol=1e-5, rtol=0)
         # per microbatch: the first layer's FFN sum in flight, the terminal one done in compute
         assert r["in_flight"] == [1, 1, 0, 0], (rank, r["in_flight"])
