@@ -57,22 +57,27 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
         else:
             compute_sum = lookup(table, group, rows, rows, mode)
             default = complete(f"{compute_sum.name} in compute", compute_sum)
+    completed = complete("complete in compute (postprocess)")
+
+    def path(default, deferred=None, choice=None) -> ExitPath:
+        return ExitPath(default, deferred, choice, at_producer=output.at_producer,
+                        completed=completed)
+
     if fusions is None:
-        return ExitPath(default, at_producer=output.at_producer)
+        return path(default)
     plan = OutputPlan(name, declaration, mode)
     if output.hands_off_finalize:
         # the provider decides per batch whether compute may return a finalize handoff
         deferred = ExitDecision(_defer_finalize(mode, group is not None), group, rows,
                                 "finalize" + (f" + {group.value} sum" if group else "")
                                 + " handed to the next input", hands_off=True)
-        return ExitPath(default, deferred, lambda fb: fusions.can_defer_finalize(plan, fb),
-                        at_producer=output.at_producer)
+        return path(default, deferred, choice=lambda fb: fusions.can_defer_finalize(plan, fb))
     if output.provider_defers_all_reduce and mode is RowMode.AR and group is not None:
         deferred = ExitDecision(DEFER_ALL_REDUCE, group, rows,
                                 f"{group.value} sum left to the next input (provider)")
-        return ExitPath(default, deferred, lambda fb: fusions.can_defer_all_reduce(plan, fb),
-                        at_producer=output.at_producer)
-    return ExitPath(default, at_producer=output.at_producer)
+        return path(default, deferred,
+                    choice=lambda fb: fusions.can_defer_all_reduce(plan, fb))
+    return path(default)
 
 
 def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, norm,

@@ -66,6 +66,9 @@ class ExitPath:
     deferred: ExitDecision | None = None
     provider_choice: Callable | None = None
     at_producer: bool = False  # fold the update in at finish(); nothing pending leaves
+    # an output compute already completed (no exit scope, so no flags): handed on on the
+    # handoff rows, nothing owed (the operation-scheduled FFN's postprocess())
+    completed: ExitDecision | None = None
 
     @property
     def decisions(self) -> tuple[ExitDecision, ...]:

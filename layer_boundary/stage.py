@@ -10,13 +10,12 @@ import torch
 
 from .construction import UnsupportedBoundary, build_plan
 from .contracts import ProducerReduction, StageKind
-from .exit import ExitDecision, FfnExit, MixerExit, check_output_dtype, publish
+from .exit import FfnExit, MixerExit, check_output_dtype, publish
 from .residual import LayerResidual
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
 from .runtime.args import get_runtime
-from .runtime.context import NO_FLAGS
 from .runtime.ledger import active_observer
 
 BRANCH_ENTRY = "a prepared branch must enter through branch_input, not prepare"
@@ -313,9 +312,7 @@ class StageBoundary:
         observer = active_observer()
         if observer is not None:
             observer.enter(self._finish_site)
-        move = rows.move(None, output.rows, output.handoff_rows)
-        decision = ExitDecision(NO_FLAGS, None, output.rows, "postprocess", finish_move=move)
-        handle = publish(stream, decision, hidden_states, self._update, rows,
+        handle = publish(stream, path.exit.completed, hidden_states, self._update, rows,
                          path.exit.at_producer, forward_batch.overlap)
         if observer is not None:
             observer.boundary(self._finish_site, stream, rows)

@@ -27,3 +27,15 @@ def qwen3_moe_dir(tmp_path_factory) -> Path:
     from checkpoints import hf_qwen3_moe
 
     return hf_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.fixture
+def restore_logger():
+    """main() points the package logger at the current stdout; later tests must not inherit it."""
+    import logging
+
+    log = logging.getLogger("layer_boundary")
+    saved = log.handlers[:], log.propagate, log.level
+    yield
+    log.handlers[:], log.propagate = saved[0], saved[1]
+    log.setLevel(saved[2])

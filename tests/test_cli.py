@@ -9,7 +9,6 @@ console behaviour (exit status, bare stderr) is pinned as a user sees it.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import socket
@@ -112,16 +111,6 @@ def tp_runs(qwen3_dir, tmp_path_factory, cache_dir):
                     NEW_TOKENS, "--json", "--logits-out", logits, *extra, cache=cache_dir)
         runs[tp] = (_one_json_object(proc), logits)
     return runs
-
-
-@pytest.fixture
-def restore_logger():
-    """main() points the package logger at the current stdout; later tests must not inherit it."""
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    yield
-    log.handlers[:], log.propagate = saved[0], saved[1]
-    log.setLevel(saved[2])
 
 
 # ------------------------------------------------------------------ the default job

@@ -64,6 +64,12 @@ def scaled_copy(src, dst, factor: float) -> str:
 PROMPTS = ((3, 1, 4, 1, 5), (9, 2, 6))
 
 
+def scaled_spec(qwen3_dir, dst, factor: float) -> RunSpec:
+    """tp=4 dp=2 rsv over the checkpoint with logits ``factor`` times larger."""
+    return RunSpec(scaled_copy(qwen3_dir, dst, factor), tp=4, dp=2, boundary_reduction="rsv",
+                   prompts=PROMPTS, max_new_tokens=3)
+
+
 def _verdict(spec: RunSpec, results) -> tuple[bool, dict]:
     run = merge(results)
     ref = merge([run_rank(RunSpec(spec.model_dir, prompts=spec.prompts,
@@ -75,9 +81,7 @@ def _verdict(spec: RunSpec, results) -> tuple[bool, dict]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("factor", [8.0, 64.0])
 def test_large_logit_checkpoints_pass(qwen3_dir, tmp_path, factor):
-    path = scaled_copy(qwen3_dir, tmp_path / f"x{factor:g}", factor)
-    spec = RunSpec(path, tp=4, dp=2, boundary_reduction="rsv", prompts=PROMPTS,
-                   max_new_tokens=3)
+    spec = scaled_spec(qwen3_dir, tmp_path / f"x{factor:g}", factor)
     ok, verdict = _verdict(spec, get_pool(4).run(run_rank, spec))
     assert ok, verdict
     assert verdict["logit_scale"] > factor / 8
@@ -109,9 +113,7 @@ def corrupted_rank_run(spec: RunSpec, rank: int, scale: float = 0.01):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("factor", [1.0, 64.0])
 def test_a_corrupted_shard_fails(qwen3_dir, tmp_path, factor):
-    path = scaled_copy(qwen3_dir, tmp_path / f"c{factor:g}", factor)
-    spec = RunSpec(path, tp=4, dp=2, boundary_reduction="rsv", prompts=PROMPTS,
-                   max_new_tokens=3)
+    spec = scaled_spec(qwen3_dir, tmp_path / f"c{factor:g}", factor)
     ok, verdict = _verdict(spec, get_pool(4).run(corrupted_rank_run, spec, 1))
     assert not ok, verdict
 

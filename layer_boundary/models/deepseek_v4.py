@@ -466,6 +466,7 @@ _LAYER_RENAMES = [(re.compile(p), r) for p, r in (
     (r"^ffn\.", "mlp."),
 )]
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+HEAD_PREFIX, NORM_PREFIX = "model.norm.head", "model.norm.norm"  # inside MhcFinalNorm
 _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
 
 
@@ -480,7 +481,6 @@ class DeepseekV4ForCausalLM(CausalLM):
             # the stack leaves through the HyperHead's collapse of the streams, then the norm
             head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
             self.model.norm = MhcFinalNorm(head, self.model.norm)
-        self._head_prefix, self._norm_prefix = "model.norm.head", "model.norm.norm"
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         cfg = self.config
@@ -505,9 +505,9 @@ class DeepseekV4ForCausalLM(CausalLM):
             return f"model.layers.{m.group(1)}.{rest}"
         m = _HEAD.match(name)
         if m:
-            return f"{self._head_prefix}.hc_{m.group(2)}"
+            return f"{HEAD_PREFIX}.hc_{m.group(2)}"
         if name in ("norm.weight", "model.norm.weight"):
-            return f"{self._norm_prefix}.weight"
+            return f"{NORM_PREFIX}.weight"
         return {"embed.weight": "model.embed_tokens.weight",
                 "head.weight": "lm_head.weight"}.get(name, name)
 

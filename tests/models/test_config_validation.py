@@ -52,18 +52,11 @@ def test_an_index_whose_weight_map_is_not_an_object(dirs, tmp_path):
         safetensors_files(path)
 
 
-def test_an_unwritable_logits_out_is_refused_before_the_run(dirs, tmp_path, capsys):
-    import logging
-
+def test_an_unwritable_logits_out_is_refused_before_the_run(dirs, tmp_path, capsys,
+                                                            restore_logger):
     from layer_boundary.cli import main
 
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    try:
-        code = main(["run", "--model", str(dirs["qwen3"]), "--tp", "1", "--dp", "1",
-                     "--logits-out", str(tmp_path / "missing" / "logits.safetensors")])
-    finally:
-        log.handlers[:], log.propagate = saved[0], saved[1]
-        log.setLevel(saved[2])
+    code = main(["run", "--model", str(dirs["qwen3"]), "--tp", "1", "--dp", "1",
+                 "--logits-out", str(tmp_path / "missing" / "logits.safetensors")])
     assert code == 2
     assert "--logits-out" in capsys.readouterr().err

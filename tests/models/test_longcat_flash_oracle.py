@@ -6,7 +6,6 @@ config and the topology checks."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -136,19 +135,13 @@ def test_check_parallel_names_the_field(overrides, dims, field):
     check_parallel(cfg, ParallelDims())  # world 1 always fits
 
 
-def test_plan_shows_both_branches_and_the_merge(tmp_path, capsys):
+def test_plan_shows_both_branches_and_the_merge(tmp_path, capsys, restore_logger):
     """``layer-boundary plan`` on a LongCat-Flash directory: per decoder layer, attention 0 and
     the MoE, then the branch (dense FFN 0 entered with branch_input, attention 1, dense FFN 1),
     then the merge back into the MoE's output."""
     path = hf_longcat_flash(tmp_path / "ckpt")
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    try:
-        assert main(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
-                     "--boundary-reduction", "rs+rsv", "--tokens", "5,0", "--json"]) == 0
-    finally:
-        log.handlers[:], log.propagate = saved[0], saved[1]
-        log.setLevel(saved[2])
+    assert main(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
+                 "--boundary-reduction", "rs+rsv", "--tokens", "5,0", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     stages = {s["stage"]: s for s in plan["stages"]}
     assert list(stages) == [name for i in range(TINY_LC["num_layers"]) for name in (

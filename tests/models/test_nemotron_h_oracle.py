@@ -5,7 +5,6 @@ transformers' own cached decode, a prefill continued from a cached prefix, and t
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -172,18 +171,12 @@ def test_check_parallel_names_the_field(overrides, dims, field):
     check_parallel(cfg, ParallelDims())  # world 1 always fits
 
 
-def test_plan_builds_on_meta_with_one_stage_per_block(tmp_path, capsys):
+def test_plan_builds_on_meta_with_one_stage_per_block(tmp_path, capsys, restore_logger):
     """``layer-boundary plan`` builds the model on the meta device: one stage per block,
     mixers as attention-kind stages, MLP/MoE as FFN stages."""
     path = hf_nemotron_h(tmp_path / "ckpt")
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    try:
-        assert main(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
-                     "--boundary-reduction", "rs+rsv", "--tokens", "5,0", "--json"]) == 0
-    finally:
-        log.handlers[:], log.propagate = saved[0], saved[1]
-        log.setLevel(saved[2])
+    assert main(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
+                 "--boundary-reduction", "rs+rsv", "--tokens", "5,0", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     kinds = {"linear_attention": "attn", "full_attention": "attn", "mlp": "ffn", "moe": "ffn"}
     assert [s["stage"] for s in plan["stages"]] == [
