@@ -14,6 +14,7 @@ from .fusions import InputPlan
 from .layout import Layouts, RowMode, SumGroup
 from .ops import lookup
 from .prepare import ArrivalPath, EntryPath
+from .residual import is_plain, read_kind
 from .residual.stream import arrival_key
 from .runtime.context import NO_FLAGS, ForwardFlags
 
@@ -97,7 +98,7 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
         candidates = tuple(offer(plan))
     arrivals, producer_keys = {}, []
     decisions = producer_exit.decisions if producer_exit is not None else ()
-    declared_plain = edge.producer is not None and decl.previous.residual.update.plain
+    declared_plain = edge.producer is not None and is_plain(decl.previous.residual.update)
     for decision in decisions:
         for key in decision.arrivals():
             producer_keys.append(key)
@@ -134,14 +135,15 @@ def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidat
     complete = lookup(table, owed, src, target, mode)
     applying = tuple(c for c in candidates
                      if c.applies(owed, src, handoff, target, mode, declared_plain,
-                                  getattr(read, "kind", None)))
+                                  read_kind(read)))
     sum_before_read = None
-    # attention DP, a plain update and read, an FFN consumer: add the residual on one
+    # attention DP, a plain update and the add+norm read (its update_and_read is an add then
+    # a read, which this reorders), an FFN consumer: add the residual on one
     # attention-TP rank before the sum, and one TP all-reduce brings every DP rank's updated
     # rows (an attention partial: placed in a zero global buffer; an FFN's: already global)
     if (mode is RowMode.AR and not handoff and decl.kind is StageKind.FFN
             and layouts.local != layouts.replicated and declared_plain
-            and not read.before_gather
+            and read_kind(read) == "add_norm" and not read.before_gather
             and ((owed is SumGroup.ATTN_TP and src == layouts.local)
                  or (owed in (SumGroup.TP, SumGroup.MOE_OUT) and src == layouts.replicated))):
         sum_before_read = lookup(table, owed, src, layouts.replicated, mode)

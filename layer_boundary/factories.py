@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .contracts import ProducerReduction, StageKind
-from .residual import LayerResidual, StageRead, StageUpdate, default_layer_residual
+from .residual import LayerResidual, StageRead, StageUpdate, default_layer_residual, is_plain
 
 ATTN_OPTIONS = frozenset({"qkv_latent_func", "fusions"})
 FFN_OPTIONS = frozenset({"fusions"})
@@ -30,7 +30,7 @@ class StageDeclaration:
         sparse = " sparse" if self.sparse else ""
         update = self.residual.update
         text = f"{self.kind.value}{sparse} ({self.reduction.value})"
-        return text if update.plain else f"{text} with update {update!r}"
+        return text if is_plain(update) else f"{text} with update {update!r}"
 
 
 def _layer_residual(update: StageUpdate | None, read: StageRead | None) -> LayerResidual:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .fusions import Arrival
 from .layout import Layout
 from .ops import Movement
+from .residual import read_kind
 from .residual.add_norm import PLAIN_ADD, accumulate_dtype
 from .residual.stream import IN_COMPUTE
 
@@ -146,7 +147,7 @@ class EntryPath:
 
     def describe(self) -> str:
         """What this path does to each input its declared producer can leave."""
-        kind = getattr(self.read, "kind", None)
+        kind = read_kind(self.read)
         read = f"{'add+norm' if kind == 'add_norm' else 'update+read'} on {self.update_rows}"
         if self.stack_entry:
             text = f"enter: norm on {self.local}"

@@ -11,7 +11,7 @@ import torch
 from .construction import UnsupportedBoundary, build_plan
 from .contracts import ProducerReduction, StageKind
 from .exit import FfnExit, MixerExit, check_output_dtype, publish
-from .residual import LayerResidual
+from .residual import LayerResidual, is_plain
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
@@ -229,7 +229,7 @@ class StageBoundary:
             stream.check(hidden_states)
             c = stream.contribution
             if c is not None and (capture_output is not None or extra is not None):
-                if extra is not None and not c.update.plain:
+                if extra is not None and not is_plain(c.update):
                     raise RuntimeError(NOT_PLAIN_ADDITION)
                 # complete the owed communication unfused; the read below still adds and norms
                 c = complete_onto(stream, rows, entry.update_rows)

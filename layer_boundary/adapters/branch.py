@@ -26,6 +26,7 @@ next input completes both with the source's one collective.
 from __future__ import annotations
 
 from ..exit import StageExit
+from ..residual import is_plain
 from ..residual.access import complete_onto, local_rows
 from ..residual.stream import IN_COMPUTE, ResidualStream, stream_of
 from ..runtime.ledger import active_observer
@@ -84,7 +85,7 @@ def merge_branch(source_output, branch_output_, forward_batch):
     b, s = branch.contribution, main.contribution
     if branch_output_ is not branch.branch_output:
         raise RuntimeError("merge_branch() takes the branch's output from branch_output()")
-    if not (b.update.plain and s.update.plain):
+    if not (is_plain(b.update) and is_plain(s.update)):
         raise RuntimeError("merge_branch() requires plain residual updates")
     _enter(branch, "merge")
     rows = forward_batch.rows

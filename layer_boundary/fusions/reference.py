@@ -7,6 +7,7 @@ import torch
 
 from ..contracts import ProducerReduction, StageKind
 from ..layout import RowMode, SumGroup
+from ..residual import is_plain
 from ..residual.add_norm import accumulate_dtype
 from . import Arrival, FusedInput, InputPlan
 
@@ -17,7 +18,7 @@ COMPLETES = frozenset({SumGroup.TP, SumGroup.MOE_OUT, None})
 def finalize_all_reduce_add_norm(arrival: Arrival):
     """finalize (if a handoff) + all-reduce over TP + this DP rank's slice + fp32 add + norm,
     as one step, for a value on the global rows and a residual on this DP rank's rows."""
-    if (arrival.residual is None or not arrival.update.plain
+    if (arrival.residual is None or not is_plain(arrival.update)
             or not hasattr(arrival.norm, "normalize_fp32")):
         return None  # declined before touching anything: it applies the update as an add
     value = arrival.value

@@ -16,8 +16,15 @@ import torch
 
 @runtime_checkable
 class StageUpdate(Protocol):
+    # Capabilities (``plain``, ``portable``) count only where the update's own class (or the
+    # object itself) declares them: a subclass that changes ``apply`` does not inherit a fast
+    # path promised for its parent (see ``declared``).
     # A plain add may join a fused add+norm and may move before a sum (added on one rank).
     plain: bool
+    # Its whole state is its parameters, or travels in the residual (mHC's coefficients): a
+    # copy of it on another pipeline stage applies it identically, so a producer's declared
+    # partial sum may cross a pipeline cut with the update still pending.
+    portable: bool
     # Apply at the producer's exit instead of the consumer's input.
     at_producer: bool
 
@@ -29,7 +36,8 @@ class StageRead(Protocol):
     # Reads that must run on the source rows before a DP gather.
     before_gather: bool
     # What fused kernels may stand in for it: "add_norm" for the plain add+norm read. A read
-    # without a kind (a custom one) is never replaced by a fusion candidate.
+    # without a kind of its own (a custom one, a subclass that does not re-declare it) is never
+    # replaced by a fusion candidate.
     kind: str | None
 
     # Optional: ``visible(residual)`` gives what captures see of the residual this read leaves,
@@ -41,6 +49,31 @@ class StageRead(Protocol):
 
     def update_and_read(self, update: StageUpdate, residual: torch.Tensor | None,
                         contribution: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def declared(obj, name: str, default=None):
+    """The capability ``name`` as ``obj`` declares it itself: set on the object or named by its
+    own class, never inherited from a base class. A read that subclasses the add+norm read to
+    change what it computes must not keep the fused kernel that stands in for its parent; one
+    that still computes the same opts in by declaring ``kind = "add_norm"`` again."""
+    if name in getattr(obj, "__dict__", ()) or name in type(obj).__dict__:
+        return getattr(obj, name)
+    return default
+
+
+def is_plain(update) -> bool:
+    """Whether ``update`` declares itself a plain add."""
+    return declared(update, "plain", False) is True
+
+
+def is_portable(update) -> bool:
+    """Whether ``update`` declares that a copy of it on another process applies it identically."""
+    return declared(update, "portable", False) is True
+
+
+def read_kind(read) -> str | None:
+    """The fused-kernel kind ``read`` declares itself (None: a custom read)."""
+    return declared(read, "kind")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import is_plain
 
 _ACCUMULATE: dict = {}
 
@@ -22,6 +23,7 @@ def accumulate_dtype(dtype):
 
 class PlainAdd:
     plain = True
+    portable = True  # stateless
     at_producer = False
 
     def apply(self, residual, contribution):
@@ -47,7 +49,7 @@ class AddNormRead:
     def update_and_read(self, update, residual, contribution, norm):
         if residual is None:
             return norm(contribution), contribution
-        if not update.plain:
+        if not is_plain(update):
             return self.read(update.apply(residual, contribution), norm)
         acc = accumulate_dtype(residual.dtype)
         total = residual.to(acc) + contribution.to(acc)

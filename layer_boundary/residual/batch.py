@@ -12,6 +12,7 @@ import torch
 
 from ..fusions import Arrival
 from ..runtime.ledger import active_observer
+from . import is_plain
 from .access import complete_onto, completed, local_rows, residual_on
 from .add_norm import ADD_NORM_READ, PLAIN_ADD
 from .stream import START_FIRST, ResidualStream, stream_of  # noqa: F401 - the stack's error text
@@ -138,7 +139,7 @@ def snapshot(hidden_states, forward_batch) -> torch.Tensor:
     if c is None:
         out = stream.residual if rows is None else residual_on(stream, rows, local_rows(rows))
         return out.clone() if out is stream.residual else out
-    if not c.update.plain or c.handoff:
+    if not is_plain(c.update) or c.handoff:
         raise RuntimeError(SNAPSHOT_NOT_PLAIN)
     local = local_rows(rows)
     value = completed(c, rows, local, value=c.value.clone())
@@ -179,7 +180,7 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
     if c is None:
         residual = residual_on(stream, rows, target)
     else:
-        if handoff_norm is not None and c.handoff and c.update.plain:
+        if handoff_norm is not None and c.handoff and is_plain(c.update):
             if capture_output is not None:
                 raise RuntimeError("norm() with handoff_norm does not accept capture_output "
                                    "when a handoff arrives")

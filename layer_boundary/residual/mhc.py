@@ -113,6 +113,7 @@ class MhcUpdate:
     """``x' = post (x) out + comb^T @ x`` with the coefficients the stage's read left."""
 
     plain = False
+    portable = True  # stateless: the coefficients travel in the residual it updates
     at_producer = False
 
     def apply(self, residual: torch.Tensor | None, contribution: torch.Tensor) -> torch.Tensor:
