@@ -11,7 +11,7 @@ import torch
 from .construction import UnsupportedBoundary, build_plan
 from .contracts import ProducerReduction, StageKind
 from .exit import FfnExit, MixerExit, check_output_dtype, publish
-from .residual import LayerResidual, is_plain
+from .residual import LayerResidual
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
@@ -176,6 +176,7 @@ class StageBoundary:
                     f"{tensors[name].shape[0]} rows; this rank holds {rows.count(layout)} on "
                     f"{layout} in this batch")
         stream.residual, stream.residual_rows = tensors["residual"], entry.residual_src
+        stream.made_by = self.declaration.previous.residual.update
         if entry.declared is None:
             stream.handle = OwedOutput(stream)  # opaque: the residual is on the stream's rows
             return stream.handle
@@ -227,10 +228,10 @@ class StageBoundary:
                 captured = True
         else:
             stream.check(hidden_states)
+            if extra is not None:
+                residual_batch.check_extra_joins(stream, NOT_PLAIN_ADDITION)
             c = stream.contribution
             if c is not None and (capture_output is not None or extra is not None):
-                if extra is not None and not is_plain(c.update):
-                    raise RuntimeError(NOT_PLAIN_ADDITION)
                 # complete the owed communication unfused; the read below still adds and norms
                 c = complete_onto(stream, rows, entry.update_rows)
             if capture_output is not None and extra is not None:

@@ -54,6 +54,7 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
     x = path.branch_in.run(rows, hidden_states) if path.branch_in.moves else hidden_states
     branch = ResidualStream(parent=stream)
     branch.residual, branch.residual_rows = stream.residual, stream.residual_rows
+    branch.made_by = stream.made_by
     branch.handle, branch.prepared = IN_COMPUTE, (entry, x)
     forward_batch.residual_stream = branch
     return x

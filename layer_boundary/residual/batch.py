@@ -19,6 +19,16 @@ from .stream import START_FIRST, ResidualStream, stream_of  # noqa: F401 - the s
 
 PENDING_AT_TAKE = "write the residual update before taking the final output"
 SNAPSHOT_NOT_PLAIN = "snapshot requires a plain residual update"
+EXTRA_NOT_PLAIN = "add_to_output() requires a plain residual update"
+
+
+def check_extra_joins(stream: ResidualStream, refusal: str) -> None:
+    """An extra joins the residual as a plain add: into the pending output whose update is a
+    plain add, or into a residual a plain update made. An mHC residual is streams whose next
+    update needs coefficients a [T, D] extra has no place in, pending or written alike."""
+    update = stream.extra_update()
+    if update is not None and not is_plain(update):
+        raise RuntimeError(refusal)
 
 
 def start(forward_batch) -> ResidualStream:
@@ -151,6 +161,7 @@ def add_to_output(hidden_states, forward_batch, extra: torch.Tensor):
     stays pending. Returns the new output on local rows."""
     stream = _checked(hidden_states, forward_batch)
     check_local_tensor(extra, forward_batch, "add_to_output()'s extra")
+    check_extra_joins(stream, EXTRA_NOT_PLAIN)
     rows = forward_batch.rows
     local = local_rows(rows)
     if stream.contribution is None:

@@ -82,7 +82,7 @@ IN_COMPUTE = _InCompute()
 
 class ResidualStream:
     __slots__ = ("residual", "residual_rows", "contribution", "handle", "prepared", "parent",
-                 "branch_output", "owner", "pending")
+                 "branch_output", "owner", "pending", "made_by")
 
     def __init__(self, parent: "ResidualStream | None" = None) -> None:
         self.residual: torch.Tensor | None = None
@@ -96,6 +96,9 @@ class ResidualStream:
         # collectives issued asynchronously for the contribution (two-batch overlap), waited
         # on by the next boundary call on this stream
         self.pending: list | None = None
+        # the update whose apply made the residual (None: the stack's input, or what the model
+        # wrote before any update): an extra joins a residual only where that update is plain
+        self.made_by = None
 
     @classmethod
     def arrive(cls, forward_batch) -> "ResidualStream":
@@ -126,9 +129,18 @@ class ResidualStream:
         return self.handle
 
     def write(self, residual: torch.Tensor, handle: object, rows: Layout) -> None:
-        """Residual written on ``rows``, nothing pending; ``handle`` is what the model holds next."""
+        """Residual written on ``rows``, nothing pending; ``handle`` is what the model holds next.
+        A pending contribution consumed here made the residual (its update is ``made_by``)."""
+        if self.contribution is not None:
+            self.made_by = self.contribution.update
         self.residual, self.residual_rows = residual, rows
         self.contribution, self.handle = None, handle
+
+    def extra_update(self):
+        """The update an extra added now joins: the pending one, or the one that made the
+        written residual (None: a residual no update has made yet)."""
+        c = self.contribution
+        return c.update if c is not None else self.made_by
 
 
 def stream_of(forward_batch) -> ResidualStream:

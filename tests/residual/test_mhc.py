@@ -220,3 +220,59 @@ def test_update_needs_its_reads_coefficients():
                        .replace(")", r"\)").replace("?", r"\?") + "$"):
         MHC_UPDATE.apply(streams, x)
     assert not MHC_UPDATE.plain and read.kind is None
+
+
+def extras(tp: int, dp: int, policy: str, counts) -> dict:
+    """An extra offered to an mHC residual at layer 1, written (fold, written) or pending,
+    through prepare(post_residual_addition=) and add_to_output(): each refused before it
+    touches anything, after which the forward goes on unchanged."""
+    rt = runtime(tp, dp, boundary_reduction=policy)
+    layers, final = stack(rt)
+    refusals, outs = {}, {}
+    for how in ("pending", "fold", "written"):
+        for call in ("prepare", "add_to_output"):
+            b = DpBatch(counts, rt)
+            fb = b.fb
+            residual_batch.start(fb)
+            h = layers[0].forward(b.mine(seeded((sum(counts), HIDDEN), 8)), fb)
+            if how != "pending":
+                h = residual_batch.fold(h, fb)
+                if how == "written":
+                    h = residual_batch.written(h, fb)
+            extra = b.mine(seeded((sum(counts), HIDDEN), 9))
+            try:
+                if call == "prepare":
+                    layers[1].attn.prepare(h, fb, post_residual_addition=extra)
+                else:
+                    residual_batch.add_to_output(h, fb, extra)
+            except RuntimeError as e:
+                refusals[how, call] = str(e)
+            outs[how, call] = residual_batch.norm(layers[1].forward(h, fb), fb, final)
+    return {"refusals": refusals, "outs": outs, "rows": (b.rows.start, b.rows.stop),
+            "mode": fb.rows.mode.value}
+
+
+EXTRA_CASES = [(1, 1, "ar", (3,)), (2, 1, "ar", (3,)), (2, 1, "rs", (3,)), (4, 2, "ar", (3, 3)),
+               (4, 2, "rs", (0, 3)), (4, 2, "rsv", (3, 0))]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,policy,counts", EXTRA_CASES,
+                         ids=[f"tp{t}-dp{d}-{p}" for t, d, p, _ in EXTRA_CASES])
+def test_an_extra_is_refused_on_an_mhc_residual_written_or_pending(tp, dp, policy, counts):
+    """T equal to hc_mult: a [T, D] extra broadcast over [T, N, D] streams would raise
+    nothing. The refusal is the same whether or not an output is pending."""
+    from layer_boundary.residual.batch import EXTRA_NOT_PLAIN
+    from layer_boundary.stage import NOT_PLAIN_ADDITION
+
+    ref = run(1, 1, "ar", counts)["out"]
+    results = get_pool(tp).run(extras, tp, dp, policy, counts) if tp > 1 else [
+        extras(1, 1, policy, counts)]
+    for r in results:
+        assert r["mode"] == policy
+        assert r["refusals"] == {
+            (how, call): NOT_PLAIN_ADDITION if call == "prepare" else EXTRA_NOT_PLAIN
+            for how in ("pending", "fold", "written") for call in ("prepare", "add_to_output")}
+        for key, out in r["outs"].items():
+            torch.testing.assert_close(out, ref[slice(*r["rows"])], atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{key}: {m}")
