@@ -63,6 +63,8 @@ class EntryPath:
         """This stage's compute input; the stream holds the updated residual afterwards."""
         c = stream.contribution
         if c is not None:
+            if c.rows is None:  # left before any boundary placed the rows: on local rows
+                c.rows = self.local
             path = self.arrivals.get(c.key)
             if path is None:
                 raise RuntimeError(

@@ -11,7 +11,7 @@ import torch
 from .construction import UnsupportedBoundary, build_plan
 from .contracts import ProducerReduction, StageKind
 from .exit import FfnExit, MixerExit, check_output_dtype, publish
-from .residual import LayerResidual
+from .residual import LayerResidual, is_portable
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
@@ -81,6 +81,19 @@ def _bare(decl):
                                residual=residual)
 
 
+def _differences(declared, built) -> str:
+    """The fields in which two bare declarations differ, each as declared vs built."""
+    out = []
+    for f in dataclasses.fields(declared):
+        said, real = getattr(declared, f.name), getattr(built, f.name)
+        if said != real:
+            name = f.name
+            if name == "residual":
+                name, said, real = "update", said.update, real.update
+            out.append(f"{name} (declared {said!r}, built {real!r})")
+    return "; ".join(out)
+
+
 def _check_neighbours(stage: "StageBoundary", runtime) -> None:
     """The stage built before this one is its producer: each must describe the other as it is.
 
@@ -94,14 +107,19 @@ def _check_neighbours(stage: "StageBoundary", runtime) -> None:
         return
     if last.declaration.terminal or last.branch_source is not None:
         return  # after a branch, the merge (the model's) is the producer
-    if _bare(last.declaration) != _bare(decl.previous):
+    said, real = _bare(decl.previous), _bare(last.declaration)
+    if said != real:
         raise UnsupportedBoundary(
             f"stage {stage.name} declares previous={decl.previous.describe()}, but its producer, "
-            f"stage {last.name}, is {last.declaration.describe()}")
-    if last.following is not None and _bare(last.following) != _bare(decl):
-        raise UnsupportedBoundary(
-            f"stage {last.name} declares following={last.following.describe()}, but the next "
-            f"stage, {stage.name}, is {decl.describe()}")
+            f"stage {last.name}, is {last.declaration.describe()}: they differ in "
+            f"{_differences(said, real)}")
+    if last.following is not None:
+        said, real = _bare(last.following), _bare(decl)
+        if said != real:
+            raise UnsupportedBoundary(
+                f"stage {last.name} declares following={last.following.describe()}, but the next "
+                f"stage, {stage.name}, is {decl.describe()}: they differ in "
+                f"{_differences(said, real)}")
 
 
 class StageBoundary:
@@ -162,6 +180,13 @@ class StageBoundary:
                                "the stack's input through prepare(), not from_pp()")
         path, rows = self.plan.select(forward_batch)
         entry = path.entry
+        update = self.declaration.previous.residual.update
+        if entry.declared is not None and not is_portable(update):
+            raise RuntimeError(
+                f"stage {self.name}: its producer's residual update {update!r} does not declare "
+                "itself portable, so its declared partial sum cannot cross a pipeline cut (this "
+                "stage would apply its own copy of the update); cut where the producer "
+                "completes its output")
         expected = {"residual"} | ({"partial"} if entry.declared is not None else set())
         if set(tensors) != expected:
             raise RuntimeError(f"stage {self.name} expects {sorted(expected)} from the previous "
@@ -176,11 +201,10 @@ class StageBoundary:
                     f"{tensors[name].shape[0]} rows; this rank holds {rows.count(layout)} on "
                     f"{layout} in this batch")
         stream.residual, stream.residual_rows = tensors["residual"], entry.residual_src
-        stream.made_by = self.declaration.previous.residual.update
+        stream.made_by = update
         if entry.declared is None:
             stream.handle = OwedOutput(stream)  # opaque: the residual is on the stream's rows
             return stream.handle
-        update = self.declaration.previous.residual.update
         return stream.leave(tensors["partial"], entry.declared.owed, update,
                             entry.declared.rows, declared=True)
 

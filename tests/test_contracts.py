@@ -14,21 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed.pool import get_pool
-from toy import HIDDEN, DpBatch, ToyStack, batch, runtime, seeded
+from toy import HIDDEN, AddAtProducer, DpBatch, ToyStack, batch, runtime, seeded
 
 from layer_boundary import ProducerReduction, declare_attn, declare_ffn, make_stages
 from layer_boundary import ops
 from layer_boundary.construction import UnsupportedBoundary
 from layer_boundary.residual import batch as residual_batch
-from layer_boundary.residual.add_norm import PlainAdd
 from layer_boundary.residual.stream import NOT_OURS, OwedOutput, StreamState
 from layer_boundary.runtime import RMSNorm
-
-
-class AddAtProducer(PlainAdd):
-    """The plain add, applied at the producer's exit."""
-
-    at_producer = True
 
 
 def producer_run(tp: int, dp: int, policy: str, counts, at_producer: bool) -> dict:
@@ -179,3 +172,20 @@ def test_a_misdeclared_neighbour_is_rejected_naming_both_stages():
     kept += _block(declare_ffn(sparse=True), MIXER, None, rt, 1, terminal=True)
     _block(MIXER, None, None, rt, 0, terminal=True)
     assert len(kept) == 2
+
+
+def test_a_neighbour_differing_only_in_next_sparse_is_named_by_that_field():
+    """Both sides describe as "ffn (SCOPED)": the error names the field that differs."""
+    rt = runtime()
+
+    def layer(i, previous, ffn):
+        return make_stages((declare_attn(), RMSNorm(HIDDEN)), (ffn, RMSNorm(HIDDEN)),
+                           previous=previous, runtime=rt, name=f"layer{i}")
+
+    kept = layer(0, None, declare_ffn(next_sparse=True))
+    with pytest.raises(UnsupportedBoundary) as info:
+        layer(1, declare_ffn(), declare_ffn(sparse=True))
+    assert str(info.value) == (
+        "stage layer1.attn declares previous=ffn (SCOPED), but its producer, stage layer0.ffn, "
+        "is ffn (SCOPED): they differ in next_sparse (declared None, built True)")
+    assert kept

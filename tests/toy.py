@@ -14,10 +14,20 @@ from torch import nn
 
 from layer_boundary import declare_attn, declare_ffn, make_stages
 from layer_boundary.residual import batch as residual_batch
+from layer_boundary.residual.add_norm import PlainAdd
 from layer_boundary.runtime import (BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims,
                                     RMSNorm, RowParallelLinear, build_parallel)
 
 HIDDEN = 8
+
+
+class AddAtProducer(PlainAdd):
+    """The plain add, applied at the producer's exit (capabilities declared again: a subclass
+    inherits none)."""
+
+    plain = True
+    portable = True
+    at_producer = True
 
 
 def runtime(tp: int = 1, dp: int = 1, **kwargs) -> BoundaryRuntime:
@@ -68,7 +78,7 @@ def toy_norm(seed: int) -> RMSNorm:
 class ToyLayer(nn.Module):
     def __init__(self, rt: BoundaryRuntime, layer_id: int, num_layers: int, ffn_update=None,
                  ffn_reduction=None, fusions=None, attn_read=None, ffn_read=None,
-                 ffn_sparse=False):
+                 ffn_sparse=False, attn_update=None):
         super().__init__()
         par = rt.parallel
         self.attn_norm, self.ffn_norm = toy_norm(100 + layer_id), toy_norm(200 + layer_id)
@@ -81,7 +91,7 @@ class ToyLayer(nn.Module):
         if ffn_sparse:  # every FFN sparse: each declares the next one sparse too
             kwargs.update(sparse=True, next_sparse=True)
         ffn = declare_ffn(update=ffn_update, read=ffn_read, **kwargs)
-        attn = declare_attn(read=attn_read)
+        attn = declare_attn(read=attn_read, update=attn_update)
         options = {} if fusions is None else {"fusions": fusions}
         self.attn, self.ffn = make_stages(
             (attn, self.attn_norm, options), (ffn, self.ffn_norm, options),

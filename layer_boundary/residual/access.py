@@ -1,7 +1,9 @@
 """Tensor access helpers: completing a stream's pending work, and its residual, on given rows.
 
 Every movement comes from the forward's prebuilt table (``BatchRows.move``); nothing here
-chooses a collective.
+chooses a collective. Before any boundary of a forward has run, its rows are unplaced
+(``rows`` is None): everything the model wrote is on its local rows, nothing is owed, and
+the helpers move nothing (the layout they name is None, "local, not yet placed").
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from ..runtime.collectives import issuing_async
 from .stream import Contribution, OwedOutput, ResidualStream
 
 
-def local_rows(rows) -> Layout:
-    """This DP rank's rows: where every tensor a model passes in or gets back lives."""
-    return rows.layouts.local
+def local_rows(rows) -> Layout | None:
+    """This DP rank's rows: where every tensor a model passes in or gets back lives (None
+    while no boundary has placed the forward's rows)."""
+    return None if rows is None else rows.layouts.local
 
 
 def completed(c: Contribution, rows, target: Layout, value=None):
@@ -22,6 +25,8 @@ def completed(c: Contribution, rows, target: Layout, value=None):
     value = c.value if value is None else value
     if c.handoff:
         value = value.complete()
+    if rows is None:  # nothing placed: the value is complete, on local rows
+        return value
     return rows.move(c.owed, c.rows, target)(rows, value)
 
 

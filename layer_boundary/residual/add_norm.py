@@ -33,7 +33,7 @@ class PlainAdd:
         return (residual.to(acc) + contribution.to(acc)).to(residual.dtype)
 
     def __repr__(self) -> str:
-        return "PlainAdd()"
+        return f"{type(self).__name__}()"
 
 
 class AddNormRead:
@@ -56,7 +56,7 @@ class AddNormRead:
         return norm.normalize_fp32(total, residual.dtype), total.to(residual.dtype)
 
     def __repr__(self) -> str:
-        return "AddNormRead()"
+        return f"{type(self).__name__}()"
 
 
 PLAIN_ADD = PlainAdd()

@@ -12,7 +12,7 @@ import torch
 
 from ..fusions import Arrival
 from ..runtime.ledger import active_observer
-from . import is_plain
+from . import is_plain, is_portable
 from .access import complete_onto, completed, local_rows, residual_on
 from .add_norm import ADD_NORM_READ, PLAIN_ADD
 from .stream import START_FIRST, ResidualStream, stream_of  # noqa: F401 - the stack's error text
@@ -99,14 +99,21 @@ def take_output(hidden_states, forward_batch) -> torch.Tensor:
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is not None:
         raise RuntimeError(PENDING_AT_TAKE)
-    rows = forward_batch.rows
-    out = stream.residual if rows is None else residual_on(stream, rows, local_rows(rows))
+    out = residual_on(stream, forward_batch.rows, local_rows(forward_batch.rows))
     forward_batch.residual_stream = None
     return out
 
 
 COMPLETED_BEFORE_PP = ("complete_output() before to_pp() completed a sum the receiving "
                       "stage's contract still owes; pass the layer output to to_pp() unchanged")
+UNPLACED_AT_PP = ("to_pp() before any stage boundary of this forward ran: the rows the "
+                  "receiving stage expects (scattered under rs/rsv) are placed by this "
+                  "pipeline rank's boundaries; run its stages before leaving it")
+NOT_PORTABLE = ("to_pp(): the pending output's residual update {update!r} does not declare "
+                "itself portable, and its declared partial sum crosses the pipeline cut "
+                "unreduced, so the receiving stage would apply its own copy of the update; "
+                "cut where the producer completes its output, or declare portable = True on an "
+                "update whose whole state is its parameters")
 
 
 def to_pp(hidden_states, forward_batch) -> dict:
@@ -117,17 +124,24 @@ def to_pp(hidden_states, forward_batch) -> dict:
     Work the producer's exit decided per batch (a deferred all-reduce, a reduce-scatter, a
     finalize) is completed and its update applied before transport: ``{"residual"}``. A
     statically declared partial sum (a PARTIAL attention's) crosses unreduced, for the
-    receiver's contract to complete: ``{"residual", "partial"}``.
+    receiver's contract to complete: ``{"residual", "partial"}``; its update must be portable
+    (the receiver applies its own copy). The residual goes on the rows the receiver's
+    declaration expects in this row mode (scattered over attention TP under rs/rsv), also
+    where the model folded or wrote it on local rows.
     """
     stream = _checked(hidden_states, forward_batch)
+    rows = forward_batch.rows
+    if rows is None:
+        raise RuntimeError(UNPLACED_AT_PP)
+    c = stream.contribution
+    if c is not None and c.completed_declared:
+        raise RuntimeError(COMPLETED_BEFORE_PP)
+    if c is not None and c.declared and c.owed is not None and not is_portable(c.update):
+        raise RuntimeError(NOT_PORTABLE.format(update=c.update))
     observer = active_observer()
     if observer is not None:
         observer.enter("to_pp")
-    rows = forward_batch.rows
-    c = stream.contribution
-    target = stream.residual_rows or local_rows(rows)
-    if c is not None and c.completed_declared:
-        raise RuntimeError(COMPLETED_BEFORE_PP)
+    target = rows.layouts.residual(rows.mode)
     if c is None:
         out = {"residual": residual_on(stream, rows, target)}
     elif c.declared and c.owed is not None:
@@ -147,7 +161,7 @@ def snapshot(hidden_states, forward_batch) -> torch.Tensor:
     rows = forward_batch.rows
     c = stream.contribution
     if c is None:
-        out = stream.residual if rows is None else residual_on(stream, rows, local_rows(rows))
+        out = residual_on(stream, rows, local_rows(rows))
         return out.clone() if out is stream.residual else out
     if not is_plain(c.update) or c.handoff:
         raise RuntimeError(SNAPSHOT_NOT_PLAIN)
@@ -213,11 +227,13 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
         # (mHC's head collapses [T, N, D] streams): its peers gather [T, D] rows
         skip = skip_empty and residual.shape[0] == 0 and residual.dim() == 2
         out = residual if skip else norm_module(residual)
-    to_local = rows.move(None, target, local)
-    out = to_local(rows, out)
+    def to_local(x):
+        return x if rows is None else rows.move(None, target, local)(rows, x)
+
+    out = to_local(out)
     if capture_output is not None:
-        capture_output(to_local(rows, residual), owned=False)
-    if observer is not None:
+        capture_output(to_local(residual), owned=False)
+    if observer is not None and rows is not None:
         stream.write(residual, None, target)
         observer.boundary("final_norm", stream, rows)
     forward_batch.residual_stream = None

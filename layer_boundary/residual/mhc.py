@@ -127,7 +127,7 @@ class MhcUpdate:
                                                                       streams)
 
     def __repr__(self) -> str:
-        return "MhcUpdate()"
+        return f"{type(self).__name__}()"
 
 
 class MhcRead:
@@ -164,7 +164,7 @@ class MhcRead:
         return self.read(update.apply(residual, contribution), norm)
 
     def __repr__(self) -> str:
-        return f"MhcRead(hc_mult={self.hc.hc_mult})"
+        return f"{type(self).__name__}(hc_mult={self.hc.hc_mult})"
 
 
 MHC_UPDATE = MhcUpdate()
