@@ -60,25 +60,24 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
             default = complete(f"{compute_sum.name} in compute", compute_sum)
     completed = complete("complete in compute (postprocess)")
 
-    def path(default, deferred=None, choice=None) -> ExitPath:
-        return ExitPath(default, deferred, choice, at_producer=output.at_producer,
-                        completed=completed)
-
     if fusions is None:
-        return path(default)
+        return ExitPath(default, at_producer=output.at_producer, completed=completed)
+    # the provider's questions, asked per batch in this order (spec: can_defer_finalize on
+    # every FFN exit that has a provider; can_defer_all_reduce for a LOCAL_TAIL FFN whose sum
+    # is a single all-reduce over the TP group)
     plan = OutputPlan(name, declaration, mode)
+    choices = []
     if output.hands_off_finalize:
-        # the provider decides per batch whether compute may return a finalize handoff
-        deferred = ExitDecision(_defer_finalize(mode, group is not None), group, rows,
-                                "finalize" + (f" + {group.value} sum" if group else "")
-                                + " handed to the next input", hands_off=True)
-        return path(default, deferred, choice=lambda fb: fusions.can_defer_finalize(plan, fb))
+        handoff = ExitDecision(_defer_finalize(mode, group is not None), group, rows,
+                               "finalize" + (f" + {group.value} sum" if group else "")
+                               + " handed to the next input", hands_off=True)
+        choices.append((lambda fb: fusions.can_defer_finalize(plan, fb), handoff))
     if output.provider_defers_all_reduce and mode is RowMode.AR and group is not None:
         deferred = ExitDecision(DEFER_ALL_REDUCE, group, rows,
                                 f"{group.value} sum left to the next input (provider)")
-        return path(default, deferred,
-                    choice=lambda fb: fusions.can_defer_all_reduce(plan, fb))
-    return path(default)
+        choices.append((lambda fb: fusions.can_defer_all_reduce(plan, fb), deferred))
+    return ExitPath(default, tuple(choices), at_producer=output.at_producer,
+                    completed=completed, issues_early=False)
 
 
 def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, norm,

@@ -109,7 +109,7 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         handoff_rows(decl, layouts, mode),
         leaves_for_all_reduce=known and scoped and runtime.allreduce_fusion,
         leaves_for_reduce_scatter=known,
-        hands_off_finalize=decl.sparse and fusions is not None and not at_producer,
+        hands_off_finalize=fusions is not None,
         provider_defers_all_reduce=(not scoped and known and fusions is not None),
         at_producer=at_producer, next_sparse=decl.next_sparse)
 

@@ -65,7 +65,8 @@ class StageOutput:
     ``leaves_for_all_reduce``: compute may skip its sum for the consumer's all-reduce (the
     ``fuse_mlp_allreduce`` flag); ``leaves_for_reduce_scatter``: for the consumer's
     reduce-scatter (an FFN's ``mlp_reduce_scatter``). A PARTIAL output always leaves its sum.
-    ``hands_off_finalize``: a fusion provider may accept, per batch, a finalize handoff;
+    ``hands_off_finalize``: a fusion provider may accept, per batch, a finalize handoff (any
+    FFN with a provider: the provider answers, compute decides whether it has one to return);
     ``provider_defers_all_reduce``: a provider may let a LOCAL_TAIL sum defer, per batch.
     """
 

@@ -58,25 +58,30 @@ class OutputPlan:
 class ExitPath:
     """The decisions one stage's output may take in one batch variant and row mode.
 
-    ``provider_choice`` (built at construction when a fusion provider is present) asks it,
-    per forward, whether to take ``deferred`` instead of ``default``.
+    ``choices`` (built at construction when a fusion provider is present) are the provider's
+    questions in the order they are asked, each with the decision a yes selects; the first
+    yes wins, and ``default`` stands when every question is answered no.
     """
 
     default: ExitDecision
-    deferred: ExitDecision | None = None
-    provider_choice: Callable | None = None
+    choices: tuple[tuple[Callable, ExitDecision], ...] = ()
     at_producer: bool = False  # fold the update in at finish(); nothing pending leaves
     # an output compute already completed (no exit scope, so no flags): handed on on the
     # handoff rows, nothing owed (the operation-scheduled FFN's postprocess())
     completed: ExitDecision | None = None
+    # a two-batch-overlap microbatch issues an owed sum at finish(), asynchronously; not
+    # where a fusion provider is present: its candidates complete the sum at the next input
+    # (and a finalize handoff stays one), as they do without the overlap
+    issues_early: bool = True
 
     @property
     def decisions(self) -> tuple[ExitDecision, ...]:
-        return (self.default,) if self.deferred is None else (self.default, self.deferred)
+        return (self.default, *(decision for _, decision in self.choices))
 
     def select(self, forward_batch) -> ExitDecision:
-        if self.provider_choice is not None and self.provider_choice(forward_batch):
-            return self.deferred
+        for ask, decision in self.choices:
+            if ask(forward_batch):
+                return decision
         return self.default
 
 
@@ -90,19 +95,20 @@ def check_output_dtype(stream, value, stage: str) -> None:
                         f"holds {residual.dtype}")
 
 
-def publish(stream, decision: ExitDecision, value, update, rows, at_producer: bool,
+def publish(stream, path: ExitPath, decision: ExitDecision, value, update, rows,
             overlap: bool = False):
-    """Record compute's output with the decided owed work; return what the model passes on.
-    ``overlap`` (a two-batch-overlap microbatch): owed work starts now, asynchronously."""
+    """Record compute's output with ``decision``'s owed work (one of ``path``'s); return what
+    the model passes on. ``overlap`` (a two-batch-overlap microbatch): on a path that issues
+    early, owed work starts now, asynchronously."""
     if decision.finish_move is not None:
         stream.leave(decision.finish_move(rows, value), None, update, decision.finish_move.dst)
     else:
         stream.leave(value, decision.owed, update, decision.rows,
                      handoff=isinstance(value, HandoffOutput), declared=decision.declared)
-    if at_producer:
+    if path.at_producer:
         return fold_stream(stream, rows)
     c = stream.contribution
-    if overlap and (c.owed is not None or c.handoff):
+    if overlap and path.issues_early and (c.owed is not None or c.handoff):
         start_completion(stream, rows)
     return stream.handle
 
@@ -182,8 +188,8 @@ class StageExit:
         observer = active_observer()
         if observer is not None:
             observer.enter(self._finish_site)
-        handle = publish(self._stream, self._decision, hidden_states, self._update, rows,
-                         self._path.at_producer, self._forward_batch.overlap)
+        handle = publish(self._stream, self._path, self._decision, hidden_states, self._update,
+                         rows, self._forward_batch.overlap)
         if observer is not None:
             observer.boundary(self._finish_site, self._stream, rows)
         return handle

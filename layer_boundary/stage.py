@@ -295,8 +295,8 @@ class StageBoundary:
         observer = active_observer()
         if observer is not None:
             observer.enter(self._finish_site)
-        handle = publish(stream, path.exit.default, hidden_states, self._update, rows,
-                         path.exit.at_producer, forward_batch.overlap)
+        handle = publish(stream, path.exit, path.exit.default, hidden_states, self._update, rows,
+                         forward_batch.overlap)
         if observer is not None:
             observer.boundary(self._finish_site, stream, rows)
         return handle
@@ -337,8 +337,8 @@ class StageBoundary:
         observer = active_observer()
         if observer is not None:
             observer.enter(self._finish_site)
-        handle = publish(stream, path.exit.completed, hidden_states, self._update, rows,
-                         path.exit.at_producer, forward_batch.overlap)
+        handle = publish(stream, path.exit, path.exit.completed, hidden_states, self._update,
+                         rows, forward_batch.overlap)
         if observer is not None:
             observer.boundary(self._finish_site, stream, rows)
         return handle

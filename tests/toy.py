@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layer_boundary import declare_attn, declare_ffn, make_stages
+from layer_boundary import HandoffOutput, declare_attn, declare_ffn, make_stages
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.add_norm import PlainAdd
 from layer_boundary.runtime import (BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims,
@@ -147,6 +147,16 @@ class ToyFfn:
 
     def __call__(self, x):
         return self.down(local_slice(torch.tanh(x).repeat(1, 2), self.down))
+
+
+class ToyHandoff(HandoffOutput):
+    """A finalize handoff whose unfused completion doubles the value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def complete(self):
+        return self.value * 2.0
 
 
 class ToyAttn:

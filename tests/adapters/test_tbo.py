@@ -11,6 +11,7 @@ from toy import HIDDEN, DpBatch, ToyStack, runtime, seeded
 
 from layer_boundary.adapters.tbo import (EXIT_ACROSS_YIELD, interleave, split_batch,
                                          split_counts, split_point)
+from layer_boundary.fusions.reference import ReferenceFusions
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.stream import NOT_OURS, SHARED_STREAM, ResidualStream
 from layer_boundary.runtime import LEDGER, ForwardBatch, ForwardMode
@@ -49,13 +50,14 @@ def _microbatches(rt, counts):
 
 
 def run(tp: int, dp: int, policy: str, counts, postprocess: bool = True,
-        sparse: bool = False, accessor: bool = False) -> dict:
+        sparse: bool = False, accessor: bool = False, fusions: bool = False) -> dict:
     """Two microbatches, operation-scheduled: per layer A attention, B attention, A FFN, B FFN
     (the FFNs computing without exit() and handing on through postprocess(), or with exit()
     and their owed sums issued asynchronously at finish); then each leaves through the final
     norm and the outputs merge in request order."""
     rt = runtime(tp, dp, boundary_reduction=policy)
-    stack = ToyStack(rt, layers=LAYERS, ffn_sparse=sparse)
+    provider = ReferenceFusions() if fusions else None
+    stack = ToyStack(rt, layers=LAYERS, ffn_sparse=sparse, fusions=provider)
     b, mbs = _microbatches(rt, counts)
     x = b.mine(seeded((sum(counts), HIDDEN), 8))
     n = mbs[0].num_tokens
@@ -98,7 +100,7 @@ def run(tp: int, dp: int, policy: str, counts, postprocess: bool = True,
             "mode": mbs[0].rows.mode.value,
             "released": all(mb.residual_stream is None for mb in mbs),
             "sites": sorted({e.site for e in ledger}), "in_flight": in_flight,
-            "handed_on": handed_on}
+            "handed_on": handed_on, "fused": provider.accepted if provider else 0}
 
 
 def world1(counts) -> torch.Tensor:
@@ -215,3 +217,62 @@ def test_postprocess_misuse():
     layer.ffn.prepare(h, a)
     with pytest.raises(ValueError, match="takes its complete output on replicated rows"):
         layer.ffn.postprocess(torch.zeros(7, HIDDEN), a)
+
+
+def plain_run(tp: int, dp: int, policy: str, counts) -> int:
+    """The same stack and provider without the overlap: the candidates it accepts."""
+    rt = runtime(tp, dp, boundary_reduction=policy)
+    provider = ReferenceFusions()
+    stack = ToyStack(rt, layers=LAYERS, fusions=provider)
+    b = DpBatch(counts, rt)
+    residual_batch.start(b.fb)
+    h = b.mine(seeded((sum(counts), HIDDEN), 8))
+    for layer in stack.layers:
+        h = layer.forward_layer(h, b.fb)
+    stack.final(h, b.fb)
+    return provider.accepted
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,policy,counts", [(2, 1, "ar", (5,)), (4, 2, "ar", (5, 3)),
+                                                 (4, 2, "rsv", (3, 5)), (4, 2, "ar", (0, 4))])
+def test_a_provider_completes_owed_sums_under_tbo_as_without_it(tp, dp, policy, counts):
+    """With a fusion provider the owed sums are not issued early: its candidate completes them
+    at the next input on each microbatch, as it does without the overlap (one per deferred
+    FFN sum and microbatch), and the numbers are world 1's."""
+    ref = world1(counts)
+    accepted = get_pool(tp).run(plain_run, tp, dp, policy, counts)
+    for rank, r in enumerate(get_pool(tp).run(run, tp, dp, policy, counts, False, False, False,
+                                              True)):
+        torch.testing.assert_close(r["out"], ref[slice(*r["rows"])], atol=1e-5, rtol=0,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert r["in_flight"] == [0, 0, 0, 0]
+        assert r["fused"] == 2 * accepted[rank] if policy == "ar" else r["fused"] == 0
+        if policy == "ar":
+            assert r["fused"] > 0
+
+
+def test_snapshot_of_a_finalize_handoff_under_tbo():
+    """The same call means the same thing with and without the overlap: a microbatch's
+    finalize handoff stays one, so snapshot() refuses it as it does without TBO."""
+    from toy import ToyHandoff
+
+    from layer_boundary import declare_attn, declare_ffn, make_stages
+    from layer_boundary.residual.batch import SNAPSHOT_NOT_PLAIN
+    from layer_boundary.runtime.norm import RMSNorm
+
+    rt = runtime(1)
+    fusions = ReferenceFusions(terminal_finalize=True)
+    attn, ffn = make_stages((declare_attn(), RMSNorm(HIDDEN), {"fusions": fusions}),
+                            (declare_ffn(sparse=True), RMSNorm(HIDDEN), {"fusions": fusions}),
+                            terminal=True, runtime=rt, name="layer0")
+    _, (mb, _) = _microbatches(rt, (4,))
+    ResidualStream.arrive(mb)
+    h = attn.finish(attn.prepare(seeded((mb.num_tokens, HIDDEN), 1), mb) * 0.5, mb)
+    h = ffn.prepare(h, mb)
+    with ffn.exit(mb) as out:
+        handoff = ToyHandoff(h)
+    h = out.finish(handoff)
+    with pytest.raises(RuntimeError) as info:
+        residual_batch.snapshot(h, mb)
+    assert str(info.value) == SNAPSHOT_NOT_PLAIN

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed.pool import get_pool
-from toy import HIDDEN, ToyLayer, batch, runtime
+from toy import HIDDEN, ToyHandoff, ToyLayer, batch, runtime
 
-from layer_boundary import HandoffOutput, declare_attn, declare_ffn, make_stages
+from layer_boundary import declare_attn, declare_ffn, make_stages
 from layer_boundary.fusions.reference import ReferenceFusions, fused_finalize_all_reduce_add_norm
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.runtime.norm import RMSNorm
@@ -86,14 +86,6 @@ def test_candidates_run_in_order_and_fusion_gives_identical_numbers():
         if provider == "decline-then-fuse":
             # every pending input was shown to the declining recorder first
             assert r["declined"] >= 2
-
-
-class ToyHandoff(HandoffOutput):
-    def __init__(self, value):
-        self.value = value
-
-    def complete(self):
-        return self.value * 2.0
 
 
 def _sparse_stack():
