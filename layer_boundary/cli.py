@@ -18,7 +18,7 @@ from .construction import UnsupportedBoundary
 from .models.loader import CheckpointError
 from .runtime.args import BOUNDARY_REDUCTIONS
 from .runtime.ledger import summarize
-from .runtime.parallel import ParallelDims, RankError, TopologyError
+from .runtime.parallel import START_TIMEOUT_S, ParallelDims, RankError, TopologyError
 
 log = logging.getLogger("layer_boundary")
 
@@ -34,6 +34,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of seconds")
     return value
 
 
@@ -81,9 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_args(run)
     run.add_argument("--split-prefill", type=_positive, default=1,
                      help="run each stage's prefill in this many layer-range segments")
-    run.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+    run.add_argument("--collective-timeout", type=_positive_seconds, default=None,
+                     metavar="SECONDS",
                      help="how long a collective waits for a silent peer before the job ends "
                           "(default 45 s; 15 s under torchrun; 900 s with --compile)")
+    run.add_argument("--start-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                     help="how long a rank may take to start (import, load, join) before the "
+                          f"job ends naming it; start-up is not silence (default "
+                          f"{START_TIMEOUT_S:.0f} s)")
     run.add_argument("--tbo", action="store_true",
                      help="two-batch overlap: each forward as two interleaved microbatches")
     run.add_argument("--draft-model", default=None,
@@ -484,7 +499,8 @@ def cmd_run(args) -> int:
     if launched_by_torchrun():
         # no spawner watches these ranks: a silent peer is found by the collective timeout,
         # and torchrun then needs about half a minute to stop the group
-        rank, world = init_distributed(timeout_s=timeout or TORCHRUN_COLLECTIVE_TIMEOUT_S)
+        rank, world = init_distributed(timeout_s=timeout or TORCHRUN_COLLECTIVE_TIMEOUT_S,
+                                       join_timeout_s=args.start_timeout)
         _setup_logging(rank)
         if args.tp is None:
             args.tp = world // args.pp
@@ -507,8 +523,10 @@ def cmd_run(args) -> int:
     spec = _spec(args)
     world = spec.world_size
     with _stop_on_sigterm():
-        results = [run_rank(spec)] if world == 1 else spawn(
-            _rank_entry, world, spec, **({"collective_timeout_s": timeout} if timeout else {}))
+        options = {"collective_timeout_s": timeout} if timeout else {}
+        if args.start_timeout:
+            options["start_timeout_s"] = args.start_timeout
+        results = [run_rank(spec)] if world == 1 else spawn(_rank_entry, world, spec, **options)
     # world 1 needs no reference of itself, unless it ran compiled or in segments
     own = (world == 1 and spec.compile is None and spec.split_prefill == 1 and not spec.tbo
            and not spec.speculative)

@@ -2,6 +2,7 @@
 boundary-integrated decoder's logits (the benchmark asserts it), so this runs it once, tiny,
 and checks the report; no timing is asserted."""
 
+from distributed.checks import cli_ok
 from layer_boundary.bench import overhead
 from layer_boundary.cli import main
 
@@ -21,6 +22,6 @@ def test_compiled_benchmark_compares_compiled_forwards():
 
 
 def test_bench_command(capsys):
-    assert main(["bench", "--hidden", "64", "--layers", "2", "--requests", "2",
-                 "--repeats", "1"]) == 0
-    assert "overhead" in capsys.readouterr().out
+    out = cli_ok(["bench", "--hidden", "64", "--layers", "2", "--requests", "2",
+                  "--repeats", "1"], capsys)
+    assert "overhead" in out

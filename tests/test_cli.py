@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from distributed.checks import cli_ok
 from layer_boundary.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -328,9 +329,9 @@ def test_text_prompts_use_the_checkpoint_tokenizer(qwen3_dir, tmp_path, capsys, 
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
-    assert main(["run", "--model", str(folder), "--tp", "1", "--max-new-tokens", "1", "--json",
-                 "--prompt", "hello boundary world", "--prompt", "world"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    out = cli_ok(["run", "--model", str(folder), "--tp", "1", "--max-new-tokens", "1", "--json",
+                  "--prompt", "hello boundary world", "--prompt", "world"], capsys)
+    report = json.loads(out)
     assert [p["prompt_ids"] for p in report["prompts"]] == [[5, 17, 42], [42]]
 
 
@@ -338,9 +339,9 @@ def test_text_prompts_use_the_checkpoint_tokenizer(qwen3_dir, tmp_path, capsys, 
 
 
 def test_plan_reports_mode_rows_and_one_row_per_stage(qwen3_dir, capsys, restore_logger):
-    assert main(["plan", "--model", str(qwen3_dir), "--tp", "4", "--dp", "4",
-                 "--boundary-reduction", "auto", "--tokens", "5,0,3,1", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    out = cli_ok(["plan", "--model", str(qwen3_dir), "--tp", "4", "--dp", "4",
+                  "--boundary-reduction", "auto", "--tokens", "5,0,3,1", "--json"], capsys)
+    plan = json.loads(out)
     layers = json.loads((Path(qwen3_dir) / "config.json").read_text())["num_hidden_layers"]
     assert plan["mode"] == "rsv" and plan["tokens"] == [5, 0, 3, 1]
     assert [r["local"] for r in plan["ranks"]] == [5, 0, 3, 1]
@@ -348,9 +349,8 @@ def test_plan_reports_mode_rows_and_one_row_per_stage(qwen3_dir, capsys, restore
     assert [s["stage"] for s in plan["stages"]] == [
         f"layer{i}.{k}" for i in range(layers) for k in ("attn", "ffn")]
 
-    assert main(["plan", "--model", str(qwen3_dir), "--tp", "2", "--dp", "1",
-                 "--boundary-reduction", "ar"]) == 0
-    out = capsys.readouterr().out
+    out = cli_ok(["plan", "--model", str(qwen3_dir), "--tp", "2", "--dp", "1",
+                  "--boundary-reduction", "ar"], capsys)
     assert "row mode ar" in out
     assert re.search(r"layer1\.attn\s+all_reduce\(tp\)", out), out  # the deferred FFN sum
 
@@ -496,9 +496,9 @@ def test_torchrun_two_nodes_pp2_tp2_passes(builtin_dir, cache_dir):
 
 
 def test_plan_shows_each_pipeline_stage_and_its_handoff(capsys, restore_logger):
-    assert main(["plan", "--pp", "2", "--tp", "2", "--dp", "1", "--boundary-reduction", "rs",
-                 "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    out = cli_ok(["plan", "--pp", "2", "--tp", "2", "--dp", "1", "--boundary-reduction", "rs",
+                  "--json"], capsys)
+    plan = json.loads(out)
     assert plan["pp"] == 2
     assert [(p["stage"], p["ranks"], p["layers"]) for p in plan["pipeline"]] == [
         (0, [0, 1], [0, 1]), (1, [2, 3], [2, 2])]
@@ -508,8 +508,7 @@ def test_plan_shows_each_pipeline_stage_and_its_handoff(capsys, restore_logger):
     assert [(r["pp_stage"], r["stage"]) for r in plan["stages"]] == [
         (0, "layer0.attn"), (0, "layer0.ffn"), (0, "layer1.attn"), (0, "layer1.ffn"),
         (1, "layer2.attn"), (1, "layer2.ffn")]
-    assert main(["plan", "--pp", "3", "--pp-layers", "1,1,1", "--tp", "1", "--dp", "1"]) == 0
-    out = capsys.readouterr().out
+    out = cli_ok(["plan", "--pp", "3", "--pp-layers", "1,1,1", "--tp", "1", "--dp", "1"], capsys)
     assert "pipeline stage 2 (ranks 2-2): layers 2-2" in out
 
 
@@ -554,14 +553,14 @@ def test_a_failed_stage_ends_the_whole_job(qwen3_dir, tmp_path, capsys, restore_
 
 @pytest.mark.timeout(240)
 def test_tbo_run_passes_parity(qwen3_dir, capsys, restore_logger):
-    assert main(["run", "--model", str(qwen3_dir), "--tbo", "--tp", "4", "--dp", "2",
-                 *PROMPT_ARGS, "--prompt-ids", "4,5,6,7", "--max-new-tokens", "2"]) == 0
-    assert "parity vs world 1: PASS" in capsys.readouterr().out
+    out = cli_ok(["run", "--model", str(qwen3_dir), "--tbo", "--tp", "4", "--dp", "2",
+                  *PROMPT_ARGS, "--prompt-ids", "4,5,6,7", "--max-new-tokens", "2"], capsys)
+    assert "parity vs world 1: PASS" in out
 
 
 def test_plan_shows_both_microbatches(capsys, restore_logger):
-    assert main(["plan", "--tbo", "--tokens", "5,1", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    out = cli_ok(["plan", "--tbo", "--tokens", "5,1", "--json"], capsys)
+    plan = json.loads(out)
     a, b = plan["microbatches"]
     assert (a["tokens"], b["tokens"]) == ([3, 1], [2, 0])
     assert [r["local"] for r in b["ranks"]] == [2, 2, 0, 0] and b["mode"] == plan["mode"]

@@ -14,6 +14,7 @@ import pytest
 from distributed.checks import assert_logits_match
 from distributed.pool import get_pool
 
+from distributed.checks import cli_ok
 from layer_boundary.cli import main
 from layer_boundary.runner import RunSpec, merge, run_rank
 
@@ -53,9 +54,8 @@ def test_fullgraph_across_ranks(qwen3_dir, tp, dp, policy, backend):
 def test_inductor_run_command(qwen3_dir, capsys, tp):
     """``layer-boundary run --compile`` as a user runs it: inductor kernels on spawned ranks,
     checked against the eager world-1 run."""
-    assert main(["run", "--model", str(qwen3_dir), "--tp", str(tp), "--compile",
-                 "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "2"]) == 0
-    out = capsys.readouterr().out
+    out = cli_ok(["run", "--model", str(qwen3_dir), "--tp", str(tp), "--compile",
+                  "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "2"], capsys)
     assert "compiled (inductor, fullgraph)" in out and "parity vs world 1: PASS" in out
 
 

@@ -23,8 +23,10 @@ def world1(spec: RunSpec):
 
 def cli(args, capsys) -> tuple[int, str]:
     """``layer-boundary`` in this process: its exit code and what rank 0 printed (the
-    logger's handlers restored afterwards)."""
+    logger's handlers restored afterwards). What it wrote to stderr goes back to stderr, so
+    a failing test shows it."""
     import logging
+    import sys
 
     from layer_boundary.cli import main
 
@@ -35,7 +37,21 @@ def cli(args, capsys) -> tuple[int, str]:
     finally:
         log.handlers[:], log.propagate = saved[0], saved[1]
         log.setLevel(saved[2])
-    return code, capsys.readouterr().out
+    captured = capsys.readouterr()
+    sys.stderr.write(captured.err)
+    return code, captured.out
+
+
+def cli_ok(args, capsys) -> str:
+    """``layer-boundary`` in this process, which must succeed; returns what it printed. A
+    failure shows the command, its exit code and everything it wrote."""
+    from layer_boundary.cli import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    assert code == 0, (f"layer-boundary {' '.join(map(str, args))} exited {code}:\n"
+                       f"{captured.out}{captured.err}")
+    return captured.out
 
 
 def assert_logits_match(run, ref, n_requests: int, tol: float = 1e-5) -> None:

@@ -79,7 +79,19 @@ def _environ(extra: dict[str, str]):
                 os.environ[k] = v
 
 
-def _worker(rank: int, world_size: int, port: int, sys_path: list[str], conn) -> None:
+def _end_with(parent: int) -> None:
+    """A worker's daemon thread: exit as soon as the parent is gone, whatever ended it (a
+    SIGTERM or SIGKILL runs none of its cleanup), even in the middle of a case."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _worker(rank: int, world_size: int, port: int, sys_path: list[str], conn,
+            parent: int) -> None:
+    import threading
+
+    threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
     sys.path[:] = sys_path  # so the test module that defines fn imports here
     # Ctrl-C reaches the whole process group; the parent does the cleanup.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -121,7 +133,8 @@ class RankPool:
     failure or timeout tore them down; the object itself stays the same.
     """
 
-    def __init__(self, world_size: int, *, start_timeout: float = 120.0):
+    # start-up (importing torch in every worker) takes what a loaded machine gives it
+    def __init__(self, world_size: int, *, start_timeout: float = 300.0):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -141,7 +154,8 @@ class RankPool:
                 parent_conn, child_conn = ctx.Pipe()
                 proc = ctx.Process(
                     target=_worker,
-                    args=(rank, self.world_size, self.port, list(sys.path), child_conn),
+                    args=(rank, self.world_size, self.port, list(sys.path), child_conn,
+                          os.getpid()),
                     name=f"RankPool-{self.world_size}-rank{rank}",
                     daemon=True,
                 )

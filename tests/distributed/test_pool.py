@@ -148,3 +148,56 @@ def test_dead_rank_becomes_rank_failure_and_pool_recovers():
 def test_unpicklable_fn_is_rejected_before_sending():
     with pytest.raises(TypeError, match="module level"):
         get_pool(2).run(lambda: 0)
+
+
+ORPHAN_CASE = '''
+import os, time
+from distributed.pool import get_pool
+
+def _write_pid_and_sleep(folder):
+    with open(os.path.join(folder, str(os.getpid())), "w"):
+        pass
+    time.sleep(120)
+
+def test_long_case():
+    get_pool(2).run(_write_pid_and_sleep, {folder!r}, timeout=300)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_pytest_leaves_no_worker_behind(tmp_path):
+    """A CI timeout sends SIGTERM to pytest, which then runs none of its cleanup: the workers,
+    busy in a case, end by themselves once their parent is gone."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent.parent
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    case = tmp_path / "test_orphans.py"
+    case.write_text(ORPHAN_CASE.format(folder=str(pids)))
+    env = {**os.environ, "PYTHONPATH": str(tests) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-p", "no:randomly", str(case)], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240  # a hang guard: start-up takes what the machine takes
+    while len(list(pids.iterdir())) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.2)
+    workers = [int(p.name) for p in pids.iterdir()]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived pytest"
+        time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

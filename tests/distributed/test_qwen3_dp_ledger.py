@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from .checks import cli_ok
 from layer_boundary.cli import main
 from layer_boundary.models import load_config
 from layer_boundary.runner import RunSpec, merge, run_rank
@@ -96,14 +97,14 @@ def test_ineligible_rs_falls_back_to_all_reduce(qwen3_dir, capsys):
     assert [e for r in results for e in r.ledger if e.kind == "reduce_scatter" and e.step == 1]
     assert_logits_match(merge(results), merge([world1(spec)]), len(prompts))
     # the plan for the same batch shape says so, and shows all-reduce paths
-    assert main(["plan", "--model", str(qwen3_dir), "--tp", "4", "--dp", "2",
-                 "--boundary-reduction", "rs", "--no-rs-padding", "--tokens", "14,3",
-                 "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    out = cli_ok(["plan", "--model", str(qwen3_dir), "--tp", "4", "--dp", "2",
+                  "--boundary-reduction", "rs", "--no-rs-padding", "--tokens", "14,3",
+                  "--json"], capsys)
+    plan = json.loads(out)
     assert plan["mode"] == "ar" and "fallback to ar" in plan["reason"]
     assert "all_reduce(tp)" in plan["stages"][2]["entry"]
     # with padding allowed, or rows that need none, rs is taken
-    assert main(["plan", "--model", str(qwen3_dir), "--tp", "4", "--dp", "2",
-                 "--boundary-reduction", "rs", "--no-rs-padding", "--tokens", "4,4",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["mode"] == "rs"
+    out = cli_ok(["plan", "--model", str(qwen3_dir), "--tp", "4", "--dp", "2",
+                  "--boundary-reduction", "rs", "--no-rs-padding", "--tokens", "4,4",
+                  "--json"], capsys)
+    assert json.loads(out)["mode"] == "rs"

@@ -12,6 +12,7 @@ import torch
 from lc_checkpoints import TINY_LC, hf_longcat_flash, hf_longcat_flash_reference
 from oracle import assert_decode_matches, assert_prefill_matches, world1
 
+from distributed.checks import cli_ok
 from layer_boundary.cli import main
 from layer_boundary.models import load_model
 from layer_boundary.models.loader import CheckpointError
@@ -140,9 +141,9 @@ def test_plan_shows_both_branches_and_the_merge(tmp_path, capsys, restore_logger
     the MoE, then the branch (dense FFN 0 entered with branch_input, attention 1, dense FFN 1),
     then the merge back into the MoE's output."""
     path = hf_longcat_flash(tmp_path / "ckpt")
-    assert main(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
-                 "--boundary-reduction", "rs+rsv", "--tokens", "5,0", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    out = cli_ok(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
+                  "--boundary-reduction", "rs+rsv", "--tokens", "5,0", "--json"], capsys)
+    plan = json.loads(out)
     stages = {s["stage"]: s for s in plan["stages"]}
     assert list(stages) == [name for i in range(TINY_LC["num_layers"]) for name in (
         f"layer{i}.attn", f"layer{i}.ffn", f"layer{i}.branch.ffn0", f"layer{i}.branch.attn",

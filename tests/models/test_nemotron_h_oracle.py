@@ -11,6 +11,7 @@ import torch
 from nh_checkpoints import TINY_NH, hf_nemotron_h, hf_nemotron_h_reference
 from oracle import TOL, hf_cached_decode, world1
 
+from distributed.checks import cli_ok
 from layer_boundary.cli import main
 from layer_boundary.models import load_model
 from layer_boundary.models.generate import greedy_generate
@@ -175,9 +176,9 @@ def test_plan_builds_on_meta_with_one_stage_per_block(tmp_path, capsys, restore_
     """``layer-boundary plan`` builds the model on the meta device: one stage per block,
     mixers as attention-kind stages, MLP/MoE as FFN stages."""
     path = hf_nemotron_h(tmp_path / "ckpt")
-    assert main(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
-                 "--boundary-reduction", "rs+rsv", "--tokens", "5,0", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    out = cli_ok(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
+                  "--boundary-reduction", "rs+rsv", "--tokens", "5,0", "--json"], capsys)
+    plan = json.loads(out)
     kinds = {"linear_attention": "attn", "full_attention": "attn", "mlp": "ffn", "moe": "ffn"}
     assert [s["stage"] for s in plan["stages"]] == [
         f"layer{i}.{kinds[k]}" for i, k in enumerate(TINY_NH["layers_block_type"])]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from layer_boundary.runtime.parallel import RankError, spawn
+from layer_boundary.runtime.parallel import HEARTBEAT_S, SILENT_S, RankError, spawn
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -33,11 +33,20 @@ def _killed_on_rank_1():
     return 0
 
 
-def _stops_on_rank_1():
+def _stops_on_rank_1(stamp: str):
+    """Rank 1 writes when it stops (after its heartbeats began), then stops itself."""
     if dist.get_rank() == 1:
+        time.sleep(2 * HEARTBEAT_S)  # heartbeats have gone out
+        Path(stamp).write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGSTOP)
     dist.barrier()
     return 0
+
+
+def _ended_within(stamp: Path, bound: float) -> None:
+    """The job ended within ``bound`` s of the moment the rank stopped (not of the spawn:
+    start-up on a loaded machine is not what the detection window bounds)."""
+    assert time.time() - float(stamp.read_text()) < bound
 
 
 def _alive(pid: int) -> bool:
@@ -66,12 +75,14 @@ def test_a_killed_rank_ends_the_job_naming_it():
         spawn(_killed_on_rank_1, 2)
 
 
-@pytest.mark.timeout(120)
-def test_a_stopped_rank_ends_the_job_naming_it():
-    start = time.monotonic()
-    with pytest.raises(RankError, match="^rank 1 stopped responding"):
-        spawn(_stops_on_rank_1, 2, silent_s=8)
-    assert time.monotonic() - start < 60
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
+    """The OS reports the process stopped: the job ends within STOPPED_S (plus polling)."""
+    stamp = tmp_path / "stopped"
+    with pytest.raises(RankError, match="^rank 1 stopped responding \\(its process is stopped, "
+                                        "state T\\)"):
+        spawn(_stops_on_rank_1, 2, str(stamp))
+    _ended_within(stamp, 60)
 
 
 PARENT = textwrap.dedent("""
@@ -89,13 +100,13 @@ def _report_and_sleep(pids: str):
     time.sleep(600)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
 def test_ranks_end_with_their_parent(tmp_path, how):
     pids = str(tmp_path / "pid")
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT.format(tests=str(REPO / "tests"), pids=pids)], cwd=REPO)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 240  # a hang guard: start-up takes what the machine takes
     while not all(Path(f"{pids}.{r}").exists() for r in range(2)):
         assert time.monotonic() < deadline and parent.poll() is None, "ranks did not start"
         time.sleep(0.2)
@@ -108,18 +119,24 @@ def test_ranks_end_with_their_parent(tmp_path, how):
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_stopped_rank_under_torchrun_ends_the_job(tmp_path):
     """Under torchrun no spawner watches the ranks: the collective timeout (15 s there) fails
-    the peer, torchrun stops the group, stopped rank included, within a minute."""
+    the peer, then torchrun stops the group, stopped rank included (after its own grace
+    period for a rank that does not answer SIGTERM), leaving no process. What this package
+    controls is the detection: the peer gives up within the collective timeout of the stop."""
+    from layer_boundary.cli import TORCHRUN_COLLECTIVE_TIMEOUT_S
+
     pids = str(tmp_path / "pid")
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), str(REPO / "tests/runtime/torchrun_stopped_rank.py")],
-        cwd=REPO, env={**os.environ, "PIDS": pids}, capture_output=True, text=True, timeout=150)
-    assert proc.returncode != 0
-    assert time.monotonic() - start < 60
+        cwd=REPO, env={**os.environ, "PIDS": pids}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    stopped, gave_up = (float(Path(f"{pids}.{what}").read_text())
+                        for what in ("stopped", "gave_up"))
+    # the gloo timer fires on time; a loaded machine delays only the report of it
+    assert TORCHRUN_COLLECTIVE_TIMEOUT_S - 1 < gave_up - stopped < TORCHRUN_COLLECTIVE_TIMEOUT_S + 30
     ranks = [int(Path(f"{pids}.{r}").read_text()) for r in range(2)]
     assert not any(_alive(pid) for pid in ranks)
 
@@ -130,3 +147,90 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ------------------------------------------------------------ start-up is not silence
+
+DELAY = textwrap.dedent("""
+    # Delays (or stops) every rank process the spawner starts, before the rank imports
+    # anything: what a loaded machine or a network filesystem does to start-up.
+    import os, signal, sys, time
+    if "--multiprocessing-fork" in sys.argv:
+        if os.environ.get("LB_TEST_START_STOP"):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(float(os.environ.get("LB_TEST_START_DELAY", "0")))
+""")
+
+
+@pytest.fixture
+def late_start(tmp_path, monkeypatch):
+    """Rank processes started from here begin ``delay`` seconds late (a sitecustomize on
+    their PYTHONPATH; this process has imported everything already)."""
+    (tmp_path / "sitecustomize.py").write_text(DELAY)
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
+
+    def delay(seconds: float, stop: bool = False) -> None:
+        monkeypatch.setenv("LB_TEST_START_DELAY", str(seconds))
+        if stop:
+            monkeypatch.setenv("LB_TEST_START_STOP", "1")
+    return delay
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_start_late_are_not_silent(late_start):
+    """Silence counts from a rank's first heartbeat: ranks 10 s late pass a 6 s window."""
+    late_start(10)
+    start = time.monotonic()
+    assert spawn(_rank, 2, silent_s=6) == [0, 1]
+    assert time.monotonic() - start >= 10  # the delay really happened
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_does_not_start_in_time_is_named(late_start):
+    late_start(60)
+    with pytest.raises(RankError, match="^rank 0 did not start within 5 s; the job was "
+                                        "stopped$"):
+        spawn(_rank, 2, start_timeout_s=5)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_while_starting_ends_the_job(late_start):
+    """Stopped before its first heartbeat: the OS says so, well inside the start window."""
+    late_start(0, stop=True)
+    start = time.monotonic()
+    with pytest.raises(RankError, match="^rank 0 stopped responding \\(its process is "
+                                        "stopped, state T\\)"):
+        spawn(_rank, 2)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_found_by_its_silence_where_the_os_cannot_say(monkeypatch, tmp_path):
+    """Without the OS's word, silence after its heartbeats began: within silent_s, and within
+    60 s of the stop at the default window."""
+    from layer_boundary.runtime import parallel
+
+    monkeypatch.setattr(parallel, "process_state", lambda pid: None)
+    stamp = tmp_path / "stopped"
+    with pytest.raises(RankError, match="^rank 1 stopped responding \\(no heartbeat for 8 s\\)"):
+        spawn(_stops_on_rank_1, 2, str(stamp), silent_s=8)
+    _ended_within(stamp, 60)
+    assert SILENT_S + HEARTBEAT_S < 60
+
+
+def _rank():
+    return dist.get_rank()
+
+
+@pytest.mark.timeout(240)
+def test_run_passes_with_every_rank_starting_30_s_late(late_start, capsys, restore_logger):
+    """`layer-boundary run --tp 2` on the built-in checkpoint, each rank 30 s late (more than
+    the 20 s silence window)."""
+    from layer_boundary.cli import main
+
+    late_start(30)
+    code = main(["run", "--tp", "2", "--max-new-tokens", "2"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert "parity vs world 1: PASS" in captured.out

@@ -1,7 +1,9 @@
-"""Run under torchrun by test_spawn_faults: rank 1 stops itself, rank 0 waits in a barrier."""
+"""Run under torchrun by test_spawn_faults: rank 1 stops itself, rank 0 waits in a barrier
+and writes when its collective gave up."""
 
 import os
 import signal
+import time
 
 import torch.distributed as dist
 
@@ -13,5 +15,11 @@ par = build_parallel(ParallelDims(world_size=world, tp=world))
 with open(os.environ["PIDS"] + f".{rank}", "w") as f:
     f.write(str(os.getpid()))
 if rank == 1:
+    with open(os.environ["PIDS"] + ".stopped", "w") as f:
+        f.write(str(time.time()))
     os.kill(os.getpid(), signal.SIGSTOP)
-dist.barrier(group=par.tp.pg)  # a subgroup's collective: it times out too
+try:
+    dist.barrier(group=par.tp.pg)  # a subgroup's collective: it times out too
+finally:
+    with open(os.environ["PIDS"] + ".gave_up", "w") as f:
+        f.write(str(time.time()))
