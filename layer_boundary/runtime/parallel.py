@@ -307,17 +307,21 @@ class _Reporter:
 
 
 def _spawn_entry(rank, world_size, port, fn, args, conn, parent, timeout_s, join_timeout_s):
+    import traceback
+
     reporter = _Reporter(conn, parent)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
-                     join_timeout_s=join_timeout_s)
+    try:
+        init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
+                         join_timeout_s=join_timeout_s)
+    except Exception as exc:  # nothing ran yet: the spawner may start the job again
+        reporter.send(("rendezvous", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
     try:
         # plain pickle copies tensors by value (a queue's pickler would share file descriptors
         # that vanish when this process exits)
         reporter.send(("ok", pickle.dumps(fn(*args))))
     except Exception as exc:  # report to the parent, which decides what the user sees
-        import traceback
-
         try:
             payload = pickle.dumps(exc)
         except Exception:
@@ -344,7 +348,27 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0,
     The job ends, and every rank with it, when a rank fails (its peers are not waited for),
     dies before reporting, is stopped (the OS says so, or it falls silent), or does not start
     in time; the error names the rank. Ranks exit by themselves when this process is gone.
+    A rendezvous that fails before any rank ran ``fn`` (gloo's loopback mesh, rarely, on a
+    loaded machine) starts the job once more, on a fresh port.
     """
+    for attempt in range(2):
+        try:
+            return _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
+                               start_timeout_s)
+        except _RendezvousFailed as failed:
+            if attempt:
+                raise RankError(f"rank {failed.rank} could not join the other ranks (twice): "
+                                f"{failed.text}") from None
+
+
+class _RendezvousFailed(Exception):
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(rank, text)
+        self.rank, self.text = rank, text
+
+
+def _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
+                start_timeout_s) -> list:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -383,6 +407,7 @@ class _Watch:
         self.stopped: dict[int, float] = {}  # rank -> when the OS first reported it stopped
         self.results: dict[int, object] = {}
         self.errors: list = []
+        self.rendezvous: dict[int, str] = {}  # ranks that could not join, and why
         self.closed: set[int] = set()  # ranks whose pipe has ended
 
     def _done(self) -> set[int]:
@@ -398,6 +423,8 @@ class _Watch:
                     self.results[rank] = pickle.loads(payload)
                 elif status == "error":
                     self.errors.append((rank, *payload))
+                elif status == "rendezvous":
+                    self.rendezvous[rank] = payload
         except (EOFError, OSError):
             self.closed.add(rank)
 
@@ -450,6 +477,9 @@ class _Watch:
                         continue
                     self.closed.add(rank)
                 lost = lost or self._lost(rank, now)
+            if self.rendezvous:
+                rank = min(self.rendezvous)
+                raise _RendezvousFailed(rank, self.rendezvous[rank].splitlines()[0])
             # peers of a failed rank sit in a collective until it times out: do not wait
             if (lost or (started is not None and now - started > self.timeout_s)
                     or (first_error and now - first_error > 10)):

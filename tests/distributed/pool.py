@@ -147,6 +147,14 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _start(self) -> None:
+        """Start the workers; a rendezvous that fails (gloo's loopback mesh, rarely, on a
+        loaded machine) is tried once more on a fresh port."""
+        try:
+            self._start_once()
+        except RankFailure:
+            self._start_once()
+
+    def _start_once(self) -> None:
         ctx = mp.get_context("spawn")
         self.port = _free_port()
         with _environ(_child_env()):

@@ -234,3 +234,23 @@ def test_run_passes_with_every_rank_starting_30_s_late(late_start, capsys, resto
     captured = capsys.readouterr()
     assert code == 0, captured.out + captured.err
     assert "parity vs world 1: PASS" in captured.out
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_rendezvous_starts_the_job_once_more(monkeypatch):
+    """The first port is taken (what gloo's loopback mesh sometimes does to itself on a
+    loaded machine): no rank ran anything, so the job starts again on a fresh port."""
+    import socket
+
+    from layer_boundary.runtime import parallel
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = parallel.free_port
+    monkeypatch.setattr(parallel, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert spawn(_rank, 2) == [0, 1]
+    finally:
+        taken.close()
