@@ -12,6 +12,7 @@ from .layout import Layout, SumGroup, TokenAxis
 from .output import HandoffOutput
 from .residual.stream import OwedOutput, ResidualStream
 from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
+from .stack import LayerStack, append_stages, layer_stack
 from .adapters import branch_input, branch_output, merge_branch
 from .adapters.tbo import run_two_batches, split_batch
 
@@ -21,4 +22,5 @@ __all__ = [
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
     "make_ffn_stage", "make_stages", "boundary_guard_filter", "stage_boundaries",
     "branch_input", "branch_output", "merge_branch", "run_two_batches", "split_batch",
+    "LayerStack", "append_stages", "layer_stack",
 ]

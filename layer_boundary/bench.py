@@ -123,7 +123,7 @@ def _moe_rank(hidden: int, layers: int, tokens: int, repeats: int) -> dict:
                                 kv_cache=model.make_kv_cache(4, per_request))
         fb.dp_request_lens, fb.tbo = lens, tbo
         if synchronous:
-            fb.extra["tbo_synchronous"] = True
+            fb.tbo_synchronous = True
         dist.barrier()
         start = time.perf_counter()
         out = model(fb)

@@ -16,6 +16,7 @@ from .exit import ExitPath
 from .layout import Layouts, RowMode, SumGroup, TokenAxis, sum_group
 from .ops import BatchRows, Movement, UnsupportedBoundary, lookup, movement_table
 from .prepare import EntryPath
+from .residual.stream import START_FIRST
 
 __all__ = ["StagePlan", "StagePath", "UnsupportedBoundary", "build_plan", "select_mode",
            "supported_modes", "resolve_output", "resolve_input", "no_path_error"]
@@ -141,7 +142,10 @@ class StagePlan:
 
     def rows(self, forward_batch) -> BatchRows:
         """This forward's row facts; the first boundary of a forward computes them for all."""
-        rows = forward_batch.rows
+        state = forward_batch.boundary
+        if state is None:
+            raise RuntimeError(START_FIRST)
+        rows = state.facts
         counts = forward_batch.dp_token_counts
         if rows is not None and rows.counts != counts:
             raise ValueError(f"ForwardBatch.dp_token_counts changed to {tuple(counts)} inside a "
@@ -162,15 +166,16 @@ class StagePlan:
                     f"it needs one count per attention-DP rank ({dims.attn_dp}), and this DP "
                     f"rank ({dp_rank}) holds {forward_batch.num_tokens} tokens")
             mode, _ = select_mode(self.runtime, counts)
-            rows = forward_batch.rows = BatchRows(mode, counts, self.runtime.parallel,
-                                                  self.tables[mode])
+            rows = state.facts = BatchRows(mode, counts, self.runtime.parallel,
+                                           self.tables[mode])
             rows.counts = counts  # the batch's own tuple: select() compares by identity
             rows.path_key = (forward_batch.variant.value, mode.value)
             rows.runtime = self.runtime
         return rows
 
     def select(self, forward_batch) -> tuple[StagePath, BatchRows]:
-        rows = forward_batch.rows
+        state = forward_batch.boundary
+        rows = None if state is None else state.facts
         if (rows is None or rows.runtime is not self.runtime
                 or rows.counts is not forward_batch.dp_token_counts):
             rows = self.rows(forward_batch)  # places the rows, or names the misuse

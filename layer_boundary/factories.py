@@ -43,7 +43,16 @@ def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
                  read: StageRead | None = None, previous: StageDeclaration | None = None,
                  prepared_from: StageDeclaration | None = None,
                  terminal: bool = False) -> StageDeclaration:
-    """An attention (or, with ``reduction=SCOPED``, a single-stage mixer) declaration."""
+    """An attention (or, with ``reduction=SCOPED``, a single-stage mixer) declaration.
+
+    Args:
+        reduction: PARTIAL (the default: compute always leaves its attention-TP sum) or
+            SCOPED (a mixer that obeys its exit's decision).
+        gathers_tp_input: the boundary gathers its input over attention TP (False: a mixer
+            that consumes its own rows).
+        update, read: the residual update it applies and the read of its input.
+        previous, prepared_from, terminal: its sources and whether it ends the stack.
+    """
     if reduction is ProducerReduction.LOCAL_TAIL:
         raise ValueError("LOCAL_TAIL is not supported for attention stages")
     return StageDeclaration(StageKind.ATTN, reduction, gathers_tp_input=gathers_tp_input,
@@ -56,8 +65,25 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
                 update: StageUpdate | None = None, read: StageRead | None = None,
                 previous: StageDeclaration | None = None,
                 prepared_from: StageDeclaration | None = None,
-                terminal: bool = False) -> StageDeclaration:
-    """A dense or sparse FFN declaration."""
+                terminal: bool = False,
+                next_layer_sparse: bool | None = None) -> StageDeclaration:
+    """A dense or sparse FFN declaration.
+
+    Args:
+        sparse: a MoE (its output sums over the MoE output group).
+        next_sparse: whether the FFN after this one's consumer is sparse (the two-batch
+            overlap handoff rows derive from the pair); ``next_layer_sparse`` is the same
+            (upstream's name).
+        reduction: SCOPED (obeys the exit's decision) or LOCAL_TAIL.
+        update, read: the residual update it applies and the read of its input.
+        previous, prepared_from, terminal: its sources and whether it ends the stack
+            (``make_attn_stage``/``make_ffn_stage``; a stack or ``make_stages`` sets them).
+    """
+    if next_layer_sparse is not None:
+        if next_sparse is not None and next_sparse != next_layer_sparse:
+            raise ValueError(f"declare_ffn: next_sparse={next_sparse} and next_layer_sparse="
+                             f"{next_layer_sparse} name the same fact")
+        next_sparse = next_layer_sparse
     if reduction is ProducerReduction.PARTIAL:
         raise ValueError("PARTIAL is not supported for ffn stages")
     return StageDeclaration(StageKind.FFN, reduction, sparse=sparse, next_sparse=next_sparse,
@@ -65,59 +91,97 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
                             prepared_from=prepared_from, terminal=terminal)
 
 
-def _check_item(item, index: int):
+def check_items(items, who: str = "make_stages") -> list:
+    """Each ``(declaration, norm[, options])`` item checked: (declaration, norm, options)."""
+    if not items:
+        raise ValueError(f"{who} needs at least one (declaration, norm) item")
+    return [_check_item(item, i, who) for i, item in enumerate(items)]
+
+
+def _check_item(item, index: int, who: str = "make_stages"):
     if not isinstance(item, tuple) or len(item) not in (2, 3):
-        raise TypeError(f"make_stages item {index} must be (declaration, norm[, options])")
+        raise TypeError(f"{who} item {index} must be (declaration, norm[, options])")
     decl, norm = item[0], item[1]
     options = dict(item[2]) if len(item) == 3 else {}
     if not isinstance(decl, StageDeclaration):
-        raise TypeError(f"make_stages item {index}: {decl!r} is not a StageDeclaration")
+        raise TypeError(f"{who} item {index}: {decl!r} is not a StageDeclaration")
     allowed = ATTN_OPTIONS if decl.kind is StageKind.ATTN else FFN_OPTIONS
     unknown = sorted(set(options) - allowed)
     if unknown:
-        raise TypeError(f"make_stages item {index}: {decl.kind.value} stages do not accept "
+        raise TypeError(f"{who} item {index}: {decl.kind.value} stages do not accept "
                         f"options {unknown} (allowed: {sorted(allowed)})")
     if decl.previous is not None or decl.prepared_from is not None or decl.terminal:
-        raise ValueError(f"make_stages item {index}: a declaration passed to make_stages must not "
-                         "carry previous, prepared_from or terminal; pass them to make_stages")
+        raise ValueError(f"{who} item {index}: a declaration passed to {who} must not "
+                         f"carry previous, prepared_from or terminal; pass them to {who}")
     return decl, norm, options
 
 
 def make_stages(*items, previous: StageDeclaration | None = None,
                 following: StageDeclaration | None = None, terminal: bool = False,
-                prepared_from: StageDeclaration | None = None, runtime=None,
-                name: str | None = None) -> list:
+                prepared_from=None, runtime=None, name: str | None = None,
+                stack=None) -> list:
     """Connect local stages in order; return one independent ``StageBoundary`` per item.
 
-    ``previous`` is the real producer before the first stage (None only at the start of the
-    stack); ``following`` the consumer after the last one. Without ``following``, a
-    non-terminal sequence is taken to repeat: its first stage follows its last (a decoder
-    layer followed by the next layer). ``name`` prefixes the stage names that plans and the
-    communication ledger report ("<name>.attn", "<name>.ffn").
+    Args:
+        *items: ``(declaration, norm[, options])``; options are ``fusions``, and
+            ``qkv_latent_func`` for an attention.
+        previous: the real producer before the first stage (None only where the stack
+            starts).
+        following: the consumer after the last one. Without it, a non-terminal sequence is
+            taken to repeat: its first stage follows its last (a decoder layer followed by
+            the next layer).
+        terminal: the last stage ends the model's stack.
+        prepared_from: a branch's source: the ``declaration`` of a stage on the open layer
+            stack, or that ``StageBoundary`` itself.
+        runtime: the ``BoundaryRuntime`` (default: the layer stack's, else the engine's).
+        name: prefixes the stage names plans and the ledger report ("<name>.attn").
+        stack: the layer stack the stages join (default: the open one, if any); there they
+            are checked against the stages built next to them.
     """
+    from .stack import open_stack
     from .stage import StageBoundary
 
-    if not items:
-        raise ValueError("make_stages needs at least one (declaration, norm) item")
-    checked = [_check_item(item, i) for i, item in enumerate(items)]
+    checked = check_items(items)
     _check_next_sparse(previous, [decl for decl, _, _ in checked])
+    stack = open_stack() if stack is None else stack
+    if runtime is None and stack is not None:
+        runtime = stack.runtime
+    source = prepared_from if isinstance(prepared_from, StageBoundary) else None
+    prepared = source.declaration if source is not None else prepared_from
     decls = []
     prev = previous
     for i, (decl, _, _) in enumerate(checked):
         decl = dataclasses.replace(decl, previous=prev,
-                                   prepared_from=prepared_from if i == 0 else None,
+                                   prepared_from=prepared if i == 0 else None,
                                    terminal=terminal and i == len(checked) - 1)
         decls.append(decl)
         prev = decl
     if following is None and not terminal:
         following = dataclasses.replace(checked[0][0], previous=decls[-1])
-    names = _stage_names(name, [d.kind for d in decls])
+    names = stage_names(name, [d.kind for d in decls])
     stages = []
     for i, (decl, (_, norm, options)) in enumerate(zip(decls, checked)):
         nxt = decls[i + 1] if i + 1 < len(decls) else following
         stages.append(StageBoundary(decl, norm, following=nxt, runtime=runtime,
-                                    name=names[i], branch_source=prepared_from, **options))
+                                    name=names[i], branch_source=prepared, **options))
+    if stack is not None:
+        stack.adopt(stages, source=source)
+    elif source is not None:
+        link_branch(source, stages[0])
+    # outside a stack a branch prepared from a declaration has no source stage to enter from:
+    # branch_input() names that
     return stages
+
+
+def link_branch(source, entry) -> None:
+    """``entry`` (the first stage of a branch) reads ``source``'s prepared input."""
+    from .construction import UnsupportedBoundary
+
+    if source.branch is not None:
+        raise UnsupportedBoundary(
+            f"stage {entry.name}: a second branch prepared from the same declaration "
+            "(one branch per source)")
+    source.branch = entry
 
 
 def _check_next_sparse(previous: StageDeclaration | None, decls: list) -> None:
@@ -135,7 +199,7 @@ def _check_next_sparse(previous: StageDeclaration | None, decls: list) -> None:
                 f"FFN (item {nxt[1]}) is declared sparse={nxt[0].sparse}")
 
 
-def _stage_names(prefix: str | None, kinds: list[StageKind]) -> list[str]:
+def stage_names(prefix: str | None, kinds: list[StageKind]) -> list[str]:
     short = {StageKind.ATTN: "attn", StageKind.FFN: "ffn"}
     base = [short[k] for k in kinds]
     names = [b if base.count(b) == 1 else f"{b}{base[:i + 1].count(b) - 1}"
@@ -145,6 +209,7 @@ def _stage_names(prefix: str | None, kinds: list[StageKind]) -> list[str]:
 
 def _make_single(kind: StageKind, decl: StageDeclaration, norm, following, runtime, name,
                  options):
+    from .stack import open_stack
     from .stage import StageBoundary
 
     _check_item((dataclasses.replace(decl, previous=None, prepared_from=None, terminal=False),
@@ -155,7 +220,13 @@ def _make_single(kind: StageKind, decl: StageDeclaration, norm, following, runti
     if following is not None and following.previous != decl:
         raise ValueError("the following declaration must name this stage in its previous field")
     # Without ``following`` the consumer is unknown: the exit completes its own sums.
-    return StageBoundary(decl, norm, following=following, runtime=runtime, name=name, **options)
+    stack = open_stack()
+    if runtime is None and stack is not None:
+        runtime = stack.runtime
+    stage = StageBoundary(decl, norm, following=following, runtime=runtime, name=name, **options)
+    if stack is not None:
+        stack.adopt([stage])
+    return stage
 
 
 def make_attn_stage(declaration: StageDeclaration, norm, *, following=None, runtime=None,

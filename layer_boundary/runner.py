@@ -111,7 +111,7 @@ def handoff_contract(receiver, mode: RowMode) -> str:
     declaration rebuilds it in row mode ``mode``."""
     from .contracts import BatchVariant
 
-    first = stage_boundaries(receiver)[0]
+    first = receiver.stack.first
     entry = first.plan.paths[(BatchVariant.ORDINARY, mode)].entry
     text = (f"to_pp() completes per-batch work and applies the update; {first.name}.from_pp() "
             f"takes the residual on {entry.residual_src}")

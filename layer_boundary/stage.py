@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import weakref
-
 import torch
 
-from .construction import UnsupportedBoundary, build_plan
+from .construction import build_plan
 from .contracts import ProducerReduction, StageKind
 from .exit import FfnExit, MixerExit, check_output_dtype, publish
 from .residual import LayerResidual, is_portable
@@ -45,26 +41,16 @@ def _keep(collector, value, owned: bool) -> None:
         collector.append(value if owned else value.clone())
 
 
-_ORDER = itertools.count()  # construction order, which is stack order
-# per runtime, the stage built last: the producer of the next one built with a ``previous``
-_LAST_BUILT: dict = {}
-# a prepared branch's entry stage, by the identity of the declaration it is prepared from
-_BRANCH_ENTRIES: dict = {}
+class _Unbound:
+    """The plan of a stage its layer stack has not bound yet: any use names the stage."""
 
+    def __init__(self, name: str) -> None:
+        self.name = name
 
-def branch_entry(source) -> "StageBoundary":
-    """The entry stage of the branch built with ``prepared_from=source.declaration``."""
-    ref = _BRANCH_ENTRIES.get(id(source.declaration))
-    entry = ref() if ref is not None else None
-    if entry is None or entry.declaration.prepared_from is not source.declaration:
-        raise RuntimeError(f"no branch was built with prepared_from={source.name}'s declaration")
-    return entry
-
-
-def _branch_entry_alive(source_decl) -> bool:
-    ref = _BRANCH_ENTRIES.get(id(source_decl))
-    entry = ref() if ref is not None else None
-    return entry is not None and entry.declaration.prepared_from is source_decl
+    def __getattr__(self, attr):
+        raise RuntimeError(f"stage {self.name} is not bound yet: it binds when its consumer is "
+                           "known (the next stage appended to its layer stack, or the stack's "
+                           "end)")
 
 
 def _visible(read, residual):
@@ -73,72 +59,38 @@ def _visible(read, residual):
     return residual if view is None else view(residual)
 
 
-def _bare(decl):
-    """A declaration without its neighbours, for comparing what two sides say of a stage. A
-    producer's read is its own input's business: its consumer relies on its update only."""
-    residual = LayerResidual(decl.residual.update, None)
-    return dataclasses.replace(decl, previous=None, prepared_from=None, terminal=False,
-                               residual=residual)
-
-
-def _differences(declared, built) -> str:
-    """The fields in which two bare declarations differ, each as declared vs built."""
-    out = []
-    for f in dataclasses.fields(declared):
-        said, real = getattr(declared, f.name), getattr(built, f.name)
-        if said != real:
-            name = f.name
-            if name == "residual":
-                name, said, real = "update", said.update, real.update
-            out.append(f"{name} (declared {said!r}, built {real!r})")
-    return "; ".join(out)
-
-
-def _check_neighbours(stage: "StageBoundary", runtime) -> None:
-    """The stage built before this one is its producer: each must describe the other as it is.
-
-    Stacks are built in stack order; a stage entering a stack (no ``previous``), a prepared
-    branch, and the stage after a terminal one start afresh."""
-    last = _LAST_BUILT.get(runtime)
-    last = last() if last is not None else None
-    _LAST_BUILT[runtime] = weakref.ref(stage)
-    decl = stage.declaration
-    if decl.previous is None or decl.prepared_from is not None or last is None:
-        return
-    if last.declaration.terminal or last.branch_source is not None:
-        return  # after a branch, the merge (the model's) is the producer
-    said, real = _bare(decl.previous), _bare(last.declaration)
-    if said != real:
-        raise UnsupportedBoundary(
-            f"stage {stage.name} declares previous={decl.previous.describe()}, but its producer, "
-            f"stage {last.name}, is {last.declaration.describe()}: they differ in "
-            f"{_differences(said, real)}")
-    if last.following is not None:
-        said, real = _bare(last.following), _bare(decl)
-        if said != real:
-            raise UnsupportedBoundary(
-                f"stage {last.name} declares following={last.following.describe()}, but the next "
-                f"stage, {stage.name}, is {decl.describe()}: they differ in "
-                f"{_differences(said, real)}")
-
-
 class StageBoundary:
     """One stage's boundary: its own norm, its prebuilt plan, no forward tensors."""
 
     def __init__(self, declaration, norm, *, following=None, runtime=None, name=None,
-                 fusions=None, qkv_latent_func=None, branch_source=None) -> None:
-        runtime = runtime if runtime is not None else get_runtime()
-        self.order = next(_ORDER)
-        self.declaration = declaration
-        # the declaration this stage's branch is prepared from (every stage of the branch)
-        self.branch_source = branch_source or declaration.prepared_from
-        self.following = following
+                 fusions=None, qkv_latent_func=None, branch_source=None,
+                 bind: bool = True) -> None:
+        """Args:
+            declaration: what the stage's compute does (``declare_attn``/``declare_ffn``),
+                with its ``previous``, ``prepared_from`` and ``terminal``.
+            norm: the stage's own input norm (one without ``normalize_fp32`` normalises the
+                rounded fp32 sum).
+            following: the declaration of the stage after this one (None: unknown, so the
+                exit completes its own sums).
+            runtime: the ``BoundaryRuntime`` (default: the engine's, ``get_runtime()``).
+            name: how plans and the ledger name the stage.
+            fusions: a fusion provider.
+            qkv_latent_func: an attention's latent hook, run before its input gather.
+            branch_source: the declaration the stage's branch is prepared from.
+            bind: build the plan now; a layer stack passes False for a stage whose consumer
+                is not known yet, and binds it with ``bind()`` once it is.
+        """
+        self.runtime = runtime if runtime is not None else get_runtime()
+        self.stack = None  # the layer stack that holds it, and its place there (``order``)
+        self.order = 0
+        self.branch = None  # the entry stage of the branch prepared from this stage
         self.name = name or declaration.kind.value
         self.norm = norm if hasattr(norm, "normalize_fp32") else _Fp32Norm(norm)
         self.fusions = fusions
         self.qkv_latent_func = qkv_latent_func
-        self.plan = build_plan(self.name, declaration, self.norm, following, runtime,
-                               qkv_latent_func=qkv_latent_func, fusions=fusions)
+        # the declaration this stage's branch is prepared from (every stage of the branch)
+        self.branch_source = branch_source or declaration.prepared_from
+        self.declaration, self.following, self.plan = declaration, following, _Unbound(self.name)
         self._update = declaration.residual.update
         self._prepare_site = f"{self.name}.prepare"
         self._compute_site = f"{self.name}.compute"
@@ -146,13 +98,15 @@ class StageBoundary:
         self._is_partial = declaration.reduction is ProducerReduction.PARTIAL
         self._is_attn = declaration.kind is StageKind.ATTN
         self._exit_cls = FfnExit if declaration.kind is StageKind.FFN else MixerExit
-        _check_neighbours(self, runtime)
-        if declaration.prepared_from is not None:
-            if _branch_entry_alive(declaration.prepared_from):
-                raise UnsupportedBoundary(
-                    f"stage {self.name}: a second branch prepared from the same declaration "
-                    "(one branch per source)")
-            _BRANCH_ENTRIES[id(declaration.prepared_from)] = weakref.ref(self)
+        if bind:
+            self.bind(declaration, following)
+
+    def bind(self, declaration, following) -> None:
+        """Build the plan once both neighbours are known: ``declaration`` with its final
+        ``previous`` and ``terminal``, ``following`` the consumer's declaration (or None)."""
+        self.declaration, self.following = declaration, following
+        self.plan = build_plan(self.name, declaration, self.norm, following, self.runtime,
+                               qkv_latent_func=self.qkv_latent_func, fusions=self.fusions)
 
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
@@ -164,7 +118,15 @@ class StageBoundary:
         residual_batch.check_local_tensor(x, forward_batch, "to_compute_rows()'s tensor")
         path, rows = self.plan.select(forward_batch)
         move = path.entry.enter_input
-        return move.run(rows, x) if move.moves else x
+        if not move.moves:
+            return x
+        # stages computing on the same rows share one movement: what it moved from ``x`` in
+        # this forward is kept, so the next stage asking reuses it (no second gather)
+        moved = forward_batch.boundary.moved
+        kept = moved.get(move)
+        if kept is None or kept[0] is not x:
+            kept = moved[move] = (x, move.run(rows, x))
+        return kept[1]
 
     def from_pp(self, tensors: dict, forward_batch):
         """A pipeline receiver's first stage: rebuild the stream from what the previous
@@ -360,13 +322,16 @@ class StageBoundary:
         return self.plan.describe() if mode is None else self.plan.describe(mode)
 
 
-
-
 def stage_boundaries(module) -> list["StageBoundary"]:
-    """Every stage boundary a model (or one layer) holds, in the order they were built."""
+    """Every stage boundary a model (or one layer) holds, in the order they were built: each
+    layer stack's stages in stack order (the stacks in the order their stages are found),
+    then stages built outside any stack, as found."""
     found = {id(v): v for m in module.modules() for v in vars(m).values()
              if isinstance(v, StageBoundary)}
-    return sorted(found.values(), key=lambda b: b.order)
+    stacks: dict[int, int] = {}
+    for b in found.values():
+        stacks.setdefault(id(b.stack), len(stacks))
+    return sorted(found.values(), key=lambda b: (b.stack is None, stacks[id(b.stack)], b.order))
 
 
 def boundary_guard_filter(model):

@@ -16,7 +16,8 @@ import torch
 from distributed.pool import get_pool
 from toy import HIDDEN, AddAtProducer, DpBatch, ToyStack, batch, runtime, seeded
 
-from layer_boundary import ProducerReduction, declare_attn, declare_ffn, make_stages
+from layer_boundary import (ProducerReduction, declare_attn, declare_ffn, layer_stack,
+                            make_stages)
 from layer_boundary import ops
 from layer_boundary.construction import UnsupportedBoundary
 from layer_boundary.residual import batch as residual_batch
@@ -157,20 +158,23 @@ def _block(decl, previous, following, rt, i, terminal=False):
 
 def test_a_misdeclared_neighbour_is_rejected_naming_both_stages():
     rt = runtime()
-    kept = _block(MIXER, None, declare_ffn(), rt, 0)  # a model holds its stages
-    with pytest.raises(UnsupportedBoundary, match="stage block0.attn declares following=ffn "
-                                                  "\\(SCOPED\\), but the next stage, block1.attn, is "
-                                                  "attention \\(SCOPED\\)"):
-        _block(MIXER, MIXER, None, rt, 1, terminal=True)
-    kept = _block(MIXER, None, MIXER, rt, 0)
-    with pytest.raises(UnsupportedBoundary, match="stage block1.attn declares previous=ffn "
-                                                  "\\(SCOPED\\), but its producer, stage block0.attn, "
-                                                  "is attention \\(SCOPED\\)"):
-        _block(MIXER, declare_ffn(), None, rt, 1, terminal=True)
-    # neighbours that describe each other build; a new stack starts afresh
-    kept = _block(MIXER, None, declare_ffn(sparse=True), rt, 0)
-    kept += _block(declare_ffn(sparse=True), MIXER, None, rt, 1, terminal=True)
-    _block(MIXER, None, None, rt, 0, terminal=True)
+    with layer_stack(rt):  # the stack knows which stage was built before which
+        kept = _block(MIXER, None, declare_ffn(), rt, 0)  # a model holds its stages
+        with pytest.raises(UnsupportedBoundary, match="stage block0.attn declares following=ffn "
+                                                      "\\(SCOPED\\), but the next stage, block1.attn, is "
+                                                      "attention \\(SCOPED\\)"):
+            _block(MIXER, MIXER, None, rt, 1, terminal=True)
+    with layer_stack(rt):
+        kept = _block(MIXER, None, MIXER, rt, 0)
+        with pytest.raises(UnsupportedBoundary, match="stage block1.attn declares previous=ffn "
+                                                      "\\(SCOPED\\), but its producer, stage block0.attn, "
+                                                      "is attention \\(SCOPED\\)"):
+            _block(MIXER, declare_ffn(), None, rt, 1, terminal=True)
+    with layer_stack(rt):
+        # neighbours that describe each other build; a new stack starts afresh
+        kept = _block(MIXER, None, declare_ffn(sparse=True), rt, 0)
+        kept += _block(declare_ffn(sparse=True), MIXER, None, rt, 1, terminal=True)
+        _block(MIXER, None, None, rt, 0, terminal=True)
     assert len(kept) == 2
 
 
@@ -182,9 +186,10 @@ def test_a_neighbour_differing_only_in_next_sparse_is_named_by_that_field():
         return make_stages((declare_attn(), RMSNorm(HIDDEN)), (ffn, RMSNorm(HIDDEN)),
                            previous=previous, runtime=rt, name=f"layer{i}")
 
-    kept = layer(0, None, declare_ffn(next_sparse=True))
-    with pytest.raises(UnsupportedBoundary) as info:
-        layer(1, declare_ffn(), declare_ffn(sparse=True))
+    with layer_stack(rt):
+        kept = layer(0, None, declare_ffn(next_sparse=True))
+        with pytest.raises(UnsupportedBoundary) as info:
+            layer(1, declare_ffn(), declare_ffn(sparse=True))
     assert str(info.value) == (
         "stage layer1.attn declares previous=ffn (SCOPED), but its producer, stage layer0.ffn, "
         "is ffn (SCOPED): they differ in next_sparse (declared None, built True)")

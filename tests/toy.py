@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layer_boundary import HandoffOutput, declare_attn, declare_ffn, make_stages
+from layer_boundary import HandoffOutput, declare_attn, declare_ffn, layer_stack, make_stages
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.add_norm import PlainAdd
 from layer_boundary.runtime import (BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims,
@@ -78,7 +78,7 @@ def toy_norm(seed: int) -> RMSNorm:
 class ToyLayer(nn.Module):
     def __init__(self, rt: BoundaryRuntime, layer_id: int, num_layers: int, ffn_update=None,
                  ffn_reduction=None, fusions=None, attn_read=None, ffn_read=None,
-                 ffn_sparse=False, attn_update=None):
+                 ffn_sparse=False, attn_update=None, stack=None, first: int = 0):
         super().__init__()
         par = rt.parallel
         self.attn_norm, self.ffn_norm = toy_norm(100 + layer_id), toy_norm(200 + layer_id)
@@ -95,8 +95,9 @@ class ToyLayer(nn.Module):
         options = {} if fusions is None else {"fusions": fusions}
         self.attn, self.ffn = make_stages(
             (attn, self.attn_norm, options), (ffn, self.ffn_norm, options),
-            previous=None if layer_id == 0 else ffn,
-            terminal=layer_id == num_layers - 1, runtime=rt, name=f"layer{layer_id}")
+            previous=None if layer_id == first else ffn,
+            terminal=layer_id == first + num_layers - 1, runtime=rt, name=f"layer{layer_id}",
+            stack=stack)
 
     def attn_compute(self, x):
         return x @ self.a
@@ -123,7 +124,8 @@ class ToyStack:
     """``layers`` toy layers and a final norm on one runtime."""
 
     def __init__(self, rt: BoundaryRuntime, layers: int = 3, **layer_kwargs) -> None:
-        self.layers = [ToyLayer(rt, i, layers, **layer_kwargs) for i in range(layers)]
+        with layer_stack(rt) as self.stack:
+            self.layers = [ToyLayer(rt, i, layers, **layer_kwargs) for i in range(layers)]
         self.final_norm = toy_norm(300)
 
     def final(self, h, fb, **kwargs):

@@ -30,7 +30,7 @@ from ..residual import is_plain
 from ..residual.access import complete_onto, local_rows
 from ..residual.stream import IN_COMPUTE, ResidualStream, stream_of
 from ..runtime.ledger import active_observer
-from ..stage import StageBoundary, branch_entry
+from ..stage import StageBoundary
 
 NOT_FORKED = "{call} outside a branch: enter one with branch_input()"
 
@@ -39,7 +39,10 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
     """Fork the stream at ``source``'s residual and hand its prepared input, moved onto the
     branch entry stage's compute rows, to that stage (whose ``exit()`` runs next)."""
     stream = stream_of(forward_batch)
-    entry = branch_entry(source)
+    entry = source.branch
+    if entry is None:
+        raise RuntimeError(f"no branch was built with prepared_from={source.name}'s declaration "
+                           "on its layer stack (or with prepared_from=the stage itself)")
     prepared = stream.prepared
     if prepared is None or prepared[0] is not source or prepared[1] is not hidden_states:
         raise RuntimeError(f"branch_input takes the input stage {source.name} prepared in this "
@@ -56,7 +59,7 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
     branch.residual, branch.residual_rows = stream.residual, stream.residual_rows
     branch.made_by = stream.made_by
     branch.handle, branch.prepared = IN_COMPUTE, (entry, x)
-    forward_batch.residual_stream = branch
+    forward_batch.boundary.stream = branch
     return x
 
 
@@ -96,7 +99,7 @@ def merge_branch(source_output, branch_output_, forward_batch):
     else:  # one rank adds it before the sum the source still owes
         value = rows.add_on_one_rank(value, s.rows, b.value)
     main.residual, main.residual_rows = branch.residual, branch.residual_rows
-    forward_batch.residual_stream = main
+    forward_batch.boundary.stream = main
     return main.leave(value, s.owed, s.update, s.rows, declared=s.declared)
 
 

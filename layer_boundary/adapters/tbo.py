@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from ..residual.stream import ResidualStream
+from ..residual.stream import ForwardState, ResidualStream
 from ..runtime.context import open_exit_scopes
 
 EXIT_ACROSS_YIELD = ("an exit() scope is open across a two-batch-overlap yield point: finish "
@@ -66,7 +66,7 @@ def split_batch(forward_batch, dp_rank: int = 0, overlap: bool = True) -> list:
             fb, input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
             seq_lens=fb.seq_lens[lo:hi], extend_lens=fb.extend_lens[lo:hi],
             req_slots=fb.req_slots[lo:hi], dp_token_counts=mine, dp_request_lens=theirs,
-            residual_stream=None, rows=None, extra={}, layer_segment=None, tbo=False,
+            boundary=None, layer_segment=None, tbo=False,
             overlap=overlap))
     return parts
 
@@ -91,10 +91,10 @@ def run_two_batches(forward_batch, hidden_states, dp_rank: int, layers, run_laye
     """The stack over two interleaved microbatches: split the stack's input, enter each
     microbatch with its own stream, run every layer on A then B, leave each, merge the outputs
     in request order. ``run_layer(layer, h, fb)``, ``leave(h, fb)`` as the stack's own.
-    ``forward_batch.extra["tbo_synchronous"]``: the same schedule without asynchronous sums
-    (what the overlap benchmark compares against)."""
+    ``forward_batch.tbo_synchronous``: the same schedule without asynchronous sums (what the
+    overlap benchmark compares against)."""
     microbatches = split_batch(forward_batch, dp_rank,
-                               overlap=not forward_batch.extra.get("tbo_synchronous", False))
+                               overlap=not forward_batch.tbo_synchronous)
     n = microbatches[0].num_tokens
     state = {id(mb): h for mb, h in zip(microbatches, (hidden_states[:n], hidden_states[n:]))}
     for mb in microbatches:
@@ -113,7 +113,6 @@ def run_two_batches(forward_batch, hidden_states, dp_rank: int, layers, run_laye
     interleave([[op(layer, mb) for layer in layers] + [out(mb)] for mb in microbatches])
     # the batch itself held no stream; its row facts are its first microbatch's (the row mode
     # of the forward, for reports), and each microbatch's rows stay on the microbatch
-    forward_batch.residual_stream = None
-    forward_batch.rows = microbatches[0].rows
-    forward_batch.extra["tbo_microbatches"] = microbatches
+    forward_batch.boundary = ForwardState(facts=microbatches[0].rows,
+                                          microbatches=microbatches)
     return torch.cat([state[id(mb)] for mb in microbatches])

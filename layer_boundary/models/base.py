@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import layer_stack
 from ..residual import batch as residual_batch
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.norm import RMSNorm
@@ -27,8 +28,9 @@ class DecoderModel(nn.Module):
         if self.stage.first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                        runtime.parallel.attn_tp, dtype=dtype)
-        self.layers = nn.ModuleList(layer_cls(cfg, i, runtime, dtype, fusions)
-                                    for i in self.stage.layers)
+        with layer_stack(runtime) as self.stack:  # this pipeline rank's part of the stack
+            self.layers = nn.ModuleList(layer_cls(cfg, i, runtime, dtype, fusions)
+                                        for i in self.stage.layers)
         if self.stage.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         # a provider may offer a service that finalizes a terminal MoE handoff in the final norm
@@ -40,7 +42,8 @@ class DecoderModel(nn.Module):
         others (None after a split-prefill segment that does not end the stage)."""
         fb = forward_batch
         return run_stack(
-            self.stage, self.layers, fb, lambda layer, h, mb: layer(mb.positions, h, mb),
+            self.stage, self.stack, self.layers, fb,
+            lambda layer, h, mb: layer(mb.positions, h, mb),
             embed=lambda: self.embed_tokens(fb.input_ids),
             leave=lambda h, mb: residual_batch.norm(h, mb, self.norm, skip_empty=True,
                                                     handoff_norm=self.handoff_norm),
@@ -66,6 +69,11 @@ class CausalLM(nn.Module):
                                           runtime.parallel.attn_tp, dtype=dtype)
             if cfg.tie_word_embeddings and self.stage.first:
                 self.lm_head.tie(self.model.embed_tokens)
+
+    @property
+    def stack(self):
+        """The layer stack of this pipeline rank's layers."""
+        return self.model.stack
 
     @staticmethod
     def decoder_layers(cfg) -> int:

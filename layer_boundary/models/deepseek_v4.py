@@ -389,19 +389,15 @@ class DeepseekV4MoE(nn.Module):
         return self.experts(x, topk_ids, topk_weights, shared_output=self.shared_experts(x))
 
 
-_FFN_IDS = "deepseek_v4.ffn_token_ids"
 
 
 def ffn_token_ids(boundary, forward_batch) -> torch.Tensor:
     """The token ids of ``boundary``'s compute rows (after its prepare()): this rank's ids
     moved from local rows as the table moves any complete value there (a gather over
     attention DP in DP rank order, or nothing). Every FFN stage computes on the same rows, so
-    the first hash layer of a forward moves them and the others reuse them."""
-    ids = forward_batch.extra.get(_FFN_IDS)
-    if ids is None:
-        ids = forward_batch.extra[_FFN_IDS] = boundary.to_compute_rows(forward_batch.input_ids,
-                                                                       forward_batch)
-    return ids
+    the first hash layer of a forward moves them and the others reuse them (the boundary
+    keeps what it moved for the forward)."""
+    return boundary.to_compute_rows(forward_batch.input_ids, forward_batch)
 
 
 class DeepseekV4DecoderLayer(nn.Module):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import ProducerReduction, declare_attn, declare_ffn, make_stages
+from .. import ProducerReduction, declare_attn, declare_ffn, layer_stack, make_stages
 from ..residual import batch as residual_batch
 from ..runtime import (BoundaryRuntime, ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                        RMSNorm, RowParallelLinear, VocabParallelEmbedding)
@@ -322,8 +322,9 @@ class NemotronHModel(nn.Module):
         kinds = cfg.layers_block_type
         # each mixer's slot among the blocks of its kind (its KV cache or Mamba state index)
         index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
-        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, index[i], runtime, dtype, fusions)
-                                    for i in self.stage.layers)
+        with layer_stack(runtime) as self.stack:
+            self.layers = nn.ModuleList(NemotronHBlock(cfg, i, index[i], runtime, dtype,
+                                                       fusions) for i in self.stage.layers)
         if self.stage.last:
             self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype=dtype)
         service = getattr(fusions, "handoff_norm", None)
@@ -332,7 +333,7 @@ class NemotronHModel(nn.Module):
     def forward(self, forward_batch, pp_input=None):
         fb = forward_batch
         return run_stack(
-            self.stage, self.layers, fb, lambda layer, h, mb: layer(h, mb),
+            self.stage, self.stack, self.layers, fb, lambda layer, h, mb: layer(h, mb),
             embed=lambda: self.embeddings(fb.input_ids),
             leave=lambda h, mb: residual_batch.norm(h, mb, self.norm_f, skip_empty=True,
                                                     handoff_norm=self.handoff_norm),
@@ -382,6 +383,10 @@ class NemotronHForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+    @property
+    def stack(self):
+        return self.backbone.stack
 
     def forward(self, forward_batch, pp_input=None):
         """Logits [T, vocab] for every token of this rank's batch on the last pipeline stage;

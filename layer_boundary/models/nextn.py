@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .. import layer_stack
 from ..residual import batch as residual_batch
 from ..runtime.norm import RMSNorm
 from .deepseek_v3 import DeepseekV3DecoderLayer, ReplicatedLinear
@@ -44,7 +45,8 @@ class DeepseekV3NextN(nn.Module):
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, dtype=dtype)
-        self.block = DeepseekV3DecoderLayer(cfg, self.index, runtime, dtype, nextn=True)
+        with layer_stack(runtime) as self.stack:  # a stack of its own
+            self.block = DeepseekV3DecoderLayer(cfg, self.index, runtime, dtype, nextn=True)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         # the target's, not parameters of this module (the checkpoint repeats them)
         self._target = [target]

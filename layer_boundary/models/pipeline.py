@@ -14,10 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .. import run_two_batches, stage_boundaries
+from .. import run_two_batches
 from ..residual import batch as residual_batch
-
-_SEGMENT = "pipeline.segment"  # (next layer, handle) between split-prefill segments
 
 
 def split_layers(num_layers: int, pp: int, explicit: tuple[int, ...] | None = None) -> list:
@@ -91,13 +89,22 @@ class PipelineStage:
         return locate
 
 
-def run_stack(stage: PipelineStage, layers, forward_batch, run_layer, embed, leave,
+def run_stack(stage: PipelineStage, stack, layers, forward_batch, run_layer, embed, leave,
               pp_input=None, dp_rank: int = 0):
     """One forward over this stage's layers, or over ``forward_batch.layer_segment`` (global
     [start, stop)) of them. Returns ``leave(h, fb)`` on the last stage, the tensors to send on
     the others, and None after a segment that does not end the stage's layers.
-    ``run_layer(layer, h, fb)``. With ``forward_batch.tbo`` the stack runs as two interleaved
-    microbatches (one stage, whole stack) and their outputs merge in request order."""
+
+    Args:
+        stage: this pipeline rank's place in the model.
+        stack: the ``LayerStack`` the layers were built in (its first stage receives).
+        layers: this rank's layers; ``run_layer(layer, h, fb)`` runs one.
+        embed, leave: the stack's input, and ``leave(h, fb)`` its final norm.
+        pp_input: what the previous pipeline stage sent (not on the first).
+        dp_rank: this rank's attention-DP rank (two-batch overlap splits by it).
+
+    With ``forward_batch.tbo`` the stack runs as two interleaved microbatches (one stage,
+    whole stack) and their outputs merge in request order."""
     fb = forward_batch
     lo, hi = stage.layers.start, stage.layers.stop
     if fb.tbo:
@@ -110,19 +117,20 @@ def run_stack(stage: PipelineStage, layers, forward_batch, run_layer, embed, lea
         raise ValueError(f"layer segment [{start}, {stop}) is not inside this pipeline stage's "
                          f"layers [{lo}, {hi})")
     if start == lo:
-        fb.extra.pop(_SEGMENT, None)
-        residual_batch.start(fb)
+        residual_batch.start(fb)  # a fresh per-forward state: nothing carried
         if stage.first:
             h = embed()
         elif pp_input is None:
             raise RuntimeError(f"pipeline stage {stage.index} receives its input from stage "
                                f"{stage.index - 1}: pass the received tensors as pp_input")
         else:
-            h = stage_boundaries(layers[0])[0].from_pp(pp_input, fb)
+            h = stack.first.from_pp(pp_input, fb)
     else:
-        carried = fb.extra.pop(_SEGMENT, None)
+        state = fb.boundary
+        carried = None if state is None else state.segment
         if carried is None or fb.residual_stream is None:
             raise RuntimeError(residual_batch.START_FIRST)
+        state.segment = None
         if carried[0] != start:
             raise RuntimeError(f"layer segment [{start}, {stop}) does not continue the previous "
                                f"segment, which ended at layer {carried[0]}")
@@ -130,6 +138,6 @@ def run_stack(stage: PipelineStage, layers, forward_batch, run_layer, embed, lea
     for i in range(start, stop):
         h = run_layer(layers[i - lo], h, fb)
     if stop < hi:
-        fb.extra[_SEGMENT] = (stop, h)
+        fb.boundary.segment = (stop, h)  # where the next segment resumes, and with what
         return None
     return leave(h, fb) if stage.last else residual_batch.to_pp(h, fb)

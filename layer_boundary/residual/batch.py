@@ -15,7 +15,7 @@ from ..runtime.ledger import active_observer
 from . import is_plain, is_portable
 from .access import complete_onto, completed, local_rows, residual_on
 from .add_norm import ADD_NORM_READ, PLAIN_ADD
-from .stream import START_FIRST, ResidualStream, stream_of  # noqa: F401 - the stack's error text
+from .stream import START_FIRST, ResidualStream, release, stream_of  # noqa: F401 - error text
 
 PENDING_AT_TAKE = "write the residual update before taking the final output"
 SNAPSHOT_NOT_PLAIN = "snapshot requires a plain residual update"
@@ -100,7 +100,7 @@ def take_output(hidden_states, forward_batch) -> torch.Tensor:
     if stream.contribution is not None:
         raise RuntimeError(PENDING_AT_TAKE)
     out = residual_on(stream, forward_batch.rows, local_rows(forward_batch.rows))
-    forward_batch.residual_stream = None
+    release(forward_batch)
     return out
 
 
@@ -150,7 +150,7 @@ def to_pp(hidden_states, forward_batch) -> dict:
     else:
         previous = None if stream.residual is None else residual_on(stream, rows, target)
         out = {"residual": c.update.apply(previous, completed(c, rows, target))}
-    forward_batch.residual_stream = None
+    release(forward_batch)
     return out
 
 
@@ -236,5 +236,5 @@ def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
     if observer is not None and rows is not None:
         stream.write(residual, None, target)
         observer.boundary("final_norm", stream, rows)
-    forward_batch.residual_stream = None
+    release(forward_batch)
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,6 +80,25 @@ class _InCompute:
 IN_COMPUTE = _InCompute()
 
 
+@dataclass(eq=False)
+class ForwardState:
+    """The package's per-forward state on ``ForwardBatch.boundary``: one object, typed.
+
+    ``stream``: the residual stream between stack entry and exit (None after it left);
+    ``facts``: the row facts the forward's first boundary placed (``ops.RowFacts``);
+    ``segment``: between split-prefill segments, (next layer, the handle to resume with);
+    ``moved``: per-token facts moved onto a stage's compute rows (``to_compute_rows``), by
+    the movement, with the tensor they were moved from;
+    ``microbatches``: a two-batch-overlap forward's two microbatches.
+    """
+
+    stream: "ResidualStream | None" = None
+    facts: object = None
+    segment: tuple | None = None
+    moved: dict = field(default_factory=dict)
+    microbatches: list | None = None
+
+
 class ResidualStream:
     __slots__ = ("residual", "residual_rows", "contribution", "handle", "prepared", "parent",
                  "branch_output", "owner", "pending", "made_by")
@@ -106,8 +125,7 @@ class ResidualStream:
         with fresh row facts. Its stack input enters through the first stage's prepare()."""
         stream = cls()
         stream.owner = weakref.ref(forward_batch)
-        forward_batch.residual_stream = stream
-        forward_batch.rows = None
+        forward_batch.boundary = ForwardState(stream)
         return stream
     @property
     def state(self) -> StreamState:
@@ -143,8 +161,14 @@ class ResidualStream:
         return c.update if c is not None else self.made_by
 
 
+def release(forward_batch) -> None:
+    """The stack has left: the forward holds no stream (its row facts stay, for reports)."""
+    forward_batch.boundary.stream = None
+
+
 def stream_of(forward_batch) -> ResidualStream:
-    stream = forward_batch.residual_stream
+    state = forward_batch.boundary
+    stream = None if state is None else state.stream
     if stream is None:
         raise RuntimeError(START_FIRST)
     owner = stream.owner

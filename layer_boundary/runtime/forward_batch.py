@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -20,6 +21,15 @@ class BatchVariant(enum.Enum):
     CP = "CP"
     INPUT_SCATTERED = "input-scattered"
     SEQUENCE_PARALLEL = "sequence-parallel"
+
+
+@runtime_checkable
+class BoundaryState(Protocol):
+    """What a boundary library keeps on a batch for one forward; the runtime only carries it
+    (``layer_boundary.residual.stream.ForwardState`` is the package's)."""
+
+    stream: object  # the residual stream between stack entry and exit (None outside)
+    facts: object  # the forward's row facts, placed by its first boundary (None before)
 
 
 @dataclass(eq=False)
@@ -40,9 +50,10 @@ class ForwardBatch:
     req_slots: tuple[int, ...] = ()  # KV cache slot of each request
     kv_cache: object = None
     variant: BatchVariant = BatchVariant.ORDINARY
-    residual_stream: object = None
-    rows: object = None  # BatchRows: set by the first boundary of the forward
-    extra: dict = field(default_factory=dict)
+    # the boundary library's state for this forward: its residual stream, row facts, and
+    # what a forward carries between calls (split-prefill segments, per-token facts, TBO
+    # microbatches); one typed slot, set by the stack's entry
+    boundary: BoundaryState | None = None
     # split prefill: the global layers [start, stop) this call runs (None: all of this
     # pipeline stage's); a stage's segments run in order on one batch
     layer_segment: tuple[int, int] | None = None
@@ -50,8 +61,20 @@ class ForwardBatch:
     # overlap split needs to agree on all ranks); None where no split is asked
     dp_request_lens: tuple | None = None
     tbo: bool = False  # run the stack as two interleaved microbatches
+    # two-batch overlap with every sum synchronous (the baseline the benchmark compares with)
+    tbo_synchronous: bool = False
     # a two-batch-overlap microbatch: owed sums start at the producer's finish, asynchronously
     overlap: bool = False
+
+    @property
+    def residual_stream(self):
+        """The residual stream of this forward (``boundary.stream``; None outside a stack)."""
+        return None if self.boundary is None else self.boundary.stream
+
+    @property
+    def rows(self):
+        """The row facts this forward's first boundary placed (``boundary.facts``)."""
+        return None if self.boundary is None else self.boundary.facts
 
     @property
     def num_tokens(self) -> int:

@@ -14,8 +14,8 @@ from distributed.pool import get_pool
 from torch import nn
 from toy import HIDDEN, DpBatch, ToyAttn, ToyFfn, batch, runtime, seeded, toy_norm
 
-from layer_boundary import (branch_input, branch_output, declare_attn, declare_ffn, make_stages,
-                            merge_branch)
+from layer_boundary import (branch_input, branch_output, declare_attn, declare_ffn, layer_stack,
+                            make_stages, merge_branch)
 from layer_boundary.construction import UnsupportedBoundary
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.stream import NOT_OURS
@@ -73,7 +73,8 @@ class ToyLongCatLayer(nn.Module):
 
 def run(tp: int, dp: int, policy: str, counts) -> dict:
     rt = runtime(tp, dp, boundary_reduction=policy)
-    layers = [ToyLongCatLayer(rt, i, LAYERS) for i in range(LAYERS)]
+    with layer_stack(rt):
+        layers = [ToyLongCatLayer(rt, i, LAYERS) for i in range(LAYERS)]
     final = toy_norm(99)
     b = DpBatch(counts, rt)
     residual_batch.start(b.fb)
@@ -152,7 +153,8 @@ def test_branches_match_world1_and_sum_once(tp, dp, policy, counts):
 
 def _layer_up_to_source(tokens=3):
     rt = runtime()
-    layer = ToyLongCatLayer(rt, 0, 2)
+    with layer_stack(rt):
+        layer = ToyLongCatLayer(rt, 0, 2)
     fb = batch(tokens)
     residual_batch.start(fb)
     h = layer.attn0.finish(layer.attn_c[0](layer.attn0.prepare(seeded((tokens, HIDDEN), 1), fb)), fb)
@@ -205,7 +207,9 @@ def test_plan_shows_both_branches_and_the_merge():
     from layer_boundary.layout import RowMode
     from layer_boundary.runner import plan_rows
 
-    model = nn.ModuleList(ToyLongCatLayer(runtime(1), i, LAYERS) for i in range(LAYERS))
+    rt = runtime(1)
+    with layer_stack(rt):
+        model = nn.ModuleList(ToyLongCatLayer(rt, i, LAYERS) for i in range(LAYERS))
     rows = plan_rows(model, RowMode.AR)
     names = [r["stage"] for r in rows]
     assert names[:6] == ["layer0.attn", "layer0.ffn", "layer0.branch.ffn0",

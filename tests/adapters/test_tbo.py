@@ -174,7 +174,7 @@ def _two(counts=(4,)):
 
 def test_a_stream_shared_between_microbatches_raises():
     stack, (a, b), xa, xb = _two()
-    b.residual_stream = a.residual_stream
+    b.boundary.stream = a.residual_stream  # one stream reached through both batches
     stack.layers[0].attn_half(xa, a)
     with pytest.raises(RuntimeError, match=f"^{SHARED_STREAM.replace('(', '[(]').replace(')', '[)]')}$"):
         stack.layers[0].attn_half(xb, b)
