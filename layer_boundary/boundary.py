@@ -12,7 +12,6 @@ from .contracts import EdgeDecl, ProducerReduction, StageKind, StageOutput
 from .exit import ExitDecision, ExitPath, OutputPlan
 from .fusions import InputPlan
 from .layout import Layouts, RowMode, SumGroup
-from .ops import lookup
 from .prepare import ArrivalPath, EntryPath
 from .residual import is_plain, read_kind
 from .residual.stream import arrival_key
@@ -34,7 +33,7 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
               name: str = "", declaration=None) -> ExitPath:
     """The decisions a producer's exit may take in ``mode``, from its output contract."""
     group, rows = output.sum_group, output.rows
-    handoff = lookup(table, None, rows, output.handoff_rows, mode)
+    handoff = table.lookup(None, rows, output.handoff_rows)
     finish_move = handoff if handoff.moves else None
 
     def complete(label: str, compute_sum=None) -> ExitDecision:
@@ -56,7 +55,7 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
             default = ExitDecision(REDUCE_SCATTER if scatter else DEFER_ALL_REDUCE, group, rows,
                                    f"{group.value} sum left to the next input ({how})")
         else:
-            compute_sum = lookup(table, group, rows, rows, mode)
+            compute_sum = table.lookup(group, rows, rows)
             default = complete(f"{compute_sum.name} in compute", compute_sum)
     completed = complete("complete in compute (postprocess)")
 
@@ -87,7 +86,7 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
     leave (and for the complete values accessors leave on local rows), the residual's
     alignment, and the move to compute's rows. An attention's ``qkv_latent_func`` runs on the
     read's rows, before any gather, so only the (smaller) latent moves."""
-    layouts: Layouts = table["layouts"]
+    layouts: Layouts = table.layouts
     target, compute, local = edge.residual_dst, edge.consumer.rows, layouts.local
     read = decl.residual.read
     candidates = ()
@@ -107,20 +106,20 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
     for rows in (local, target):
         key = arrival_key(None, rows, False)
         if key not in arrivals:
-            arrivals[key] = ArrivalPath(key, lookup(table, None, rows, target, mode))
+            arrivals[key] = ArrivalPath(key, table.lookup(None, rows, target))
     # the residual arrives where the edge says (local rows at stack entry), or on local rows
     # where the model wrote it itself (written())
-    align = {rows.key: lookup(table, None, rows, target, mode)
+    align = {rows.key: table.lookup(None, rows, target)
              for rows in (edge.residual_src, local, target)}
     return EntryPath(
         name, mode, read, norm, latent=qkv_latent_func, stack_entry=decl.previous is None,
         local=local, update_rows=target, compute_rows=compute, arrivals=arrivals,
         producer_keys=tuple(dict.fromkeys(producer_keys)), align=align,
-        enter_residual=lookup(table, None, local, target, mode),
-        enter_input=lookup(table, None, local, compute, mode),
-        input_move=lookup(table, None, target, compute, mode),
-        local_to_update=lookup(table, None, local, target, mode),
-        capture_move=lookup(table, None, target, local, mode), residual_src=edge.residual_src,
+        enter_residual=table.lookup(None, local, target),
+        enter_input=table.lookup(None, local, compute),
+        input_move=table.lookup(None, target, compute),
+        local_to_update=table.lookup(None, local, target),
+        capture_move=table.lookup(None, target, local), residual_src=edge.residual_src,
         declared=next((d for d in decisions if d.declared), None))
 
 
@@ -131,7 +130,7 @@ def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidat
         owed, src = None, decision.finish_move.dst
     else:
         owed, src = decision.owed, decision.rows
-    complete = lookup(table, owed, src, target, mode)
+    complete = table.lookup(owed, src, target)
     applying = tuple(c for c in candidates
                      if c.applies(owed, src, handoff, target, mode, declared_plain,
                                   read_kind(read)))
@@ -145,5 +144,5 @@ def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidat
             and read_kind(read) == "add_norm" and not read.before_gather
             and ((owed is SumGroup.ATTN_TP and src == layouts.local)
                  or (owed in (SumGroup.TP, SumGroup.MOE_OUT) and src == layouts.replicated))):
-        sum_before_read = lookup(table, owed, src, layouts.replicated, mode)
+        sum_before_read = table.lookup(owed, src, layouts.replicated)
     return ArrivalPath(key, complete, applying, sum_before_read)

@@ -393,7 +393,7 @@ def _plan_table(rows) -> None:
 def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
     from .construction import select_mode
-    from .ops import BatchRows, table_rows
+    from .ops import RowFacts, table_rows
     from .models import load_config, model_classes, model_type_of
     from .models.tiny import builtin_checkpoint
     from .runner import handoff_contract, plan_rows
@@ -432,7 +432,7 @@ def cmd_plan(args) -> int:
     def rows_per_rank(mode, counts):
         out = []
         for rank in range(dims.tp):
-            rows = BatchRows(mode, counts, virtual_parallel(dims, rank))
+            rows = RowFacts(mode, counts, virtual_parallel(dims, rank))
             out.append({"rank": rank, "dp_rank": rows.dp_rank, "local": rows.local,
                         "scattered": rows.scattered, "global": rows.total})
         return out

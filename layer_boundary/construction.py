@@ -14,7 +14,7 @@ from .contracts import (BatchVariant, EdgeDecl, ProducerReduction, StageDecl, St
                         StageKind, StageOutput)
 from .exit import ExitPath
 from .layout import Layouts, RowMode, SumGroup, TokenAxis, sum_group
-from .ops import BatchRows, Movement, UnsupportedBoundary, lookup, movement_table
+from .ops import Movement, RowFacts, UnsupportedBoundary, movement_table
 from .prepare import EntryPath
 from .residual.stream import START_FIRST
 
@@ -140,49 +140,47 @@ class StagePlan:
         # the same paths keyed by plain strings, which a forward hashes cheaply
         self._by_key = {(variant.value, mode.value): path for (variant, mode), path in paths.items()}
 
-    def rows(self, forward_batch) -> BatchRows:
-        """This forward's row facts; the first boundary of a forward computes them for all."""
+    def rows(self, forward_batch) -> RowFacts:
+        """This forward's row facts; the first boundary of a forward places them for all."""
         state = forward_batch.boundary
         if state is None:
             raise RuntimeError(START_FIRST)
-        rows = state.facts
-        counts = forward_batch.dp_token_counts
-        if rows is not None and rows.counts != counts:
-            raise ValueError(f"ForwardBatch.dp_token_counts changed to {tuple(counts)} inside a "
-                             f"forward whose rows were placed for {tuple(rows.counts)}; start "
-                             "the layer stack again (residual_batch.start) for new counts")
-        if rows is not None and rows.runtime is not self.runtime:
-            raise ValueError(f"stage {self.name} was built on another runtime than the stages "
-                             "this forward already ran (one forward, one BoundaryRuntime)")
-        if rows is not None:  # equal counts in another tuple: keep the fast path
-            rows.counts = counts
-            return rows
-        if rows is None:
-            dims = self.runtime.parallel.dims
-            dp_rank = self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
-            if len(counts) != dims.attn_dp or counts[dp_rank] != forward_batch.num_tokens:
-                raise ValueError(
-                    f"ForwardBatch.dp_token_counts {tuple(counts)} does not describe this rank: "
-                    f"it needs one count per attention-DP rank ({dims.attn_dp}), and this DP "
-                    f"rank ({dp_rank}) holds {forward_batch.num_tokens} tokens")
-            mode, _ = select_mode(self.runtime, counts)
-            rows = state.facts = BatchRows(mode, counts, self.runtime.parallel,
-                                           self.tables[mode])
-            rows.counts = counts  # the batch's own tuple: select() compares by identity
-            rows.path_key = (forward_batch.variant.value, mode.value)
-            rows.runtime = self.runtime
-        return rows
+        counts = tuple(forward_batch.dp_token_counts)
+        facts = state.facts
+        if facts is not None:
+            if facts.counts != counts:
+                raise ValueError(f"ForwardBatch.dp_token_counts changed to {counts} inside a "
+                                 f"forward whose rows were placed for {facts.counts}; start "
+                                 "the layer stack again (residual_batch.start) for new counts")
+            if state.runtime is not self.runtime:
+                raise ValueError(f"stage {self.name} was built on another runtime than the "
+                                 "stages this forward already ran (one forward, one "
+                                 "BoundaryRuntime)")
+            return facts
+        dims = self.runtime.parallel.dims
+        dp_rank = self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
+        if len(counts) != dims.attn_dp or counts[dp_rank] != forward_batch.num_tokens:
+            raise ValueError(
+                f"ForwardBatch.dp_token_counts {counts} does not describe this rank: it needs "
+                f"one count per attention-DP rank ({dims.attn_dp}), and this DP rank "
+                f"({dp_rank}) holds {forward_batch.num_tokens} tokens")
+        mode, _ = select_mode(self.runtime, counts)
+        state.facts = facts = self.tables[mode].facts(counts)
+        state.runtime, state.path_key = self.runtime, (forward_batch.variant.value, mode.value)
+        return facts
 
-    def select(self, forward_batch) -> tuple[StagePath, BatchRows]:
+    def select(self, forward_batch) -> tuple[StagePath, RowFacts]:
+        """The prebuilt path of this forward's batch variant and row mode, and its facts."""
         state = forward_batch.boundary
-        rows = None if state is None else state.facts
-        if (rows is None or rows.runtime is not self.runtime
-                or rows.counts is not forward_batch.dp_token_counts):
-            rows = self.rows(forward_batch)  # places the rows, or names the misuse
-        path = self._by_key.get(rows.path_key)
+        facts = None if state is None else state.facts
+        if (facts is None or facts.counts != forward_batch.dp_token_counts
+                or state.runtime is not self.runtime):
+            facts = self.rows(forward_batch)  # places the rows, or names the misuse
+            state = forward_batch.boundary
+        path = self._by_key.get(state.path_key)
         if path is None:
             raise no_path_error(forward_batch.variant)
-        return path, rows
+        return path, facts
 
     def describe(self, mode: RowMode = RowMode.AR,
                  variant: BatchVariant = BatchVariant.ORDINARY) -> dict:
@@ -223,7 +221,7 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
     paths, tables = {}, {}
     for mode in supported_modes(runtime):
         table = tables[mode] = movement_table(runtime.parallel, mode)
-        layouts = table["layouts"]
+        layouts = table.layouts
         output = resolve_output(declaration, following, runtime, layouts, fusions, mode)
         stage_input = resolve_input(declaration, runtime, layouts)
         try:
@@ -244,7 +242,7 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
             branch_in = None
             if declaration.prepared_from is not None:
                 source_rows = resolve_input(declaration.prepared_from, runtime, layouts).rows
-                branch_in = lookup(table, None, source_rows, stage_input.rows, mode)
+                branch_in = table.lookup(None, source_rows, stage_input.rows)
         except UnsupportedBoundary as exc:
             raise UnsupportedBoundary(f"stage {name}: {exc}") from None
         paths[(variant, mode)] = StagePath(StageDecl(variant, stage_input, output), edge, entry,

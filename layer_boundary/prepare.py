@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .fusions import Arrival
 from .layout import Layout
-from .ops import Movement
+from .ops import SLICE_DP, Movement
 from .residual import read_kind
 from .residual.add_norm import PLAIN_ADD, accumulate_dtype
 from .residual.stream import IN_COMPUTE
@@ -143,7 +143,7 @@ class EntryPath:
         x, _ = self.read.read(total, self.norm)
         if self.latent is not None:
             x = self.latent(x)
-        return x, rows.slice_dp(total).clone()
+        return x, SLICE_DP.run(rows, total).clone()
 
     # -- plans
 

@@ -73,10 +73,11 @@ def test_next_sparse_must_match_the_ffn_it_describes():
 
 
 def build_without(primitive: str, policy: str) -> str:
-    """Build a toy layer with one table row removed; the construction error, or ''."""
+    """Build a toy layer with the table rows of one primitive (``ops.<primitive>``) removed;
+    the construction error, or ''."""
     saved = ops.TRANSITIONS
-    ops.TRANSITIONS = tuple(t for t in saved if t.primitive != primitive)
-    ops._TABLES.clear()
+    ops.TRANSITIONS = tuple(t for t in saved if t.primitive is not getattr(ops, primitive))
+    ops.movement_table.cache_clear()
     try:
         ToyStack(runtime(2, boundary_reduction=policy), 2)
         return ""
@@ -84,15 +85,15 @@ def build_without(primitive: str, policy: str) -> str:
         return str(exc)
     finally:
         ops.TRANSITIONS = saved
-        ops._TABLES.clear()
+        ops.movement_table.cache_clear()
 
 
 @pytest.mark.timeout(60)
 def test_a_transition_missing_from_the_table_is_rejected_at_construction():
-    got = get_pool(2).run(build_without, "reduce_scatter_tp", "rs")
+    got = get_pool(2).run(build_without, "REDUCE_SCATTER_TP", "rs")
     assert all(g.startswith("stage layer1.attn: no row movement takes a sum over tp on "
                             "replicated rows to attn_tp_scatter rows in rs mode") for g in got), got
-    assert get_pool(2).run(build_without, "reduce_scatter_tp", "ar") == ["", ""]
+    assert get_pool(2).run(build_without, "REDUCE_SCATTER_TP", "ar") == ["", ""]
 
 
 # ------------------------------------------------------------------ stream identity

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from distributed.pool import get_pool
 
 from layer_boundary.layout import RowMode, SumGroup, sum_group
-from layer_boundary.ops import BatchRows, movement_table
+from layer_boundary.ops import RowFacts, movement_table
 from layer_boundary.runtime import LEDGER, ParallelDims, build_parallel
 
 WIDTH = 3
@@ -24,7 +24,7 @@ WIDTH = 3
 def run_table(tp: int, dp: int, mode: str, counts) -> list:
     par = build_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, attn_dp=dp))
     mode = RowMode(mode)
-    rows = BatchRows(mode, counts, par)
+    rows = RowFacts(mode, counts, par)
     total = sum(counts)
     full = torch.arange(total * WIDTH, dtype=torch.float64).view(total, WIDTH) + 1
     out = []
@@ -73,6 +73,6 @@ def test_the_tables_cover_what_the_stages_need():
     par = build_parallel(ParallelDims())  # world 1: one layout; every key still resolves
     for mode in RowMode:
         table = movement_table(par, mode)
-        layouts = table["layouts"]
+        layouts = table.layouts
         for owed in (None, SumGroup.ATTN_TP, SumGroup.TP, SumGroup.MOE_OUT):
             assert (owed, layouts.local.key, layouts.residual(mode).key) in table, (mode, owed)

@@ -113,15 +113,14 @@ def describe_merge(source: StageBoundary, last: StageBoundary, mode) -> dict:
     """A plan row for a branch's way back: its last output completed onto local rows, then
     merged into the source's pending output."""
     from ..contracts import BatchVariant
-    from ..ops import lookup
 
     variant = BatchVariant.ORDINARY
     decision = last.plan.paths[(variant, mode)].exit.default
     owed, rows = ((None, decision.finish_move.dst) if decision.finish_move is not None
                   else (decision.owed, decision.rows))
     table = last.plan.tables[mode]
-    local = table["layouts"].local
-    move = lookup(table, owed, rows, local, mode)
+    local = table.layouts.local
+    move = table.lookup(owed, rows, local)
     source_owes = source.plan.paths[(variant, mode)].exit.default.owed
     joins = (f"added on one attention-TP rank to {source.name}'s output, before its "
              f"{source_owes.value} sum" if source_owes is not None

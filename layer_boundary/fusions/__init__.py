@@ -48,7 +48,7 @@ class Arrival:
     residual: object  # tensor | None
     residual_rows: Layout | None
     norm: object
-    batch_rows: object  # ops.BatchRows
+    batch_rows: object  # ops.RowFacts of the forward
 
 
 @dataclass(frozen=True, eq=False)

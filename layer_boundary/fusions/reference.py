@@ -7,6 +7,7 @@ import torch
 
 from ..contracts import ProducerReduction, StageKind
 from ..layout import RowMode, SumGroup
+from ..ops import ALL_REDUCE_TP_SLICE_DP, SLICE_DP
 from ..residual import is_plain
 from ..residual.add_norm import accumulate_dtype
 from . import Arrival, FusedInput, InputPlan
@@ -25,7 +26,8 @@ def finalize_all_reduce_add_norm(arrival: Arrival):
     if not isinstance(value, torch.Tensor):
         value = value.complete()
     rows = arrival.batch_rows
-    value = rows.all_reduce_tp_slice_dp(value) if arrival.owed is not None else rows.slice_dp(value)
+    move = ALL_REDUCE_TP_SLICE_DP if arrival.owed is not None else SLICE_DP
+    value = move.run(rows, value)
     acc = accumulate_dtype(arrival.residual.dtype)
     total = arrival.residual.to(acc) + value.to(acc)
     return arrival.norm.normalize_fp32(total, arrival.residual.dtype), total.to(arrival.residual.dtype)

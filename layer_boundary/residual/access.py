@@ -1,6 +1,6 @@
 """Tensor access helpers: completing a stream's pending work, and its residual, on given rows.
 
-Every movement comes from the forward's prebuilt table (``BatchRows.move``); nothing here
+Every movement comes from the forward's prebuilt table (``RowFacts.move``); nothing here
 chooses a collective. Before any boundary of a forward has run, its rows are unplaced
 (``rows`` is None): everything the model wrote is on its local rows, nothing is owed, and
 the helpers move nothing (the layout they name is None, "local, not yet placed").

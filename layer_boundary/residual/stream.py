@@ -85,7 +85,8 @@ class ForwardState:
     """The package's per-forward state on ``ForwardBatch.boundary``: one object, typed.
 
     ``stream``: the residual stream between stack entry and exit (None after it left);
-    ``facts``: the row facts the forward's first boundary placed (``ops.RowFacts``);
+    ``facts``: the row facts the forward's first boundary placed (``ops.RowFacts``), with the
+    runtime that placed them and the (variant, mode) key the stages' plans select on;
     ``segment``: between split-prefill segments, (next layer, the handle to resume with);
     ``moved``: per-token facts moved onto a stage's compute rows (``to_compute_rows``), by
     the movement, with the tensor they were moved from;
@@ -94,6 +95,8 @@ class ForwardState:
 
     stream: "ResidualStream | None" = None
     facts: object = None
+    runtime: object = None  # the BoundaryRuntime that placed the facts
+    path_key: tuple = ()  # (batch variant, row mode): what the stages' plans select on
     segment: tuple | None = None
     moved: dict = field(default_factory=dict)
     microbatches: list | None = None
