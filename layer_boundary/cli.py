@@ -200,7 +200,7 @@ DEFAULT_PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8))
 
 
 def _spec(args):
-    from .models import load_config, model_classes, model_type_of
+    from .models import load_config, model_class_of
     from .models.loader import safetensors_files
     from .models.tiny import builtin_checkpoint
     from .runner import RunSpec
@@ -232,9 +232,9 @@ def _spec(args):
     dp = args.dp or (1 if args.tp else 2)
     dims = ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp,
                         moe_ep=args.ep)  # names bad factors
-    module = model_classes(model_type_of(model_dir))[2]
-    module.check_parallel(cfg, dims)
-    _check_pipeline(args, cfg, module)
+    model_cls = model_class_of(model_dir)
+    model_cls.check_parallel(cfg, dims)
+    _check_pipeline(args, cfg, model_cls)
     if args.tbo and (args.pp > 1 or args.split_prefill > 1 or args.compile
                      or args.compile_backend):
         raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
@@ -250,18 +250,15 @@ def _spec(args):
             if args.draft_model is None:
                 raise UsageError("--speculative-algorithm draft needs --draft-model")
             safetensors_files(args.draft_model)
-            check_draft(cfg, load_config(args.draft_model), model_type_of(args.draft_model),
+            check_draft(cfg, load_config(args.draft_model), model_class_of(args.draft_model),
                         dims)
         elif args.draft_model is not None:
             raise UsageError("--speculative-algorithm nextn drafts with the target's own NextN "
                              "layer: drop --draft-model")
-        elif cfg.model_type != "deepseek_v3" or not cfg.num_nextn_predict_layers:
-            raise UsageError(f"--speculative-algorithm nextn needs a deepseek_v3 checkpoint with "
-                             f"its NextN layer (config.json num_nextn_predict_layers > 0); "
-                             f"{model_dir} has model_type {cfg.model_type!r}"
-                             + (f", num_nextn_predict_layers="
-                                f"{cfg.num_nextn_predict_layers}"
-                                if cfg.model_type == "deepseek_v3" else ""))
+        elif not model_cls.nextn_layers(cfg):
+            raise UsageError(f"--speculative-algorithm nextn needs a checkpoint with its own "
+                             f"NextN layer (config.json num_nextn_predict_layers > 0); "
+                             f"{model_dir} ({cfg.model_type}) has none")
     return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, pp=args.pp,
                    pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
                    draft_model=args.draft_model, speculative_algorithm=algorithm,
@@ -292,14 +289,7 @@ def _check_lengths(model_dir, prompts, max_new_tokens: int) -> None:
                          f"max_position_embeddings is {limit}")
 
 
-def _stack_layers(cfg, module) -> int:
-    """The number of layers a model's pipeline splits (its decoder layers)."""
-    model_cls = next(v for k, v in vars(module).items() if k.endswith("ForCausalLM"))
-    counter = getattr(model_cls, "decoder_layers", None)
-    return counter(cfg) if counter is not None else cfg.num_hidden_layers
-
-
-def _check_pipeline(args, cfg, module) -> None:
+def _check_pipeline(args, cfg, model_cls) -> None:
     """Bad --pp / --pp-layers against the model's layers, before any rank starts."""
     from .models.pipeline import split_layers
 
@@ -309,7 +299,7 @@ def _check_pipeline(args, cfg, module) -> None:
     if getattr(args, "compile", False) or getattr(args, "compile_backend", None):
         if args.pp > 1:
             raise UsageError("--compile does not support --pp > 1 yet")
-    split_layers(_stack_layers(cfg, module), args.pp, args.pp_layers)
+    split_layers(model_cls.decoder_layers(cfg), args.pp, args.pp_layers)
 
 
 def _report(args, spec, results, reference) -> int:
@@ -394,10 +384,10 @@ def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
     from .construction import select_mode
     from .ops import RowFacts, table_rows
-    from .models import load_config, model_classes, model_type_of
+    from .models import boundary_reduction, load_config, model_class_of
     from .models.tiny import builtin_checkpoint
     from .runner import handoff_contract, plan_rows
-    from .runtime.args import BoundaryRuntime, resolve_boundary_reduction
+    from .runtime.args import BoundaryRuntime
     from .runtime.parallel import virtual_parallel
 
     _setup_logging(0)
@@ -405,13 +395,13 @@ def cmd_plan(args) -> int:
     cfg = load_config(model_dir)
     dims = ParallelDims(world_size=args.pp * args.tp, tp=args.tp, pp=args.pp, attn_dp=args.dp,
                         moe_ep=args.ep)
-    _, model_cls, module = model_classes(model_type_of(model_dir))
-    module.check_parallel(cfg, dims)
-    _check_pipeline(args, cfg, module)
+    model_cls = model_class_of(model_dir)
+    model_cls.check_parallel(cfg, dims)
+    _check_pipeline(args, cfg, model_cls)
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
-    policy = resolve_boundary_reduction(args.boundary_reduction, model_type_of(model_dir))
+    policy = boundary_reduction(args.boundary_reduction, model_cls.model_type)
     runtimes, models = [], []
     for stage in range(dims.pp):  # each pipeline stage as its first rank builds it
         runtimes.append(BoundaryRuntime(virtual_parallel(dims, stage * dims.tp),

@@ -14,10 +14,10 @@ import torch
 from . import boundary_guard_filter, stage_boundaries
 from .adapters.branch import describe_merge
 from .layout import RowMode
-from .models import load_model, model_type_of
+from .models import boundary_reduction, load_model, model_type_of
 from .models.generate import Generation, greedy_generate
 from .models.speculative import speculative_generate
-from .runtime.args import BoundaryRuntime, resolve_boundary_reduction
+from .runtime.args import BoundaryRuntime
 from .runtime.ledger import LEDGER, LedgerEntry
 from .runtime.parallel import ParallelDims, build_parallel
 
@@ -85,7 +85,7 @@ class RankResult:
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
-    policy = resolve_boundary_reduction(spec.boundary_reduction, model_type_of(spec.model_dir))
+    policy = boundary_reduction(spec.boundary_reduction, model_type_of(spec.model_dir))
     return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
                            pp_layers=spec.pp_layers)
@@ -195,38 +195,38 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
     """The draft stack on the target's ranks and topology, with its own boundary-reduction
     policy (``auto`` resolved for the draft's own architecture): a draft checkpoint, or the
     target's own NextN layer."""
-    from .models import load_config
+    from .models import load_config, model_class_of
 
     if spec.speculative_algorithm == "nextn":
         from .models.nextn import load_nextn
 
-        policy = resolve_boundary_reduction(spec.speculative_boundary_reduction,
-                                            model_type_of(spec.model_dir))
+        policy = boundary_reduction(spec.speculative_boundary_reduction,
+                                    model_type_of(spec.model_dir))
         runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                                   allreduce_fusion=spec.allreduce_fusion,
                                   rs_padding=spec.rs_padding)
         return load_nextn(spec.model_dir, runtime, target, dtype=DTYPES[spec.dtype])
-    draft_type = model_type_of(spec.draft_model)
+    draft_cls = model_class_of(spec.draft_model)
     target_cfg, draft_cfg = load_config(spec.model_dir), load_config(spec.draft_model)
-    check_draft(target_cfg, draft_cfg, draft_type, target_runtime.parallel.dims)
-    policy = resolve_boundary_reduction(spec.speculative_boundary_reduction, draft_type)
+    check_draft(target_cfg, draft_cfg, draft_cls, target_runtime.parallel.dims)
+    policy = boundary_reduction(spec.speculative_boundary_reduction, draft_cls.model_type)
     runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                               allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
     return load_model(spec.draft_model, runtime, dtype=DTYPES[spec.dtype])
 
 
-def check_draft(target_cfg, draft_cfg, draft_type: str, dims) -> None:
+def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:
     """A draft must share the target's vocabulary and shard over the same topology; its cache
-    must be positional (rejected draft tokens are overwritten, never folded in)."""
-    from .models import model_classes
-
+    must be positional (rejected draft tokens are overwritten, never folded in: what its model
+    class declares, ``positional_cache``)."""
     if draft_cfg.vocab_size != target_cfg.vocab_size:
         raise ValueError(f"draft vocab_size={draft_cfg.vocab_size} differs from the target's "
                          f"vocab_size={target_cfg.vocab_size}")
-    model_classes(draft_type)[2].check_parallel(draft_cfg, dims)
-    if draft_type in ("nemotron_h", "deepseek_v4"):
-        raise ValueError(f"a {draft_type} draft keeps state that folds every token in (Mamba "
-                         "states, a sliding-window ring): drafts need a positional KV cache")
+    draft_cls.check_parallel(draft_cfg, dims)
+    if not draft_cls.positional_cache:
+        raise ValueError(f"a {draft_cls.model_type} draft keeps state that folds every token in "
+                         "(Mamba states, a sliding-window ring): drafts need a positional KV "
+                         "cache")
     if dims.pp > 1:
         raise ValueError("speculative decoding does not support --pp > 1 yet")
 

@@ -1,4 +1,5 @@
-"""Reference model integrations, chosen by ``model_type`` in config.json."""
+"""Reference model integrations: each model file registers its class for a ``model_type``
+(``registry.py``); this module reads checkpoints through that registry."""
 
 from __future__ import annotations
 
@@ -6,58 +7,50 @@ from pathlib import Path
 
 import torch
 
-from .loader import CheckpointError, iter_weights, read_config, validate_config
-
-
-# model_type -> (module, config class, model class); imported on first use
-MODELS = {
-    "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM"),
-    "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM"),
-    "longcat_flash": ("longcat_flash", "LongcatFlashConfig", "LongcatFlashForCausalLM"),
-    "deepseek_v4": ("deepseek_v4", "DeepseekV4Config", "DeepseekV4ForCausalLM"),
-}
-
-
-def model_classes(model_type: str):
-    """(config class, model class, module) of a registered model type."""
-    import importlib
-
-    module_name, config_name, model_name = MODELS[model_type]
-    module = importlib.import_module(f".{module_name}", __name__)
-    return getattr(module, config_name), getattr(module, model_name), module
-
-
-def _supported_type(raw: dict) -> str:
-    model_type = raw.get("model_type")
-    if model_type not in MODELS:
-        raise CheckpointError(f"config.json model_type {model_type!r} is not supported "
-                              f"(supported: {', '.join(sorted(MODELS))})")
-    return model_type
+from ..runtime.args import resolve_boundary_reduction
+from .config import CheckpointError, read_config  # noqa: F401
+from .loader import iter_weights
+from .registry import model_class, model_types, register_model  # noqa: F401
 
 
 def model_type_of(path) -> str:
-    return _supported_type(read_config(path))
+    """The checkpoint's ``model_type``, which a registered model serves."""
+    return model_class_of(path).model_type
+
+
+def model_class_of(path) -> type:
+    """The model class serving the checkpoint at ``path``."""
+    return model_class(read_config(path).get("model_type"))
 
 
 def _load_config(path):
-    """(config, model class) from one read of config.json."""
+    """(config, model class) from one read of config.json, its fields checked first."""
     raw = read_config(path)
-    config_cls, model_cls, _ = model_classes(_supported_type(raw))
-    validate_config(raw)
-    return config_cls.from_dict(raw), model_cls
+    model_cls = model_class(raw.get("model_type"))
+    model_cls.config_class.validate(raw)
+    return model_cls.config_class.from_dict(raw), model_cls
 
 
 def load_config(path):
     return _load_config(path)[0]
 
 
+def boundary_reduction(value: str, model_type: str) -> str:
+    """``--boundary-reduction`` resolved for an architecture: ``auto`` is what its model class
+    declares (``boundary_reduction``)."""
+    return resolve_boundary_reduction(value, model_class(model_type).boundary_reduction)
+
+
 def load_model(path, runtime, dtype=torch.float32, fusions=None, options=()):
     """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard.
 
-    ``options``: (name, value) engine options that replace config fields the checkpoint does
-    not set (such as DeepSeek-V3's ``shared_experts_tp1``).
+    Args:
+        path: a Hugging Face checkpoint folder (config.json + safetensors).
+        runtime: the ``BoundaryRuntime`` to build its stages on.
+        dtype: the parameters' dtype.
+        fusions: a fusion provider for every stage.
+        options: (name, value) engine options that replace config fields the checkpoint does
+            not set (such as DeepSeek-V3's ``shared_experts_tp1``).
     """
     import dataclasses
 

@@ -51,11 +51,31 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Subclasses set ``layer_cls`` and ``check_parallel`` and provide ``make_kv_cache``;
-    ``decoder_layers`` counts the ``layer_cls`` modules (``num_hidden_layers`` by default)."""
+    """A decoder-only model. Subclasses set ``layer_cls`` and ``check_parallel`` and provide
+    ``make_kv_cache``; ``decoder_layers`` counts the ``layer_cls`` modules
+    (``num_hidden_layers`` by default).
 
+    What the rest of the package reads about a model, it reads here (each model declares it
+    on its class; ``@register_model`` makes it serve its ``model_type``):
+
+    - ``model_type`` and ``config_class`` (``validate(raw)`` and ``from_dict(raw)``);
+    - ``boundary_reduction``: what ``--boundary-reduction auto`` resolves to;
+    - ``positional_cache``: a draft may use its cache (a rejected token is overwritten, never
+      folded into a state);
+    - ``nextn_layers(cfg)``: NextN/MTP layers the checkpoint carries for drafting;
+    - ``checkpoint_name(name)``: its parameter name for an on-disk tensor.
+    """
+
+    model_type: str
+    config_class: type
     layer_cls: type
     check_parallel = None
+    boundary_reduction = "ar"
+    positional_cache = True
+
+    @staticmethod
+    def nextn_layers(cfg) -> int:
+        return 0
 
     def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
         super().__init__()
@@ -67,8 +87,12 @@ class CausalLM(nn.Module):
         if self.stage.last:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
                                           runtime.parallel.attn_tp, dtype=dtype)
-            if cfg.tie_word_embeddings and self.stage.first:
+            if self.ties_head() and self.stage.first:
                 self.lm_head.tie(self.model.embed_tokens)
+
+    def ties_head(self) -> bool:
+        """The LM head is the embedding (``tie_word_embeddings``)."""
+        return self.config.tie_word_embeddings
 
     @property
     def stack(self):
@@ -100,11 +124,11 @@ class CausalLM(nn.Module):
 
     def skipped_params(self) -> tuple:
         """Checkpoint name prefixes/suffixes this model does not load."""
-        tied_here = self.config.tie_word_embeddings and self.stage.first
+        tied_here = self.ties_head() and self.stage.first
         return ("lm_head.weight",) if tied_here else ()
 
     def load_weights(self, weights) -> None:
-        tied = self.config.tie_word_embeddings
+        tied = self.ties_head()
         on_stage = self.stage.locator("model.layers.", first_only={EMBEDDING},
                                       last_only=("model.norm.", HEAD), embedding=EMBEDDING,
                                       head=HEAD if tied else None)

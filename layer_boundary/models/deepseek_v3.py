@@ -33,7 +33,10 @@ from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .kv_cache import KVCache, cached_attention
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
-from .loader import CheckpointError, check_divisible, check_unquantized_silu, require
+from .config import (DECODER, EXPERTS, GROUPED_ROUTER, MLA, NON_NEGATIVE_INT, CheckedConfig,
+                     CheckpointError, check_divisible, check_grouped_router,
+                     check_unquantized_silu, require)
+from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
@@ -69,7 +72,7 @@ def mla_rope(cfg: dict) -> dict:
 
 
 @dataclass(frozen=True)
-class DeepseekV3Config:
+class DeepseekV3Config(CheckedConfig):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -99,6 +102,11 @@ class DeepseekV3Config:
     # rank and add them after the routed experts' sum (a LOCAL_TAIL FFN stage).
     shared_experts_tp1: bool = False
     model_type: str = "deepseek_v3"
+
+    fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, **MLA,
+              "first_k_dense_replace": NON_NEGATIVE_INT,
+              "num_nextn_predict_layers": NON_NEGATIVE_INT}
+    expert_fields, top_k_fields = ("n_routed_experts",), ("num_experts_per_tok",)
 
     @property
     def qk_head_dim(self) -> int:
@@ -142,17 +150,7 @@ class DeepseekV3Config:
         rope_dim = require(cfg, "qk_rope_head_dim")
         if rope_dim % 2:
             raise CheckpointError(f"config.json qk_rope_head_dim={rope_dim} must be even")
-        if experts % n_group:
-            raise CheckpointError(f"config.json n_routed_experts={experts} is not divisible by "
-                                  f"n_group={n_group}")
-        if experts // n_group < 2:
-            raise CheckpointError(f"config.json n_group={n_group} leaves fewer than 2 experts per "
-                                  "group (group scores sum each group's top 2)")
-        if topk_group > n_group:
-            raise CheckpointError(f"config.json topk_group={topk_group} exceeds n_group={n_group}")
-        if top_k > topk_group * (experts // n_group):
-            raise CheckpointError(f"config.json num_experts_per_tok={top_k} exceeds the experts "
-                                  f"of topk_group={topk_group} groups")
+        check_grouped_router(experts, n_group, topk_group, top_k)
         return cls(
             vocab_size=require(cfg, "vocab_size"),
             hidden_size=require(cfg, "hidden_size"),
@@ -425,9 +423,16 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
                        reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED)
 
 
+@register_model
 class DeepseekV3ForCausalLM(CausalLM):
+    model_type, config_class = "deepseek_v3", DeepseekV3Config
+    boundary_reduction = "rs+rsv"
     layer_cls = DeepseekV3DecoderLayer
     check_parallel = staticmethod(check_parallel)
+
+    @staticmethod
+    def nextn_layers(cfg: DeepseekV3Config) -> int:
+        return cfg.num_nextn_predict_layers
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         cfg = self.config

@@ -50,7 +50,9 @@ from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3MLP, ReplicatedLinear
 from .kv_cache import KVCache, cached_attention
-from .loader import CheckpointError, check_divisible, check_unquantized_silu, require
+from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
+                     check_divisible, check_unquantized_silu, require)
+from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
 from .rope import inverse_frequencies, rope_cos_sin
 
@@ -139,7 +141,7 @@ def _main_rope(cfg: dict, head_dim: int) -> tuple[float, int]:
 
 
 @dataclass(frozen=True)
-class DeepseekV4Config:
+class DeepseekV4Config(CheckedConfig):
     vocab_size: int
     hidden_size: int
     moe_intermediate_size: int
@@ -165,6 +167,11 @@ class DeepseekV4Config:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     model_type: str = "deepseek_v4"
+
+    fields = {**DECODER, **EXPERTS, "n_shared_experts": POSITIVE_INT, "mlp_bias": BOOL,
+              **{f: POSITIVE_INT for f in ("hc_mult", "hc_sinkhorn_iters", "sliding_window",
+                                           "o_groups", "o_lora_rank", "q_lora_rank")}}
+    expert_fields, top_k_fields = ("n_routed_experts",), ("num_experts_per_tok",)
 
     @property
     def softmax_scale(self) -> float:
@@ -466,7 +473,11 @@ HEAD_PREFIX, NORM_PREFIX = "model.norm.head", "model.norm.norm"  # inside MhcFin
 _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
 
 
+@register_model
 class DeepseekV4ForCausalLM(CausalLM):
+    model_type, config_class = "deepseek_v4", DeepseekV4Config
+    boundary_reduction = "rs+rsv"
+    positional_cache = False  # its sliding-window ring folds every token in
     layer_cls = DeepseekV4DecoderLayer
     check_parallel = staticmethod(check_parallel)
 

@@ -47,7 +47,9 @@ from ..runtime import BoundaryRuntime, RMSNorm
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_rope
 from .kv_cache import KVCache
-from .loader import CheckpointError, check_divisible, require
+from .config import (BOOL, DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, POSITIVE_INT,
+                     CheckedConfig, CheckpointError, check_divisible, require)
+from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
 
 # transformers' defaults for fields a config.json may leave out (LongcatFlashConfig)
@@ -61,7 +63,7 @@ def _field(cfg: dict, name: str, alias: str):
 
 
 @dataclass(frozen=True)
-class LongcatFlashConfig:
+class LongcatFlashConfig(CheckedConfig):
     vocab_size: int
     hidden_size: int
     num_layers: int  # decoder layers; each holds two attentions
@@ -82,6 +84,13 @@ class LongcatFlashConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     model_type: str = "longcat_flash"
+
+    fields = {**DECODER, **EXPERTS, **MLA, "zero_expert_num": NON_NEGATIVE_INT,
+              "router_bias": BOOL,
+              **{f: POSITIVE_INT for f in ("num_layers", "ffn_hidden_size",
+                                           "expert_ffn_hidden_size", "moe_topk")}}
+    expert_fields = ("n_routed_experts", "num_local_experts")
+    top_k_fields, extra_expert_field = ("num_experts_per_tok",), "zero_expert_num"
     # what DeepseekV3Attention reads: LongCat's MLA always has q LoRA and interleaved rope
     rope_interleave: bool = True
 
@@ -299,7 +308,10 @@ class LongcatFlashDecoderLayer(nn.Module):
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
+@register_model
 class LongcatFlashForCausalLM(CausalLM):
+    model_type, config_class = "longcat_flash", LongcatFlashConfig
+    boundary_reduction = "rs+rsv"
     layer_cls = LongcatFlashDecoderLayer
     check_parallel = staticmethod(check_parallel)
 

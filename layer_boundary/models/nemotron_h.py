@@ -25,17 +25,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import ProducerReduction, declare_attn, declare_ffn, layer_stack, make_stages
-from ..residual import batch as residual_batch
-from ..runtime import (BoundaryRuntime, ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                       RMSNorm, RowParallelLinear, VocabParallelEmbedding)
+from .. import ProducerReduction, declare_attn, declare_ffn, make_stages
+from ..runtime import (BoundaryRuntime, ColumnParallelLinear, QKVParallelLinear, RMSNorm,
+                       RowParallelLinear)
+from .base import CausalLM
+from .config import (BOOL, DECODER, EXPERTS, GROUPED_ROUTER, POSITIVE_INT, POSITIVE_NUMBER,
+                     CheckedConfig, CheckpointError, check_grouped_router, require)
 from .deepseek_v3 import DeepseekV3Router
 from .kv_cache import KVCache, cached_attention
-from .loader import CheckpointError, load_weights, require
 from .mamba2 import Mamba2Mixer, MambaState, group_split
-from .pipeline import PipelineStage, run_stack
 from .moe import ACTIVATIONS, FusedMoE, expert_stacked_params
 from .qwen3 import check_heads
+from .registry import register_model
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 BLOCK_TYPES = (MAMBA, ATTENTION, MLP, MOE)
@@ -69,7 +70,7 @@ def _block_types(cfg: dict) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class NemotronHConfig:
+class NemotronHConfig(CheckedConfig):
     vocab_size: int
     hidden_size: int
     layers_block_type: tuple[str, ...]
@@ -100,9 +101,19 @@ class NemotronHConfig:
     tie_word_embeddings: bool = False
     model_type: str = "nemotron_h"
 
+    fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, "layer_norm_epsilon": POSITIVE_NUMBER,
+              **{f: BOOL for f in ("mlp_bias", "use_bias", "use_conv_bias")},
+              **{f: POSITIVE_INT for f in ("mamba_num_heads", "mamba_head_dim", "n_groups",
+                                           "ssm_state_size", "conv_kernel", "chunk_size")}}
+    expert_fields, top_k_fields = ("n_routed_experts",), ("num_experts_per_tok",)
+
     @property
     def num_hidden_layers(self) -> int:
         return len(self.layers_block_type)
+
+    @property
+    def rms_norm_eps(self) -> float:  # what the shared skeleton's final norm reads
+        return self.layer_norm_epsilon
 
     def has(self, kind: str) -> bool:
         return kind in self.layers_block_type
@@ -164,19 +175,8 @@ class NemotronHConfig:
 
 def _moe_fields(cfg: dict) -> dict:
     experts, top_k = require(cfg, "n_routed_experts"), require(cfg, "num_experts_per_tok")
-    n_group, topk_group = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
-    if n_group < 1 or experts % n_group:
-        raise CheckpointError(f"config.json n_routed_experts={experts} is not divisible by "
-                              f"n_group={n_group}")
-    if experts // n_group < 2:
-        raise CheckpointError(f"config.json n_group={n_group} leaves fewer than 2 experts per "
-                              "group (group scores sum each group's top 2)")
-    if not 1 <= topk_group <= n_group:
-        raise CheckpointError(f"config.json topk_group={topk_group} must be in "
-                              f"1..n_group={n_group}")
-    if top_k > topk_group * (experts // n_group):
-        raise CheckpointError(f"config.json num_experts_per_tok={top_k} exceeds the experts of "
-                              f"topk_group={topk_group} groups")
+    n_group, topk_group = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    check_grouped_router(experts, n_group, topk_group, top_k)
     return dict(n_routed_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=require(cfg, "moe_intermediate_size"),
                 moe_shared_expert_intermediate_size=require(
@@ -281,10 +281,14 @@ class NemotronHMoE(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    def __init__(self, cfg: NemotronHConfig, i: int, index: int, runtime: BoundaryRuntime,
-                 dtype, fusions=None):
+    """``x + mixer(norm(x))``: one stage; the mixer's ``index`` is its slot among the blocks
+    of its kind (its KV cache or Mamba state)."""
+
+    def __init__(self, cfg: NemotronHConfig, i: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
         super().__init__()
         self.kind = cfg.layers_block_type[i]
+        index = cfg.layers_block_type[:i].count(self.kind)
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype=dtype)
         if self.kind == MAMBA:
             self.mixer = Mamba2Mixer(cfg, index, runtime, dtype)
@@ -302,42 +306,11 @@ class NemotronHBlock(nn.Module):
             following=block_declaration(cfg, i + 1) if i < last else None,
             terminal=i == last, runtime=runtime, name=f"layer{i}")
 
-    def forward(self, hidden_states, forward_batch):
+    def forward(self, positions, hidden_states, forward_batch):
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)
         with self.boundary.exit(forward_batch) as output:
             hidden_states = self.mixer(hidden_states, forward_batch)  # compute only
         return output.finish(hidden_states)
-
-
-class NemotronHModel(nn.Module):
-    """The ``backbone``: embeddings, the blocks, ``norm_f``."""
-
-    def __init__(self, cfg: NemotronHConfig, runtime: BoundaryRuntime, dtype, fusions=None):
-        super().__init__()
-        self.stage = PipelineStage.of(runtime, cfg.num_hidden_layers)
-        self.dp_rank = runtime.parallel.attn_dp_rank
-        if self.stage.first:
-            self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                     runtime.parallel.attn_tp, dtype=dtype)
-        kinds = cfg.layers_block_type
-        # each mixer's slot among the blocks of its kind (its KV cache or Mamba state index)
-        index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
-        with layer_stack(runtime) as self.stack:
-            self.layers = nn.ModuleList(NemotronHBlock(cfg, i, index[i], runtime, dtype,
-                                                       fusions) for i in self.stage.layers)
-        if self.stage.last:
-            self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype=dtype)
-        service = getattr(fusions, "handoff_norm", None)
-        self.handoff_norm = service() if service is not None else None
-
-    def forward(self, forward_batch, pp_input=None):
-        fb = forward_batch
-        return run_stack(
-            self.stage, self.stack, self.layers, fb, lambda layer, h, mb: layer(h, mb),
-            embed=lambda: self.embeddings(fb.input_ids),
-            leave=lambda h, mb: residual_batch.norm(h, mb, self.norm_f, skip_empty=True,
-                                                    handoff_norm=self.handoff_norm),
-            pp_input=pp_input, dp_rank=self.dp_rank)
 
 
 class HybridCache(KVCache):
@@ -366,40 +339,31 @@ class HybridCache(KVCache):
                 live[i].copy_(t)
 
 
-class NemotronHForCausalLM(nn.Module):
-    def __init__(self, cfg: NemotronHConfig, runtime: BoundaryRuntime, dtype=torch.float32,
-                 fusions=None):
-        super().__init__()
-        check_parallel(cfg, runtime.parallel.dims)
-        self.config, self.dtype = cfg, dtype
-        self.backbone = NemotronHModel(cfg, runtime, dtype, fusions)
-        self.stage = self.backbone.stage
-        # never tied: transformers' Nemotron-H declares no tied weights, so it saves and loads
-        # lm_head.weight on its own even under tie_word_embeddings (see load_weights)
-        if self.stage.last:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
-                                          runtime.parallel.attn_tp, dtype=dtype)
+# on-disk names (transformers' NemotronH: ``backbone.``) -> the shared skeleton's
+_ON_DISK = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.layers.", "model.layers."),
+            ("backbone.norm_f.", "model.norm."))
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
 
-    @property
-    def stack(self):
-        return self.backbone.stack
+@register_model
+class NemotronHForCausalLM(CausalLM):
+    model_type, config_class = "nemotron_h", NemotronHConfig
+    boundary_reduction = "rs+rsv"
+    positional_cache = False  # its Mamba states fold every token in
+    layer_cls = NemotronHBlock
+    check_parallel = staticmethod(check_parallel)
 
-    def forward(self, forward_batch, pp_input=None):
-        """Logits [T, vocab] for every token of this rank's batch on the last pipeline stage;
-        the tensors for the next stage on the others (see CausalLM.forward)."""
-        out = self.backbone(forward_batch, pp_input)
-        return self.lm_head(out) if self.stage.last and out is not None else out
+    def ties_head(self) -> bool:
+        # transformers' Nemotron-H declares no tied weights: it saves and loads lm_head.weight
+        # on its own even under tie_word_embeddings (load_weights reads the embedding as the
+        # head only where the checkpoint has none)
+        return False
 
     def make_kv_cache(self, slots: int, max_len: int) -> HybridCache:
         """This stage's attention layers' k/v and Mamba layers' states, by their index among
         the blocks of their kind."""
         cfg, device = self.config, self.device
-        attn = [layer.mixer for layer in self.backbone.layers if layer.kind == ATTENTION]
-        mamba = [layer.mixer for layer in self.backbone.layers if layer.kind == MAMBA]
+        attn = [layer.mixer for layer in self.model.layers if layer.kind == ATTENTION]
+        mamba = [layer.mixer for layer in self.model.layers if layer.kind == MAMBA]
         kv_heads = attn[0].qkv_proj.num_kv_heads if attn else 1
         kv = KVCache([a.index for a in attn], slots, max_len, kv_heads, cfg.head_dim,
                      self.dtype, device=device)
@@ -423,11 +387,14 @@ class NemotronHForCausalLM(nn.Module):
         # multi-token-prediction layers are stored under mtp.* (transformers ignores them too)
         return ("mtp.",)
 
+    def checkpoint_name(self, name: str) -> str | None:
+        for disk, ours in _ON_DISK:
+            if name.startswith(disk):
+                return ours + name[len(disk):]
+        return name
+
     def load_weights(self, weights) -> None:
-        locate = self.stage.locator("backbone.layers.", first_only={"backbone.embeddings.weight"},
-                                    last_only=("backbone.norm_f.", "lm_head."))
-        load_weights(self, self._with_head(weights), stacked=self.stacked_params(),
-                     skip=self.skipped_params(), locate=locate)
+        super().load_weights(self._with_head(weights))
 
     def _with_head(self, weights):
         """The checkpoint's tensors; a tied checkpoint without lm_head.weight reads the

@@ -15,11 +15,12 @@ from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .kv_cache import KVCache, cached_attention
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
-from .loader import CheckpointError, require
+from .config import DECODER, CheckedConfig, CheckpointError, require
+from .registry import register_model
 
 
 @dataclass(frozen=True)
-class Qwen3Config:
+class Qwen3Config(CheckedConfig):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,6 +33,8 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     model_type: str = "qwen3"
+
+    fields = DECODER
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "Qwen3Config":
@@ -163,7 +166,10 @@ class Qwen3DecoderLayer(nn.Module):
         return output.finish(hidden_states)
 
 
+@register_model
 class Qwen3ForCausalLM(CausalLM):
+    model_type, config_class = "qwen3", Qwen3Config
+    boundary_reduction = "rs+rsv"
     layer_cls = Qwen3DecoderLayer
     check_parallel = staticmethod(check_parallel)
 

@@ -10,7 +10,8 @@ from torch import nn
 
 from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
-from .loader import require
+from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, require
+from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
 from .qwen3 import Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, check_tp
 
@@ -24,6 +25,10 @@ class Qwen3MoeConfig(Qwen3Config):
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
     model_type: str = "qwen3_moe"
+
+    fields = {**DECODER, **EXPERTS, "decoder_sparse_step": POSITIVE_INT,
+              "mlp_only_layers": INT_LIST}
+    expert_fields, top_k_fields = ("num_experts", "num_local_experts"), ("num_experts_per_tok",)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "Qwen3MoeConfig":
@@ -94,7 +99,9 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         return declare_ffn(sparse=cfg.is_sparse(layer_id), next_sparse=cfg.is_sparse(layer_id + 1))
 
 
+@register_model
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    model_type, config_class = "qwen3_moe", Qwen3MoeConfig
     layer_cls = Qwen3MoeDecoderLayer
     check_parallel = staticmethod(check_parallel)
 

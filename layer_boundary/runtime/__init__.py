@@ -5,8 +5,8 @@ needs to stand up a topology and run a batch is exported here; see README ("Publ
 API").
 """
 
-from .args import (AUTO_BOUNDARY_REDUCTION, BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime,
-                   resolve_boundary_reduction, set_runtime)
+from .args import (BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime, resolve_boundary_reduction,
+                   set_runtime)
 from .collectives import (all_reduce_rows, broadcast_from_last_stage, gather_last_dim,
                           gather_rows, gather_rows_v, recv_from_prev_stage, reduce_scatter_rows,
                           reduce_scatter_rows_v, send_to_next_stage)
@@ -25,7 +25,7 @@ __all__ = [
     "init_distributed", "launched_by_torchrun", "spawn", "RankError",
     # what boundary construction reads
     "BoundaryRuntime", "resolve_boundary_reduction", "set_runtime", "get_runtime",
-    "BOUNDARY_REDUCTIONS", "AUTO_BOUNDARY_REDUCTION",
+    "BOUNDARY_REDUCTIONS",
     # a batch and the flags compute reads
     "ForwardBatch", "ForwardMode", "BatchVariant", "ForwardFlags", "NO_FLAGS", "get_forward",
     "get_parallel",

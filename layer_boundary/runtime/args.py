@@ -9,30 +9,23 @@ from .parallel import Parallel
 
 BOUNDARY_REDUCTIONS = ("ar", "rs", "rsv", "rs+rsv", "auto")
 
-# Per-architecture resolution of ``auto`` (model_type -> policy). Architectures not listed
-# resolve to the all-reduce path, which is always correct.
-AUTO_BOUNDARY_REDUCTION: dict[str, str] = {
-    "qwen3": "rs+rsv",
-    "qwen3_moe": "rs+rsv",
-    "deepseek_v3": "rs+rsv",
-    "nemotron_h": "rs+rsv",
-    "longcat_flash": "rs+rsv",
-    "deepseek_v4": "rs+rsv",
-}
+def resolve_boundary_reduction(value: str, auto: str = "ar") -> str:
+    """Resolve ``--boundary-reduction`` once, before construction.
 
-
-def resolve_boundary_reduction(value: str, model_type: str) -> str:
-    """Resolve ``--boundary-reduction`` once, before construction; ``auto`` by architecture.
-
-    A separate draft checkpoint resolves its own value by calling this with its own
-    ``model_type`` (spec: ``speculative_boundary_reduction``).
+    Args:
+        value: ar | rs | rsv | rs+rsv | auto.
+        auto: what ``auto`` resolves to: the architecture's own policy, which its model class
+            declares (``boundary_reduction``); the all-reduce path, always correct, by default.
+            A separate draft checkpoint resolves its own (spec:
+            ``speculative_boundary_reduction``).
     """
     if value not in BOUNDARY_REDUCTIONS:
         raise ValueError(
             f"boundary_reduction must be one of {', '.join(BOUNDARY_REDUCTIONS)}, got {value!r}")
-    if value == "auto":
-        return AUTO_BOUNDARY_REDUCTION.get(model_type, "ar")
-    return value
+    if auto not in BOUNDARY_REDUCTIONS[:-1]:
+        raise ValueError(f"an architecture's boundary_reduction must be one of "
+                         f"{', '.join(BOUNDARY_REDUCTIONS[:-1])}, got {auto!r}")
+    return auto if value == "auto" else value
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ def test_bad_drafts_are_refused(model_dirs, draft_dir, tmp_path, capsys):
                        "1", *args], capsys)
         assert code == 2  # a one-line error before any rank starts
     # the errors themselves (cli() returns stdout; the one-line error goes to stderr)
-    from layer_boundary.models import load_config, model_type_of
+    from layer_boundary.models import load_config, model_class_of
     from layer_boundary.runner import check_draft
     from layer_boundary.runtime import ParallelDims
 
@@ -109,4 +109,4 @@ def test_bad_drafts_are_refused(model_dirs, draft_dir, tmp_path, capsys):
             (three_heads, ParallelDims(world_size=2, tp=2), "num_attention_heads=3"),
             (model_dirs["nemotron_h"], ParallelDims(), "drafts need a positional KV cache")):
         with pytest.raises(ValueError, match=message):
-            check_draft(load_config(target), load_config(draft), model_type_of(draft), dims)
+            check_draft(load_config(target), load_config(draft), model_class_of(draft), dims)

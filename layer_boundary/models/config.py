@@ -1,0 +1,160 @@
+"""config.json: reading it, and the one home of the checks its fields get.
+
+A model's config class declares the fields it reads and how each is checked (``fields``, a
+dict of field name to one of the validators below, usually built from the shared groups);
+``validate`` runs them once, before ``from_dict`` reads anything, so a string, a bool where a
+number belongs, a zero count or a list where an object belongs is an error naming the field,
+never a silent misread (``"false"`` read as true, ``0`` read as absent). Null counts as absent.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
+
+
+class CheckpointError(ValueError):
+    """A missing, malformed or mismatched checkpoint; the message names the file or tensor."""
+
+
+def read_config(path) -> dict:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} is missing")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file} does not hold a JSON object")
+    return cfg
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One field's check: ``ok(value)``, and what the value must be, for the error."""
+
+    ok: Callable[[object], bool]
+    what: str
+
+
+POSITIVE_INT = Check(lambda v: _is_int(v) and v >= 1, "a positive integer")
+NON_NEGATIVE_INT = Check(lambda v: _is_int(v) and v >= 0, "a non-negative integer")
+POSITIVE_NUMBER = Check(lambda v: _is_number(v) and v > 0, "a positive number")
+BOOL = Check(lambda v: isinstance(v, bool), "true or false")
+INT_LIST = Check(lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+                 "a list of integers")
+OBJECT = Check(lambda v: isinstance(v, dict), "an object")
+
+# the fields every decoder-only checkpoint of the reference architectures may carry
+DECODER = {
+    **{f: POSITIVE_INT for f in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "intermediate_size", "max_position_embeddings")},
+    "rms_norm_eps": POSITIVE_NUMBER, "rope_theta": POSITIVE_NUMBER,
+    "tie_word_embeddings": BOOL, "attention_bias": BOOL,
+    "rope_parameters": OBJECT, "rope_scaling": OBJECT, "quantization_config": OBJECT,
+}
+# routed experts (each architecture names them its own way)
+EXPERTS = {
+    **{f: POSITIVE_INT for f in ("moe_intermediate_size", "num_experts", "num_local_experts",
+                                 "n_routed_experts", "num_experts_per_tok")},
+    "norm_topk_prob": BOOL, "routed_scaling_factor": POSITIVE_NUMBER,
+}
+# DeepSeek's grouped router and shared experts
+GROUPED_ROUTER = {f: POSITIVE_INT for f in ("n_group", "topk_group", "n_shared_experts")}
+# multi-head latent attention
+MLA = {f: POSITIVE_INT for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                 "qk_rope_head_dim", "v_head_dim")}
+
+
+def validate(cfg: dict, fields: dict, *, experts: tuple = (), top_k: tuple = (),
+             extra_experts: str | None = None) -> None:
+    """Check every declared field ``cfg`` sets; then that the experts chosen per token fit
+    the experts there are (``experts``/``top_k``: the names the architecture may use;
+    ``extra_experts``: a field counting experts chosen beside them, LongCat's identity ones)."""
+    for field, check in fields.items():
+        if cfg.get(field) is not None and not check.ok(cfg[field]):
+            raise CheckpointError(f"config.json field {field} must be {check.what}, got "
+                                  f"{cfg[field]!r}")
+    count = next((cfg[f] for f in experts if cfg.get(f) is not None), None)
+    k = next((cfg[f] for f in top_k if cfg.get(f) is not None), None)
+    extra = (cfg.get(extra_experts) or 0) if extra_experts else 0
+    if count is not None and k is not None and k > count + extra:
+        raise CheckpointError(f"config.json field num_experts_per_tok={k} exceeds the "
+                              f"{count} experts")
+
+
+class CheckedConfig:
+    """What a model's config class declares about config.json: the fields it reads and the
+    check of each (``fields``), and the names its experts and experts per token go by (for
+    the check that one fits the other)."""
+
+    fields: ClassVar[dict] = {}
+    expert_fields: ClassVar[tuple] = ()
+    top_k_fields: ClassVar[tuple] = ()
+    extra_expert_field: ClassVar[str | None] = None
+
+    @classmethod
+    def validate(cls, raw: dict) -> None:
+        validate(raw, cls.fields, experts=cls.expert_fields, top_k=cls.top_k_fields,
+                 extra_experts=cls.extra_expert_field)
+
+
+def require(cfg: dict, field: str, kind=int):
+    """A field the architecture cannot do without, of ``kind`` (int: positive)."""
+    if field not in cfg or cfg[field] is None:
+        raise CheckpointError(f"config.json has no {field}")
+    value = cfg[field]
+    if kind is int and (not _is_int(value) or value < 1):
+        raise CheckpointError(f"config.json field {field} must be a positive integer, got "
+                              f"{value!r}")
+    if kind is float and not _is_number(value):
+        raise CheckpointError(f"config.json field {field} must be a number, got {value!r}")
+    return value
+
+
+def check_unquantized_silu(cfg: dict) -> None:
+    """Reject a quantized config.json or one whose ``hidden_act`` is not silu."""
+    if cfg.get("quantization_config"):
+        raise CheckpointError("config.json quantization_config is not supported (unquantized "
+                              "checkpoints only)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu only)")
+
+
+def check_divisible(field: str, value: int, degree: str, size: int, why: str = "") -> None:
+    """A config field that must split evenly over a parallel degree (``check_parallel``)."""
+    if value % size:
+        raise ValueError(f"{field}={value} is not divisible by {degree}={size}{why}")
+
+
+def check_grouped_router(experts: int, n_group: int, topk_group: int, top_k: int) -> None:
+    """DeepSeek's group-limited router: experts split into ``n_group`` groups of at least two
+    (a group's score is the sum of its two best), ``topk_group`` of them kept, enough experts
+    in those for ``top_k``."""
+    if experts % n_group:
+        raise CheckpointError(f"config.json n_routed_experts={experts} is not divisible by "
+                              f"n_group={n_group}")
+    if experts // n_group < 2:
+        raise CheckpointError(f"config.json n_group={n_group} leaves fewer than 2 experts per "
+                              "group (group scores sum each group's top 2)")
+    if topk_group > n_group:
+        raise CheckpointError(f"config.json topk_group={topk_group} exceeds n_group={n_group}")
+    if top_k > topk_group * (experts // n_group):
+        raise CheckpointError(f"config.json num_experts_per_tok={top_k} exceeds the experts "
+                              f"of topk_group={topk_group} groups")

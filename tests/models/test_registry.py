@@ -1,0 +1,49 @@
+"""Models declare themselves: each model file registers its class for a ``model_type``, and
+what the command line, the runner, the loader and the draft checks need to know about an
+architecture is read from that class, never from a list of names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from layer_boundary.models import boundary_reduction, model_class, model_types
+from layer_boundary.models.base import CausalLM
+from layer_boundary.models.config import CheckpointError
+
+PACKAGE = Path(__file__).resolve().parents[2] / "layer_boundary"
+REFERENCE = ("deepseek_v3", "deepseek_v4", "longcat_flash", "nemotron_h", "qwen3", "qwen3_moe")
+
+
+def test_every_reference_architecture_registers_itself():
+    assert set(REFERENCE) <= set(model_types())
+    for model_type in model_types():
+        cls = model_class(model_type)
+        assert issubclass(cls, CausalLM) and cls.model_type == model_type
+        assert cls.config_class.fields, model_type  # the config fields it reads, checked
+
+
+def test_capabilities_come_from_the_model_class():
+    assert boundary_reduction("auto", "qwen3") == model_class("qwen3").boundary_reduction
+    assert boundary_reduction("ar", "qwen3") == "ar"
+    assert not model_class("nemotron_h").positional_cache
+    assert not model_class("deepseek_v4").positional_cache
+    assert model_class("qwen3").positional_cache
+
+
+def test_an_unknown_model_type_names_the_supported_ones():
+    with pytest.raises(CheckpointError, match="model_type 'gpt_neo' is not supported "
+                                              r"\(supported: .*qwen3"):
+        model_class("gpt_neo")
+
+
+@pytest.mark.parametrize("module", ["cli.py", "runner.py", "models/loader.py",
+                                    "models/__init__.py", "runtime/args.py"])
+def test_no_shared_module_names_an_architecture(module):
+    """Adding a model touches its own file: the shared modules hold no model_type string."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    names = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+             and isinstance(node.value, str)}
+    assert not names & set(model_types()), (module, names & set(model_types()))
