@@ -127,6 +127,11 @@ def require(cfg: dict, field: str, kind=int):
     return value
 
 
+def required(cfg: dict, *fields: str) -> dict:
+    """{field: value} of fields the architecture cannot do without (positive integers)."""
+    return {field: require(cfg, field) for field in fields}
+
+
 def check_unquantized_silu(cfg: dict) -> None:
     """Reject a quantized config.json or one whose ``hidden_act`` is not silu."""
     if cfg.get("quantization_config"):

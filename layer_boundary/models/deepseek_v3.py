@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ProducerReduction, declare_attn, declare_ffn, make_stages
+from .. import ProducerReduction, declare_ffn
 from ..runtime.context import get_forward
 from ..runtime.parallel import Group
 from ..runtime.args import BoundaryRuntime
@@ -32,10 +32,11 @@ from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .kv_cache import KVCache, cached_attention
+from .layers import DecoderLayer, GatedMLP
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 from .config import (DECODER, EXPERTS, GROUPED_ROUTER, MLA, NON_NEGATIVE_INT, CheckedConfig,
                      CheckpointError, check_divisible, check_grouped_router,
-                     check_unquantized_silu, require)
+                     check_unquantized_silu, require, required)
 from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
 
@@ -152,21 +153,15 @@ class DeepseekV3Config(CheckedConfig):
             raise CheckpointError(f"config.json qk_rope_head_dim={rope_dim} must be even")
         check_grouped_router(experts, n_group, topk_group, top_k)
         return cls(
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            intermediate_size=require(cfg, "intermediate_size"),
-            moe_intermediate_size=require(cfg, "moe_intermediate_size"),
-            num_hidden_layers=require(cfg, "num_hidden_layers"),
+            **required(cfg, "vocab_size", "hidden_size", "intermediate_size",
+                       "moe_intermediate_size", "num_hidden_layers", "n_shared_experts",
+                       "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"),
             num_attention_heads=heads,
             n_routed_experts=experts,
             num_experts_per_tok=top_k,
-            n_shared_experts=require(cfg, "n_shared_experts"),
             first_k_dense_replace=_count(cfg, "first_k_dense_replace", 0),
             q_lora_rank=q_lora,
-            kv_lora_rank=require(cfg, "kv_lora_rank"),
             qk_rope_head_dim=rope_dim,
-            qk_nope_head_dim=require(cfg, "qk_nope_head_dim"),
-            v_head_dim=require(cfg, "v_head_dim"),
             n_group=n_group,
             topk_group=topk_group,
             routed_scaling_factor=float(require(cfg, "routed_scaling_factor", float)),
@@ -279,22 +274,7 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(out.flatten(1))  # [T, H*Dv] -> [T, hidden] partial over attn_tp
 
 
-class DeepseekV3MLP(nn.Module):
-    """SwiGLU MLP with its intermediate dim split over ``group`` (default: the full TP group)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, runtime: BoundaryRuntime,
-                 dtype, reduce_results: bool = True, group=None):
-        super().__init__()
-        group = group if group is not None else runtime.parallel.tp
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, group,
-                                              dtype=dtype, name="gate_proj")
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, group, dtype=dtype,
-                                            name="up_proj")
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, group, dtype=dtype,
-                                           reduce_results=reduce_results, name="down_proj")
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+DeepseekV3MLP = GatedMLP  # SwiGLU over the TP group (or ``group``), as the shared block
 
 
 class DeepseekV3Router(nn.Module):
@@ -365,15 +345,14 @@ class DeepseekV3MoE(nn.Module):
         return routed if deferred else routed + shared
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(DecoderLayer):
     """One decoder layer. ``nextn``: the multi-token-prediction block stored after the stack
     (index ``num_hidden_layers``), a stack of its own: it enters with ``previous=None`` and is
     terminal at its own count of one layer; MoE where the model has MoE layers."""
 
     def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None, nextn: bool = False):
-        super().__init__()
-        self.hidden_size = cfg.hidden_size
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = DeepseekV3Attention(cfg, layer_id, runtime, dtype)
         self.is_moe = (cfg.first_k_dense_replace < cfg.num_hidden_layers if nextn
                        else cfg.is_moe(layer_id))
@@ -381,36 +360,24 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = DeepseekV3MoE(cfg, runtime, dtype)
         else:
             self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        last = cfg.num_hidden_layers - 1
-        options = {} if fusions is None else {"fusions": fusions}
         tail = cfg.shared_experts_tp1 and self.is_moe
         ffn = (declare_ffn(sparse=self.is_moe, reduction=ProducerReduction.LOCAL_TAIL if tail
                            else ProducerReduction.SCOPED)
                if nextn else ffn_declaration(cfg, layer_id))
-        self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(), self.input_layernorm,
-             {"qkv_latent_func": self.self_attn.prepare_qkv_latent, **options}),
-            (ffn, self.post_attention_layernorm, options),
-            previous=None if layer_id == 0 or nextn else ffn_declaration(cfg, layer_id - 1),
-            terminal=nextn or layer_id == last,
-            runtime=runtime,
-            name=f"nextn{layer_id}" if nextn else f"layer{layer_id}",
-        )
+        # the qkv latent runs before the input gather: only the latent moves
+        self.connect(ffn, runtime, fusions=fusions,
+                     attn_options={"qkv_latent_func": self.self_attn.prepare_qkv_latent},
+                     previous=None if layer_id == 0 or nextn else ffn_declaration(cfg, layer_id - 1),
+                     terminal=nextn or layer_id == cfg.num_hidden_layers - 1,
+                     name=f"nextn{layer_id}" if nextn else f"layer{layer_id}")
 
-    def forward(self, positions, hidden_states, forward_batch):
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)  # qkv latent
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        else:  # no rows on this DP rank: an empty contribution of the residual's width
-            hidden_states = hidden_states.new_zeros((0, self.hidden_size))
-        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
 
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
-        with self.ffn_boundary.exit(forward_batch) as output:
-            hidden_states = self.mlp(hidden_states)
-        return output.finish(hidden_states)
+def mla_kv_cache(model, layers, attn: DeepseekV3Attention, slots: int, max_len: int):
+    """The KV cache of MLA layers ``layers``: ``attn``'s local heads, keys of qk_head_dim and
+    values of v_head_dim."""
+    cfg = model.config
+    return KVCache(layers, slots, max_len, attn.num_heads, cfg.qk_head_dim, model.dtype,
+                   device=model.device, v_head_dim=cfg.v_head_dim)
 
 
 def ffn_declaration(cfg: DeepseekV3Config, layer: int):
@@ -423,10 +390,9 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
                        reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED)
 
 
-@register_model
+@register_model("deepseek_v3", DeepseekV3Config, boundary_reduction="rs+rsv",
+                positional_cache=True)
 class DeepseekV3ForCausalLM(CausalLM):
-    model_type, config_class = "deepseek_v3", DeepseekV3Config
-    boundary_reduction = "rs+rsv"
     layer_cls = DeepseekV3DecoderLayer
     check_parallel = staticmethod(check_parallel)
 
@@ -435,10 +401,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         return cfg.num_nextn_predict_layers
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        cfg = self.config
-        local_heads = self.model.layers[0].self_attn.num_heads
-        return KVCache(self.stage.layers, slots, max_len, local_heads, cfg.qk_head_dim,
-                       self.dtype, device=self.device, v_head_dim=cfg.v_head_dim)
+        return mla_kv_cache(self, self.stage.layers, self.model.layers[0].self_attn, slots,
+                            max_len)
 
     def stacked_params(self) -> list:
         cfg = self.config

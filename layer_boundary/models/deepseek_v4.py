@@ -42,16 +42,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import declare_attn, declare_ffn, make_stages
+from .. import declare_attn, declare_ffn
 from ..residual.mhc import HyperConnection, HyperHead, MhcFinalNorm, mhc_stage
 from ..runtime.args import BoundaryRuntime
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear, expect_shape
-from ..runtime.norm import RMSNorm
+from ..runtime.norm import RMSNorm, unweighted_rms
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3MLP, ReplicatedLinear
 from .kv_cache import KVCache, cached_attention
+from .layers import DecoderLayer
 from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
-                     check_divisible, check_unquantized_silu, require)
+                     check_divisible, check_unquantized_silu, require, required)
 from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
 from .rope import inverse_frequencies, rope_cos_sin
@@ -211,18 +212,14 @@ class DeepseekV4Config(CheckedConfig):
                                   f"n_routed_experts={experts}")
         theta, rope_dim = _main_rope(cfg, head_dim)
         return cls(
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            moe_intermediate_size=require(cfg, "moe_intermediate_size"),
+            **required(cfg, "vocab_size", "hidden_size", "moe_intermediate_size",
+                       "q_lora_rank", "o_lora_rank", "sliding_window"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             head_dim=head_dim,
-            q_lora_rank=require(cfg, "q_lora_rank"),
             o_groups=o_groups,
-            o_lora_rank=require(cfg, "o_lora_rank"),
             n_routed_experts=experts,
             num_experts_per_tok=top_k,
-            sliding_window=require(cfg, "sliding_window"),
             layer_types=_layer_types(cfg, layers),
             mlp_layer_types=_mlp_types(cfg, layers),
             rope_head_dim=rope_dim,
@@ -263,11 +260,6 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     even, odd = rot[..., 0::2], rot[..., 1::2]
     rot = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat((nope, rot.to(x.dtype)), dim=-1)
-
-
-def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight over the last dim (transformers' q_b_norm)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -407,45 +399,24 @@ def ffn_token_ids(boundary, forward_batch) -> torch.Tensor:
     return boundary.to_compute_rows(forward_batch.input_ids, forward_batch)
 
 
-class DeepseekV4DecoderLayer(nn.Module):
+class DeepseekV4DecoderLayer(DecoderLayer):
     def __init__(self, cfg: DeepseekV4Config, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
-        super().__init__()
-        self.hidden_size = cfg.hidden_size
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = DeepseekV4Attention(cfg, layer_id, runtime, dtype)
         self.mlp = DeepseekV4MoE(cfg, layer_id, runtime, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)  # fp32
-        options = {} if fusions is None else {"fusions": fusions}
-        self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(**mhc_stage(self.attn_hc)), self.input_layernorm,
-             {"qkv_latent_func": self.self_attn.prepare_qkv_latent, **options}),
-            (declare_ffn(sparse=True, **mhc_stage(self.ffn_hc)), self.post_attention_layernorm,
-             options),
-            # the previous layer's MoE, whose output carries the (nonlinear) mHC update
-            previous=None if layer_id == 0 else declare_ffn(sparse=True,
-                                                            **mhc_stage(self.ffn_hc)),
-            terminal=layer_id == cfg.num_hidden_layers - 1,
-            runtime=runtime,
-            name=f"layer{layer_id}",
-        )
+        ffn = declare_ffn(sparse=True, **mhc_stage(self.ffn_hc))
+        self.connect(ffn, runtime, fusions=fusions, attn=declare_attn(**mhc_stage(self.attn_hc)),
+                     attn_options={"qkv_latent_func": self.self_attn.prepare_qkv_latent},
+                     # the previous layer's MoE, whose output carries the (nonlinear) mHC update
+                     previous=ffn if layer_id else None,
+                     terminal=layer_id == cfg.num_hidden_layers - 1, name=f"layer{layer_id}")
 
-    def forward(self, positions, hidden_states, forward_batch):
-        fb = forward_batch
-        hidden_states = self.attn_boundary.prepare(hidden_states, fb)  # qkv latent
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(positions, hidden_states, fb)
-        else:  # no rows on this DP rank: an empty contribution of the residual's width
-            hidden_states = hidden_states.new_zeros((0, self.hidden_size))
-        hidden_states = self.attn_boundary.finish(hidden_states, fb)
-
-        hidden_states = self.ffn_boundary.prepare(hidden_states, fb)
-        ids = ffn_token_ids(self.ffn_boundary, fb) if self.mlp.is_hash else None
-        with self.ffn_boundary.exit(fb) as output:
-            hidden_states = self.mlp(hidden_states, ids)
-        return output.finish(hidden_states)
+    def feed_forward(self, hidden_states, forward_batch):
+        ids = ffn_token_ids(self.ffn_boundary, forward_batch) if self.mlp.is_hash else None
+        return self.mlp(hidden_states, ids)
 
 
 # on-disk (original DeepSeek) names -> this model's, per decoder layer; applied in order to
@@ -473,11 +444,10 @@ HEAD_PREFIX, NORM_PREFIX = "model.norm.head", "model.norm.norm"  # inside MhcFin
 _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
 
 
-@register_model
+@register_model("deepseek_v4", DeepseekV4Config, boundary_reduction="rs+rsv",
+                # its sliding-window ring folds every token in
+                positional_cache=False)
 class DeepseekV4ForCausalLM(CausalLM):
-    model_type, config_class = "deepseek_v4", DeepseekV4Config
-    boundary_reduction = "rs+rsv"
-    positional_cache = False  # its sliding-window ring folds every token in
     layer_cls = DeepseekV4DecoderLayer
     check_parallel = staticmethod(check_parallel)
 

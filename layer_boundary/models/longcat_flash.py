@@ -45,7 +45,8 @@ from .. import (branch_input, branch_output, declare_attn, declare_ffn, make_sta
                 merge_branch)
 from ..runtime import BoundaryRuntime, RMSNorm
 from .base import CausalLM
-from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_rope
+from .deepseek_v3 import (DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_kv_cache,
+                          mla_rope)
 from .kv_cache import KVCache
 from .config import (BOOL, DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, POSITIVE_INT,
                      CheckedConfig, CheckpointError, check_divisible, require)
@@ -308,10 +309,9 @@ class LongcatFlashDecoderLayer(nn.Module):
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-@register_model
+@register_model("longcat_flash", LongcatFlashConfig, boundary_reduction="rs+rsv",
+                positional_cache=True)
 class LongcatFlashForCausalLM(CausalLM):
-    model_type, config_class = "longcat_flash", LongcatFlashConfig
-    boundary_reduction = "rs+rsv"
     layer_cls = LongcatFlashDecoderLayer
     check_parallel = staticmethod(check_parallel)
 
@@ -320,12 +320,9 @@ class LongcatFlashForCausalLM(CausalLM):
         return cfg.num_layers
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        cfg = self.config
-        local_heads = self.model.layers[0].self_attn[0].num_heads
         # attention 2 i + k of decoder layer i owns KV-cache layer 2 i + k
         layers = [2 * i + k for i in self.stage.layers for k in range(2)]
-        return KVCache(layers, slots, max_len, local_heads, cfg.qk_head_dim,
-                       self.dtype, device=self.device, v_head_dim=cfg.v_head_dim)
+        return mla_kv_cache(self, layers, self.model.layers[0].self_attn[0], slots, max_len)
 
     def stacked_params(self) -> list:
         return expert_stacked_params(self.config.n_routed_experts)

@@ -26,13 +26,14 @@ import torch
 from torch import nn
 
 from .. import ProducerReduction, declare_attn, declare_ffn, make_stages
-from ..runtime import (BoundaryRuntime, ColumnParallelLinear, QKVParallelLinear, RMSNorm,
+from ..runtime import (BoundaryRuntime, ColumnParallelLinear, RMSNorm,
                        RowParallelLinear)
 from .base import CausalLM
 from .config import (BOOL, DECODER, EXPERTS, GROUPED_ROUTER, POSITIVE_INT, POSITIVE_NUMBER,
                      CheckedConfig, CheckpointError, check_grouped_router, require)
 from .deepseek_v3 import DeepseekV3Router
-from .kv_cache import KVCache, cached_attention
+from .kv_cache import KVCache
+from .layers import GqaAttention
 from .mamba2 import Mamba2Mixer, MambaState, group_split
 from .moe import ACTIVATIONS, FusedMoE, expert_stacked_params
 from .qwen3 import check_heads
@@ -216,31 +217,11 @@ def block_declaration(cfg: NemotronHConfig, i: int):
     return declare_ffn(sparse=kind == MOE)
 
 
-class NemotronHAttention(nn.Module):
-    """Causal GQA without rotary embedding; heads over attention TP; ``index`` is its KV slot."""
-
-    def __init__(self, cfg: NemotronHConfig, index: int, runtime: BoundaryRuntime, dtype):
-        super().__init__()
-        group = runtime.parallel.attn_tp
-        self.index, self.head_dim = index, cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, group, dtype=dtype)
-        # SCOPED: reduces unless the exit leaves the attn_tp sum to the boundary
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        group, dtype=dtype, name="o_proj")
-        self.scaling = cfg.head_dim ** -0.5
-
-    def forward(self, hidden_states, forward_batch):
-        qkv = self.qkv_proj(hidden_states)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        tokens = hidden_states.shape[0]
-        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # local
-        q = q.view(tokens, heads, self.head_dim)  # [T, H, D] (T may be 0: no -1 in views)
-        k = k.view(tokens, kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(tokens, kv_heads, self.head_dim)
-        out = cached_attention(self.index, q, k, v, forward_batch, self.scaling)
-        return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden]
+def NemotronHAttention(cfg: NemotronHConfig, index: int, runtime: BoundaryRuntime, dtype):
+    """Causal GQA without rotary embedding; heads over attention TP; ``index`` is its KV slot;
+    SCOPED: ``o_proj`` reduces unless the exit leaves the attention-TP sum to the boundary."""
+    return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                        cfg.head_dim, index, runtime, dtype, partial=False)
 
 
 class NemotronHMLP(nn.Module):
@@ -308,8 +289,11 @@ class NemotronHBlock(nn.Module):
 
     def forward(self, positions, hidden_states, forward_batch):
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)
-        with self.boundary.exit(forward_batch) as output:
-            hidden_states = self.mixer(hidden_states, forward_batch)  # compute only
+        with self.boundary.exit(forward_batch) as output:  # compute only
+            if self.kind == ATTENTION:
+                hidden_states = self.mixer(positions, hidden_states, forward_batch)
+            else:
+                hidden_states = self.mixer(hidden_states, forward_batch)
         return output.finish(hidden_states)
 
 
@@ -344,11 +328,10 @@ _ON_DISK = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.layers."
             ("backbone.norm_f.", "model.norm."))
 
 
-@register_model
+@register_model("nemotron_h", NemotronHConfig, boundary_reduction="rs+rsv",
+                # its Mamba states fold every token in
+                positional_cache=False)
 class NemotronHForCausalLM(CausalLM):
-    model_type, config_class = "nemotron_h", NemotronHConfig
-    boundary_reduction = "rs+rsv"
-    positional_cache = False  # its Mamba states fold every token in
     layer_cls = NemotronHBlock
     check_parallel = staticmethod(check_parallel)
 

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from torch import nn
 
-from .. import declare_attn, declare_ffn, make_stages
+from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
-from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from ..runtime.norm import RMSNorm
 from .base import CausalLM
-from .kv_cache import KVCache, cached_attention
-from .rope import apply_rope, inverse_frequencies, rope_cos_sin
-from .config import DECODER, CheckedConfig, CheckpointError, require
+from .kv_cache import KVCache
+from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .rope import inverse_frequencies
+from .config import DECODER, CheckedConfig, CheckpointError, require, required
 from .registry import register_model
 
 
@@ -46,10 +44,8 @@ class Qwen3Config(CheckedConfig):
             raise CheckpointError("config.json use_sliding_window=true is not supported")
         heads = require(cfg, "num_attention_heads")
         return cls(
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            intermediate_size=require(cfg, "intermediate_size"),
-            num_hidden_layers=require(cfg, "num_hidden_layers"),
+            **required(cfg, "vocab_size", "hidden_size", "intermediate_size",
+                       "num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or require(cfg, "hidden_size") // heads,
@@ -81,70 +77,28 @@ def check_tp(cfg: Qwen3Config, attn_tp: int, tp: int) -> None:
         raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
 
 
-class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
-        super().__init__()
-        group = runtime.parallel.attn_tp
-        self.layer_id, self.head_dim = layer_id, cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, group,
-                                          bias=cfg.attention_bias, dtype=dtype)
-        # PARTIAL output contract: o_proj never reduces; the boundary owns the attn_tp sum.
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        group, bias=cfg.attention_bias, reduce_results=False,
-                                        dtype=dtype, name="o_proj")
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
-        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, cfg.head_dim),
-                             persistent=False)
-        self.scaling = cfg.head_dim ** -0.5
-
-    def forward(self, positions, hidden_states, forward_batch):
-        qkv = self.qkv_proj(hidden_states)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.view(q.shape[0], -1, self.head_dim))  # [T, H, D]
-        k = self.k_norm(k.view(k.shape[0], -1, self.head_dim))  # [T, KVH, D]
-        v = v.view(v.shape[0], -1, self.head_dim)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
-        q = apply_rope(q, cos, sin, interleave=False)
-        k = apply_rope(k, cos, sin, interleave=False)
-        out = cached_attention(self.layer_id, q, k, v, forward_batch, self.scaling)
-        return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden] partial sum
+def Qwen3Attention(cfg: Qwen3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+    """GQA with a per-head q/k RMSNorm and rotary embedding; PARTIAL: ``o_proj`` never
+    reduces, the boundary owns the attention-TP sum."""
+    return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                        cfg.head_dim, layer_id, runtime, dtype, bias=cfg.attention_bias,
+                        qk_norm_eps=cfg.rms_norm_eps,
+                        inv_freq=inverse_frequencies(cfg.rope_theta, cfg.head_dim))
 
 
-class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config, runtime: BoundaryRuntime, dtype):
-        super().__init__()
-        group = runtime.parallel.tp
-        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, group,
-                                              dtype=dtype, name="gate_proj")
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, group,
-                                            dtype=dtype, name="up_proj")
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, group,
-                                           dtype=dtype, name="down_proj")
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+def Qwen3MLP(cfg: Qwen3Config, runtime: BoundaryRuntime, dtype):
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
 
 
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: Qwen3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
-        super().__init__()
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Qwen3Attention(cfg, layer_id, runtime, dtype)
         self.mlp = self.make_mlp(cfg, layer_id, runtime, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        options = {} if fusions is None else {"fusions": fusions}
-        self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(), self.input_layernorm, options),
-            (self.ffn_declaration(cfg, layer_id), self.post_attention_layernorm, options),
-            previous=self.ffn_declaration(cfg, layer_id - 1) if layer_id != 0 else None,
-            terminal=layer_id == cfg.num_hidden_layers - 1,
-            runtime=runtime,
-            name=f"layer{layer_id}",
-        )
+        self.connect(self.ffn_declaration(cfg, layer_id), runtime, fusions=fusions,
+                     previous=self.ffn_declaration(cfg, layer_id - 1) if layer_id else None,
+                     terminal=layer_id == cfg.num_hidden_layers - 1, name=f"layer{layer_id}")
 
     def make_mlp(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
         return Qwen3MLP(cfg, runtime, dtype)
@@ -154,22 +108,10 @@ class Qwen3DecoderLayer(nn.Module):
         """The FFN declaration of layer ``layer_id`` (also what the next layer names as previous)."""
         return declare_ffn()
 
-    def forward(self, positions, hidden_states, forward_batch):
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
 
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
-        with self.ffn_boundary.exit(forward_batch) as output:
-            hidden_states = self.mlp(hidden_states)
-        return output.finish(hidden_states)
-
-
-@register_model
+@register_model("qwen3", Qwen3Config, boundary_reduction="rs+rsv",
+                positional_cache=True)
 class Qwen3ForCausalLM(CausalLM):
-    model_type, config_class = "qwen3", Qwen3Config
-    boundary_reduction = "rs+rsv"
     layer_cls = Qwen3DecoderLayer
     check_parallel = staticmethod(check_parallel)
 

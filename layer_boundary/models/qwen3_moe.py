@@ -99,9 +99,9 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         return declare_ffn(sparse=cfg.is_sparse(layer_id), next_sparse=cfg.is_sparse(layer_id + 1))
 
 
-@register_model
+@register_model("qwen3_moe", Qwen3MoeConfig, boundary_reduction="rs+rsv",
+                positional_cache=True)
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    model_type, config_class = "qwen3_moe", Qwen3MoeConfig
     layer_cls = Qwen3MoeDecoderLayer
     check_parallel = staticmethod(check_parallel)
 

@@ -2,12 +2,11 @@
 
 A model declares itself in its own file, on its class, with ``@register_model``:
 
-    @register_model
+    @register_model("llama", LlamaConfig,     # config.json's model_type, and its config:
+                    boundary_reduction="rs+rsv",   # what ``auto`` resolves to
+                    positional_cache=True)         # a draft may use it
     class LlamaForCausalLM(CausalLM):
-        model_type = "llama"            # config.json's model_type
-        config_class = LlamaConfig      # from_dict(raw) and the fields it reads (``fields``)
-        boundary_reduction = "rs+rsv"   # what ``--boundary-reduction auto`` resolves to
-        positional_cache = True         # a draft may use it: rejected tokens are overwritten
+        layer_cls = LlamaDecoderLayer
 
 The command line, the runner, the loader and the draft checks read these facts here; none
 of them names an architecture. The registry fills itself by importing every module of this
@@ -25,16 +24,37 @@ _MODELS: dict[str, type] = {}
 _DISCOVERED = False
 
 
-def register_model(cls: type) -> type:
-    """Class decorator: ``cls`` serves checkpoints whose config.json has ``cls.model_type``."""
-    model_type = getattr(cls, "model_type", None)
-    if not isinstance(model_type, str) or getattr(cls, "config_class", None) is None:
-        raise TypeError(f"{cls.__name__} must declare model_type and config_class to register")
-    known = _MODELS.get(model_type)
-    if known is not None and known is not cls:
-        raise TypeError(f"model_type {model_type!r} is served by {known.__name__} already")
-    _MODELS[model_type] = cls
-    return cls
+# what every model declares when it registers (no default: each says it, none inherits it)
+CAPABILITIES = ("boundary_reduction", "positional_cache")
+
+
+def register_model(model_type: str, config_class: type, **capabilities):
+    """Class decorator: the class serves checkpoints whose config.json has ``model_type``.
+
+    Args:
+        model_type: config.json's ``model_type``.
+        config_class: its config (``validate(raw)``, ``from_dict(raw)``, ``fields``).
+        boundary_reduction: what ``--boundary-reduction auto`` resolves to.
+        positional_cache: whether a draft may use its cache (a rejected token is overwritten,
+            never folded into a state).
+    """
+    missing = [c for c in CAPABILITIES if c not in capabilities]
+    unknown = sorted(set(capabilities) - set(CAPABILITIES))
+    if missing or unknown:
+        raise TypeError(f"register_model({model_type!r}) must declare {list(CAPABILITIES)}"
+                        + (f"; unknown {unknown}" if unknown else ""))
+
+    def register(cls: type) -> type:
+        known = _MODELS.get(model_type)
+        if known is not None and known is not cls:
+            raise TypeError(f"model_type {model_type!r} is served by {known.__name__} already")
+        cls.model_type, cls.config_class = model_type, config_class
+        for name, value in capabilities.items():
+            setattr(cls, name, value)
+        _MODELS[model_type] = cls
+        return cls
+
+    return register
 
 
 def _discover() -> None:

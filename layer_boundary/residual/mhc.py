@@ -27,13 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runtime.norm import unweighted_rms
+
 NEEDS_COEFFICIENTS = ("the MHC update needs the post/comb coefficients its stage's read left "
                       "in the residual; the residual holds plain streams (was it written or "
                       "folded between the read and the update?)")
-
-
-def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -56,7 +54,7 @@ class HyperConnection(nn.Module):
     def coefficients(self, streams: torch.Tensor):
         """streams [T, N, D] -> pre [T, N], post [T, N], comb [T, N, N], all fp32."""
         n = self.hc_mult
-        flat = _unweighted_rms(streams.flatten(1).float(), self.norm_eps)  # [T, N * D]
+        flat = unweighted_rms(streams.flatten(1).float(), self.norm_eps)  # [T, N * D]
         mixes = F.linear(flat, self.fn.float())  # [T, (2 + N) * N]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
@@ -91,7 +89,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [T, N, D] -> [T, D]."""
-        flat = _unweighted_rms(streams.flatten(1).float(), self.norm_eps)
+        flat = unweighted_rms(streams.flatten(1).float(), self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float())  # [T, N]
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return collapse(streams, pre)

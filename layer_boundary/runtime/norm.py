@@ -6,6 +6,11 @@ import torch
 from torch import nn
 
 
+def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation over the last dim without a weight, the statistic in fp32."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32):
         super().__init__()

@@ -1,0 +1,137 @@
+"""The blocks several architectures share: grouped-query attention, the gated (SwiGLU) MLP,
+and the decoder layer of an attention stage followed by an FFN stage.
+
+A model file composes these with its own config; what differs between architectures (a
+per-head q/k norm, the rotary frequencies, biases, whether the output projection reduces) is
+an argument, not a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import declare_attn, make_stages
+from ..runtime.args import BoundaryRuntime
+from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ..runtime.norm import RMSNorm
+from .kv_cache import cached_attention
+from .rope import apply_rope, rope_cos_sin
+
+
+class GqaAttention(nn.Module):
+    """Grouped-query attention with q/k/v projected together (``qkv_proj``, heads over
+    attention TP; kv heads split, or replicated over whole ranks) and ``o_proj``.
+
+    Args:
+        hidden_size, num_heads, num_kv_heads, head_dim: the shapes.
+        index: its layer in the KV cache.
+        runtime, dtype: where it runs.
+        bias: biases on qkv_proj and o_proj (``attention_bias``).
+        qk_norm_eps: a per-head RMSNorm on q and k (``q_norm``/``k_norm``, Qwen3) with this
+            eps; None: none.
+        inv_freq: the rotary inverse frequencies [head_dim / 2] (None: no rotary embedding).
+        partial: True for a PARTIAL stage (``o_proj`` never reduces: the boundary owns the
+            attention-TP sum); False for a SCOPED mixer (``o_proj`` obeys the exit's flags).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 index: int, runtime: BoundaryRuntime, dtype, *, bias: bool = False,
+                 qk_norm_eps: float | None = None, inv_freq: torch.Tensor | None = None,
+                 partial: bool = True) -> None:
+        super().__init__()
+        group = runtime.parallel.attn_tp
+        self.index, self.head_dim = index, head_dim
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, group,
+                                          bias=bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, group, bias=bias,
+                                        reduce_results=not partial, dtype=dtype, name="o_proj")
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
+        self.qk_norm = qk_norm_eps is not None
+        self.rotary = inv_freq is not None
+        if self.rotary:
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = head_dim ** -0.5
+
+    def forward(self, positions, hidden_states, forward_batch):
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        tokens = hidden_states.shape[0]
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # local
+        q = q.view(tokens, heads, self.head_dim)  # [T, H, D] (T may be 0: no -1 in views)
+        k = k.view(tokens, kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(tokens, kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:
+            cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+            q = apply_rope(q, cos, sin, interleave=False)
+            k = apply_rope(k, cos, sin, interleave=False)
+        out = cached_attention(self.index, q, k, v, forward_batch, self.scaling)
+        return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden], a partial or a sum
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with its intermediate dim split over ``group``
+    (default: the full TP group); ``down_proj`` obeys the exit's flags unless
+    ``reduce_results=False`` (a partial that joins another sum)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, runtime: BoundaryRuntime,
+                 dtype, *, bias: bool = False, reduce_results: bool = True, group=None) -> None:
+        super().__init__()
+        group = group if group is not None else runtime.parallel.tp
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, group, bias=bias,
+                                              dtype=dtype, name="gate_proj")
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, group, bias=bias,
+                                            dtype=dtype, name="up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, group, bias=bias,
+                                           reduce_results=reduce_results, dtype=dtype,
+                                           name="down_proj")
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """An attention stage (``self_attn`` behind ``attn_boundary``, read through
+    ``input_layernorm``) then an FFN stage (``mlp`` behind ``ffn_boundary``, read through
+    ``post_attention_layernorm``). Subclasses build the compute and call ``connect``;
+    ``attend``/``feed_forward`` are the compute calls, overridable."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
+
+    def connect(self, ffn, runtime: BoundaryRuntime, *, previous, terminal: bool, name: str,
+                fusions=None, attn=None, attn_options=None) -> None:
+        """Build the layer's two stages: ``attn`` (default ``declare_attn()``) read through
+        ``input_layernorm``, ``ffn`` through ``post_attention_layernorm``."""
+        options = {} if fusions is None else {"fusions": fusions}
+        self.attn_boundary, self.ffn_boundary = make_stages(
+            (attn if attn is not None else declare_attn(), self.input_layernorm,
+             {**options, **(attn_options or {})}),
+            (ffn, self.post_attention_layernorm, options),
+            previous=previous, terminal=terminal, runtime=runtime, name=name)
+
+    def attend(self, positions, hidden_states, forward_batch):
+        if hidden_states.shape[0] == 0:  # no rows on this DP rank: an empty contribution
+            return hidden_states.new_zeros((0, self.hidden_size))
+        return self.self_attn(positions, hidden_states, forward_batch)
+
+    def feed_forward(self, hidden_states, forward_batch):
+        return self.mlp(hidden_states)
+
+    def forward(self, positions, hidden_states, forward_batch):
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
+        hidden_states = self.attn_boundary.finish(
+            self.attend(positions, hidden_states, forward_batch), forward_batch)
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
+        with self.ffn_boundary.exit(forward_batch) as output:
+            hidden_states = self.feed_forward(hidden_states, forward_batch)
+        return output.finish(hidden_states)
