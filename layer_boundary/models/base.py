@@ -51,9 +51,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A decoder-only model. Subclasses set ``layer_cls`` and ``check_parallel`` and provide
-    ``make_kv_cache``; ``decoder_layers`` counts the ``layer_cls`` modules
-    (``num_hidden_layers`` by default).
+    """A decoder-only model. Subclasses set ``layer_cls`` and provide ``make_kv_cache``;
+    ``decoder_layers`` counts the ``layer_cls`` modules (``num_hidden_layers`` by default).
 
     What the rest of the package reads about a model, it reads here (each model declares it
     on its class; ``@register_model`` makes it serve its ``model_type``):
@@ -62,16 +61,16 @@ class CausalLM(nn.Module):
     - ``boundary_reduction``: what ``--boundary-reduction auto`` resolves to;
     - ``positional_cache``: a draft may use its cache (a rejected token is overwritten, never
       folded into a state);
+    - ``check_parallel(cfg, dims)``: a topology its config cannot be sharded over;
     - ``nextn_layers(cfg)``: NextN/MTP layers the checkpoint carries for drafting;
     - ``checkpoint_name(name)``: its parameter name for an on-disk tensor.
     """
 
-    model_type: str
+    model_type: str  # these four are declared through register_model
     config_class: type
+    boundary_reduction: str
+    positional_cache: bool
     layer_cls: type
-    check_parallel = None
-    boundary_reduction = "ar"
-    positional_cache = True
 
     @staticmethod
     def nextn_layers(cfg) -> int:

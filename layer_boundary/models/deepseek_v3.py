@@ -89,10 +89,10 @@ class DeepseekV3Config(CheckedConfig):
     qk_rope_head_dim: int
     qk_nope_head_dim: int
     v_head_dim: int
+    norm_topk_prob: bool = True
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 2.5
-    norm_topk_prob: bool = True
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_interleave: bool = True
@@ -390,11 +390,10 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
                        reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED)
 
 
-@register_model("deepseek_v3", DeepseekV3Config, boundary_reduction="rs+rsv",
-                positional_cache=True)
+@register_model("deepseek_v3", DeepseekV3Config, check_parallel=check_parallel,
+                boundary_reduction="rs+rsv", positional_cache=True)
 class DeepseekV3ForCausalLM(CausalLM):
     layer_cls = DeepseekV3DecoderLayer
-    check_parallel = staticmethod(check_parallel)
 
     @staticmethod
     def nextn_layers(cfg: DeepseekV3Config) -> int:

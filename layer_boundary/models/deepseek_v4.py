@@ -444,12 +444,11 @@ HEAD_PREFIX, NORM_PREFIX = "model.norm.head", "model.norm.norm"  # inside MhcFin
 _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
 
 
-@register_model("deepseek_v4", DeepseekV4Config, boundary_reduction="rs+rsv",
+@register_model("deepseek_v4", DeepseekV4Config, check_parallel=check_parallel,
                 # its sliding-window ring folds every token in
-                positional_cache=False)
+                boundary_reduction="rs+rsv", positional_cache=False)
 class DeepseekV4ForCausalLM(CausalLM):
     layer_cls = DeepseekV4DecoderLayer
-    check_parallel = staticmethod(check_parallel)
 
     def __init__(self, cfg: DeepseekV4Config, runtime: BoundaryRuntime, dtype=torch.float32,
                  fusions=None):

@@ -309,20 +309,19 @@ class LongcatFlashDecoderLayer(nn.Module):
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-@register_model("longcat_flash", LongcatFlashConfig, boundary_reduction="rs+rsv",
-                positional_cache=True)
+@register_model("longcat_flash", LongcatFlashConfig, check_parallel=check_parallel,
+                boundary_reduction="rs+rsv", positional_cache=True)
 class LongcatFlashForCausalLM(CausalLM):
     layer_cls = LongcatFlashDecoderLayer
-    check_parallel = staticmethod(check_parallel)
-
-    @staticmethod
-    def decoder_layers(cfg: LongcatFlashConfig) -> int:
-        return cfg.num_layers
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         # attention 2 i + k of decoder layer i owns KV-cache layer 2 i + k
         layers = [2 * i + k for i in self.stage.layers for k in range(2)]
         return mla_kv_cache(self, layers, self.model.layers[0].self_attn[0], slots, max_len)
+
+    @staticmethod
+    def decoder_layers(cfg: LongcatFlashConfig) -> int:
+        return cfg.num_layers
 
     def stacked_params(self) -> list:
         return expert_stacked_params(self.config.n_routed_experts)

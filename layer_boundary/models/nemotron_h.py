@@ -328,12 +328,11 @@ _ON_DISK = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.layers."
             ("backbone.norm_f.", "model.norm."))
 
 
-@register_model("nemotron_h", NemotronHConfig, boundary_reduction="rs+rsv",
+@register_model("nemotron_h", NemotronHConfig, check_parallel=check_parallel,
                 # its Mamba states fold every token in
-                positional_cache=False)
+                boundary_reduction="rs+rsv", positional_cache=False)
 class NemotronHForCausalLM(CausalLM):
     layer_cls = NemotronHBlock
-    check_parallel = staticmethod(check_parallel)
 
     def ties_head(self) -> bool:
         # transformers' Nemotron-H declares no tied weights: it saves and loads lm_head.weight

@@ -109,11 +109,10 @@ class Qwen3DecoderLayer(DecoderLayer):
         return declare_ffn()
 
 
-@register_model("qwen3", Qwen3Config, boundary_reduction="rs+rsv",
-                positional_cache=True)
+@register_model("qwen3", Qwen3Config, check_parallel=check_parallel,
+                boundary_reduction="rs+rsv", positional_cache=True)
 class Qwen3ForCausalLM(CausalLM):
     layer_cls = Qwen3DecoderLayer
-    check_parallel = staticmethod(check_parallel)
 
     def stacked_params(self) -> list:
         return [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),

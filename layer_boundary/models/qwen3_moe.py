@@ -99,11 +99,10 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         return declare_ffn(sparse=cfg.is_sparse(layer_id), next_sparse=cfg.is_sparse(layer_id + 1))
 
 
-@register_model("qwen3_moe", Qwen3MoeConfig, boundary_reduction="rs+rsv",
-                positional_cache=True)
+@register_model("qwen3_moe", Qwen3MoeConfig, check_parallel=check_parallel,
+                boundary_reduction="rs+rsv", positional_cache=True)
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
-    check_parallel = staticmethod(check_parallel)
 
     def stacked_params(self) -> list:
         return super().stacked_params() + expert_stacked_params(self.config.num_experts)

@@ -4,7 +4,8 @@ A model declares itself in its own file, on its class, with ``@register_model``:
 
     @register_model("llama", LlamaConfig,     # config.json's model_type, and its config:
                     boundary_reduction="rs+rsv",   # what ``auto`` resolves to
-                    positional_cache=True)         # a draft may use it
+                    positional_cache=True,         # a draft may use it
+                    check_parallel=check_parallel) # a topology its config cannot shard over
     class LlamaForCausalLM(CausalLM):
         layer_cls = LlamaDecoderLayer
 
@@ -25,7 +26,7 @@ _DISCOVERED = False
 
 
 # what every model declares when it registers (no default: each says it, none inherits it)
-CAPABILITIES = ("boundary_reduction", "positional_cache")
+CAPABILITIES = ("boundary_reduction", "positional_cache", "check_parallel")
 
 
 def register_model(model_type: str, config_class: type, **capabilities):
@@ -37,6 +38,8 @@ def register_model(model_type: str, config_class: type, **capabilities):
         boundary_reduction: what ``--boundary-reduction auto`` resolves to.
         positional_cache: whether a draft may use its cache (a rejected token is overwritten,
             never folded into a state).
+        check_parallel: ``check_parallel(cfg, dims)`` rejects a topology the config cannot be
+            sharded over, naming the config field.
     """
     missing = [c for c in CAPABILITIES if c not in capabilities]
     unknown = sorted(set(capabilities) - set(CAPABILITIES))
@@ -50,7 +53,7 @@ def register_model(model_type: str, config_class: type, **capabilities):
             raise TypeError(f"model_type {model_type!r} is served by {known.__name__} already")
         cls.model_type, cls.config_class = model_type, config_class
         for name, value in capabilities.items():
-            setattr(cls, name, value)
+            setattr(cls, name, staticmethod(value) if callable(value) else value)
         _MODELS[model_type] = cls
         return cls
 
