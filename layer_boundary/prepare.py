@@ -8,6 +8,8 @@ dispatches on what actually arrived.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .fusions import Arrival
 from .layout import Layout
 from .ops import SLICE_DP, Movement
@@ -31,33 +33,31 @@ class ArrivalPath:
         self.sum_before_read = sum_before_read
 
 
+@dataclass(eq=False, slots=True)
 class EntryPath:
     """A consumer's prebuilt input path for one batch variant and row mode."""
 
-    __slots__ = ("stage", "mode", "read", "norm", "latent", "stack_entry", "local",
-                 "update_rows", "compute_rows", "arrivals", "producer_keys", "align",
-                 "enter_residual", "enter_input", "input_move", "local_to_update",
-                 "capture_move", "residual_src", "declared")
-
-    def __init__(self, stage: str, mode, read, norm, *, latent, stack_entry: bool,
-                 local: Layout, update_rows: Layout, compute_rows: Layout, arrivals: dict,
-                 producer_keys: tuple, align: dict, enter_residual: Movement,
-                 enter_input: Movement, input_move: Movement, local_to_update: Movement,
-                 capture_move: Movement, residual_src: Layout, declared=None) -> None:
-        self.stage, self.mode, self.read, self.norm, self.latent = stage, mode, read, norm, latent
-        self.stack_entry, self.local = stack_entry, local
-        self.update_rows, self.compute_rows = update_rows, compute_rows
-        self.arrivals = arrivals  # Contribution.key -> ArrivalPath
-        self.producer_keys = producer_keys  # what the declared producer leaves, for plans
-        self.align = align  # residual layout key -> movement onto the update rows
-        self.enter_residual, self.enter_input = enter_residual, enter_input
-        self.input_move = input_move  # update rows -> compute rows
-        self.local_to_update = local_to_update  # a model-side tensor onto the update rows
-        self.capture_move = capture_move  # update rows -> local rows (for captures)
-        self.residual_src = residual_src  # where the producer leaves the residual
-        # the producer's statically declared exit (a PARTIAL sum), which a pipeline receiver
-        # rebuilds from its own declaration; None where the producer decides per batch
-        self.declared = declared
+    stage: str
+    mode: object  # RowMode
+    read: object  # the stage's StageRead
+    norm: object
+    latent: object  # an attention's qkv_latent_func, run before the input gather
+    stack_entry: bool  # no producer: the stack's input enters here
+    local: Layout  # this DP rank's rows
+    update_rows: Layout  # where the update and read run (the residual's layout)
+    compute_rows: Layout  # where compute consumes its input
+    arrivals: dict  # Contribution.key -> ArrivalPath
+    producer_keys: tuple  # what the declared producer leaves, for plans
+    align: dict  # residual layout key -> movement onto the update rows
+    enter_residual: Movement  # the stack's input (local rows) onto the update rows
+    enter_input: Movement  # local rows -> compute rows
+    input_move: Movement  # update rows -> compute rows
+    local_to_update: Movement  # a model-side tensor onto the update rows
+    capture_move: Movement  # update rows -> local rows (for captures)
+    residual_src: Layout  # where the producer leaves the residual
+    # the producer's statically declared exit (a PARTIAL sum), which a pipeline receiver
+    # rebuilds from its own declaration; None where the producer decides per batch
+    declared: object = None
 
     def run(self, stream, hidden, rows, *, extra=None, fused: bool = True):
         """This stage's compute input; the stream holds the updated residual afterwards."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .construction import build_plan
@@ -13,6 +15,9 @@ from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
 from .runtime.args import get_runtime
 from .runtime.ledger import active_observer
+
+if TYPE_CHECKING:
+    from .runtime.forward_batch import ForwardBatch
 
 BRANCH_ENTRY = "a prepared branch must enter through branch_input, not prepare"
 NOT_PLAIN_ADDITION = "post_residual_addition requires a plain residual update"
@@ -111,10 +116,15 @@ class StageBoundary:
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
 
-    def to_compute_rows(self, x: torch.Tensor, forward_batch) -> torch.Tensor:
-        """Per-token facts on this DP rank's local rows (token ids, a mask) onto the rows this
-        stage computes on, in its input's order: the table's movement for a complete value
-        (a gather over attention DP, or nothing)."""
+    def to_compute_rows(self, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Per-token facts onto the rows this stage computes on, in its input's order: the
+        table's movement for a complete value (a gather over attention DP, or nothing).
+
+        Args:
+            x: one row per token of this DP rank (token ids, a mask), on its local rows.
+            forward_batch: the forward; what was moved from ``x`` is kept for its other
+                stages.
+        """
         residual_batch.check_local_tensor(x, forward_batch, "to_compute_rows()'s tensor")
         path, rows = self.plan.select(forward_batch)
         move = path.entry.enter_input
@@ -128,11 +138,18 @@ class StageBoundary:
             kept = moved[move] = (x, move.run(rows, x))
         return kept[1]
 
-    def from_pp(self, tensors: dict, forward_batch):
+    def from_pp(self, tensors: dict, forward_batch: ForwardBatch):
         """A pipeline receiver's first stage: rebuild the stream from what the previous
         stage's ``to_pp()`` sent, from this stage's own declaration (its ``previous`` says
-        whether a declared partial sum arrives, and on which rows). Returns the handle to
-        pass to ``prepare()``."""
+        whether a declared partial sum arrives, and on which rows).
+
+        Args:
+            tensors: ``{"residual"}`` or ``{"residual", "partial"}`` as received.
+            forward_batch: the forward, started (``residual_batch.start``) and not yet
+                entered.
+
+        Returns the handle to pass to ``prepare()``.
+        """
         stream = stream_of(forward_batch)
         if stream.handle is not None or stream.residual is not None:
             raise RuntimeError(f"from_pp() rebuilds the stream at stage {self.name}, the first "
@@ -170,16 +187,24 @@ class StageBoundary:
         return stream.leave(tensors["partial"], entry.declared.owed, update,
                             entry.declared.rows, declared=True)
 
-    def prepare(self, hidden_states, forward_batch, *, capture_output=None,
+    def prepare(self, hidden_states, forward_batch: ForwardBatch, *, capture_output=None,
                 captured_last_layer_outputs=None, post_residual_addition=None):
         """Complete what the previous producer owes, apply its update, read this stage's input.
 
-        Attention only: ``capture_output(value, owned=...)`` receives the updated residual on
-        local rows, after an unfused completion of the owed communication (at stack entry:
-        the input, before enter; with ``post_residual_addition``: output plus residual before
-        the addition). ``captured_last_layer_outputs`` receives the updated residual on the
-        attention's compute-input rows. ``post_residual_addition`` (local rows) is added to
-        the residual with the producer's output.
+        Args:
+            hidden_states: what the last boundary call returned (at stack entry: the
+                embedding, on this DP rank's local rows).
+            forward_batch: the forward.
+            capture_output: attention only; ``capture(value, owned=...)`` receives the
+                updated residual on local rows, after an unfused completion of the owed
+                communication (at stack entry: the input, before enter; with
+                ``post_residual_addition``: output plus residual before the addition).
+            captured_last_layer_outputs: attention only; receives the updated residual on
+                the attention's compute-input rows (a collector or a list).
+            post_residual_addition: attention only; a [T, D] tensor on local rows added to
+                the residual with the producer's output (plain updates only).
+
+        Returns the compute input, in the read's format, on the rows compute consumes.
         """
         if self.declaration.prepared_from is not None:
             raise RuntimeError(BRANCH_ENTRY)
@@ -242,8 +267,16 @@ class StageBoundary:
             observer.enter(self._compute_site)
         return compute_input
 
-    def finish(self, hidden_states, forward_batch):
-        """Publish a PARTIAL attention's contribution; returns the handle to pass on."""
+    def finish(self, hidden_states, forward_batch: ForwardBatch):
+        """Publish a PARTIAL attention's contribution.
+
+        Args:
+            hidden_states: compute's output tensor (a partial over attention TP).
+            forward_batch: the forward.
+
+        Returns the handle to pass to the next boundary (an ``OwedOutput`` while the sum is
+        owed).
+        """
         if not self._is_partial:
             raise RuntimeError(f"stage {self.name} is {self.declaration.reduction.value}: "
                                "publish its output through exit(), not finish()")
@@ -263,8 +296,13 @@ class StageBoundary:
             observer.boundary(self._finish_site, stream, rows)
         return handle
 
-    def exit(self, forward_batch):
-        """Scope for an FFN's or mixer's compute; call the returned object's finish() once."""
+    def exit(self, forward_batch: ForwardBatch):
+        """The scope of an FFN's or mixer's compute: it publishes the exit's flags while open;
+        call the returned object's ``finish(output)`` once, after the scope.
+
+        Args:
+            forward_batch: the forward (after this stage's ``prepare()``).
+        """
         if self._is_partial:
             raise RuntimeError(f"stage {self.name} is PARTIAL: publish its output with finish()")
         stream = stream_of(forward_batch)
@@ -274,11 +312,17 @@ class StageBoundary:
         return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site,
                               self._finish_site)
 
-    def postprocess(self, hidden_states, forward_batch):
+    def postprocess(self, hidden_states, forward_batch: ForwardBatch):
         """The operation-scheduled FFN's output: compute ran without an exit() scope, so no
-        flag was published and its output is complete, on the stage's output rows. Moves it
-        to the layer's handoff rows (under attention DP, this DP rank's slice of the global
-        rows) and leaves nothing owed; returns what the model passes on."""
+        flag was published and its output is complete. Moves it to the layer's handoff rows
+        (under attention DP, this DP rank's slice of the global rows) and leaves nothing owed.
+
+        Args:
+            hidden_states: the complete output, on the stage's output rows.
+            forward_batch: the forward.
+
+        Returns what the model passes on.
+        """
         if self._is_attn:
             raise RuntimeError(f"postprocess() is for FFN stages; stage {self.name} publishes "
                                "with finish() or exit()")
@@ -305,11 +349,17 @@ class StageBoundary:
             observer.boundary(self._finish_site, stream, rows)
         return handle
 
-    def capture_output(self, hidden_states, forward_batch):
-        """(handle, snapshot): complete the exit-decided work on the main contribution (a
-        deferred sum, a reduce-scatter, a finalize), but snapshot a statically declared sum
-        (a PARTIAL attention's) on a copy and leave it owed. The snapshot is the updated
-        residual on local rows, owned."""
+    def capture_output(self, hidden_states, forward_batch: ForwardBatch):
+        """Complete the exit-decided work on the main contribution (a deferred sum, a
+        reduce-scatter, a finalize), but snapshot a statically declared sum (a PARTIAL
+        attention's) on a copy and leave it owed.
+
+        Args:
+            hidden_states: what the last boundary call returned.
+            forward_batch: the forward.
+
+        Returns (handle to pass on, the updated residual on local rows, owned).
+        """
         stream = stream_of(forward_batch)
         stream.check(hidden_states)
         c = stream.contribution

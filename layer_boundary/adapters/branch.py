@@ -37,7 +37,13 @@ NOT_FORKED = "{call} outside a branch: enter one with branch_input()"
 
 def branch_input(source: StageBoundary, hidden_states, forward_batch):
     """Fork the stream at ``source``'s residual and hand its prepared input, moved onto the
-    branch entry stage's compute rows, to that stage (whose ``exit()`` runs next)."""
+    branch entry stage's compute rows, to that stage (whose ``exit()`` runs next).
+
+    Args:
+        source: the stage the branch is prepared from, after its ``finish()``.
+        hidden_states: the input ``source.prepare()`` returned.
+        forward_batch: the forward.
+    """
     stream = stream_of(forward_batch)
     entry = source.branch
     if entry is None:
@@ -64,7 +70,12 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
 
 
 def branch_output(hidden_states, forward_batch):
-    """The branch's last output, complete, on local rows (the handle to merge)."""
+    """The branch's last output, complete, on local rows (the handle to merge).
+
+    Args:
+        hidden_states: what the branch's last stage returned.
+        forward_batch: the forward (on the branch's stream).
+    """
     stream = stream_of(forward_batch)
     if stream.parent is None:
         raise RuntimeError(NOT_FORKED.format(call="branch_output()"))
@@ -79,7 +90,15 @@ def branch_output(hidden_states, forward_batch):
 
 def merge_branch(source_output, branch_output_, forward_batch):
     """One stream again: the branch's residual, and the source's pending output with the
-    branch's complete output added in once. Returns what the model passes on."""
+    branch's complete output added in once (plain updates only).
+
+    Args:
+        source_output: what the source stage's exit returned.
+        branch_output_: what ``branch_output()`` returned.
+        forward_batch: the forward.
+
+    Returns what the model passes on.
+    """
     branch = stream_of(forward_batch)
     main = branch.parent
     if main is None:

@@ -42,8 +42,14 @@ def split_counts(dp_request_lens) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def split_batch(forward_batch, dp_rank: int = 0, overlap: bool = True) -> list:
-    """The two microbatches of ``forward_batch`` (``dp_rank``: this rank's attention-DP rank).
-    ``overlap=False`` keeps their collectives synchronous (a baseline for benchmarks)."""
+    """The two microbatches of ``forward_batch``.
+
+    Args:
+        forward_batch: the batch; under attention DP it needs ``dp_request_lens``.
+        dp_rank: this rank's attention-DP rank.
+        overlap: owed sums start asynchronously at a producer's finish (False: synchronous,
+            a baseline for benchmarks).
+    """
     fb = forward_batch
     lens = fb.dp_request_lens
     if lens is None:

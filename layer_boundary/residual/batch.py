@@ -8,6 +8,8 @@ the accessors move it (and complete owed sums) with the forward's prebuilt movem
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..fusions import Arrival
@@ -16,6 +18,9 @@ from . import is_plain, is_portable
 from .access import complete_onto, completed, local_rows, residual_on
 from .add_norm import ADD_NORM_READ, PLAIN_ADD
 from .stream import START_FIRST, ResidualStream, release, stream_of  # noqa: F401 - error text
+
+if TYPE_CHECKING:
+    from ..runtime.forward_batch import ForwardBatch
 
 PENDING_AT_TAKE = "write the residual update before taking the final output"
 SNAPSHOT_NOT_PLAIN = "snapshot requires a plain residual update"
@@ -31,9 +36,13 @@ def check_extra_joins(stream: ResidualStream, refusal: str) -> None:
         raise RuntimeError(refusal)
 
 
-def start(forward_batch) -> ResidualStream:
+def start(forward_batch: ForwardBatch) -> ResidualStream:
     """Begin the layer stack: a fresh, initial stream for this forward batch (and fresh row
-    facts: the first boundary computes them from the batch's DP token counts)."""
+    facts: the first boundary computes them from the batch's DP token counts).
+
+    Args:
+        forward_batch: the batch the stack runs; its ``boundary`` state is replaced.
+    """
     return ResidualStream.arrive(forward_batch)
 
 
@@ -52,9 +61,16 @@ def check_local_tensor(x, forward_batch, what: str) -> None:
         raise ValueError(f"{what} has {x.shape[0]} rows; this DP rank holds {rows.local} tokens")
 
 
-def complete_output(hidden_states, forward_batch):
+def complete_output(hidden_states, forward_batch: ForwardBatch):
     """Finish outstanding communication/finalize work; the residual update stays pending.
-    Returns the complete output on local rows."""
+
+    Args:
+        hidden_states: exactly what the last boundary call returned (a tensor or an
+            ``OwedOutput``).
+        forward_batch: the batch whose stream holds it.
+
+    Returns the complete output on local rows (the handle to pass on).
+    """
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is None:
         return hidden_states
@@ -72,19 +88,32 @@ def fold_stream(stream: ResidualStream, rows) -> torch.Tensor:
     return residual
 
 
-def fold(hidden_states, forward_batch) -> torch.Tensor:
-    """Complete a plain contribution and fold it into the residual; the stream is written.
-    Returns the residual on local rows."""
+def fold(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
+    """Complete the pending contribution and fold it into the residual; the stream is
+    written.
+
+    Args:
+        hidden_states: what the last boundary call returned.
+        forward_batch: the batch whose stream holds it.
+
+    Returns the residual on local rows (the handle to pass on).
+    """
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is None:
         return hidden_states
     return fold_stream(stream, forward_batch.rows)
 
 
-def written(hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
-    """Replace the stream with a written one whose residual is ``hidden_states`` (local rows).
+def written(hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    """Replace the stream with a written one whose residual is ``hidden_states``.
 
-    Discards any pending contribution: call fold() first when one may be pending.
+    Args:
+        hidden_states: the full residual, on this DP rank's local rows (compute that produced
+            it itself). Any pending contribution is discarded: fold() first when one may be
+            pending.
+        forward_batch: the batch whose stream it replaces.
+
+    Returns ``hidden_states`` (the handle to pass on).
     """
     stream = stream_of(forward_batch)
     check_local_tensor(hidden_states, forward_batch, "written()'s hidden_states")
@@ -93,9 +122,15 @@ def written(hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
     return hidden_states
 
 
-def take_output(hidden_states, forward_batch) -> torch.Tensor:
-    """Release the stream at a terminal exit whose output is already written; returns the
-    residual on local rows."""
+def take_output(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
+    """Release the stream at a terminal exit whose output is already written.
+
+    Args:
+        hidden_states: what the last boundary call returned; nothing may be pending.
+        forward_batch: the batch whose stream is released.
+
+    Returns the residual on local rows.
+    """
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is not None:
         raise RuntimeError(PENDING_AT_TAKE)
@@ -116,10 +151,15 @@ NOT_PORTABLE = ("to_pp(): the pending output's residual update {update!r} does n
                 "update whose whole state is its parameters")
 
 
-def to_pp(hidden_states, forward_batch) -> dict:
+def to_pp(hidden_states, forward_batch: ForwardBatch) -> dict:
     """Leave this pipeline rank's part of the stack: the tensors to send to the next stage,
     each on this rank's own rows (where the residual lives in this row mode); the stream is
     released.
+
+    Args:
+        hidden_states: what the last boundary call returned, unchanged (no
+            ``complete_output()`` before: the receiver may still owe a declared sum).
+        forward_batch: the batch whose stream leaves.
 
     Work the producer's exit decided per batch (a deferred all-reduce, a reduce-scatter, a
     finalize) is completed and its update applied before transport: ``{"residual"}``. A
@@ -154,9 +194,15 @@ def to_pp(hidden_states, forward_batch) -> dict:
     return out
 
 
-def snapshot(hidden_states, forward_batch) -> torch.Tensor:
+def snapshot(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
     """An owned residual with the pending update applied, on local rows; the main
-    contribution is untouched (its sum, if owed, runs on a copy)."""
+    contribution is untouched (its sum, if owed, runs on a copy).
+
+    Args:
+        hidden_states: what the last boundary call returned; a pending update must be plain
+            and no finalize handoff (``snapshot requires a plain residual update``).
+        forward_batch: the batch whose stream holds it.
+    """
     stream = _checked(hidden_states, forward_batch)
     rows = forward_batch.rows
     c = stream.contribution
@@ -170,9 +216,17 @@ def snapshot(hidden_states, forward_batch) -> torch.Tensor:
     return c.update.apply(residual_on(stream, rows, local), value)
 
 
-def add_to_output(hidden_states, forward_batch, extra: torch.Tensor):
-    """Complete the contribution, then add ``extra`` (local rows) once; the residual update
-    stays pending. Returns the new output on local rows."""
+def add_to_output(hidden_states, forward_batch: ForwardBatch, extra: torch.Tensor):
+    """Complete the contribution, then add ``extra`` once; the residual update stays pending.
+
+    Args:
+        hidden_states: what the last boundary call returned.
+        forward_batch: the batch whose stream holds it.
+        extra: a [T, D] tensor on this DP rank's local rows (deepstack embeddings, ...),
+            added as a plain add: refused on a residual whose update is not plain (mHC).
+
+    Returns the new output on local rows (the handle to pass on).
+    """
     stream = _checked(hidden_states, forward_batch)
     check_local_tensor(extra, forward_batch, "add_to_output()'s extra")
     check_extra_joins(stream, EXTRA_NOT_PLAIN)
@@ -184,14 +238,21 @@ def add_to_output(hidden_states, forward_batch, extra: torch.Tensor):
     return stream.leave(c.value + extra, None, c.update, local)
 
 
-def norm(hidden_states, forward_batch, norm_module, *, skip_empty: bool = False,
+def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty: bool = False,
          capture_output=None, handoff_norm=None) -> torch.Tensor:
     """Leave the stack: complete owed work, apply the update, apply the final norm; the
     result is on local rows and the stream is released.
 
-    With ``skip_empty`` an empty batch still completes owed work (a collective its peers
-    join) and skips only the norm kernel. ``capture_output`` receives the updated residual on
-    local rows, always borrowed (``owned=False``).
+    Args:
+        hidden_states: what the last boundary call returned.
+        forward_batch: the batch whose stream leaves.
+        norm_module: the final norm (with ``normalize_fp32`` it runs fused with the add).
+        skip_empty: an empty batch still completes owed work (a collective its peers join)
+            and skips only the norm kernel.
+        capture_output: ``capture(value, owned=False)`` receives the updated residual on
+            local rows, always borrowed.
+        handoff_norm: a service whose ``finalize(arrival)`` fuses a terminal finalize
+            handoff with the sum, add and norm (then ``capture_output`` is refused).
     """
     stream = _checked(hidden_states, forward_batch)
     observer = active_observer()
