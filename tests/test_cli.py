@@ -395,7 +395,7 @@ def test_missing_checkpoint_dir_as_a_user_sees_it(tmp_path):
 @pytest.mark.parametrize("case, needle", [
     ("missing_dir", "{path}"),
     ("malformed_json", "config.json"),
-    ("unsupported_model_type", "llama"),
+    ("unsupported_model_type", "gpt_neo"),
     ("no_safetensors_tp1", "safetensors"),
 ])
 def test_bad_checkpoint_is_a_one_line_error(tmp_path, qwen3_dir, capsys, restore_logger,
@@ -405,7 +405,7 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, qwen3_dir, capsys, restore
     if case == "malformed_json":
         _write(folder, '{"model_type": "qwen3",\n')
     elif case == "unsupported_model_type":
-        _write(folder, json.dumps({"model_type": "llama", "vocab_size": 96}))
+        _write(folder, json.dumps({"model_type": "gpt_neo", "vocab_size": 96}))
     elif case == "no_safetensors_tp1":
         _write(folder, (Path(qwen3_dir) / "config.json").read_text())
         extra = ["--tp", "1"]  # the world-1 path loads in this process
