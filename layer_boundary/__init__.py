@@ -14,6 +14,7 @@ from .residual.stream import OwedOutput, ResidualStream
 from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
 from .stack import LayerStack, append_stages, layer_stack
 from .adapters import branch_input, branch_output, merge_branch
+from .adapters.cp import CpView, cp_view
 from .adapters.tbo import run_two_batches, split_batch
 
 __all__ = [
@@ -22,5 +23,5 @@ __all__ = [
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
     "make_ffn_stage", "make_stages", "boundary_guard_filter", "stage_boundaries",
     "branch_input", "branch_output", "merge_branch", "run_two_batches", "split_batch",
-    "LayerStack", "append_stages", "layer_stack",
+    "LayerStack", "append_stages", "layer_stack", "CpView", "cp_view",
 ]

@@ -135,14 +135,15 @@ def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidat
                      if c.applies(owed, src, handoff, target, mode, declared_plain,
                                   read_kind(read)))
     sum_before_read = None
-    # attention DP, a plain update and the add+norm read (its update_and_read is an add then
-    # a read, which this reorders), an FFN consumer: add the residual on one
+    # attention DP (not in a CP batch, whose shares are no DP segment), a plain update and
+    # the add+norm read (its update_and_read is an add then a read, which this reorders), an
+    # FFN consumer: add the residual on one
     # attention-TP rank before the sum, and one TP all-reduce brings every DP rank's updated
     # rows (an attention partial: placed in a zero global buffer; an FFN's: already global)
-    if (mode is RowMode.AR and not handoff and decl.kind is StageKind.FFN
+    if (mode is RowMode.AR and not handoff and decl.kind is StageKind.FFN and not table.cp
             and layouts.local != layouts.replicated and declared_plain
             and read_kind(read) == "add_norm" and not read.before_gather
-            and ((owed is SumGroup.ATTN_TP and src == layouts.local)
+            and ((owed is SumGroup.ATTN_TP and src == layouts.attention)
                  or (owed in (SumGroup.TP, SumGroup.MOE_OUT) and src == layouts.replicated))):
         sum_before_read = table.lookup(owed, src, layouts.replicated)
     return ArrivalPath(key, complete, applying, sum_before_read)

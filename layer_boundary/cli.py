@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "tp, else 1); prompt i runs on DP rank i mod dp")
     run.add_argument("--ep", type=_positive, default=1,
                      help="expert parallelism of MoE layers over the TP ranks (dividing tp)")
+    run.add_argument("--cp", type=_positive, default=1,
+                     help="attention context parallelism: each DP rank's tokens split over "
+                          "this many ranks of its attention group (dp x cp divides tp)")
     run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
@@ -116,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=_positive, default=4)
     plan.add_argument("--dp", type=_positive, default=2)
     plan.add_argument("--ep", type=_positive, default=1)
+    plan.add_argument("--cp", type=_positive, default=1)
     plan.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
     plan.add_argument("--tokens", type=_token_counts, default=None,
                       help='tokens per attention-DP rank, e.g. "5,0,3,1" (default: 4 per rank)')
@@ -231,10 +235,18 @@ def _spec(args):
     tp = args.tp or 4
     dp = args.dp or (1 if args.tp else 2)
     dims = ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp,
-                        moe_ep=args.ep)  # names bad factors
+                        attn_cp=args.cp, moe_ep=args.ep)  # names bad factors
     model_cls = model_class_of(model_dir)
-    model_cls.check_parallel(cfg, dims)
+    model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
+    if args.cp > 1:
+        unsupported = [flag for flag, on in (
+            ("--pp", args.pp > 1), ("--tbo", args.tbo), ("--split-prefill", args.split_prefill > 1),
+            ("--compile", args.compile or args.compile_backend),
+            ("speculative decoding", args.draft_model or args.speculative_algorithm)) if on]
+        if unsupported:
+            raise UsageError(f"--cp {args.cp} does not combine with {', '.join(unsupported)} "
+                             "yet")
     if args.tbo and (args.pp > 1 or args.split_prefill > 1 or args.compile
                      or args.compile_backend):
         raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
@@ -259,7 +271,7 @@ def _spec(args):
             raise UsageError(f"--speculative-algorithm nextn needs a checkpoint with its own "
                              f"NextN layer (config.json num_nextn_predict_layers > 0); "
                              f"{model_dir} ({cfg.model_type}) has none")
-    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, pp=args.pp,
+    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, cp=args.cp, pp=args.pp,
                    pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
                    draft_model=args.draft_model, speculative_algorithm=algorithm,
                    speculative_steps=args.speculative_steps,
@@ -328,9 +340,9 @@ def _report(args, spec, results, reference) -> int:
             **({"speculative": speculative} if speculative else {}),
             **({"compile": spec.compile} if spec.compile else {})}))
         return 0 if ok else 1
-    log.info("layer-boundary run: %s  %stp=%d dp=%d ep=%d  boundary_reduction=%s (asked %s)  "
+    log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
-             spec.dp, spec.ep, rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
+             spec.dp, f"cp={spec.cp} " if spec.cp > 1 else "", spec.ep, rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
              f"  compiled ({spec.compile}, fullgraph)" if spec.compile else "")
     for i, g in zip(run.request_ids, run.generated):
         log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
@@ -383,6 +395,8 @@ def _plan_table(rows) -> None:
 def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
     from .construction import select_mode
+    from .contracts import BatchVariant
+    from .layout import RowMode
     from .ops import RowFacts, table_rows
     from .models import boundary_reduction, load_config, model_class_of
     from .models.tiny import builtin_checkpoint
@@ -394,25 +408,32 @@ def cmd_plan(args) -> int:
     model_dir = args.model or str(builtin_checkpoint())
     cfg = load_config(model_dir)
     dims = ParallelDims(world_size=args.pp * args.tp, tp=args.tp, pp=args.pp, attn_dp=args.dp,
-                        moe_ep=args.ep)
+                        attn_cp=args.cp, moe_ep=args.ep)
     model_cls = model_class_of(model_dir)
-    model_cls.check_parallel(cfg, dims)
+    model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
+    if args.cp > 1 and (args.pp > 1 or args.tbo):
+        raise UsageError(f"--cp {args.cp} does not combine with --pp or --tbo yet")
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
     policy = boundary_reduction(args.boundary_reduction, model_cls.model_type)
+    cp = dims.attn_cp > 1
+    variants = (BatchVariant.CP,) if cp else (BatchVariant.ORDINARY,)
     runtimes, models = [], []
     for stage in range(dims.pp):  # each pipeline stage as its first rank builds it
         runtimes.append(BoundaryRuntime(virtual_parallel(dims, stage * dims.tp),
                                         boundary_reduction=policy,
                                         allreduce_fusion=not args.no_allreduce_fusion,
                                         rs_padding=not args.no_rs_padding,
-                                        pp_layers=args.pp_layers))
+                                        pp_layers=args.pp_layers, batch_variants=variants))
         with torch.device("meta"):  # boundaries are built at construction; no weights needed
             models.append(model_cls(cfg, runtimes[-1]))
     runtime = runtimes[0]
-    mode, reason = select_mode(runtime, counts)
+    # a CP plan takes each DP rank's tokens as one request (the CP mapping cuts requests)
+    lens = tuple((c,) if c else () for c in counts) if cp else None
+    parts = RowFacts(RowMode.AR, counts, runtime.parallel, request_lens=lens).parts
+    mode, reason = select_mode(runtime, counts, parts, cp)
     table = [dict(row, pp_stage=s) if dims.pp > 1 else row
              for s, m in enumerate(models) for row in plan_rows(m, mode)]
     pipeline = [{"stage": s, "ranks": [s * dims.tp, (s + 1) * dims.tp - 1],
@@ -422,8 +443,10 @@ def cmd_plan(args) -> int:
     def rows_per_rank(mode, counts):
         out = []
         for rank in range(dims.tp):
-            rows = RowFacts(mode, counts, virtual_parallel(dims, rank))
+            rows = RowFacts(mode, counts, virtual_parallel(dims, rank), request_lens=lens)
             out.append({"rank": rank, "dp_rank": rows.dp_rank, "local": rows.local,
+                        **({"cp_rank": rows.parallel.attn_cp_rank, "attention": rows.share}
+                           if cp else {}),
                         "scattered": rows.scattered, "global": rows.total})
         return out
 
@@ -438,20 +461,29 @@ def cmd_plan(args) -> int:
             microbatches.append({"microbatch": name, "tokens": list(part),
                                  "mode": part_mode.value,
                                  "ranks": rows_per_rank(part_mode, part)})
-    movements = table_rows(runtime.parallel, mode)
+    movements = table_rows(runtime.parallel, mode, cp)
     if args.json:
-        log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "attn_tp": dims.attn_tp,
+        log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "cp": dims.attn_cp,
+                             "attn_tp": dims.attn_tp,
                              "boundary_reduction": policy, "tokens": list(counts),
                              "mode": mode.value, "reason": reason, "ranks": per_rank,
                              "stages": table, "movements": movements,
                              **({"pp": dims.pp, "pipeline": pipeline} if pipeline else {}),
                              **({"microbatches": microbatches} if microbatches else {})}))
         return 0
-    log.info("layer-boundary plan: %s  tp=%d dp=%d attn_tp=%d  boundary_reduction=%s (asked %s)",
-             model_dir, dims.tp, dims.attn_dp, dims.attn_tp, policy, args.boundary_reduction)
+    log.info("layer-boundary plan: %s  tp=%d dp=%d cp=%d attn_tp=%d  boundary_reduction=%s "
+             "(asked %s)", model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp, policy,
+             args.boundary_reduction)
     log.info("tokens per DP rank %s -> row mode %s (%s)", list(counts), mode.value, reason)
-    log.info("rows per rank (local / scattered / global): %s", ", ".join(
-        f"r{r['rank']} {r['local']}/{r['scattered']}/{r['global']}" for r in per_rank))
+    if cp:
+        log.info("CP batch: each DP rank's tokens as one request, cut in %d chunks; CP rank r "
+                 "attends chunks r and %d-r", 2 * dims.attn_cp, 2 * dims.attn_cp - 1)
+        log.info("rows per rank (local / attention / scattered / global): %s", ", ".join(
+            f"r{r['rank']} {r['local']}/{r['attention']}/{r['scattered']}/{r['global']}"
+            for r in per_rank))
+    else:
+        log.info("rows per rank (local / scattered / global): %s", ", ".join(
+            f"r{r['rank']} {r['local']}/{r['scattered']}/{r['global']}" for r in per_rank))
     for mb in microbatches or ():
         log.info("two-batch overlap, microbatch %s: tokens per DP rank %s -> %s; rows %s",
                  mb["microbatch"], mb["tokens"], mb["mode"], ", ".join(
@@ -555,8 +587,8 @@ def _reference(spec):
 
     from .runner import merge, run_rank
 
-    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, pp=1, pp_layers=None, split_prefill=1,
-                               tbo=False, draft_model=None, speculative_algorithm=None,
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, pp_layers=None,
+                               split_prefill=1, tbo=False, draft_model=None, speculative_algorithm=None,
                                compile=None), world_size=1)])
 
 

@@ -14,7 +14,7 @@ from .contracts import (BatchVariant, EdgeDecl, ProducerReduction, StageDecl, St
                         StageKind, StageOutput)
 from .exit import ExitPath
 from .layout import Layouts, RowMode, SumGroup, TokenAxis, sum_group
-from .ops import Movement, RowFacts, UnsupportedBoundary, movement_table
+from .ops import Movement, RowFacts, UnsupportedBoundary, cp_share_sizes, movement_table
 from .prepare import EntryPath
 from .residual.stream import START_FIRST
 
@@ -24,6 +24,27 @@ __all__ = ["StagePlan", "StagePath", "UnsupportedBoundary", "build_plan", "selec
 
 def no_path_error(variant: BatchVariant) -> RuntimeError:
     return RuntimeError(f"no stage boundary path for the active {variant.value} batch")
+
+
+CP_NEEDS_LENS = ("a CP batch under attention DP needs every DP rank's request lengths "
+                 "(ForwardBatch.dp_request_lens): they place its CP shares")
+
+
+def cp_request_lens(forward_batch, counts: tuple[int, ...], dp_rank: int) -> tuple:
+    """Every DP rank's request lengths in a CP batch (its CP mapping's input), checked
+    against the batch's counts and this rank's own requests."""
+    lens = forward_batch.dp_request_lens
+    if lens is None:
+        if len(counts) > 1:
+            raise ValueError(CP_NEEDS_LENS)
+        lens = (tuple(forward_batch.extend_lens),)
+    lens = tuple(tuple(per_dp) for per_dp in lens)
+    if (len(lens) != len(counts) or any(sum(per) != c for per, c in zip(lens, counts))
+            or lens[dp_rank] != tuple(forward_batch.extend_lens)):
+        raise ValueError(f"ForwardBatch.dp_request_lens {lens} does not describe the CP batch: "
+                         f"DP token counts {counts}, this DP rank's requests "
+                         f"{tuple(forward_batch.extend_lens)}")
+    return lens
 
 
 @dataclass(frozen=True)
@@ -36,37 +57,56 @@ class StagePath:
     branch_in: Movement | None = None
 
 
-def select_mode(runtime, counts: tuple[int, ...]) -> tuple[RowMode, str]:
-    """The row mode of a forward with these DP token counts, and why (policy is permission)."""
+def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None = None,
+                cp: bool = False) -> tuple[RowMode, str]:
+    """The row mode of a forward with these DP token counts (and, in a CP batch, these
+    partitions: its (DP, CP) shares), and why (policy is permission)."""
     dims = runtime.parallel.dims
+    parts = counts if parts is None else parts
     if dims.tp == 1:
         return RowMode.AR, "tp=1"
     if runtime.allows_rsv:
-        if dims.attn_dp > 1:
+        if dims.attn_dp > 1 or cp:
             return RowMode.RSV, "rsv"
-        reason = "rsv needs attention DP"
+        reason = "rsv needs attention DP or CP"
     else:
         reason = ""
     if runtime.allows_rs:
         a = dims.attn_tp
-        seg = -(-max(counts) // a) * a if counts else 0
-        if runtime.rs_padding or all(c == seg for c in counts):
+        seg = -(-max(parts) // a) * a if parts else 0
+        if runtime.rs_padding or all(c == seg for c in parts):
             return RowMode.RS, "rs" if not reason else f"rs ({reason})"
-        why = f"rs needs padding: DP rows {list(counts)} vs attn_tp={a}, padding disallowed"
+        what = "CP shares" if cp else "DP rows"
+        why = f"rs needs padding: {what} {list(parts)} vs attn_tp={a}, padding disallowed"
         reason = f"{reason}; {why}" if reason else why
     if runtime.boundary_reduction == "ar":
         return RowMode.AR, "ar"
     return RowMode.AR, f"fallback to ar ({reason})"
 
 
-def supported_modes(runtime) -> list[RowMode]:
+def supported_modes(runtime, cp: bool = False) -> list[RowMode]:
     dims = runtime.parallel.dims
     modes = [RowMode.AR]
     if dims.tp > 1 and runtime.allows_rs:
         modes.append(RowMode.RS)
-    if dims.tp > 1 and dims.attn_dp > 1 and runtime.allows_rsv:
+    if dims.tp > 1 and (dims.attn_dp > 1 or cp) and runtime.allows_rsv:
         modes.append(RowMode.RSV)
     return modes
+
+
+def plan_variants(runtime) -> list[BatchVariant]:
+    """The batch variants a stage builds paths for on this runtime: the ordinary one without
+    attention CP, the CP one with it (CP ranks hold shares of one DP rank's tokens; an
+    ordinary batch would need them to repeat each other's attention)."""
+    dims = runtime.parallel.dims
+    if dims.attn_cp == 1:
+        return [BatchVariant.ORDINARY]
+    if BatchVariant.CP not in runtime.batch_variants:
+        raise UnsupportedBoundary(
+            f"attn_cp={dims.attn_cp} splits each batch over CP ranks: the runtime's "
+            "batch_variants must include BatchVariant.CP (an ordinary batch has no path on "
+            "a CP topology)")
+    return [BatchVariant.CP]
 
 
 def _sum(runtime, which: SumGroup) -> SumGroup | None:
@@ -74,13 +114,13 @@ def _sum(runtime, which: SumGroup) -> SumGroup | None:
 
 
 def handoff_rows(decl, layouts: Layouts, mode: RowMode):
-    """Where a complete FFN output is handed on (a plain scatter of its rows): this DP rank's
-    rows, or, between two sparse FFNs (``sparse`` with ``next_sparse``: the layer after the
+    """Where a complete FFN output is handed on (a plain scatter of its rows): the attention
+    rows (this DP rank's, or its CP share), or, between two sparse FFNs (``sparse`` with ``next_sparse``: the layer after the
     consumer is sparse too, as between MoE layers), the residual's rows in ``mode``, so the
     rows two-batch overlap splits and merges stay token-sharded across the pair."""
     if decl.sparse and decl.next_sparse:
         return layouts.residual(mode)
-    return layouts.local
+    return layouts.attention
 
 
 def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
@@ -96,8 +136,8 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         else:  # to another mixer's input only where it can all-reduce it
             leaves = (known and runtime.allreduce_fusion and runtime.parallel.dims.attn_dp == 1)
         leaves = leaves and (decl.reduction is ProducerReduction.PARTIAL or not at_producer)
-        return StageOutput(StageKind.ATTN, layouts.local, decl.reduction,
-                           _sum(runtime, SumGroup.ATTN_TP), layouts.local,
+        return StageOutput(StageKind.ATTN, layouts.attention, decl.reduction,
+                           _sum(runtime, SumGroup.ATTN_TP), layouts.attention,
                            leaves_for_all_reduce=leaves, leaves_for_reduce_scatter=leaves,
                            at_producer=at_producer)
     known = known and not at_producer
@@ -125,7 +165,7 @@ def resolve_input(decl, runtime, layouts: Layouts) -> StageInput:
     if decl.kind is StageKind.ATTN:
         gathers = frozenset({TokenAxis.ATTN_TP_SCATTER}) if (
             decl.gathers_tp_input and runtime.parallel.dims.attn_tp > 1) else frozenset()
-        return StageInput(layouts.local, static, gathers)
+        return StageInput(layouts.attention, static, gathers)
     return StageInput(layouts.replicated, static)
 
 
@@ -136,7 +176,7 @@ class StagePlan:
 
     def __init__(self, name: str, declaration, paths: dict, runtime, tables: dict) -> None:
         self.name, self.declaration, self.paths, self.runtime = name, declaration, paths, runtime
-        self.tables = tables  # row mode -> the movement table
+        self.tables = tables  # (batch variant, row mode) -> the movement table
         # the same paths keyed by plain strings, which a forward hashes cheaply
         self._by_key = {(variant.value, mode.value): path for (variant, mode), path in paths.items()}
 
@@ -164,9 +204,17 @@ class StagePlan:
                 f"ForwardBatch.dp_token_counts {counts} does not describe this rank: it needs "
                 f"one count per attention-DP rank ({dims.attn_dp}), and this DP rank "
                 f"({dp_rank}) holds {forward_batch.num_tokens} tokens")
-        mode, _ = select_mode(self.runtime, counts)
-        state.facts = facts = self.tables[mode].facts(counts)
-        state.runtime, state.path_key = self.runtime, (forward_batch.variant.value, mode.value)
+        variant = forward_batch.variant
+        lens = parts = None
+        if variant is BatchVariant.CP:
+            lens = cp_request_lens(forward_batch, counts, dp_rank)
+            parts = tuple(n for per_dp in lens for n in cp_share_sizes(per_dp, dims.attn_cp))
+        mode, _ = select_mode(self.runtime, counts, parts, cp=lens is not None)
+        table = self.tables.get((variant, mode))
+        if table is None:
+            raise no_path_error(variant)
+        state.facts = facts = table.facts(counts, lens)
+        state.runtime, state.path_key = self.runtime, (variant.value, mode.value)
         return facts
 
     def select(self, forward_batch) -> tuple[StagePath, RowFacts]:
@@ -182,9 +230,17 @@ class StagePlan:
             raise no_path_error(forward_batch.variant)
         return path, facts
 
-    def describe(self, mode: RowMode = RowMode.AR,
-                 variant: BatchVariant = BatchVariant.ORDINARY) -> dict:
-        path = self.paths.get((variant, mode))
+    @property
+    def variant(self) -> BatchVariant:
+        """The batch variant this plan's paths serve (ordinary, or CP on a CP topology)."""
+        return next(iter(self.paths))[0]
+
+    def path(self, mode: RowMode) -> StagePath:
+        """The path of this plan's variant in row mode ``mode``."""
+        return self.paths[(self.variant, mode)]
+
+    def describe(self, mode: RowMode = RowMode.AR, variant: BatchVariant | None = None) -> dict:
+        path = self.paths.get((variant or self.variant, mode))
         if path is None:
             return {"stage": self.name, "entry": "unsupported", "exit": "unsupported"}
         entry = path.entry.describe()
@@ -198,53 +254,61 @@ class StagePlan:
 
 def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func=None,
                fusions=None) -> StagePlan:
-    dims = runtime.parallel.dims
-    if dims.attn_cp > 1:
-        raise UnsupportedBoundary(
-            f"stage {name}: no boundary path for attn_cp={dims.attn_cp} yet (supported: "
-            "attn_cp=1)")
     if qkv_latent_func is not None and not declaration.gathers_tp_input:
         raise UnsupportedBoundary(
             f"stage {name}: qkv_latent_func runs inside the attention's own input gather, "
             "and a declaration with gathers_tp_input=False has none")
     for variant in runtime.batch_variants:
-        if variant is BatchVariant.ORDINARY:
+        if variant in (BatchVariant.ORDINARY, BatchVariant.CP) and (
+                declaration.prepared_from is None or variant is BatchVariant.ORDINARY):
             continue
         if declaration.prepared_from is not None:
             raise UnsupportedBoundary(
                 f"branch transport supports ordinary token rows only: stage {name} cannot "
                 f"run the {variant.value} batch")
         raise UnsupportedBoundary(f"stage {name}: no boundary path for the {variant.value} "
-                                  "batch variant yet (supported: ordinary)")
-    variant = BatchVariant.ORDINARY
-    prev = declaration.previous
+                                  "batch variant yet (supported: ordinary, CP)")
+    try:
+        variants = plan_variants(runtime)
+    except UnsupportedBoundary as exc:
+        raise UnsupportedBoundary(f"stage {name}: {exc}") from None
     paths, tables = {}, {}
-    for mode in supported_modes(runtime):
-        table = tables[mode] = movement_table(runtime.parallel, mode)
-        layouts = table.layouts
-        output = resolve_output(declaration, following, runtime, layouts, fusions, mode)
-        stage_input = resolve_input(declaration, runtime, layouts)
-        try:
-            exit_path = bind_exit(output, mode, table, fusions=fusions, name=name,
-                                  declaration=declaration)
-            prev_output = prev_exit = None
-            if prev is not None:
-                prev_output = resolve_output(prev, declaration, runtime, layouts, fusions,
-                                             mode)
-                prev_exit = bind_exit(prev_output, mode, table, fusions=fusions,
-                                      declaration=prev)
-            residual = layouts.residual(mode)
-            edge = EdgeDecl(prev_output, stage_input,
-                            layouts.local if prev is None else residual, residual)
-            entry = bind_entry(name, edge, prev_exit, declaration, norm, mode, table,
-                               parallel=runtime.parallel, qkv_latent_func=qkv_latent_func,
-                               fusions=fusions)
-            branch_in = None
-            if declaration.prepared_from is not None:
-                source_rows = resolve_input(declaration.prepared_from, runtime, layouts).rows
-                branch_in = table.lookup(None, source_rows, stage_input.rows)
-        except UnsupportedBoundary as exc:
-            raise UnsupportedBoundary(f"stage {name}: {exc}") from None
-        paths[(variant, mode)] = StagePath(StageDecl(variant, stage_input, output), edge, entry,
-                                           exit_path, branch_in)
+    for variant in variants:
+        cp = variant is BatchVariant.CP
+        for mode in supported_modes(runtime, cp):
+            table = tables[(variant, mode)] = movement_table(runtime.parallel, mode, cp)
+            paths[(variant, mode)] = _build_path(name, declaration, norm, following, runtime,
+                                                 variant, mode, table, qkv_latent_func,
+                                                 fusions)
     return StagePlan(name, declaration, paths, runtime, tables)
+
+
+def _build_path(name, declaration, norm, following, runtime, variant, mode, table,
+                qkv_latent_func, fusions) -> StagePath:
+    """One (variant, mode) path of a stage."""
+    prev = declaration.previous
+    layouts = table.layouts
+    output = resolve_output(declaration, following, runtime, layouts, fusions, mode)
+    stage_input = resolve_input(declaration, runtime, layouts)
+    try:
+        exit_path = bind_exit(output, mode, table, fusions=fusions, name=name,
+                              declaration=declaration)
+        prev_output = prev_exit = None
+        if prev is not None:
+            prev_output = resolve_output(prev, declaration, runtime, layouts, fusions,
+                                         mode)
+            prev_exit = bind_exit(prev_output, mode, table, fusions=fusions,
+                                  declaration=prev)
+        residual = layouts.residual(mode)
+        edge = EdgeDecl(prev_output, stage_input,
+                        layouts.local if prev is None else residual, residual)
+        entry = bind_entry(name, edge, prev_exit, declaration, norm, mode, table,
+                           parallel=runtime.parallel, qkv_latent_func=qkv_latent_func,
+                           fusions=fusions)
+        branch_in = None
+        if declaration.prepared_from is not None:
+            source_rows = resolve_input(declaration.prepared_from, runtime, layouts).rows
+            branch_in = table.lookup(None, source_rows, stage_input.rows)
+    except UnsupportedBoundary as exc:
+        raise UnsupportedBoundary(f"stage {name}: {exc}") from None
+    return StagePath(StageDecl(variant, stage_input, output), edge, entry, exit_path, branch_in)

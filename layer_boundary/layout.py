@@ -62,9 +62,10 @@ class RowMode(enum.Enum):
     RSV = "rsv"
 
 
-def token_axis_sizes(parallel: Parallel) -> dict[TokenAxis, int]:
+def token_axis_sizes(parallel: Parallel, cp: bool = False) -> dict[TokenAxis, int]:
+    """Each token axis's size; ``ATTN_CP`` partitions rows only in a CP batch (``cp``)."""
     dims = parallel.dims
-    return {TokenAxis.ATTN_DP: dims.attn_dp, TokenAxis.ATTN_CP: dims.attn_cp,
+    return {TokenAxis.ATTN_DP: dims.attn_dp, TokenAxis.ATTN_CP: dims.attn_cp if cp else 1,
             TokenAxis.ATTN_TP_SCATTER: dims.attn_tp}
 
 
@@ -83,18 +84,26 @@ def sum_group(parallel: Parallel, which: SumGroup) -> Group:
 
 @dataclass(frozen=True)
 class Layouts:
-    """The layouts one topology names: where compute and the residual put their rows."""
+    """The layouts one topology names (in one batch variant): where compute, the residual and
+    the model put their rows.
+
+    ``local`` is what a model passes in and gets back (this DP rank's tokens, in token
+    order); ``attention`` is where attention computes and the residual lives under ``ar``:
+    the same rows, except in a CP batch, where it is this CP rank's share of them.
+    """
 
     replicated: Layout  # every DP rank's rows on every TP rank (a dense FFN's rows)
-    local: Layout  # this DP rank's rows, replicated over attention TP (attention's rows)
-    scattered: Layout  # this DP rank's rows cut over attention TP (rs/rsv residual)
+    local: Layout  # this DP rank's rows, replicated over attention CP and TP
+    scattered: Layout  # the attention rows cut over attention TP (rs/rsv residual)
+    attention: Layout  # this DP rank's rows, or its CP share in a CP batch
 
     @classmethod
-    def of(cls, parallel: Parallel) -> "Layouts":
-        sizes = token_axis_sizes(parallel)
-        return cls(REPLICATED, Layout.of(TokenAxis.ATTN_DP, sizes=sizes),
-                   Layout.of(TokenAxis.ATTN_DP, TokenAxis.ATTN_TP_SCATTER, sizes=sizes))
+    def of(cls, parallel: Parallel, cp: bool = False) -> "Layouts":
+        sizes = token_axis_sizes(parallel, cp)
+        dp, cpx, ts = TokenAxis.ATTN_DP, TokenAxis.ATTN_CP, TokenAxis.ATTN_TP_SCATTER
+        return cls(REPLICATED, Layout.of(dp, sizes=sizes), Layout.of(dp, cpx, ts, sizes=sizes),
+                   Layout.of(dp, cpx, sizes=sizes))
 
     def residual(self, mode: RowMode) -> Layout:
         """Where the residual lives between stages in ``mode``."""
-        return self.local if mode is RowMode.AR else self.scattered
+        return self.attention if mode is RowMode.AR else self.scattered

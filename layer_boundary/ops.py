@@ -46,45 +46,107 @@ def chunk_rows(n: int, chunk: int, parts: int) -> tuple[int, ...]:
     return tuple(max(0, min(chunk, n - i * chunk)) for i in range(parts))
 
 
+def cp_shares(lens, cp: int) -> tuple[tuple[int, ...], ...]:
+    """Each CP rank's share of one DP rank's tokens (its requests ``lens`` concatenated), as
+    token indices in share order: every request cut into 2 x cp contiguous chunks (balanced,
+    the first chunks taking the remainder), CP rank r taking chunks r and 2cp-1-r of each
+    request, requests in order. An early chunk with a late one gives every rank about the
+    same causal attention work; a request shorter than 2 x cp leaves some ranks none of it.
+    """
+    shares = [[] for _ in range(cp)]
+    offset = 0
+    for n in lens:
+        sizes = split_rows(n, 2 * cp)
+        starts = [offset + sum(sizes[:j]) for j in range(2 * cp)]
+        for r in range(cp):
+            for j in (r, 2 * cp - 1 - r):
+                shares[r].extend(range(starts[j], starts[j] + sizes[j]))
+        offset += n
+    return tuple(tuple(s) for s in shares)
+
+
+def cp_share_sizes(lens, cp: int) -> tuple[int, ...]:
+    """How many tokens each CP rank's share of ``cp_shares(lens, cp)`` holds."""
+    sizes = [0] * cp
+    for n in lens:
+        chunks = split_rows(n, 2 * cp)
+        for r in range(cp):
+            sizes[r] += chunks[r] + chunks[2 * cp - 1 - r]
+    return tuple(sizes)
+
+
 class RowFacts:
     """One forward's rows on this rank: how many each layout holds, where they sit in the
-    global batch, how ``rs``/``rsv`` cut them over attention TP.
+    global batch, how ``rs``/``rsv`` cut them over attention TP, and in a CP batch which of
+    its DP rank's tokens this CP rank holds.
 
-    Built complete from the batch's DP token counts (every rank agrees on them, so every rank
-    sizes its collectives identically, ranks with no tokens included) and never changed; the
+    Built complete from the batch's DP token counts (and, in a CP batch, every DP rank's
+    request lengths: the CP mapping, ``cp_shares``); every rank agrees on them, so every rank
+    sizes its collectives identically, ranks with no tokens included. Never changed; the
     movement table keeps them by counts, so a forward with counts seen before reuses them.
+
+    The global rows are the DP ranks' tokens in DP rank order, each in token order. The
+    attention rows are partitions of them: the DP ranks' tokens (``parts`` = counts), or in a
+    CP batch each (DP, CP) rank's share, DP-major (the order gathers over partitions return).
     """
 
     def __init__(self, mode: RowMode, counts: tuple[int, ...], parallel: Parallel,
-                 table: "MovementTable | None" = None) -> None:
+                 table: "MovementTable | None" = None, request_lens=None) -> None:
         dims = parallel.dims
         if len(counts) != dims.attn_dp:
             raise ValueError(f"the batch has {len(counts)} DP token counts but attn_dp is "
                              f"{dims.attn_dp}")
         self.mode, self.counts, self.parallel = mode, tuple(counts), parallel
-        self.table = table if table is not None else movement_table(parallel, mode)
+        self.table = table if table is not None else movement_table(
+            parallel, mode, cp=request_lens is not None)
         self.layouts = self.table.layouts
         a, d = dims.attn_tp, parallel.attn_dp_rank
         self.attn_tp, self.attn_dp, self.dp_rank, self.tp_rank = a, dims.attn_dp, d, \
             parallel.attn_tp_rank
         self.total, self.local = sum(counts), counts[d]
-        self.offset = sum(counts[:d])
-        # rs: every DP rank's rows cut in chunks of one size, so fixed-size collectives line up
-        self.chunk = -(-max(counts) // a) if counts else 0
-        if mode is RowMode.RS:
-            per_dp = [chunk_rows(c, self.chunk, a) for c in counts]
+        self.offset = sum(counts[:d])  # this DP rank's tokens in the global rows
+        if self.table.cp:
+            self._place_cp(request_lens, dims.attn_cp, parallel.attn_cp_rank)
         else:
-            per_dp = [split_rows(c, a) for c in counts]
-        self.scatter_sizes = tuple(n for sizes in per_dp for n in sizes)  # flat over TP ranks
-        self.segment_sizes = per_dp[d]  # this DP rank's rows per attention-TP rank
+            self.parts, self.part = self.counts, d
+            self.global_order = None  # partitions in order are the global rows
+        self.nparts = len(self.parts)
+        self.share = self.parts[self.part]  # this rank's attention rows
+        self.part_offset = sum(self.parts[: self.part])
+        # rs: every partition cut in chunks of one size, so fixed-size collectives line up
+        self.chunk = -(-max(self.parts) // a) if self.parts else 0
+        if mode is RowMode.RS:
+            per_part = [chunk_rows(c, self.chunk, a) for c in self.parts]
+        else:
+            per_part = [split_rows(c, a) for c in self.parts]
+        self.scatter_sizes = tuple(n for sizes in per_part for n in sizes)  # flat over TP ranks
+        self.segment_sizes = per_part[self.part]  # this partition's rows per attention-TP rank
         self.scattered = self.segment_sizes[self.tp_rank]
         self.scatter_offset = sum(self.segment_sizes[: self.tp_rank])
         self.padded_local = self.chunk * a  # what fixed-size collectives move
-        self.padded_total = self.padded_local * self.attn_dp
+        self.padded_total = self.padded_local * self.nparts
         seg = self.padded_local
-        # padded position of each global row (every DP segment padded to attn_tp chunks)
-        self.pad_index = torch.cat([torch.arange(c) + i * seg for i, c in enumerate(counts)]) \
-            if counts else torch.zeros(0, dtype=torch.long)
+        # padded position of each row in partition order (every partition padded to attn_tp
+        # chunks), and of each global row
+        self.pad_index = torch.cat([torch.arange(c) + i * seg for i, c in enumerate(self.parts)]) \
+            if self.parts else torch.zeros(0, dtype=torch.long)
+        self.pad_pos = self.pad_index if self.global_order is None else \
+            torch.empty_like(self.pad_index).index_copy_(0, self.global_order, self.pad_index)
+
+    def _place_cp(self, request_lens, cp: int, cp_rank: int) -> None:
+        shares = [cp_shares(lens, cp) for lens in request_lens]
+        self.parts = tuple(len(s) for per_dp in shares for s in per_dp)
+        self.part = self.dp_rank * cp + cp_rank
+        mine = shares[self.dp_rank]
+        self.cp_sizes = tuple(len(s) for s in mine)  # this DP rank's shares, CP rank order
+        self.cp_index = torch.tensor(mine[cp_rank], dtype=torch.long)  # in its DP block
+        # this DP rank's tokens in the order a gather over CP returns them
+        self.cp_order = torch.tensor([i for s in mine for i in s], dtype=torch.long)
+        offsets = [sum(self.counts[:k]) for k in range(len(self.counts))]
+        # the global row of each row in partition order
+        self.global_order = torch.tensor([offsets[k] + i for k, per_dp in enumerate(shares)
+                                          for s in per_dp for i in s], dtype=torch.long)
+        self.share_global = self.cp_index + self.offset  # this share's global rows
 
     def move(self, owed: SumGroup | None, src: Layout, dst: Layout) -> "Movement":
         """The prebuilt movement for (owed, src, dst) in this forward's mode."""
@@ -96,13 +158,21 @@ class RowFacts:
             return self.total
         if layout == self.layouts.local:
             return self.local
+        if layout == self.layouts.attention:
+            return self.share
         return self.scattered
 
     def global_indices(self, layout: Layout) -> torch.Tensor:
         """Global row index of each row this rank holds on ``layout``."""
         if layout == self.layouts.replicated:
             return torch.arange(self.total)
-        start = self.offset + (0 if layout == self.layouts.local else self.scatter_offset)
+        if layout == self.layouts.local:
+            return torch.arange(self.offset, self.offset + self.local)
+        if self.table.cp:
+            rows = self.share_global
+            return rows if layout == self.layouts.attention else \
+                rows[self.scatter_offset:self.scatter_offset + self.scattered]
+        start = self.offset + (0 if layout == self.layouts.attention else self.scatter_offset)
         return torch.arange(start, start + self.count(layout))
 
     def add_on_one_rank(self, partial, layout: Layout, value):
@@ -202,13 +272,13 @@ class GatherScatter(Primitive):
     def run(self, facts, x):
         group = facts.parallel.attn_tp
         if facts.mode is RowMode.RS:
-            return coll.gather_rows(facts.pad(x, facts.chunk), group)[: facts.local]
+            return coll.gather_rows(facts.pad(x, facts.chunk), group)[: facts.share]
         return coll.gather_rows_v(x, group, facts.segment_sizes)
 
     def expected(self, facts, width):
         fixed = facts.mode is RowMode.RS
         return _one("all_gather", facts.parallel.attn_tp,
-                    facts.padded_local if fixed else facts.local, width)
+                    facts.padded_local if fixed else facts.share, width)
 
 
 class GatherDp(Primitive):
@@ -246,7 +316,7 @@ class AllReduceAttnTp(Primitive):
         return coll.all_reduce_rows(x, facts.parallel.attn_tp)
 
     def expected(self, facts, width):
-        return _one("all_reduce", facts.parallel.attn_tp, facts.local, width)
+        return _one("all_reduce", facts.parallel.attn_tp, facts.share, width)
 
 
 class ReduceScatterAttnTp(Primitive):
@@ -262,7 +332,7 @@ class ReduceScatterAttnTp(Primitive):
     def expected(self, facts, width):
         fixed = facts.mode is RowMode.RS
         return _one("reduce_scatter", facts.parallel.attn_tp,
-                    facts.padded_local if fixed else facts.local, width)
+                    facts.padded_local if fixed else facts.share, width)
 
 
 class AllReduceTpDpPlaced(Primitive):
@@ -316,12 +386,139 @@ class ReduceScatterTp(Primitive):
                     facts.padded_total if fixed else facts.total, width)
 
 
+# -- a CP batch: this DP rank's tokens (local rows, token order) and its CP shares
+
+def _unpermute(gathered: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows gathered in ``order`` (the row each came from), back in row order."""
+    return torch.empty_like(gathered).index_copy_(0, order.to(gathered.device), gathered)
+
+
+class SliceCp(Primitive):
+    name = "select(attn_cp)"
+
+    def run(self, facts, x):
+        return x.index_select(0, facts.cp_index.to(x.device))
+
+
+class GatherCp(Primitive):
+    name, allocates = "all_gather_v(attn_cp)", True
+
+    def run(self, facts, x):
+        gathered = coll.gather_rows_v(x, facts.parallel.attn_cp, facts.cp_sizes)
+        return _unpermute(gathered, facts.cp_order)
+
+    def expected(self, facts, width):
+        return _one("all_gather", facts.parallel.attn_cp, facts.local, width)
+
+
+class SliceCpScatter(Primitive):
+    name = "select(attn_cp)+slice(attn_tp)"
+
+    def run(self, facts, x):
+        start = facts.scatter_offset
+        return x.index_select(0, facts.cp_index[start:start + facts.scattered].to(x.device))
+
+
+class GatherCpScatter(Primitive):
+    name, allocates = "all_gather{v}(attn_tp)+all_gather_v(attn_cp)", True
+
+    def run(self, facts, x):
+        return GATHER_CP.run(facts, GATHER_SCATTER.run(facts, x))
+
+    def expected(self, facts, width):
+        return GATHER_SCATTER.expected(facts, width) + GATHER_CP.expected(facts, width)
+
+
+class GatherParts(Primitive):
+    name, allocates = "all_gather_v(dp_cp)", True
+
+    def run(self, facts, x):
+        gathered = coll.gather_rows_v(x, facts.parallel.dp_cp, facts.parts)
+        return _unpermute(gathered, facts.global_order)
+
+    def expected(self, facts, width):
+        return _one("all_gather", facts.parallel.dp_cp, facts.total, width)
+
+
+class GatherPartsScatter(Primitive):
+    name, allocates = "all_gather{v}(tp)", True
+
+    def run(self, facts, x):
+        group = facts.parallel.tp
+        if facts.mode is RowMode.RS:
+            gathered = coll.gather_rows(facts.pad(x, facts.chunk), group)
+            return gathered.index_select(0, facts.pad_pos.to(x.device))
+        gathered = coll.gather_rows_v(x, group, facts.scatter_sizes)
+        return _unpermute(gathered, facts.global_order)
+
+    def expected(self, facts, width):
+        return GATHER_DP_SCATTER.expected(facts, width)
+
+
+class SelectShare(Primitive):
+    name = "select(dp_cp)"
+
+    def run(self, facts, x):
+        return x.index_select(0, facts.share_global.to(x.device))
+
+
+class SelectShareScatter(Primitive):
+    name = "select(dp_cp)+slice(attn_tp)"
+
+    def run(self, facts, x):
+        start = facts.scatter_offset
+        rows = facts.share_global[start:start + facts.scattered]
+        return x.index_select(0, rows.to(x.device))
+
+
+class AllReduceAttnTpGatherCp(Primitive):
+    name, allocates = "all_reduce(attn_tp)+all_gather_v(attn_cp)", True
+
+    def run(self, facts, x):
+        return GATHER_CP.run(facts, ALL_REDUCE_ATTN_TP.run(facts, x))
+
+    def expected(self, facts, width):
+        return ALL_REDUCE_ATTN_TP.expected(facts, width) + GATHER_CP.expected(facts, width)
+
+
+class AllReduceTpSelectShare(Primitive):
+    name = "all_reduce(tp)+select(dp_cp)"
+
+    def run(self, facts, x):
+        return SELECT_SHARE.run(facts, coll.all_reduce_rows(x, facts.parallel.tp))
+
+    def expected(self, facts, width):
+        return ALL_REDUCE_TP.expected(facts, width)
+
+
+class ReduceScatterParts(Primitive):
+    name = "reduce_scatter{v}(tp)"
+
+    def run(self, facts, x):
+        group = facts.parallel.tp
+        if facts.mode is RowMode.RS:  # each global row at its padded place, then fixed blocks
+            padded = x.new_zeros((facts.padded_total, *x.shape[1:]))
+            padded.index_copy_(0, facts.pad_pos.to(x.device), x)
+            return coll.reduce_scatter_rows(padded, group)[: facts.scattered]
+        in_parts = x.index_select(0, facts.global_order.to(x.device))  # partition order
+        return coll.reduce_scatter_rows_v(in_parts, group, facts.scatter_sizes)
+
+    def expected(self, facts, width):
+        return REDUCE_SCATTER_TP.expected(facts, width)
+
+
 IDENTITY, SLICE_DP, SLICE_SCATTER = Identity(), SliceDp(), SliceScatter()
 SLICE_DP_SCATTER = SliceDpScatter()
 GATHER_SCATTER, GATHER_DP, GATHER_DP_SCATTER = GatherScatter(), GatherDp(), GatherDpScatter()
 ALL_REDUCE_ATTN_TP, REDUCE_SCATTER_ATTN_TP = AllReduceAttnTp(), ReduceScatterAttnTp()
 ALL_REDUCE_TP_DP_PLACED, ALL_REDUCE_TP = AllReduceTpDpPlaced(), AllReduceTp()
 ALL_REDUCE_TP_SLICE_DP, REDUCE_SCATTER_TP = AllReduceTpSliceDp(), ReduceScatterTp()
+SLICE_CP, GATHER_CP = SliceCp(), GatherCp()
+SLICE_CP_SCATTER, GATHER_CP_SCATTER = SliceCpScatter(), GatherCpScatter()
+GATHER_PARTS, GATHER_PARTS_SCATTER = GatherParts(), GatherPartsScatter()
+SELECT_SHARE, SELECT_SHARE_SCATTER = SelectShare(), SelectShareScatter()
+ALL_REDUCE_ATTN_TP_GATHER_CP = AllReduceAttnTpGatherCp()
+ALL_REDUCE_TP_SELECT_SHARE, REDUCE_SCATTER_PARTS = AllReduceTpSelectShare(), ReduceScatterParts()
 
 
 @dataclass(frozen=True, eq=False)
@@ -352,7 +549,7 @@ class Movement:
         return self.primitive.expected(facts, width)
 
 
-DP, TS = TokenAxis.ATTN_DP, TokenAxis.ATTN_TP_SCATTER
+DP, CP, TS = TokenAxis.ATTN_DP, TokenAxis.ATTN_CP, TokenAxis.ATTN_TP_SCATTER
 ALL_MODES = frozenset(RowMode)
 SCATTERING = frozenset({RowMode.RS, RowMode.RSV})
 TP_SUMS = frozenset({SumGroup.TP, SumGroup.MOE_OUT})
@@ -401,14 +598,14 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t(None, (DP,), (), ALL_MODES, GATHER_DP, "every DP rank's rows, in DP rank order"),
     _t(None, (DP, TS), (), SCATTERING, GATHER_DP_SCATTER,
        "every rank's slice, in TP rank order: the global rows"),
-    # an attention partial: summed over attention TP on its DP rank's rows
+    # an attention partial: summed over attention TP on its attention rows
     _t(SumGroup.ATTN_TP, (), (), ALL_MODES, ALL_REDUCE_ATTN_TP,
-       "rows unchanged, summed over attention TP", source="local"),
+       "rows unchanged, summed over attention TP", source="attention"),
     _t(SumGroup.ATTN_TP, (), (TS,), SCATTERING, REDUCE_SCATTER_ATTN_TP,
-       "each attention-TP rank gets the sum of its slice", source="local"),
+       "each attention-TP rank gets the sum of its slice", source="attention"),
     _t(SumGroup.ATTN_TP, (DP,), (), {RowMode.AR}, ALL_REDUCE_TP_DP_PLACED,
        "each DP rank's partial placed in a zero global buffer and summed over TP: the sum "
-       "and the DP gather in one collective", source="local"),
+       "and the DP gather in one collective", source="attention"),
     # a TP-group partial on the global rows
     _t(TP_SUMS, (), (), ALL_MODES, ALL_REDUCE_TP, "global rows unchanged, summed over TP",
        source="replicated"),
@@ -422,6 +619,41 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t(TP_SUMS, (), (DP, TS), SCATTERING, REDUCE_SCATTER_TP,
        "each rank gets the sum of its slice of its DP rank's rows", source="replicated"),
 )
+
+
+# A CP batch: the attention rows are this CP rank's share of its DP rank's tokens (CP and,
+# under attention DP, DP partition them); local rows are the DP rank's tokens in token order
+# and the global rows every DP rank's, each in token order (as without CP).
+_CP_PARTS = ((DP, CP), (CP,))  # what separates a share from the global rows (DP, or not)
+TRANSITIONS += (
+    _t(None, (), (CP,), ALL_MODES, SLICE_CP, "this CP rank's share of its DP rank's tokens, in "
+       "share order (cp_shares)"),
+    _t(None, (CP,), (), ALL_MODES, GATHER_CP, "the DP rank's tokens from its CP ranks' shares, "
+       "back in token order"),
+    _t(None, (), (CP, TS), SCATTERING, SLICE_CP_SCATTER, "this rank's attention-TP slice of its "
+       "CP share"),
+    _t(None, (CP, TS), (), SCATTERING, GATHER_CP_SCATTER, "the DP rank's tokens from every "
+       "attention-TP slice of every CP share, in token order"),
+    _t(None, (DP, CP), (), ALL_MODES, GATHER_PARTS, "every (DP, CP) rank's share, gathered in "
+       "partition order, back in global token order"),
+    _t(None, (DP, CP, TS), (), SCATTERING, GATHER_PARTS_SCATTER, "every rank's slice of its "
+       "share, back in global token order"),
+    _t(None, (), (DP, CP), ALL_MODES, SELECT_SHARE, "this rank's share of the global rows"),
+    _t(None, (), (DP, CP, TS), SCATTERING, SELECT_SHARE_SCATTER, "this rank's slice of its "
+       "share of the global rows"),
+    _t(SumGroup.ATTN_TP, (CP,), (), ALL_MODES, ALL_REDUCE_ATTN_TP_GATHER_CP, "summed over "
+       "attention TP on the share, then the DP rank's tokens in token order",
+       source="attention"),
+) + tuple(
+    row for parts in _CP_PARTS for row in (
+        _t(TP_SUMS, (), parts, SCATTERING, REDUCE_SCATTER_PARTS, "the global rows summed over "
+           "TP, each rank getting its share (reduce-scatter over dp x cp x attn_tp in partition "
+           "order)", source="replicated", needs_scattered_target=True),
+        _t(TP_SUMS, (), parts, ALL_MODES, ALL_REDUCE_TP_SELECT_SHARE, "summed over TP, then "
+           "this rank's share", source="replicated"),
+        _t(TP_SUMS, (), (*parts, TS), SCATTERING, REDUCE_SCATTER_PARTS, "each rank gets the "
+           "sum of its slice of its share", source="replicated"),
+    ))
 
 
 def _name(primitive: Primitive, mode: RowMode) -> str:
@@ -443,16 +675,17 @@ def resolve(owed, src: Layout, dst: Layout, mode: RowMode, layouts: Layouts) -> 
 
 
 class MovementTable:
-    """Every supported (owed, src, dst) of one topology and row mode, resolved once, and the
-    row facts of the forwards that use it (kept by DP token counts)."""
+    """Every supported (owed, src, dst) of one topology, row mode and batch variant (``cp``:
+    a CP batch), resolved once, and the row facts of the forwards that use it (kept by DP
+    token counts, and in a CP batch every DP rank's request lengths)."""
 
-    FACTS_KEPT = 256  # distinct DP token counts remembered (a serving loop's batch shapes)
+    FACTS_KEPT = 256  # distinct batch shapes remembered (a serving loop's)
 
-    def __init__(self, parallel: Parallel, mode: RowMode) -> None:
-        self.parallel, self.mode = parallel, mode
-        self.layouts = layouts = Layouts.of(parallel)
+    def __init__(self, parallel: Parallel, mode: RowMode, cp: bool = False) -> None:
+        self.parallel, self.mode, self.cp = parallel, mode, cp
+        self.layouts = layouts = Layouts.of(parallel, cp)
         # an ordered list, not a set: every rank must see the table in one order
-        named = [layouts.replicated, layouts.local]
+        named = [layouts.replicated, layouts.local, layouts.attention]
         if mode is not RowMode.AR:
             named.append(layouts.scattered)
         names = list(dict.fromkeys(named))
@@ -480,13 +713,16 @@ class MovementTable:
         """(owed, src key, dst key) -> Movement, in the table's one order."""
         return self._moves.items()
 
-    def facts(self, counts: tuple[int, ...]) -> RowFacts:
-        """The row facts of a forward with these DP token counts (built once per counts)."""
-        facts = self._facts.get(counts)
+    def facts(self, counts: tuple[int, ...], request_lens=None) -> RowFacts:
+        """The row facts of a forward with these DP token counts (and, in a CP batch, every
+        DP rank's request lengths), built once per batch shape."""
+        key = counts if request_lens is None else (counts, request_lens)
+        facts = self._facts.get(key)
         if facts is None:
             if len(self._facts) >= self.FACTS_KEPT:
                 self._facts.pop(next(iter(self._facts)))
-            facts = self._facts[counts] = RowFacts(self.mode, counts, self.parallel, self)
+            facts = self._facts[key] = RowFacts(self.mode, counts, self.parallel, self,
+                                                request_lens)
         return facts
 
     def rows(self) -> list[dict]:
@@ -497,11 +733,11 @@ class MovementTable:
 
 
 @functools.lru_cache(maxsize=None)
-def movement_table(parallel: Parallel, mode: RowMode) -> MovementTable:
-    """The table of one topology and mode (resolved once per topology: a pure memo)."""
-    return MovementTable(parallel, mode)
+def movement_table(parallel: Parallel, mode: RowMode, cp: bool = False) -> MovementTable:
+    """The table of one topology, mode and variant (resolved once per topology: a memo)."""
+    return MovementTable(parallel, mode, cp)
 
 
-def table_rows(parallel: Parallel, mode: RowMode) -> list[dict]:
+def table_rows(parallel: Parallel, mode: RowMode, cp: bool = False) -> list[dict]:
     """The resolved table as printable rows (for ``plan`` and tests)."""
-    return movement_table(parallel, mode).rows()
+    return movement_table(parallel, mode, cp).rows()

@@ -17,6 +17,7 @@ from .layout import RowMode
 from .models import boundary_reduction, load_model, model_type_of
 from .models.generate import Generation, greedy_generate
 from .models.speculative import speculative_generate
+from .contracts import BatchVariant
 from .runtime.args import BoundaryRuntime
 from .runtime.ledger import LEDGER, LedgerEntry
 from .runtime.parallel import ParallelDims, build_parallel
@@ -30,6 +31,7 @@ class RunSpec:
     tp: int = 1
     dp: int = 1
     ep: int = 1  # expert parallelism of MoE layers over the TP ranks
+    cp: int = 1  # attention context parallelism: each DP rank's tokens split over cp ranks
     boundary_reduction: str = "auto"
     dtype: str = "float32"
     prompts: tuple = ((1, 2, 3),)
@@ -61,7 +63,7 @@ class RunSpec:
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size or self.world_size, tp=self.tp, pp=self.pp,
-                            attn_dp=self.dp, moe_ep=self.ep)
+                            attn_dp=self.dp, attn_cp=self.cp, moe_ep=self.ep)
 
 
 @dataclass
@@ -86,9 +88,10 @@ class RankResult:
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
     policy = boundary_reduction(spec.boundary_reduction, model_type_of(spec.model_dir))
+    variants = (BatchVariant.CP,) if spec.cp > 1 else (BatchVariant.ORDINARY,)
     return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
-                           pp_layers=spec.pp_layers)
+                           pp_layers=spec.pp_layers, batch_variants=variants)
 
 
 def plan_rows(model, mode: RowMode = RowMode.AR) -> list[dict]:
@@ -112,7 +115,7 @@ def handoff_contract(receiver, mode: RowMode) -> str:
     from .contracts import BatchVariant
 
     first = receiver.stack.first
-    entry = first.plan.paths[(BatchVariant.ORDINARY, mode)].entry
+    entry = first.plan.path(mode).entry
     text = (f"to_pp() completes per-batch work and applies the update; {first.name}.from_pp() "
             f"takes the residual on {entry.residual_src}")
     if entry.declared is not None:
@@ -175,7 +178,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                                   dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
                                   on_step=_set_ledger_step,
                                   pp=par.pp if par.dims.pp > 1 else None,
-                                  split_prefill=spec.split_prefill, tbo=spec.tbo)
+                                  split_prefill=spec.split_prefill, tbo=spec.tbo,
+                                  cp=par.dims.attn_cp > 1)
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
                         plan_rows(model, RowMode(checked.modes[0])), checked.released,
                         runtime.boundary_reduction, checked.modes, list(traces))
@@ -222,7 +226,7 @@ def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:
     if draft_cfg.vocab_size != target_cfg.vocab_size:
         raise ValueError(f"draft vocab_size={draft_cfg.vocab_size} differs from the target's "
                          f"vocab_size={target_cfg.vocab_size}")
-    draft_cls.check_parallel(draft_cfg, dims)
+    draft_cls.check_topology(draft_cfg, dims)
     if not draft_cls.positional_cache:
         raise ValueError(f"a {draft_cls.model_type} draft keeps state that folds every token in "
                          "(Mamba states, a sliding-window ring): drafts need a positional KV "

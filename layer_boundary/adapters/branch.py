@@ -137,7 +137,7 @@ def describe_merge(source: StageBoundary, last: StageBoundary, mode) -> dict:
     decision = last.plan.paths[(variant, mode)].exit.default
     owed, rows = ((None, decision.finish_move.dst) if decision.finish_move is not None
                   else (decision.owed, decision.rows))
-    table = last.plan.tables[mode]
+    table = last.plan.tables[(variant, mode)]
     local = table.layouts.local
     move = table.lookup(owed, rows, local)
     source_owes = source.plan.paths[(variant, mode)].exit.default.owed

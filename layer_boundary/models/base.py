@@ -62,6 +62,7 @@ class CausalLM(nn.Module):
     - ``positional_cache``: a draft may use its cache (a rejected token is overwritten, never
       folded into a state);
     - ``check_parallel(cfg, dims)``: a topology its config cannot be sharded over;
+    - ``context_parallel``: True where its attention runs on a CP share, or why it cannot;
     - ``nextn_layers(cfg)``: NextN/MTP layers the checkpoint carries for drafting;
     - ``checkpoint_name(name)``: its parameter name for an on-disk tensor.
     """
@@ -76,9 +77,17 @@ class CausalLM(nn.Module):
     def nextn_layers(cfg) -> int:
         return 0
 
+    @classmethod
+    def check_topology(cls, cfg, dims) -> None:
+        """``check_parallel``, and a CP topology only where the model runs CP batches."""
+        if dims.attn_cp > 1 and cls.context_parallel_refusal is not None:
+            raise ValueError(f"{cls.model_type} cannot run context parallelism (attn_cp="
+                             f"{dims.attn_cp}): {cls.context_parallel_refusal}")
+        cls.check_parallel(cfg, dims)
+
     def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
         super().__init__()
-        self.check_parallel(cfg, runtime.parallel.dims)
+        self.check_topology(cfg, runtime.parallel.dims)
         self.config, self.dtype = cfg, dtype
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
                                   self.decoder_layers(cfg))

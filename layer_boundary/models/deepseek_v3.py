@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ProducerReduction, declare_ffn
+from .. import ProducerReduction, cp_view, declare_ffn
 from ..runtime.context import get_forward
 from ..runtime.parallel import Group
 from ..runtime.args import BoundaryRuntime
@@ -258,19 +258,29 @@ class DeepseekV3Attention(nn.Module):
         return self.kv_b_proj(self.kv_a_layernorm(kv_nope))
 
     def forward(self, positions, latent, forward_batch):
-        cfg, tokens = self.cfg, latent.shape[0]
+        """latent: the attention rows' qkv latent (in a CP batch this CP rank's share of its
+        DP rank's tokens); positions: every token's of the DP rank."""
+        cfg, cp = self.cfg, cp_view(forward_batch)
         q_lat, kv_nope, k_rot = latent.split(self.latent_split, dim=-1)
+        q_positions = positions
+        if cp is not None:  # every token's kv latent (not its heads) as keys and values
+            q_positions = cp.share(positions)
+            kv_nope, k_rot = cp.gather(torch.cat((kv_nope, k_rot), dim=-1)).split(
+                (cfg.kv_lora_rank, cfg.qk_rope_head_dim), dim=-1)
+        tokens, kv_tokens = q_lat.shape[0], kv_nope.shape[0]
         q = self.project_q(q_lat).view(tokens, self.num_heads, cfg.qk_head_dim)
         q_nope, q_rot = q.split((cfg.qk_nope_head_dim, cfg.qk_rope_head_dim), dim=-1)
         kv = self.project_kv(kv_nope)
-        kv = kv.view(tokens, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        kv = kv.view(kv_tokens, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split((cfg.qk_nope_head_dim, cfg.v_head_dim), dim=-1)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, latent.dtype)
+        cos, sin = rope_cos_sin(q_positions, self.inv_freq, latent.dtype)
         q_rot = apply_rope(q_rot, cos, sin, cfg.rope_interleave)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, latent.dtype)
         k_rot = apply_rope(k_rot[:, None, :], cos, sin, cfg.rope_interleave)  # [T, 1, rope]
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1)), dim=-1)
-        out = cached_attention(self.layer_id, q, k, v, forward_batch, self.scaling)
+        out = cached_attention(self.layer_id, q, k, v, forward_batch, self.scaling,
+                               queries=None if cp is None else cp.queries)
         return self.o_proj(out.flatten(1))  # [T, H*Dv] -> [T, hidden] partial over attn_tp
 
 
@@ -391,7 +401,8 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
 
 
 @register_model("deepseek_v3", DeepseekV3Config, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True)
+                boundary_reduction="rs+rsv", positional_cache=True,
+                context_parallel=True)
 class DeepseekV3ForCausalLM(CausalLM):
     layer_cls = DeepseekV3DecoderLayer
 

@@ -446,7 +446,8 @@ _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
 
 @register_model("deepseek_v4", DeepseekV4Config, check_parallel=check_parallel,
                 # its sliding-window ring folds every token in
-                boundary_reduction="rs+rsv", positional_cache=False)
+                boundary_reduction="rs+rsv", positional_cache=False,
+                context_parallel="its sliding window and sinks across a CP cut are not built")
 class DeepseekV4ForCausalLM(CausalLM):
     layer_cls = DeepseekV4DecoderLayer
 

@@ -18,7 +18,7 @@ import torch
 
 from ..runtime.collectives import (broadcast_from_last_stage, recv_from_prev_stage,
                                    send_to_next_stage)
-from ..runtime.forward_batch import ForwardBatch, ForwardMode
+from ..runtime.forward_batch import BatchVariant, ForwardBatch, ForwardMode
 
 
 @dataclass
@@ -47,7 +47,22 @@ def segments(layers: range, parts: int) -> list[tuple[int, int]]:
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp: int = 1,
                     dp_rank: int = 0, keep_logits: bool = True, on_step=None, pp=None,
-                    split_prefill: int = 1, tbo: bool = False) -> Generation:
+                    split_prefill: int = 1, tbo: bool = False, cp: bool = False) -> Generation:
+    """Greedy tokens (and each step's logits) of this rank's requests.
+
+    Args:
+        model: the stage's model; ``model(batch[, pp_input])`` returns logits on local rows.
+        prompts: every request's prompt ids (this rank runs request i if i mod dp is its
+            DP rank).
+        max_new_tokens: steps, the prefill included.
+        dp, dp_rank: attention DP.
+        keep_logits: keep each step's last-position logits.
+        on_step: called with the step index before each forward.
+        pp, split_prefill: pipeline parallelism (``pp``: the pipeline group).
+        tbo: every forward as two interleaved microbatches.
+        cp: every forward a CP batch (attention context parallelism splits each DP rank's
+            tokens over its CP ranks).
+    """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     for i, p in enumerate(prompts):
@@ -71,6 +86,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
                                    dp_token_counts=tuple(map(sum, lens)), kv_cache=cache,
                                    device=model.device)
         batch.dp_request_lens, batch.tbo = lens, tbo
+        if cp:
+            batch.variant = BatchVariant.CP
         stage = getattr(model, "stage", None)
         first = stage is None or stage.first
         last = stage is None or stage.last

@@ -61,18 +61,24 @@ class KVCache:
 
 
 def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     forward_batch, scaling: float, sinks: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     forward_batch, scaling: float, sinks: torch.Tensor | None = None,
+                     queries: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this forward's tokens over each request's cached prefix.
 
-    q: [T, H, D], k: [T, KVH, D], v: [T, KVH, Dv] for the tokens of this forward, requests
-    concatenated. Returns [T, H, Dv]. Writes k/v into the batch's cache. A windowed cache
-    (``KVCache.window``) limits each query to its last ``window`` positions. ``sinks`` [H]:
-    one extra logit per head that joins the softmax and is then dropped (attention sinks).
+    k: [T, KVH, D], v: [T, KVH, Dv] for the tokens of this forward, requests concatenated;
+    q: [T, H, D] for the same tokens, or, with ``queries`` (the token index of each q row,
+    request by request: a CP share), for those tokens only. Returns [rows of q, H, Dv].
+    Writes k/v into the batch's cache. A windowed cache (``KVCache.window``) limits each
+    query to its last ``window`` positions. ``sinks`` [H]: one extra logit per head that
+    joins the softmax and is then dropped (attention sinks).
     """
     cache: KVCache = forward_batch.kv_cache
     num_heads, groups = q.shape[1], q.shape[1] // k.shape[1]
     out = q.new_empty((*q.shape[:2], v.shape[-1]))
+    if queries is not None:
+        if cache.window is not None:
+            raise ValueError("a sliding-window cache takes every token's queries (no CP share)")
+        queries = queries.to(q.device)
     start = 0
     for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
                                forward_batch.extend_lens):
@@ -91,10 +97,17 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                                v[start:end])
         keys = keys.repeat_interleave(groups, dim=1)  # [L, H, D]
         values = values.repeat_interleave(groups, dim=1)
-        out[start:end] = _attend(q[start:end], keys, values, prefix, first, scaling,
-                                 cache.window, sinks)
+        if queries is None:
+            rows = slice(start, end)
+            query_pos = torch.arange(prefix, total, device=q.device)
+        else:  # this request's rows of the share, at their positions in the request
+            lo, hi = (int(i) for i in torch.searchsorted(
+                queries, torch.tensor([start, end], device=q.device)))
+            rows, query_pos = slice(lo, hi), prefix + queries[lo:hi] - start
+        out[rows] = _attend(q[rows], keys, values, query_pos, first, scaling, cache.window,
+                            sinks)
         start = end
-    assert start == q.shape[0] and num_heads == out.shape[1]
+    assert start == k.shape[0] and num_heads == out.shape[1]
     return out
 
 
@@ -115,11 +128,12 @@ def _window_keys(cache: KVCache, layer: int, slot: int, prefix: int, k, v):
     return first, keys, values
 
 
-def _attend(q, keys, values, prefix: int, first: int, scaling: float, window, sinks):
-    """q [n, H, D] at positions prefix.. over keys/values [L, H, *] at positions first.."""
-    n, total = q.shape[0], prefix + q.shape[0]
+def _attend(q, keys, values, query_pos, first: int, scaling: float, window, sinks):
+    """q [n, H, D] at positions ``query_pos`` [n] over keys/values [L, H, *] at positions
+    first.."""
+    n = q.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, keys) * scaling  # [H, n, L]
-    query_pos = torch.arange(prefix, total, device=q.device)[:, None]
+    query_pos = query_pos[:, None]
     key_pos = torch.arange(first, first + keys.shape[0], device=q.device)[None, :]
     hidden = key_pos > query_pos
     if window is not None:

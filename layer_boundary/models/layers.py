@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import declare_attn, make_stages
+from .. import cp_view, declare_attn, make_stages
 from ..runtime.args import BoundaryRuntime
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
@@ -57,6 +57,9 @@ class GqaAttention(nn.Module):
         self.scaling = head_dim ** -0.5
 
     def forward(self, positions, hidden_states, forward_batch):
+        """hidden_states: the attention rows (in a CP batch this CP rank's share of the DP
+        rank's tokens); positions: every token's of the DP rank."""
+        cp = cp_view(forward_batch)
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -68,10 +71,14 @@ class GqaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
-            cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+            cos, sin = rope_cos_sin(positions if cp is None else cp.share(positions),
+                                    self.inv_freq, q.dtype)
             q = apply_rope(q, cos, sin, interleave=False)
             k = apply_rope(k, cos, sin, interleave=False)
-        out = cached_attention(self.index, q, k, v, forward_batch, self.scaling)
+        if cp is not None:  # every token of the DP rank as keys and values, in token order
+            k, v = cp.gather(torch.cat((k, v), dim=-1)).split(self.head_dim, dim=-1)
+        out = cached_attention(self.index, q, k, v, forward_batch, self.scaling,
+                               queries=None if cp is None else cp.queries)
         return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden], a partial or a sum
 
 
@@ -120,7 +127,9 @@ class DecoderLayer(nn.Module):
             previous=previous, terminal=terminal, runtime=runtime, name=name)
 
     def attend(self, positions, hidden_states, forward_batch):
-        if hidden_states.shape[0] == 0:  # no rows on this DP rank: an empty contribution
+        # no rows on this rank: an empty contribution (in a CP batch the rank still joins
+        # its DP rank's gather of keys and values)
+        if hidden_states.shape[0] == 0 and cp_view(forward_batch) is None:
             return hidden_states.new_zeros((0, self.hidden_size))
         return self.self_attn(positions, hidden_states, forward_batch)
 

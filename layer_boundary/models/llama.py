@@ -158,7 +158,8 @@ class LlamaDecoderLayer(DecoderLayer):
 
 
 @register_model("llama", LlamaConfig, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True)
+                boundary_reduction="rs+rsv", positional_cache=True,
+                context_parallel=True)
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Qwen3's skeleton (stacked q/k/v) with Llama's layers; ``kv_window`` is the attention
     window the cache keeps (None: every position)."""

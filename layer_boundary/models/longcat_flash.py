@@ -310,7 +310,9 @@ _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 @register_model("longcat_flash", LongcatFlashConfig, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True)
+                boundary_reduction="rs+rsv", positional_cache=True,
+                context_parallel="its dense FFNs and second attention run as a prepared "
+                                 "branch, which takes ordinary token rows only")
 class LongcatFlashForCausalLM(CausalLM):
     layer_cls = LongcatFlashDecoderLayer
 

@@ -34,7 +34,8 @@ class MistralConfig(LlamaConfig):
 # a draft may not be a Mistral: with a sliding window its cache is a ring that overwrites
 # older positions (the class cannot tell per checkpoint, so it says no for all)
 @register_model("mistral", MistralConfig, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=False)
+                boundary_reduction="rs+rsv", positional_cache=False,
+                context_parallel="its sliding window across a CP cut is not built")
 class MistralForCausalLM(LlamaForCausalLM):
     def kv_window(self) -> int | None:
         return self.config.sliding_window

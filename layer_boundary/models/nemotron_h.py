@@ -330,7 +330,8 @@ _ON_DISK = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.layers."
 
 @register_model("nemotron_h", NemotronHConfig, check_parallel=check_parallel,
                 # its Mamba states fold every token in
-                boundary_reduction="rs+rsv", positional_cache=False)
+                boundary_reduction="rs+rsv", positional_cache=False,
+                context_parallel="a Mamba2 state cannot be cut over CP ranks (no state handoff)")
 class NemotronHForCausalLM(CausalLM):
     layer_cls = NemotronHBlock
 

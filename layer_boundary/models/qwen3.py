@@ -110,7 +110,8 @@ class Qwen3DecoderLayer(DecoderLayer):
 
 
 @register_model("qwen3", Qwen3Config, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True)
+                boundary_reduction="rs+rsv", positional_cache=True,
+                context_parallel=True)
 class Qwen3ForCausalLM(CausalLM):
     layer_cls = Qwen3DecoderLayer
 

@@ -100,7 +100,8 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
 
 @register_model("qwen3_moe", Qwen3MoeConfig, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True)
+                boundary_reduction="rs+rsv", positional_cache=True,
+                context_parallel=True)
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
 

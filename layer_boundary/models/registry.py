@@ -5,7 +5,8 @@ A model declares itself in its own file, on its class, with ``@register_model``:
     @register_model("llama", LlamaConfig,     # config.json's model_type, and its config:
                     boundary_reduction="rs+rsv",   # what ``auto`` resolves to
                     positional_cache=True,         # a draft may use it
-                    check_parallel=check_parallel) # a topology its config cannot shard over
+                    check_parallel=check_parallel, # a topology its config cannot shard over
+                    context_parallel=True)         # its attention runs on a CP share
     class LlamaForCausalLM(CausalLM):
         layer_cls = LlamaDecoderLayer
 
@@ -26,7 +27,7 @@ _DISCOVERED = False
 
 
 # what every model declares when it registers (no default: each says it, none inherits it)
-CAPABILITIES = ("boundary_reduction", "positional_cache", "check_parallel")
+CAPABILITIES = ("boundary_reduction", "positional_cache", "check_parallel", "context_parallel")
 
 
 def register_model(model_type: str, config_class: type, **capabilities):
@@ -40,8 +41,14 @@ def register_model(model_type: str, config_class: type, **capabilities):
             never folded into a state).
         check_parallel: ``check_parallel(cfg, dims)`` rejects a topology the config cannot be
             sharded over, naming the config field.
+        context_parallel: True where its attention computes on a CP share (``cp_view``), or
+            why it cannot (the refusal ``--cp`` gets).
     """
     missing = [c for c in CAPABILITIES if c not in capabilities]
+    support = capabilities.get("context_parallel")
+    if support is not None and support is not True and not (isinstance(support, str) and support):
+        raise TypeError(f"register_model({model_type!r}): context_parallel is True or the "
+                        "reason the model cannot run a CP batch")
     unknown = sorted(set(capabilities) - set(CAPABILITIES))
     if missing or unknown:
         raise TypeError(f"register_model({model_type!r}) must declare {list(CAPABILITIES)}"
@@ -54,6 +61,7 @@ def register_model(model_type: str, config_class: type, **capabilities):
         cls.model_type, cls.config_class = model_type, config_class
         for name, value in capabilities.items():
             setattr(cls, name, staticmethod(value) if callable(value) else value)
+        cls.context_parallel_refusal = None if support is True else support
         _MODELS[model_type] = cls
         return cls
 

@@ -96,14 +96,22 @@ class Parallel:
     rank: int
     tp: Group  # full tensor-parallel group (dense FFN sums)
     attn_tp: Group  # attention tensor-parallel group inside one attention-DP rank
-    attn_dp: Group  # same attention-TP index across attention-DP ranks
+    attn_dp: Group  # same attention CP and TP index across attention-DP ranks
     # same TP position across pipeline stages, in stage order: a rank's pipeline neighbours
     # are the previous and next members (point-to-point pairs inside this group)
     pp: Group = field(default=None)
+    # same attention-DP and TP index across attention-CP ranks: a CP batch's K/V gather
+    attn_cp: Group = field(default=None)
+    # same attention-TP index across every (DP, CP) rank: a CP batch's row partitions
+    dp_cp: Group = field(default=None)
 
     def __post_init__(self) -> None:
         if self.pp is None:
             object.__setattr__(self, "pp", _local_group("pp"))
+        if self.attn_cp is None:
+            object.__setattr__(self, "attn_cp", _local_group("attn_cp"))
+        if self.dp_cp is None:  # no CP: the partitions are the DP ranks
+            object.__setattr__(self, "dp_cp", self.attn_dp)
 
     @property
     def pp_rank(self) -> int:
@@ -138,6 +146,10 @@ class Parallel:
     def attn_dp_rank(self) -> int:
         # dp-major rank order inside the TP group
         return self.tp.rank // (self.dims.attn_cp * self.dims.attn_tp)
+
+    @property
+    def attn_cp_rank(self) -> int:
+        return self.tp.rank // self.dims.attn_tp % self.dims.attn_cp
 
 
 def _local_group(name: str) -> Group:
@@ -177,7 +189,16 @@ def group_layout(dims: ParallelDims) -> dict[str, list[list[int]]]:
         "attn_dp": [list(range(base + off, base + tp, stride))
                     for base in range(0, dims.world_size, tp) for off in range(stride)],
         "pp": [list(range(pos, dims.world_size, tp)) for pos in range(tp)],
+        # built only where attention CP splits the rows (attn_cp > 1)
+        "attn_cp": [list(range(base + d * stride + t, base + (d + 1) * stride, attn_tp))
+                    for base in range(0, dims.world_size, tp)
+                    for d in range(dims.attn_dp) for t in range(attn_tp)],
+        "dp_cp": [list(range(base + t, base + tp, attn_tp))
+                  for base in range(0, dims.world_size, tp) for t in range(attn_tp)],
     }
+
+
+_CP_GROUPS = ("attn_cp", "dp_cp")
 
 
 def build_parallel(dims: ParallelDims) -> Parallel:
@@ -196,8 +217,10 @@ def build_parallel(dims: ParallelDims) -> Parallel:
         raise TopologyError(
             f"world_size {dims.world_size} != torch.distributed world size {dist.get_world_size()}")
     rank = dist.get_rank()
-    groups = {name: _new_groups(name, ranks, rank) for name, ranks in group_layout(dims).items()}
-    par = Parallel(dims, rank, groups["tp"], groups["attn_tp"], groups["attn_dp"], groups["pp"])
+    groups = {name: _new_groups(name, ranks, rank) for name, ranks in group_layout(dims).items()
+              if dims.attn_cp > 1 or name not in _CP_GROUPS}
+    par = Parallel(dims, rank, groups["tp"], groups["attn_tp"], groups["attn_dp"], groups["pp"],
+                   groups.get("attn_cp"), groups.get("dp_cp"))
     _PARALLEL_CACHE[dims] = par
     return par
 
@@ -209,7 +232,8 @@ def virtual_parallel(dims: ParallelDims, rank: int = 0) -> Parallel:
         return Group(name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=None)
 
     layout = group_layout(dims)
-    return Parallel(dims, rank, *(mine(n, layout[n]) for n in ("tp", "attn_tp", "attn_dp", "pp")))
+    names = ("tp", "attn_tp", "attn_dp", "pp") + (_CP_GROUPS if dims.attn_cp > 1 else ())
+    return Parallel(dims, rank, *(mine(n, layout[n]) for n in names))
 
 
 # ---------------------------------------------------------------- process start-up

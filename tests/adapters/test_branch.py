@@ -191,10 +191,19 @@ def test_branch_misuse_raises():
 @pytest.mark.parametrize("variant", [BatchVariant.CP, BatchVariant.INPUT_SCATTERED,
                                      BatchVariant.SEQUENCE_PARALLEL], ids=lambda v: v.value)
 def test_branch_takes_ordinary_rows_only(variant):
-    rt = runtime(batch_variants=(BatchVariant.ORDINARY, variant))
-    with pytest.raises(UnsupportedBoundary, match=f"stage layer0.attn: no boundary path for the "
-                                                  f"{variant.value} batch variant yet"):
+    if variant is BatchVariant.CP:  # a CP topology (construction only: no ranks run)
+        from layer_boundary.runtime import BoundaryRuntime
+        from layer_boundary.runtime.parallel import ParallelDims, virtual_parallel
+
+        rt = BoundaryRuntime(virtual_parallel(ParallelDims(world_size=2, tp=2, attn_cp=2)),
+                             batch_variants=(variant,))
+        # ordinary stages build their CP paths; only the branch refuses
         make_stages((declare_attn(), toy_norm(0)), runtime=rt, name="layer0", terminal=True)
+    else:
+        rt = runtime(batch_variants=(BatchVariant.ORDINARY, variant))
+        with pytest.raises(UnsupportedBoundary, match=f"stage layer0.attn: no boundary path "
+                                                      f"for the {variant.value} batch variant"):
+            make_stages((declare_attn(), toy_norm(0)), runtime=rt, name="layer0", terminal=True)
     source = declare_ffn()
     with pytest.raises(UnsupportedBoundary, match="branch transport supports ordinary token rows "
                                                   "only: stage branch.ffn cannot run the "
