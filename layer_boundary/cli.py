@@ -342,7 +342,8 @@ def _report(args, spec, results, reference) -> int:
         return 0 if ok else 1
     log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
-             spec.dp, f"cp={spec.cp} " if spec.cp > 1 else "", spec.ep, rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
+             spec.dp, f"cp={spec.cp} " if spec.cp > 1 else "", spec.ep,
+             rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
              f"  compiled ({spec.compile}, fullgraph)" if spec.compile else "")
     for i, g in zip(run.request_ids, run.generated):
         log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)

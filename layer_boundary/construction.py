@@ -115,9 +115,10 @@ def _sum(runtime, which: SumGroup) -> SumGroup | None:
 
 def handoff_rows(decl, layouts: Layouts, mode: RowMode):
     """Where a complete FFN output is handed on (a plain scatter of its rows): the attention
-    rows (this DP rank's, or its CP share), or, between two sparse FFNs (``sparse`` with ``next_sparse``: the layer after the
-    consumer is sparse too, as between MoE layers), the residual's rows in ``mode``, so the
-    rows two-batch overlap splits and merges stay token-sharded across the pair."""
+    rows (this DP rank's, or its CP share), or, between two sparse FFNs (``sparse`` with
+    ``next_sparse``: the layer after the consumer is sparse too, as between MoE layers), the
+    residual's rows in ``mode``, so the rows two-batch overlap splits and merges stay
+    token-sharded across the pair."""
     if decl.sparse and decl.next_sparse:
         return layouts.residual(mode)
     return layouts.attention

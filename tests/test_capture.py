@@ -84,27 +84,30 @@ SCENARIOS = ["capture_output", "captured_last_layer_outputs", "post_residual_add
              "post_residual_addition+capture", "boundary.capture_output"]
 
 
-def run_all(tp: int, dp: int, policy: str, counts: tuple[int, ...]) -> dict:
-    rt = runtime(tp, dp, boundary_reduction=policy)
+def run_all(tp: int, dp: int, policy: str, counts: tuple[int, ...], cp: int = 1,
+            lens=None) -> dict:
+    rt = runtime(tp, dp, cp, boundary_reduction=policy)
     stack = ToyStack(rt, LAYERS)
     total = sum(counts)
     results = {}
     for name in SCENARIOS:
-        b = DpBatch(counts, rt)
+        b = DpBatch(counts, rt, lens)
         x = b.mine(seeded((total, HIDDEN), 3))
         extras = [b.mine(seeded((total, HIDDEN), 10 + i) * 0.3) for i in range(LAYERS)]
         results[name] = scenario(stack, b, x, extras, name)
     attn_tp = b.fb.rows.attn_tp
     return {"results": results, "rows": (b.rows.start, b.rows.stop), "attn_tp": attn_tp,
-            "gathers": attn_tp > 1 and policy != "ar"}
+            "share": b.share, "gathers": attn_tp > 1 and policy != "ar", "cp": cp > 1}
 
 
-def expected_owned(name: str, gathers: bool) -> list[bool] | None:
+def expected_owned(name: str, gathers: bool, cp: bool = False) -> list[bool] | None:
     """What ``owned`` each capture may carry: the entry input and the final norm's residual
-    are borrowed; a residual brought back through a gather, or a sum computed for the
-    capture, is fresh."""
+    are borrowed; a residual brought back through a gather (over attention TP from scattered
+    rows, over CP from a CP share to local rows), or a sum computed for the capture, is
+    fresh."""
+    to_local = gathers or cp
     return {
-        "capture_output": [False, gathers, gathers, False],
+        "capture_output": [False, to_local, to_local, False],
         "captured_last_layer_outputs": [gathers],  # the collector sees layer 1 only
         "post_residual_addition": [],
         "post_residual_addition+capture": [False, True, True],
@@ -119,15 +122,18 @@ def check(results: list[dict], counts) -> None:
     ref = run_all(1, 1, "ar", counts)["results"]
     for rank, r in enumerate(results):
         rows = slice(*r["rows"])
+        # the attention's compute-input rows: the DP rank's, or in a CP batch its CP share
+        attention = rows if r["share"] is None else r["share"]
         for name, got in r["results"].items():
             want = ref[name]
+            at = attention if name == "captured_last_layer_outputs" else rows
             _close(got["out"], want["out"][rows], f"rank {rank} {name} out")
             assert len(got["values"]) == len(want["values"]), (rank, name)
             for i, (g, w) in enumerate(zip(got["values"], want["values"])):
-                _close(g, w[rows], f"rank {rank} {name} capture {i}")
+                _close(g, w[at], f"rank {rank} {name} capture {i}")
             for i, (g, w) in enumerate(zip(got.get("list", []), want.get("list", []))):
-                _close(g, w[rows], f"rank {rank} {name} list capture {i}")
-            owned = expected_owned(name, r["gathers"])
+                _close(g, w[at], f"rank {rank} {name} list capture {i}")
+            owned = expected_owned(name, r["gathers"], r.get("cp", False))
             if owned is not None:
                 assert got["owned"] == owned, (rank, name, got["owned"])
             if name == "boundary.capture_output":
@@ -164,6 +170,22 @@ CASES = [(2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 1, "rs", (5,)),
                          ids=[f"tp{t}-dp{d}-{p}-{'_'.join(map(str, c))}" for t, d, p, c in CASES])
 def test_captures_match_world1(tp, dp, policy, counts):
     check(get_pool(tp).run(run_all, tp, dp, policy, counts), counts)
+
+
+# CP batches: each DP rank's requests (one shorter than 2 x cp; an empty DP rank)
+CP_CASES = [(2, 1, 2, "ar", ((7, 2),)), (2, 1, 2, "rsv", ((7, 2),)), (4, 1, 2, "rs", ((9, 3),)),
+            (4, 1, 4, "rsv", ((10,),)), (4, 2, 2, "ar", ((5, 3), (2,))),
+            (4, 2, 2, "rsv", ((5, 3), ())), (4, 2, 2, "rs", ((), (3,)))]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,cp,policy,lens", CP_CASES,
+                         ids=[f"tp{t}-dp{d}-cp{c}-{p}-" + "-".join(
+                             "_".join(map(str, per)) or "none" for per in n)
+                             for t, d, c, p, n in CP_CASES])
+def test_captures_match_world1_in_a_cp_batch(tp, dp, cp, policy, lens):
+    counts = tuple(map(sum, lens))
+    check(get_pool(tp).run(run_all, tp, dp, policy, counts, cp, lens), counts)
 
 
 def provider_accepts(capture: bool) -> int:

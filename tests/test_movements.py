@@ -21,14 +21,15 @@ from layer_boundary.runtime import LEDGER, ParallelDims, build_parallel
 WIDTH = 3
 
 
-def run_table(tp: int, dp: int, mode: str, counts) -> list:
-    par = build_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, attn_dp=dp))
+def run_table(tp: int, dp: int, mode: str, counts, cp: int = 1, request_lens=None) -> list:
+    par = build_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, attn_dp=dp,
+                                      attn_cp=cp))
     mode = RowMode(mode)
-    rows = RowFacts(mode, counts, par)
+    rows = RowFacts(mode, counts, par, request_lens=request_lens)
     total = sum(counts)
     full = torch.arange(total * WIDTH, dtype=torch.float64).view(total, WIDTH) + 1
     out = []
-    for key, movement in movement_table(par, mode).items():
+    for key, movement in movement_table(par, mode, cp=request_lens is not None).items():
         if key == "layouts":
             continue
         src_rows = full[rows.global_indices(movement.src)]
@@ -60,6 +61,39 @@ CASES = [(2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 1, "rs", (5,)), (4, 1, "rs"
 def test_every_movement_keeps_its_contract(tp, dp, mode, counts):
     results = get_pool(tp).run(run_table, tp, dp, mode, counts)
     assert results[0], "the table resolved no movement"
+    for rank, rows in enumerate(results):
+        for name, src, dst, owed, values, ledger, count in rows:
+            what = f"rank {rank}: {name} ({owed or 'complete'}: {src} -> {dst})"
+            assert values, f"{what}: wrong rows or values"
+            assert ledger, f"{what}: the ledger differs from the movement's expectation"
+            assert count, f"{what}: row count"
+
+
+# CP batches: (tp, attn_dp, attn_cp, mode, every DP rank's request lengths). attn_tp 2 and
+# 1; a request shorter than 2 x cp (some CP shares empty), one-token requests (a decode
+# step: every token on CP rank 0), an empty DP rank, a batch with no tokens at all
+CP_CASES = [(2, 1, 2, "ar", ((5,),)), (2, 1, 2, "rs", ((9, 2),)), (2, 1, 2, "rsv", ((3,),)),
+            (4, 1, 2, "ar", ((7, 3),)), (4, 1, 2, "rs", ((7, 3),)), (4, 1, 2, "rsv", ((9, 1, 2),)),
+            (4, 1, 2, "rsv", ((1, 1, 1),)),
+            (4, 1, 4, "ar", ((3,),)), (4, 1, 4, "rs", ((10, 3),)), (4, 1, 4, "rsv", ((10, 3),)),
+            (4, 2, 2, "ar", ((5, 3), (2,))), (4, 2, 2, "rs", ((5, 3), (2,))),
+            (4, 2, 2, "rsv", ((5, 3), (2,))), (4, 2, 2, "rsv", ((), (1,))),
+            (4, 2, 2, "rs", ((4,), ())), (4, 2, 2, "rsv", ((), ()))]
+
+
+def _lens_id(lens) -> str:
+    return "-".join("_".join(map(str, per)) or "none" for per in lens)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,cp,mode,lens", CP_CASES,
+                         ids=[f"tp{t}-dp{d}-cp{c}-{m}-{_lens_id(n)}" for t, d, c, m, n in CP_CASES])
+def test_every_cp_movement_keeps_its_contract(tp, dp, cp, mode, lens):
+    counts = tuple(sum(per) for per in lens)
+    results = get_pool(tp).run(run_table, tp, dp, mode, counts, cp, lens)
+    names = {name for name, *_ in results[0]}
+    # the CP rows themselves resolved: a gather over CP and a select of the share
+    assert {"all_gather_v(attn_cp)", "select(attn_cp)"} <= names, names
     for rank, rows in enumerate(results):
         for name, src, dst, owed, values, ledger, count in rows:
             what = f"rank {rank}: {name} ({owed or 'complete'}: {src} -> {dst})"

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from layer_boundary import HandoffOutput, declare_attn, declare_ffn, layer_stack, make_stages
+from layer_boundary.ops import cp_shares
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.add_norm import PlainAdd
-from layer_boundary.runtime import (BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims,
-                                    RMSNorm, RowParallelLinear, build_parallel)
+from layer_boundary.runtime import (BatchVariant, BoundaryRuntime, ForwardBatch, ForwardMode,
+                                    ParallelDims, RMSNorm, RowParallelLinear, build_parallel)
 
 HIDDEN = 8
 
@@ -30,9 +31,13 @@ class AddAtProducer(PlainAdd):
     at_producer = True
 
 
-def runtime(tp: int = 1, dp: int = 1, **kwargs) -> BoundaryRuntime:
-    return BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=dp)),
-                           **kwargs)
+def runtime(tp: int = 1, dp: int = 1, cp: int = 1, **kwargs) -> BoundaryRuntime:
+    """A runtime on ``tp`` ranks, ``dp`` attention-DP ranks and ``cp`` attention-CP ranks (a
+    CP topology serves CP batches)."""
+    if cp > 1:
+        kwargs.setdefault("batch_variants", (BatchVariant.CP,))
+    return BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=dp,
+                                                       attn_cp=cp)), **kwargs)
 
 
 def batch(tokens: int = 3) -> ForwardBatch:
@@ -41,17 +46,33 @@ def batch(tokens: int = 3) -> ForwardBatch:
 
 class DpBatch:
     """This rank's share of a world-1 batch of ``sum(counts)`` tokens: DP rank d holds the
-    d-th segment (``counts[d]`` tokens, possibly none)."""
+    d-th segment (``counts[d]`` tokens, possibly none).
 
-    def __init__(self, counts: tuple[int, ...], rt: BoundaryRuntime) -> None:
+    On a CP topology it is a CP batch: ``request_lens`` (every DP rank's requests, default
+    one request per DP rank) place each CP rank's share, and ``share`` holds the world-1 rows
+    of this rank's share (the mapping, ``cp_shares``)."""
+
+    def __init__(self, counts: tuple[int, ...], rt: BoundaryRuntime, request_lens=None) -> None:
         par = rt.parallel
         self.counts = tuple(counts) if par.dims.attn_dp > 1 else (sum(counts),)
         d = par.attn_dp_rank if par.dims.attn_dp > 1 else 0
         self.start = sum(self.counts[:d])
         self.rows = slice(self.start, self.start + self.counts[d])
         n = self.counts[d]
-        self.fb = ForwardBatch.build(ForwardMode.EXTEND, [list(range(n))] if n else [],
-                                     [0] if n else [], dp_token_counts=self.counts)
+        if par.dims.attn_cp == 1:
+            self.share = None
+            self.fb = ForwardBatch.build(ForwardMode.EXTEND, [list(range(n))] if n else [],
+                                         [0] if n else [], dp_token_counts=self.counts)
+            return
+        lens = tuple(tuple(per) for per in request_lens) if request_lens is not None else \
+            tuple((c,) if c else () for c in counts)
+        starts = [sum(lens[d][:i]) for i in range(len(lens[d]))]
+        self.fb = ForwardBatch.build(ForwardMode.EXTEND,
+                                     [list(range(s, s + k)) for s, k in zip(starts, lens[d])],
+                                     [0] * len(lens[d]), dp_token_counts=self.counts)
+        self.fb.variant, self.fb.dp_request_lens = BatchVariant.CP, lens
+        mine = cp_shares(lens[d], par.dims.attn_cp)[par.attn_cp_rank]
+        self.share = torch.tensor(mine, dtype=torch.long) + self.start
 
     def mine(self, full: torch.Tensor) -> torch.Tensor:
         """This DP rank's rows of a world-1 tensor."""

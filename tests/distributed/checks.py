@@ -14,7 +14,7 @@ from .pool import get_pool
 def world1(spec: RunSpec):
     """The same requests on one rank: no TP, DP, EP, pipeline or fusion provider (cached per
     spec, so the cases of a module share it)."""
-    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, pp=1, pp_layers=None,
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, pp_layers=None,
                                    split_prefill=1, tbo=False, draft_model=None,
                                    speculative_algorithm=None, boundary_reduction="ar",
                                    fusions=None),

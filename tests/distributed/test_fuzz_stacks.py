@@ -1,6 +1,7 @@
 """Fuzz: random stacks of 2-6 stages (PARTIAL attentions, SCOPED mixers, SCOPED dense and
 sparse FFNs, LOCAL_TAIL FFNs, in any order), random topologies (tp 1/2/4, attention DP
-dividing tp), random DP token counts (zeros included) and every policy. Each example either
+dividing tp; CP batches on attention-CP topologies), random DP token counts (zeros included)
+and every policy. Each example either
 matches world 1 on real gloo ranks or is rejected at construction, identically on world 1.
 
 ``LB_FUZZ_EXAMPLES`` sets the number of examples (CI runs a few; a manual run more)."""
@@ -11,7 +12,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from toy import HIDDEN, DpBatch, ToyAttn, ToyFfn, runtime, seeded, toy_norm
 
@@ -68,9 +69,10 @@ class TailFfn(ToyFfn):
         return partial + tail if self.down.group.rank == 0 else partial
 
 
-def run(kinds, tp: int, dp: int, policy: str, counts):
-    """The stack on this rank: its output rows, or the construction-time rejection."""
-    rt = runtime(tp, dp, boundary_reduction=policy)
+def run(kinds, tp: int, dp: int, policy: str, counts, cp: int = 1, lens=None):
+    """The stack on this rank: its output rows, or the construction-time rejection (with
+    ``cp`` > 1, a CP batch of requests ``lens``)."""
+    rt = runtime(tp, dp, cp, boundary_reduction=policy)
     par = rt.parallel
     norms = [toy_norm(50 + i) for i in range(len(kinds))]
     try:
@@ -81,7 +83,7 @@ def run(kinds, tp: int, dp: int, policy: str, counts):
     compute = [ToyAttn(par, 100 + i) if k == "attn" else Mixer(par, 100 + i) if k == "mixer"
                else TailFfn(par, 100 + i) if k == "ffn_tail" else ToyFfn(par, 100 + i)
                for i, k in enumerate(kinds)]
-    b = DpBatch(counts, rt)
+    b = DpBatch(counts, rt, lens)
     residual_batch.start(b.fb)
     h = b.mine(seeded((sum(counts), HIDDEN), 8))
     for kind, stage, fn in zip(kinds, stages, compute):
@@ -118,6 +120,41 @@ def test_random_stacks_match_world1_or_are_rejected_at_construction(case):
     kinds, tp, dp, policy, counts = case
     ref = run(kinds, 1, 1, "ar", counts)
     results = get_pool(tp).run(run, kinds, tp, dp, policy, counts)
+    if "rejected" in ref:
+        assert all("rejected" in r for r in results), (case, ref["rejected"])
+        return
+    for rank, r in enumerate(results):
+        assert "rejected" not in r, (case, r.get("rejected"))
+        assert r["released"]
+        torch.testing.assert_close(r["out"], ref["out"][slice(*r["rows"])], atol=1e-5, rtol=0,
+                                   msg=lambda m: f"{case} rank {rank}: {m}")
+
+
+CP_TOPOLOGIES = [(2, 1, 2), (4, 1, 2), (4, 2, 2), (4, 1, 4)]
+
+
+@st.composite
+def cp_cases(draw):
+    kinds = tuple(draw(st.lists(st.sampled_from(KINDS), min_size=2, max_size=5)))
+    tp, dp, cp = draw(st.sampled_from(CP_TOPOLOGIES))
+    policy = draw(st.sampled_from(["ar", "rs", "rsv", "rs+rsv"]))
+    # every DP rank's requests: short ones (fewer tokens than 2 x cp) and none at all
+    lens = tuple(tuple(draw(st.lists(st.integers(1, 9), max_size=3))) for _ in range(dp))
+    assume(sum(map(sum, lens)) > 0)
+    return kinds, tp, dp, cp, policy, lens
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=max(EXAMPLES // 2, 1), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(cp_cases())
+def test_random_cp_stacks_match_world1(case):
+    """The same stacks in a CP batch: every stage kind on CP shares (the residual, norms and
+    FFN rows on each rank's share of its DP rank's tokens), output back on local rows."""
+    kinds, tp, dp, cp, policy, lens = case
+    counts = tuple(map(sum, lens))
+    ref = run(kinds, 1, 1, "ar", counts)
+    results = get_pool(tp).run(run, kinds, tp, dp, policy, counts, cp, lens)
     if "rejected" in ref:
         assert all("rejected" in r for r in results), (case, ref["rejected"])
         return
