@@ -70,7 +70,12 @@ def view_on_ranks(tp: int, dp: int, cp: int, lens) -> dict:
            "positions": view.share(fb.positions).tolist(), "rows": h.shape[0],
            "gathered": view.gather(view.share(local)).flatten().tolist(),
            "local": local.flatten().tolist(), "expected": (b.share - b.start).tolist(),
-           "expected_positions": fb.positions[b.share - b.start].tolist()}
+           "expected_positions": fb.positions[b.share - b.start].tolist(),
+           # per-token facts onto each stage's compute rows: attention's share, the FFN's
+           # every DP rank's tokens (global order)
+           "attn_rows": layer.attn.to_compute_rows(local + b.start, fb).flatten().tolist(),
+           "ffn_rows": layer.ffn.to_compute_rows(local + b.start, fb).flatten().tolist(),
+           "share_global": b.share.tolist(), "total": sum(counts)}
     residual_batch.norm(layer.attn.finish(layer.attn_compute(h), fb), fb, layer.ffn_norm)
     return out
 
@@ -84,6 +89,8 @@ def test_cp_view_gives_attention_its_share(tp, dp, cp, lens):
         assert r["rows"] == len(r["expected"])  # attention's input rows are the share
         assert r["positions"] == r["expected_positions"]  # positions within each request
         assert r["gathered"] == r["local"]  # every token of the DP rank, in token order
+        assert r["attn_rows"] == r["share_global"]
+        assert r["ffn_rows"] == list(range(r["total"]))
 
 
 def test_no_cp_view_outside_a_cp_batch():

@@ -81,13 +81,14 @@ SCENARIOS = [f"{a}@{w}" for a in ("complete_output", "fold", "snapshot", "add_to
     "take_output@ffn1", "take_output@attn", "written-entry"]
 
 
-def run_all(tp: int, dp: int, policy: str, counts: tuple[int, ...]) -> dict:
-    rt = runtime(tp, dp, boundary_reduction=policy)
+def run_all(tp: int, dp: int, policy: str, counts: tuple[int, ...], cp: int = 1,
+            lens=None) -> dict:
+    rt = runtime(tp, dp, cp, boundary_reduction=policy)
     stack = ToyStack(rt, LAYERS)
     total = sum(counts)
     results, modes = {}, set()
     for name in SCENARIOS:
-        b = DpBatch(counts, rt)
+        b = DpBatch(counts, rt, lens)
         x = b.mine(seeded((total, HIDDEN), 1))
         extra = b.mine(seeded((total, HIDDEN), 2) * 0.5)
         results[name] = scenario(stack, b, x, extra, name)
@@ -133,3 +134,21 @@ CASES = [(2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 1, "rs", (5,)),
                          ids=[f"tp{t}-dp{d}-{p}-{'_'.join(map(str, c))}" for t, d, p, c in CASES])
 def test_accessors_match_world1(tp, dp, policy, counts):
     check_against_world1(get_pool(tp).run(run_all, tp, dp, policy, counts), counts, policy)
+
+
+# CP batches (each DP rank's requests): the accessors take and give local rows while the
+# residual lives on CP shares; a request shorter than 2 x cp, a DP rank with none
+CP_CASES = [(2, 1, 2, "ar", ((6, 3),)), (2, 1, 2, "rsv", ((6, 3),)), (4, 1, 2, "rs", ((7, 2),)),
+            (4, 1, 4, "rsv", ((9,),)), (4, 2, 2, "ar", ((5,), (3,))),
+            (4, 2, 2, "rsv", ((5, 2), ())), (4, 2, 2, "rs", ((), (3,)))]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,cp,policy,lens", CP_CASES,
+                         ids=[f"tp{t}-dp{d}-cp{c}-{p}-" + "-".join(
+                             "_".join(map(str, per)) or "none" for per in n)
+                             for t, d, c, p, n in CP_CASES])
+def test_accessors_match_world1_in_a_cp_batch(tp, dp, cp, policy, lens):
+    counts = tuple(map(sum, lens))
+    check_against_world1(get_pool(tp).run(run_all, tp, dp, policy, counts, cp, lens), counts,
+                         policy)
