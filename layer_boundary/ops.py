@@ -400,15 +400,28 @@ class SliceCp(Primitive):
         return x.index_select(0, facts.cp_index.to(x.device))
 
 
-class GatherCp(Primitive):
-    name, allocates = "all_gather_v(attn_cp)", True
+class GatherShares(Primitive):
+    """Shares gathered over one group (each rank's rows in mapping order) and put back in
+    token order: over ``attn_cp``, a DP rank's tokens; over ``dp_cp``, the global rows.
+    Which facts size and order them is named once, at the instance."""
+
+    allocates = True
+
+    def __init__(self, group: str, sizes: str, order: str, rows: str) -> None:
+        self.group, self.sizes, self.order, self.rows = group, sizes, order, rows
+        self.name = f"all_gather_v({group})"
 
     def run(self, facts, x):
-        gathered = coll.gather_rows_v(x, facts.parallel.attn_cp, facts.cp_sizes)
-        return _unpermute(gathered, facts.cp_order)
+        gathered = coll.gather_rows_v(x, getattr(facts.parallel, self.group),
+                                      getattr(facts, self.sizes))
+        return _unpermute(gathered, getattr(facts, self.order))
 
     def expected(self, facts, width):
-        return _one("all_gather", facts.parallel.attn_cp, facts.local, width)
+        return _one("all_gather", getattr(facts.parallel, self.group),
+                    getattr(facts, self.rows), width)
+
+    def __repr__(self) -> str:
+        return f"GatherShares({self.group!r})"
 
 
 class SliceCpScatter(Primitive):
@@ -419,25 +432,23 @@ class SliceCpScatter(Primitive):
         return x.index_select(0, facts.cp_index[start:start + facts.scattered].to(x.device))
 
 
-class GatherCpScatter(Primitive):
-    name, allocates = "all_gather{v}(attn_tp)+all_gather_v(attn_cp)", True
+class Then(Primitive):
+    """One primitive, then another on its result: the name, the collectives and whether it
+    allocates follow from the two."""
+
+    def __init__(self, first: Primitive, second: Primitive) -> None:
+        self.first, self.second = first, second
+        self.name = f"{first.name}+{second.name}"
+        self.allocates = first.allocates or second.allocates
 
     def run(self, facts, x):
-        return GATHER_CP.run(facts, GATHER_SCATTER.run(facts, x))
+        return self.second.run(facts, self.first.run(facts, x))
 
     def expected(self, facts, width):
-        return GATHER_SCATTER.expected(facts, width) + GATHER_CP.expected(facts, width)
+        return self.first.expected(facts, width) + self.second.expected(facts, width)
 
-
-class GatherParts(Primitive):
-    name, allocates = "all_gather_v(dp_cp)", True
-
-    def run(self, facts, x):
-        gathered = coll.gather_rows_v(x, facts.parallel.dp_cp, facts.parts)
-        return _unpermute(gathered, facts.global_order)
-
-    def expected(self, facts, width):
-        return _one("all_gather", facts.parallel.dp_cp, facts.total, width)
+    def __repr__(self) -> str:
+        return f"Then({self.first!r}, {self.second!r})"
 
 
 class GatherPartsScatter(Primitive):
@@ -471,26 +482,6 @@ class SelectShareScatter(Primitive):
         return x.index_select(0, rows.to(x.device))
 
 
-class AllReduceAttnTpGatherCp(Primitive):
-    name, allocates = "all_reduce(attn_tp)+all_gather_v(attn_cp)", True
-
-    def run(self, facts, x):
-        return GATHER_CP.run(facts, ALL_REDUCE_ATTN_TP.run(facts, x))
-
-    def expected(self, facts, width):
-        return ALL_REDUCE_ATTN_TP.expected(facts, width) + GATHER_CP.expected(facts, width)
-
-
-class AllReduceTpSelectShare(Primitive):
-    name = "all_reduce(tp)+select(dp_cp)"
-
-    def run(self, facts, x):
-        return SELECT_SHARE.run(facts, coll.all_reduce_rows(x, facts.parallel.tp))
-
-    def expected(self, facts, width):
-        return ALL_REDUCE_TP.expected(facts, width)
-
-
 class ReduceScatterParts(Primitive):
     name = "reduce_scatter{v}(tp)"
 
@@ -513,12 +504,16 @@ GATHER_SCATTER, GATHER_DP, GATHER_DP_SCATTER = GatherScatter(), GatherDp(), Gath
 ALL_REDUCE_ATTN_TP, REDUCE_SCATTER_ATTN_TP = AllReduceAttnTp(), ReduceScatterAttnTp()
 ALL_REDUCE_TP_DP_PLACED, ALL_REDUCE_TP = AllReduceTpDpPlaced(), AllReduceTp()
 ALL_REDUCE_TP_SLICE_DP, REDUCE_SCATTER_TP = AllReduceTpSliceDp(), ReduceScatterTp()
-SLICE_CP, GATHER_CP = SliceCp(), GatherCp()
-SLICE_CP_SCATTER, GATHER_CP_SCATTER = SliceCpScatter(), GatherCpScatter()
-GATHER_PARTS, GATHER_PARTS_SCATTER = GatherParts(), GatherPartsScatter()
+SLICE_CP = SliceCp()
+# a DP rank's tokens from its CP shares; the global rows from every (DP, CP) share
+GATHER_CP = GatherShares("attn_cp", sizes="cp_sizes", order="cp_order", rows="local")
+SLICE_CP_SCATTER, GATHER_CP_SCATTER = SliceCpScatter(), Then(GATHER_SCATTER, GATHER_CP)
+GATHER_PARTS = GatherShares("dp_cp", sizes="parts", order="global_order", rows="total")
+GATHER_PARTS_SCATTER = GatherPartsScatter()
 SELECT_SHARE, SELECT_SHARE_SCATTER = SelectShare(), SelectShareScatter()
-ALL_REDUCE_ATTN_TP_GATHER_CP = AllReduceAttnTpGatherCp()
-ALL_REDUCE_TP_SELECT_SHARE, REDUCE_SCATTER_PARTS = AllReduceTpSelectShare(), ReduceScatterParts()
+ALL_REDUCE_ATTN_TP_GATHER_CP = Then(ALL_REDUCE_ATTN_TP, GATHER_CP)
+ALL_REDUCE_TP_SELECT_SHARE = Then(ALL_REDUCE_TP, SELECT_SHARE)
+REDUCE_SCATTER_PARTS = ReduceScatterParts()
 
 
 @dataclass(frozen=True, eq=False)

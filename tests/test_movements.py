@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed.pool import get_pool
+from toy import cp_case_id
 
 from layer_boundary.layout import RowMode, SumGroup, sum_group
 from layer_boundary.ops import RowFacts, movement_table
@@ -49,6 +50,15 @@ def run_table(tp: int, dp: int, mode: str, counts, cp: int = 1, request_lens=Non
     return out
 
 
+def assert_contracts_kept(results) -> None:
+    for rank, rows in enumerate(results):
+        for name, src, dst, owed, values, ledger, count in rows:
+            what = f"rank {rank}: {name} ({owed or 'complete'}: {src} -> {dst})"
+            assert values, f"{what}: wrong rows or values"
+            assert ledger, f"{what}: the ledger differs from the movement's expectation"
+            assert count, f"{what}: row count"
+
+
 CASES = [(2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 1, "rs", (5,)), (4, 1, "rs", (8,)),
          (4, 2, "ar", (5, 3)), (4, 2, "rs", (5, 3)), (4, 2, "rsv", (5, 3)),
          (4, 2, "rs", (5, 0)), (4, 2, "rsv", (0, 5)), (4, 2, "rsv", (0, 0)),
@@ -61,12 +71,7 @@ CASES = [(2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 1, "rs", (5,)), (4, 1, "rs"
 def test_every_movement_keeps_its_contract(tp, dp, mode, counts):
     results = get_pool(tp).run(run_table, tp, dp, mode, counts)
     assert results[0], "the table resolved no movement"
-    for rank, rows in enumerate(results):
-        for name, src, dst, owed, values, ledger, count in rows:
-            what = f"rank {rank}: {name} ({owed or 'complete'}: {src} -> {dst})"
-            assert values, f"{what}: wrong rows or values"
-            assert ledger, f"{what}: the ledger differs from the movement's expectation"
-            assert count, f"{what}: row count"
+    assert_contracts_kept(results)
 
 
 # CP batches: (tp, attn_dp, attn_cp, mode, every DP rank's request lengths). attn_tp 2 and
@@ -81,25 +86,16 @@ CP_CASES = [(2, 1, 2, "ar", ((5,),)), (2, 1, 2, "rs", ((9, 2),)), (2, 1, 2, "rsv
             (4, 2, 2, "rs", ((4,), ())), (4, 2, 2, "rsv", ((), ()))]
 
 
-def _lens_id(lens) -> str:
-    return "-".join("_".join(map(str, per)) or "none" for per in lens)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tp,dp,cp,mode,lens", CP_CASES,
-                         ids=[f"tp{t}-dp{d}-cp{c}-{m}-{_lens_id(n)}" for t, d, c, m, n in CP_CASES])
+                         ids=[cp_case_id(*case) for case in CP_CASES])
 def test_every_cp_movement_keeps_its_contract(tp, dp, cp, mode, lens):
     counts = tuple(sum(per) for per in lens)
     results = get_pool(tp).run(run_table, tp, dp, mode, counts, cp, lens)
     names = {name for name, *_ in results[0]}
     # the CP rows themselves resolved: a gather over CP and a select of the share
     assert {"all_gather_v(attn_cp)", "select(attn_cp)"} <= names, names
-    for rank, rows in enumerate(results):
-        for name, src, dst, owed, values, ledger, count in rows:
-            what = f"rank {rank}: {name} ({owed or 'complete'}: {src} -> {dst})"
-            assert values, f"{what}: wrong rows or values"
-            assert ledger, f"{what}: the ledger differs from the movement's expectation"
-            assert count, f"{what}: row count"
+    assert_contracts_kept(results)
 
 
 def test_the_tables_cover_what_the_stages_need():

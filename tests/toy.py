@@ -190,3 +190,9 @@ class ToyAttn:
 
     def __call__(self, x):
         return x @ self.a
+
+
+def cp_case_id(tp: int, dp: int, cp: int, policy: str, lens) -> str:
+    """A test id for a CP case: its topology, policy and every DP rank's request lengths."""
+    per_dp = "-".join("_".join(map(str, per)) or "none" for per in lens)
+    return f"tp{tp}-dp{dp}-cp{cp}-{policy}-{per_dp}"

@@ -99,6 +99,18 @@ def run(kinds, tp: int, dp: int, policy: str, counts, cp: int = 1, lens=None):
             "released": b.fb.residual_stream is None}
 
 
+def assert_matches_or_rejected(case, ref: dict, results: list[dict]) -> None:
+    """Every rank matches world 1's rows, or every rank was rejected as world 1 was."""
+    if "rejected" in ref:
+        assert all("rejected" in r for r in results), (case, ref["rejected"])
+        return
+    for rank, r in enumerate(results):
+        assert "rejected" not in r, (case, r.get("rejected"))
+        assert r["released"]
+        torch.testing.assert_close(r["out"], ref["out"][slice(*r["rows"])], atol=1e-5, rtol=0,
+                                   msg=lambda m: f"{case} rank {rank}: {m}")
+
+
 TOPOLOGIES = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
 
 
@@ -120,14 +132,7 @@ def test_random_stacks_match_world1_or_are_rejected_at_construction(case):
     kinds, tp, dp, policy, counts = case
     ref = run(kinds, 1, 1, "ar", counts)
     results = get_pool(tp).run(run, kinds, tp, dp, policy, counts)
-    if "rejected" in ref:
-        assert all("rejected" in r for r in results), (case, ref["rejected"])
-        return
-    for rank, r in enumerate(results):
-        assert "rejected" not in r, (case, r.get("rejected"))
-        assert r["released"]
-        torch.testing.assert_close(r["out"], ref["out"][slice(*r["rows"])], atol=1e-5, rtol=0,
-                                   msg=lambda m: f"{case} rank {rank}: {m}")
+    assert_matches_or_rejected(case, ref, results)
 
 
 CP_TOPOLOGIES = [(2, 1, 2), (4, 1, 2), (4, 2, 2), (4, 1, 4)]
@@ -155,11 +160,4 @@ def test_random_cp_stacks_match_world1(case):
     counts = tuple(map(sum, lens))
     ref = run(kinds, 1, 1, "ar", counts)
     results = get_pool(tp).run(run, kinds, tp, dp, policy, counts, cp, lens)
-    if "rejected" in ref:
-        assert all("rejected" in r for r in results), (case, ref["rejected"])
-        return
-    for rank, r in enumerate(results):
-        assert "rejected" not in r, (case, r.get("rejected"))
-        assert r["released"]
-        torch.testing.assert_close(r["out"], ref["out"][slice(*r["rows"])], atol=1e-5, rtol=0,
-                                   msg=lambda m: f"{case} rank {rank}: {m}")
+    assert_matches_or_rejected(case, ref, results)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed.pool import get_pool
-from toy import HIDDEN, DpBatch, ToyStack, runtime, seeded
+from toy import HIDDEN, DpBatch, ToyStack, cp_case_id, runtime, seeded
 
 from layer_boundary.residual import batch as residual_batch
 
@@ -145,9 +145,7 @@ CP_CASES = [(2, 1, 2, "ar", ((6, 3),)), (2, 1, 2, "rsv", ((6, 3),)), (4, 1, 2, "
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tp,dp,cp,policy,lens", CP_CASES,
-                         ids=[f"tp{t}-dp{d}-cp{c}-{p}-" + "-".join(
-                             "_".join(map(str, per)) or "none" for per in n)
-                             for t, d, c, p, n in CP_CASES])
+                         ids=[cp_case_id(*case) for case in CP_CASES])
 def test_accessors_match_world1_in_a_cp_batch(tp, dp, cp, policy, lens):
     counts = tuple(map(sum, lens))
     check_against_world1(get_pool(tp).run(run_all, tp, dp, policy, counts, cp, lens), counts,
