@@ -11,11 +11,11 @@ from __future__ import annotations
 from .contracts import EdgeDecl, ProducerReduction, StageKind, StageOutput
 from .exit import ExitDecision, ExitPath, OutputPlan
 from .fusions import InputPlan
-from .layout import Layouts, RowMode, SumGroup
+from .layout import Layouts, RowMode, SumGroup, sum_group
 from .prepare import ArrivalPath, EntryPath
 from .residual import is_plain, read_kind
 from .residual.stream import arrival_key
-from .runtime.context import NO_FLAGS, ForwardFlags
+from .runtime.context import NO_FLAGS, ForwardFlags, SequenceParallelMoves
 
 DEFER_ALL_REDUCE = ForwardFlags(fuse_mlp_allreduce=True)
 REDUCE_SCATTER = ForwardFlags(mlp_reduce_scatter=True)
@@ -33,6 +33,8 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
               name: str = "", declaration=None) -> ExitPath:
     """The decisions a producer's exit may take in ``mode``, from its output contract."""
     group, rows = output.sum_group, output.rows
+    if output.linears_sum is not None:
+        return _sequence_parallel_exit(output, table)
     handoff = table.lookup(None, rows, output.handoff_rows)
     finish_move = handoff if handoff.moves else None
 
@@ -79,13 +81,31 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
                     completed=completed, issues_early=False)
 
 
+def _sequence_parallel_exit(output: StageOutput, table) -> ExitPath:
+    """A sequence-parallel stage's exit: its scope publishes the two movements its linears
+    run (gather the scattered input onto the linears' rows, reduce-scatter the partial
+    output back); the output is complete on the scattered rows, so nothing is owed after
+    it, and no provider question applies."""
+    parallel = table.parallel
+    group = sum_group(parallel, output.linears_sum)
+    owed = output.linears_sum if group.size > 1 else None
+    gather = table.lookup(None, output.rows, output.linears_rows)
+    scatter = table.lookup(owed, output.linears_rows, output.rows)
+    flags = ForwardFlags(sequence_parallel=SequenceParallelMoves(gather, scatter, group))
+    decision = ExitDecision(flags, None, output.rows,
+                            f"sequence-parallel compute: {gather.name} in, {scatter.name} out")
+    completed = ExitDecision(NO_FLAGS, None, output.rows, "complete in compute (postprocess)")
+    return ExitPath(decision, at_producer=output.at_producer, completed=completed)
+
+
 def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, norm,
                mode: RowMode, table: dict, *, parallel=None, qkv_latent_func=None,
-               fusions=None) -> EntryPath:
+               fusions=None, latent_first: bool = False) -> EntryPath:
     """Bind a consumer's input work in ``mode``: a movement for every output its producer may
     leave (and for the complete values accessors leave on local rows), the residual's
     alignment, and the move to compute's rows. An attention's ``qkv_latent_func`` runs on the
-    read's rows, before any gather, so only the (smaller) latent moves."""
+    compute rows, after the input's gather; with ``latent_first`` (an input-scattered batch)
+    on the read's rows, before any gather, so only the (smaller) latent moves."""
     layouts: Layouts = table.layouts
     target, compute, local = edge.residual_dst, edge.consumer.rows, layouts.local
     read = decl.residual.read
@@ -120,7 +140,7 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
         input_move=table.lookup(None, target, compute),
         local_to_update=table.lookup(None, local, target),
         capture_move=table.lookup(None, target, local), residual_src=edge.residual_src,
-        declared=next((d for d in decisions if d.declared), None))
+        declared=next((d for d in decisions if d.declared), None), latent_first=latent_first)
 
 
 def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidates,

@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cp", type=_positive, default=1,
                      help="attention context parallelism: each DP rank's tokens split over "
                           "this many ranks of its attention group (dp x cp divides tp)")
+    _variant_args(run)
     run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dp", type=_positive, default=2)
     plan.add_argument("--ep", type=_positive, default=1)
     plan.add_argument("--cp", type=_positive, default=1)
+    _variant_args(plan)
     plan.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
     plan.add_argument("--tokens", type=_token_counts, default=None,
                       help='tokens per attention-DP rank, e.g. "5,0,3,1" (default: 4 per rank)')
@@ -139,6 +141,50 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
                        help="run both forwards under torch.compile(fullgraph=True)")
     return parser
+
+
+def _variant_args(parser) -> None:
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="prefill as a sequence-parallel batch: residual and norms on "
+                             "token slices, rows moved inside the column- and row-parallel "
+                             "linears (decode runs ordinary batches)")
+    parser.add_argument("--attn-input-scattered", action="store_true",
+                        help="input-scattered attention (MLA models): the qkv latent runs on "
+                             "the scattered rows and only the latent is gathered")
+
+
+def _check_variants(args, model_cls) -> None:
+    """The batch-variant options against each other, the features they do not combine with
+    yet, the policy and the model (one line each, before any rank starts)."""
+    from .models import boundary_reduction
+
+    features = [name for name, on in ((f"--cp {args.cp}", args.cp > 1),
+                                      ("--sequence-parallel", args.sequence_parallel),
+                                      ("--attn-input-scattered", args.attn_input_scattered))
+                if on]
+    if not features:
+        return
+    if len(features) > 1:
+        raise UsageError(f"{features[0]} does not combine with {features[1]} yet")
+    feature = features[0]
+    unsupported = [flag for flag, on in (
+        ("--pp", args.pp > 1), ("--tbo", args.tbo),
+        ("--split-prefill", getattr(args, "split_prefill", 1) > 1),
+        ("--compile", args.cp > 1 and (getattr(args, "compile", False)
+                                       or getattr(args, "compile_backend", None))),
+        ("speculative decoding", getattr(args, "draft_model", None)
+         or getattr(args, "speculative_algorithm", None))) if on]
+    if unsupported:
+        raise UsageError(f"{feature} does not combine with {', '.join(unsupported)} yet")
+    if args.cp == 1 and boundary_reduction(args.boundary_reduction,
+                                           model_cls.model_type) == "ar":
+        raise UsageError(f"{feature} needs a scattered residual: --boundary-reduction ar "
+                         "permits no reduce-scatter (use rs, rsv or rs+rsv)")
+    from .contracts import BatchVariant
+
+    model_cls.check_variants({BatchVariant.SEQUENCE_PARALLEL} if args.sequence_parallel
+                             else {BatchVariant.INPUT_SCATTERED} if args.attn_input_scattered
+                             else set())
 
 
 def _pipeline_args(parser) -> None:
@@ -239,14 +285,7 @@ def _spec(args):
     model_cls = model_class_of(model_dir)
     model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
-    if args.cp > 1:
-        unsupported = [flag for flag, on in (
-            ("--pp", args.pp > 1), ("--tbo", args.tbo), ("--split-prefill", args.split_prefill > 1),
-            ("--compile", args.compile or args.compile_backend),
-            ("speculative decoding", args.draft_model or args.speculative_algorithm)) if on]
-        if unsupported:
-            raise UsageError(f"--cp {args.cp} does not combine with {', '.join(unsupported)} "
-                             "yet")
+    _check_variants(args, model_cls)
     if args.tbo and (args.pp > 1 or args.split_prefill > 1 or args.compile
                      or args.compile_backend):
         raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
@@ -271,7 +310,9 @@ def _spec(args):
             raise UsageError(f"--speculative-algorithm nextn needs a checkpoint with its own "
                              f"NextN layer (config.json num_nextn_predict_layers > 0); "
                              f"{model_dir} ({cfg.model_type}) has none")
-    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, cp=args.cp, pp=args.pp,
+    return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, cp=args.cp,
+                   sequence_parallel=args.sequence_parallel,
+                   attn_input_scattered=args.attn_input_scattered, pp=args.pp,
                    pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
                    draft_model=args.draft_model, speculative_algorithm=algorithm,
                    speculative_steps=args.speculative_steps,
@@ -413,14 +454,16 @@ def cmd_plan(args) -> int:
     model_cls = model_class_of(model_dir)
     model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
-    if args.cp > 1 and (args.pp > 1 or args.tbo):
-        raise UsageError(f"--cp {args.cp} does not combine with --pp or --tbo yet")
+    _check_variants(args, model_cls)
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
     policy = boundary_reduction(args.boundary_reduction, model_cls.model_type)
     cp = dims.attn_cp > 1
-    variants = (BatchVariant.CP,) if cp else (BatchVariant.ORDINARY,)
+    variant = (BatchVariant.CP if cp else BatchVariant.SEQUENCE_PARALLEL if args.sequence_parallel
+               else BatchVariant.INPUT_SCATTERED if args.attn_input_scattered
+               else BatchVariant.ORDINARY)
+    variants = (variant,) if cp else tuple(dict.fromkeys((BatchVariant.ORDINARY, variant)))
     runtimes, models = [], []
     for stage in range(dims.pp):  # each pipeline stage as its first rank builds it
         runtimes.append(BoundaryRuntime(virtual_parallel(dims, stage * dims.tp),
@@ -434,9 +477,12 @@ def cmd_plan(args) -> int:
     # a CP plan takes each DP rank's tokens as one request (the CP mapping cuts requests)
     lens = tuple((c,) if c else () for c in counts) if cp else None
     parts = RowFacts(RowMode.AR, counts, runtime.parallel, request_lens=lens).parts
-    mode, reason = select_mode(runtime, counts, parts, cp)
+    try:
+        mode, reason = select_mode(runtime, counts, parts, cp, variant)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     table = [dict(row, pp_stage=s) if dims.pp > 1 else row
-             for s, m in enumerate(models) for row in plan_rows(m, mode)]
+             for s, m in enumerate(models) for row in plan_rows(m, mode, variant)]
     pipeline = [{"stage": s, "ranks": [s * dims.tp, (s + 1) * dims.tp - 1],
                  "layers": [m.stage.layers[0], m.stage.layers[-1]],
                  "handoff": handoff_contract(models[s + 1], mode) if s + 1 < dims.pp else None}
@@ -465,7 +511,7 @@ def cmd_plan(args) -> int:
     movements = table_rows(runtime.parallel, mode, cp)
     if args.json:
         log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "cp": dims.attn_cp,
-                             "attn_tp": dims.attn_tp,
+                             "attn_tp": dims.attn_tp, "variant": variant.value,
                              "boundary_reduction": policy, "tokens": list(counts),
                              "mode": mode.value, "reason": reason, "ranks": per_rank,
                              "stages": table, "movements": movements,
@@ -475,7 +521,8 @@ def cmd_plan(args) -> int:
     log.info("layer-boundary plan: %s  tp=%d dp=%d cp=%d attn_tp=%d  boundary_reduction=%s "
              "(asked %s)", model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp, policy,
              args.boundary_reduction)
-    log.info("tokens per DP rank %s -> row mode %s (%s)", list(counts), mode.value, reason)
+    log.info("tokens per DP rank %s -> row mode %s (%s)%s", list(counts), mode.value, reason,
+             "" if variant is BatchVariant.ORDINARY else f", a {variant.value} batch")
     if cp:
         log.info("CP batch: each DP rank's tokens as one request, cut in %d chunks; CP rank r "
                  "attends chunks r and %d-r", 2 * dims.attn_cp, 2 * dims.attn_cp - 1)

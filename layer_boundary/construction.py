@@ -57,16 +57,23 @@ class StagePath:
     branch_in: Movement | None = None
 
 
+# the batch variants that keep the residual scattered over attention TP in every stage
+SCATTERED_VARIANTS = (BatchVariant.SEQUENCE_PARALLEL,)
+
+
 def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None = None,
-                cp: bool = False) -> tuple[RowMode, str]:
+                cp: bool = False, variant: BatchVariant = BatchVariant.ORDINARY
+                ) -> tuple[RowMode, str]:
     """The row mode of a forward with these DP token counts (and, in a CP batch, these
-    partitions: its (DP, CP) shares), and why (policy is permission)."""
+    partitions: its (DP, CP) shares), and why (policy is permission). A sequence-parallel
+    batch takes rsv or rs (its residual is scattered) and never falls back to ar."""
     dims = runtime.parallel.dims
     parts = counts if parts is None else parts
     if dims.tp == 1:
         return RowMode.AR, "tp=1"
+    scattered = variant in SCATTERED_VARIANTS
     if runtime.allows_rsv:
-        if dims.attn_dp > 1 or cp:
+        if dims.attn_dp > 1 or cp or scattered:
             return RowMode.RSV, "rsv"
         reason = "rsv needs attention DP or CP"
     else:
@@ -79,17 +86,24 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
         what = "CP shares" if cp else "DP rows"
         why = f"rs needs padding: {what} {list(parts)} vs attn_tp={a}, padding disallowed"
         reason = f"{reason}; {why}" if reason else why
+    if scattered:
+        raise ValueError(f"a {variant.value} batch keeps its residual scattered over attention "
+                         f"TP and has no ar path: {reason or 'boundary_reduction is ar'}")
     if runtime.boundary_reduction == "ar":
         return RowMode.AR, "ar"
     return RowMode.AR, f"fallback to ar ({reason})"
 
 
-def supported_modes(runtime, cp: bool = False) -> list[RowMode]:
+def supported_modes(runtime, variant: BatchVariant = BatchVariant.ORDINARY) -> list[RowMode]:
+    """The row modes a stage builds paths for in ``variant``: ar always (at tp=1 the only
+    one), except in a sequence-parallel batch, whose residual is scattered (rs, rsv)."""
     dims = runtime.parallel.dims
-    modes = [RowMode.AR]
+    cp = variant is BatchVariant.CP
+    scattered = variant in SCATTERED_VARIANTS
+    modes = [RowMode.AR] if dims.tp == 1 or not scattered else []
     if dims.tp > 1 and runtime.allows_rs:
         modes.append(RowMode.RS)
-    if dims.tp > 1 and (dims.attn_dp > 1 or cp) and runtime.allows_rsv:
+    if dims.tp > 1 and (dims.attn_dp > 1 or cp or scattered) and runtime.allows_rsv:
         modes.append(RowMode.RSV)
     return modes
 
@@ -99,13 +113,22 @@ def plan_variants(runtime) -> list[BatchVariant]:
     attention CP, the CP one with it (CP ranks hold shares of one DP rank's tokens; an
     ordinary batch would need them to repeat each other's attention)."""
     dims = runtime.parallel.dims
+    wanted = runtime.batch_variants
     if dims.attn_cp == 1:
-        return [BatchVariant.ORDINARY]
-    if BatchVariant.CP not in runtime.batch_variants:
+        # the ordinary rows always; sequence-parallel and input-scattered batches where the
+        # runtime runs them (a CP batch has no shares to place here: no CP path)
+        return [BatchVariant.ORDINARY] + [v for v in (BatchVariant.SEQUENCE_PARALLEL,
+                                                      BatchVariant.INPUT_SCATTERED)
+                                          if v in wanted]
+    if BatchVariant.CP not in wanted:
         raise UnsupportedBoundary(
             f"attn_cp={dims.attn_cp} splits each batch over CP ranks: the runtime's "
             "batch_variants must include BatchVariant.CP (an ordinary batch has no path on "
             "a CP topology)")
+    others = [v.value for v in wanted if v not in (BatchVariant.CP, BatchVariant.ORDINARY)]
+    if others:
+        raise UnsupportedBoundary(f"attn_cp={dims.attn_cp}: the {', '.join(others)} batch "
+                                  "variant does not combine with CP yet")
     return [BatchVariant.CP]
 
 
@@ -124,10 +147,24 @@ def handoff_rows(decl, layouts: Layouts, mode: RowMode):
     return layouts.attention
 
 
+def _sequence_parallel(decl, variant: BatchVariant) -> bool:
+    """The stage computes on scattered rows with its linears moving them (a
+    sequence-parallel batch, and a declaration whose compute honours it)."""
+    return variant is BatchVariant.SEQUENCE_PARALLEL and decl.sequence_parallel
+
+
 def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
-                   mode: RowMode = RowMode.AR) -> StageOutput:
+                   mode: RowMode = RowMode.AR,
+                   variant: BatchVariant = BatchVariant.ORDINARY) -> StageOutput:
     """A declaration's output contract: its rows, its sum, and the handoffs it may take."""
     at_producer = decl.residual.update.at_producer
+    if _sequence_parallel(decl, variant):
+        # the row-parallel linear reduce-scatters onto the scattered rows: complete there
+        attn = decl.kind is StageKind.ATTN
+        return StageOutput(decl.kind, layouts.scattered, decl.reduction, None, layouts.scattered,
+                           at_producer=at_producer, next_sparse=decl.next_sparse,
+                           linears_sum=SumGroup.ATTN_TP if attn else SumGroup.TP,
+                           linears_rows=layouts.attention if attn else layouts.replicated)
     known = following is not None and not decl.terminal  # a consumer that can finish a sum
     if decl.kind is StageKind.ATTN:
         if decl.reduction is ProducerReduction.PARTIAL:
@@ -156,13 +193,17 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         at_producer=at_producer, next_sparse=decl.next_sparse)
 
 
-def resolve_input(decl, runtime, layouts: Layouts) -> StageInput:
+def resolve_input(decl, runtime, layouts: Layouts,
+                  variant: BatchVariant = BatchVariant.ORDINARY) -> StageInput:
     """A declaration's input contract: its compute rows and the sum its producer always leaves."""
     prev = decl.previous
     static = None
-    if prev is not None and prev.kind is StageKind.ATTN and (
+    if prev is not None and prev.kind is StageKind.ATTN and not _sequence_parallel(
+            prev, variant) and (
             prev.reduction is ProducerReduction.PARTIAL or decl.kind is StageKind.FFN):
         static = _sum(runtime, SumGroup.ATTN_TP)
+    if _sequence_parallel(decl, variant):  # compute takes the scattered rows as they are
+        return StageInput(layouts.scattered, static)
     if decl.kind is StageKind.ATTN:
         gathers = frozenset({TokenAxis.ATTN_TP_SCATTER}) if (
             decl.gathers_tp_input and runtime.parallel.dims.attn_tp > 1) else frozenset()
@@ -173,13 +214,14 @@ def resolve_input(decl, runtime, layouts: Layouts) -> StageInput:
 class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
-    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "_by_key")
+    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "_by_key", "variants")
 
     def __init__(self, name: str, declaration, paths: dict, runtime, tables: dict) -> None:
         self.name, self.declaration, self.paths, self.runtime = name, declaration, paths, runtime
         self.tables = tables  # (batch variant, row mode) -> the movement table
         # the same paths keyed by plain strings, which a forward hashes cheaply
         self._by_key = {(variant.value, mode.value): path for (variant, mode), path in paths.items()}
+        self.variants = frozenset(variant for variant, _ in paths)
 
     def rows(self, forward_batch) -> RowFacts:
         """This forward's row facts; the first boundary of a forward places them for all."""
@@ -206,11 +248,14 @@ class StagePlan:
                 f"one count per attention-DP rank ({dims.attn_dp}), and this DP rank "
                 f"({dp_rank}) holds {forward_batch.num_tokens} tokens")
         variant = forward_batch.variant
+        if variant not in self.variants:
+            raise no_path_error(variant)
         lens = parts = None
         if variant is BatchVariant.CP:
             lens = cp_request_lens(forward_batch, counts, dp_rank)
             parts = tuple(n for per_dp in lens for n in cp_share_sizes(per_dp, dims.attn_cp))
-        mode, _ = select_mode(self.runtime, counts, parts, cp=lens is not None)
+        mode, _ = select_mode(self.runtime, counts, parts, cp=lens is not None,
+                              variant=variant)
         table = self.tables.get((variant, mode))
         if table is None:
             raise no_path_error(variant)
@@ -260,15 +305,13 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
             f"stage {name}: qkv_latent_func runs inside the attention's own input gather, "
             "and a declaration with gathers_tp_input=False has none")
     for variant in runtime.batch_variants:
-        if variant in (BatchVariant.ORDINARY, BatchVariant.CP) and (
-                declaration.prepared_from is None or variant is BatchVariant.ORDINARY):
-            continue
-        if declaration.prepared_from is not None:
+        # an input-scattered batch moves ordinary token rows (only where an attention's latent
+        # runs differs): a branch may take it
+        if declaration.prepared_from is not None and variant not in (
+                BatchVariant.ORDINARY, BatchVariant.INPUT_SCATTERED):
             raise UnsupportedBoundary(
                 f"branch transport supports ordinary token rows only: stage {name} cannot "
                 f"run the {variant.value} batch")
-        raise UnsupportedBoundary(f"stage {name}: no boundary path for the {variant.value} "
-                                  "batch variant yet (supported: ordinary, CP)")
     try:
         variants = plan_variants(runtime)
     except UnsupportedBoundary as exc:
@@ -276,7 +319,13 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
     paths, tables = {}, {}
     for variant in variants:
         cp = variant is BatchVariant.CP
-        for mode in supported_modes(runtime, cp):
+        modes = supported_modes(runtime, variant)
+        if not modes:
+            raise UnsupportedBoundary(
+                f"stage {name}: a {variant.value} batch keeps its residual scattered over "
+                f"attention TP, and boundary_reduction={runtime.boundary_reduction} permits "
+                "no reduce-scatter (use rs, rsv or rs+rsv)")
+        for mode in modes:
             table = tables[(variant, mode)] = movement_table(runtime.parallel, mode, cp)
             paths[(variant, mode)] = _build_path(name, declaration, norm, following, runtime,
                                                  variant, mode, table, qkv_latent_func,
@@ -289,15 +338,15 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
     """One (variant, mode) path of a stage."""
     prev = declaration.previous
     layouts = table.layouts
-    output = resolve_output(declaration, following, runtime, layouts, fusions, mode)
-    stage_input = resolve_input(declaration, runtime, layouts)
+    output = resolve_output(declaration, following, runtime, layouts, fusions, mode, variant)
+    stage_input = resolve_input(declaration, runtime, layouts, variant)
     try:
         exit_path = bind_exit(output, mode, table, fusions=fusions, name=name,
                               declaration=declaration)
         prev_output = prev_exit = None
         if prev is not None:
             prev_output = resolve_output(prev, declaration, runtime, layouts, fusions,
-                                         mode)
+                                         mode, variant)
             prev_exit = bind_exit(prev_output, mode, table, fusions=fusions,
                                   declaration=prev)
         residual = layouts.residual(mode)
@@ -305,7 +354,8 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
                         layouts.local if prev is None else residual, residual)
         entry = bind_entry(name, edge, prev_exit, declaration, norm, mode, table,
                            parallel=runtime.parallel, qkv_latent_func=qkv_latent_func,
-                           fusions=fusions)
+                           fusions=fusions,
+                           latent_first=variant is BatchVariant.INPUT_SCATTERED)
         branch_in = None
         if declaration.prepared_from is not None:
             source_rows = resolve_input(declaration.prepared_from, runtime, layouts).rows

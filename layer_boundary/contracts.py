@@ -81,6 +81,10 @@ class StageOutput:
     provider_defers_all_reduce: bool = False
     at_producer: bool = False  # the update is applied at this exit; nothing pending leaves
     next_sparse: bool | None = None  # the declared sparsity of the FFN after the consumer
+    # sequence-parallel compute: its linears' sum group and the rows they compute on (they
+    # gather from and reduce-scatter onto ``rows``, the scattered rows); None otherwise
+    linears_sum: SumGroup | None = None
+    linears_rows: Layout | None = None
 
 
 @dataclass(frozen=True)

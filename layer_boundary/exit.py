@@ -18,7 +18,7 @@ from .output import HandoffOutput
 from .residual.access import start_completion
 from .residual.batch import fold_stream
 from .residual.stream import arrival_key
-from .runtime.context import ForwardFlags, swap_flags
+from .runtime.context import ForwardFlags, SequenceParallelScope, swap_flags
 from .runtime.ledger import active_observer
 
 
@@ -135,7 +135,10 @@ class StageExit:
         if self._state != "new":
             raise RuntimeError("an exit scope can be entered once")
         self._decision = self._path.select(self._forward_batch)
-        self._previous = swap_flags(self._decision.flags, opening=True)
+        flags = self._decision.flags
+        scope = None if flags.sequence_parallel is None else SequenceParallelScope(
+            flags.sequence_parallel, self._forward_batch.rows)
+        self._previous = swap_flags(flags, True, scope)
         observer = active_observer()
         if observer is not None:
             observer.enter(self._site)
@@ -143,7 +146,7 @@ class StageExit:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        swap_flags(self._previous, opening=False)
+        swap_flags(self._previous[0], False, self._previous[1])
         self._state = "failed" if exc_type is not None else "computed"
         return False
 
@@ -203,5 +206,13 @@ class FfnExit(StageExit):
 
 class MixerExit(StageExit):
     """Exit of a single-stage mixer: publishes fuse_mlp_allreduce, exposed as skips_reduction."""
+
+    __slots__ = ()
+
+
+class AttnExit(StageExit):
+    """Exit of a PARTIAL attention: publishes no flag (its sum is always owed), except in a
+    sequence-parallel batch, where the scope's movements let its linears gather and
+    reduce-scatter and the output is complete."""
 
     __slots__ = ()

@@ -21,6 +21,9 @@ class StageDeclaration:
     sparse: bool = False
     next_sparse: bool | None = None
     gathers_tp_input: bool = True
+    # compute honours a sequence-parallel scope: it takes scattered rows, its column-parallel
+    # linears all-gather their input and its row-parallel linears reduce-scatter their output
+    sequence_parallel: bool = False
     residual: LayerResidual = field(default_factory=default_layer_residual)
     previous: "StageDeclaration | None" = None
     prepared_from: "StageDeclaration | None" = None
@@ -29,7 +32,8 @@ class StageDeclaration:
     def describe(self) -> str:
         sparse = " sparse" if self.sparse else ""
         update = self.residual.update
-        text = f"{self.kind.value}{sparse} ({self.reduction.value})"
+        sp = ", sequence-parallel compute" if self.sequence_parallel else ""
+        text = f"{self.kind.value}{sparse} ({self.reduction.value}{sp})"
         return text if is_plain(update) else f"{text} with update {update!r}"
 
 
@@ -42,7 +46,7 @@ def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
                  gathers_tp_input: bool = True, update: StageUpdate | None = None,
                  read: StageRead | None = None, previous: StageDeclaration | None = None,
                  prepared_from: StageDeclaration | None = None,
-                 terminal: bool = False) -> StageDeclaration:
+                 terminal: bool = False, sequence_parallel: bool = False) -> StageDeclaration:
     """An attention (or, with ``reduction=SCOPED``, a single-stage mixer) declaration.
 
     Args:
@@ -52,10 +56,14 @@ def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
             that consumes its own rows).
         update, read: the residual update it applies and the read of its input.
         previous, prepared_from, terminal: its sources and whether it ends the stack.
+        sequence_parallel: in a sequence-parallel batch its compute runs inside ``exit()``
+            on the scattered rows: its column-parallel linears (over attention TP) gather
+            their input, its row-parallel output projection reduce-scatters its output.
     """
     if reduction is ProducerReduction.LOCAL_TAIL:
         raise ValueError("LOCAL_TAIL is not supported for attention stages")
     return StageDeclaration(StageKind.ATTN, reduction, gathers_tp_input=gathers_tp_input,
+                            sequence_parallel=sequence_parallel,
                             residual=_layer_residual(update, read), previous=previous,
                             prepared_from=prepared_from, terminal=terminal)
 
@@ -66,7 +74,8 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
                 previous: StageDeclaration | None = None,
                 prepared_from: StageDeclaration | None = None,
                 terminal: bool = False,
-                next_layer_sparse: bool | None = None) -> StageDeclaration:
+                next_layer_sparse: bool | None = None,
+                sequence_parallel: bool = False) -> StageDeclaration:
     """A dense or sparse FFN declaration.
 
     Args:
@@ -78,7 +87,16 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
         update, read: the residual update it applies and the read of its input.
         previous, prepared_from, terminal: its sources and whether it ends the stack
             (``make_attn_stage``/``make_ffn_stage``; a stack or ``make_stages`` sets them).
+        sequence_parallel: in a sequence-parallel batch its compute runs on the scattered
+            rows: its column-parallel linears (over TP) gather their input, its row-parallel
+            linear reduce-scatters its output (a dense FFN; a MoE's experts do not).
     """
+    if sequence_parallel and reduction is ProducerReduction.LOCAL_TAIL:
+        raise ValueError("declare_ffn: a LOCAL_TAIL FFN adds its tail after its own sum; "
+                         "sequence_parallel is for SCOPED FFNs")
+    if sequence_parallel and sparse:
+        raise ValueError("declare_ffn: a sparse FFN's experts are not column- and "
+                         "row-parallel linears; sequence_parallel is for dense FFNs")
     if next_layer_sparse is not None:
         if next_sparse is not None and next_sparse != next_layer_sparse:
             raise ValueError(f"declare_ffn: next_sparse={next_sparse} and next_layer_sparse="
@@ -87,6 +105,7 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
     if reduction is ProducerReduction.PARTIAL:
         raise ValueError("PARTIAL is not supported for ffn stages")
     return StageDeclaration(StageKind.FFN, reduction, sparse=sparse, next_sparse=next_sparse,
+                            sequence_parallel=sequence_parallel,
                             residual=_layer_residual(update, read), previous=previous,
                             prepared_from=prepared_from, terminal=terminal)
 

@@ -41,7 +41,9 @@ class EntryPath:
     mode: object  # RowMode
     read: object  # the stage's StageRead
     norm: object
-    latent: object  # an attention's qkv_latent_func, run before the input gather
+    # an attention's qkv_latent_func: run before the input's gather in an input-scattered
+    # batch (only the latent moves), on the gathered compute rows otherwise
+    latent: object
     stack_entry: bool  # no producer: the stack's input enters here
     local: Layout  # this DP rank's rows
     update_rows: Layout  # where the update and read run (the residual's layout)
@@ -58,6 +60,7 @@ class EntryPath:
     # the producer's statically declared exit (a PARTIAL sum), which a pipeline receiver
     # rebuilds from its own declaration; None where the producer decides per batch
     declared: object = None
+    latent_first: bool = False  # an input-scattered batch: the latent runs before the move
 
     def run(self, stream, hidden, rows, *, extra=None, fused: bool = True):
         """This stage's compute input; the stream holds the updated residual afterwards."""
@@ -124,9 +127,12 @@ class EntryPath:
         return movement.run(rows, stream.residual) if movement.moves else stream.residual
 
     def _to_compute(self, rows, x, move: Movement):
-        if self.latent is not None:
+        if self.latent is None:
+            return move.run(rows, x) if move.moves else x
+        if self.latent_first:
             x = self.latent(x)
-        return move.run(rows, x) if move.moves else x
+            return move.run(rows, x) if move.moves else x
+        return self.latent(move.run(rows, x) if move.moves else x)
 
     def _sum_before_read(self, movement: Movement, stream, partial, rows):
         residual = self.residual(stream, rows)

@@ -32,6 +32,11 @@ class RunSpec:
     dp: int = 1
     ep: int = 1  # expert parallelism of MoE layers over the TP ranks
     cp: int = 1  # attention context parallelism: each DP rank's tokens split over cp ranks
+    # the prefill as a sequence-parallel batch (residual, norms and row movement inside the
+    # linears on scattered rows); decode steps run as ordinary batches
+    sequence_parallel: bool = False
+    # every forward an input-scattered batch: an MLA's latent runs before the input gather
+    attn_input_scattered: bool = False
     boundary_reduction: str = "auto"
     dtype: str = "float32"
     prompts: tuple = ((1, 2, 3),)
@@ -88,18 +93,30 @@ class RankResult:
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
     policy = boundary_reduction(spec.boundary_reduction, model_type_of(spec.model_dir))
-    variants = (BatchVariant.CP,) if spec.cp > 1 else (BatchVariant.ORDINARY,)
     return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
-                           pp_layers=spec.pp_layers, batch_variants=variants)
+                           pp_layers=spec.pp_layers, batch_variants=tuple(
+                               dict.fromkeys(forward_variants(spec))))
 
 
-def plan_rows(model, mode: RowMode = RowMode.AR) -> list[dict]:
-    """One row per stage: what its prepare and exit do in row mode ``mode``."""
+def forward_variants(spec: RunSpec) -> tuple:
+    """The batch variant of the prefill and of the decode steps."""
+    if spec.cp > 1:
+        return BatchVariant.CP, BatchVariant.CP
+    if spec.sequence_parallel:
+        return BatchVariant.SEQUENCE_PARALLEL, BatchVariant.ORDINARY
+    if spec.attn_input_scattered:
+        return BatchVariant.INPUT_SCATTERED, BatchVariant.INPUT_SCATTERED
+    return BatchVariant.ORDINARY, BatchVariant.ORDINARY
+
+
+def plan_rows(model, mode: RowMode = RowMode.AR, variant=None) -> list[dict]:
+    """One row per stage: what its prepare and exit do in row mode ``mode`` (in batch
+    ``variant``; default: the one the plans serve first, ordinary or CP)."""
     boundaries = stage_boundaries(model)
     rows = []
     for i, boundary in enumerate(boundaries):
-        rows.append(boundary.describe(mode))
+        rows.append(boundary.plan.describe(mode, variant))
         source = boundary.branch_source
         ends_branch = source is not None and (i + 1 == len(boundaries)
                                               or boundaries[i + 1].branch_source is not source)
@@ -179,9 +196,10 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                                   on_step=_set_ledger_step,
                                   pp=par.pp if par.dims.pp > 1 else None,
                                   split_prefill=spec.split_prefill, tbo=spec.tbo,
-                                  cp=par.dims.attn_cp > 1)
+                                  variants=forward_variants(spec))
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
-                        plan_rows(model, RowMode(checked.modes[0])), checked.released,
+                        plan_rows(model, RowMode(checked.modes[0]), forward_variants(spec)[0]),
+                        checked.released,
                         runtime.boundary_reduction, checked.modes, list(traces))
     if stats is not None:
         result.speculative = {k: getattr(stats, k) for k in

@@ -8,7 +8,7 @@ import torch
 
 from .construction import build_plan
 from .contracts import ProducerReduction, StageKind
-from .exit import FfnExit, MixerExit, check_output_dtype, publish
+from .exit import AttnExit, FfnExit, MixerExit, check_output_dtype, publish
 from .residual import LayerResidual, is_portable
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
@@ -102,7 +102,8 @@ class StageBoundary:
         self._finish_site = f"{self.name}.finish"
         self._is_partial = declaration.reduction is ProducerReduction.PARTIAL
         self._is_attn = declaration.kind is StageKind.ATTN
-        self._exit_cls = FfnExit if declaration.kind is StageKind.FFN else MixerExit
+        self._exit_cls = (FfnExit if declaration.kind is StageKind.FFN
+                          else AttnExit if self._is_partial else MixerExit)
         if bind:
             self.bind(declaration, following)
 
@@ -287,6 +288,12 @@ class StageBoundary:
             raise TypeError(f"finish() takes the compute output tensor, got {type(hidden_states).__name__}")
         check_output_dtype(stream, hidden_states, self.name)
         path, rows = self.plan.select(forward_batch)
+        if path.exit.default.flags.sequence_parallel is not None:
+            raise RuntimeError(
+                f"stage {self.name} computes on scattered rows in a "
+                f"{forward_batch.variant.value} batch: run its compute inside exit(), whose "
+                "scope lets its linears gather and reduce-scatter, and publish with the "
+                "exit's finish()")
         observer = active_observer()
         if observer is not None:
             observer.enter(self._finish_site)
@@ -297,14 +304,14 @@ class StageBoundary:
         return handle
 
     def exit(self, forward_batch: ForwardBatch):
-        """The scope of an FFN's or mixer's compute: it publishes the exit's flags while open;
-        call the returned object's ``finish(output)`` once, after the scope.
+        """The scope of a stage's compute: it publishes the exit's flags while open; call the
+        returned object's ``finish(output)`` once, after the scope. A PARTIAL attention may
+        publish with ``finish()`` alone, except where its compute runs on scattered rows (a
+        sequence-parallel batch): its linears then need this scope.
 
         Args:
             forward_batch: the forward (after this stage's ``prepare()``).
         """
-        if self._is_partial:
-            raise RuntimeError(f"stage {self.name} is PARTIAL: publish its output with finish()")
         stream = stream_of(forward_batch)
         if stream.handle is not IN_COMPUTE:
             raise RuntimeError(f"exit() on stage {self.name} without its prepare()")

@@ -63,6 +63,8 @@ class CausalLM(nn.Module):
       folded into a state);
     - ``check_parallel(cfg, dims)``: a topology its config cannot be sharded over;
     - ``context_parallel``: True where its attention runs on a CP share, or why it cannot;
+    - ``sequence_parallel``, ``attn_input_scattered``: likewise, for sequence-parallel and
+      input-scattered batches (``check_variants``);
     - ``nextn_layers(cfg)``: NextN/MTP layers the checkpoint carries for drafting;
     - ``checkpoint_name(name)``: its parameter name for an on-disk tensor.
     """
@@ -85,9 +87,24 @@ class CausalLM(nn.Module):
                              f"{dims.attn_cp}): {cls.context_parallel_refusal}")
         cls.check_parallel(cfg, dims)
 
+    @classmethod
+    def check_variants(cls, variants) -> None:
+        """The batch variants a runtime will run, where the model's compute cannot: its
+        declared reason, as ``--sequence-parallel`` and ``--attn-input-scattered`` report."""
+        from ..runtime.forward_batch import BatchVariant
+
+        for variant, refusal, feature in (
+                (BatchVariant.SEQUENCE_PARALLEL, cls.sequence_parallel_refusal,
+                 "sequence parallelism"),
+                (BatchVariant.INPUT_SCATTERED, cls.attn_input_scattered_refusal,
+                 "input-scattered attention")):
+            if variant in variants and refusal is not None:
+                raise ValueError(f"{cls.model_type} cannot run {feature}: {refusal}")
+
     def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
         super().__init__()
         self.check_topology(cfg, runtime.parallel.dims)
+        self.check_variants(runtime.batch_variants)
         self.config, self.dtype = cfg, dtype
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
                                   self.decoder_layers(cfg))

@@ -402,7 +402,11 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
 
 @register_model("deepseek_v3", DeepseekV3Config, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel=True)
+                context_parallel=True,
+                sequence_parallel="its MLA latent projections are replicated over attention "
+                                  "TP, not column-parallel linears (its latent moves under "
+                                  "--attn-input-scattered instead)",
+                attn_input_scattered=True)
 class DeepseekV3ForCausalLM(CausalLM):
     layer_cls = DeepseekV3DecoderLayer
 

@@ -447,7 +447,10 @@ _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
 @register_model("deepseek_v4", DeepseekV4Config, check_parallel=check_parallel,
                 # its sliding-window ring folds every token in
                 boundary_reduction="rs+rsv", positional_cache=False,
-                context_parallel="its sliding window and sinks across a CP cut are not built")
+                context_parallel="its sliding window and sinks across a CP cut are not built",
+                sequence_parallel="its mHC residual and grouped output projection are not "
+                                  "built for scattered rows",
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
 class DeepseekV4ForCausalLM(CausalLM):
     layer_cls = DeepseekV4DecoderLayer
 

@@ -47,7 +47,9 @@ def segments(layers: range, parts: int) -> list[tuple[int, int]]:
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp: int = 1,
                     dp_rank: int = 0, keep_logits: bool = True, on_step=None, pp=None,
-                    split_prefill: int = 1, tbo: bool = False, cp: bool = False) -> Generation:
+                    split_prefill: int = 1, tbo: bool = False,
+                    variants: tuple = (BatchVariant.ORDINARY, BatchVariant.ORDINARY)
+                    ) -> Generation:
     """Greedy tokens (and each step's logits) of this rank's requests.
 
     Args:
@@ -60,8 +62,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         on_step: called with the step index before each forward.
         pp, split_prefill: pipeline parallelism (``pp``: the pipeline group).
         tbo: every forward as two interleaved microbatches.
-        cp: every forward a CP batch (attention context parallelism splits each DP rank's
-            tokens over its CP ranks).
+        variants: the batch variant of the prefill and of each decode step (CP for both
+            on an attention-CP topology; a sequence-parallel prefill with ordinary decode).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -86,8 +88,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
                                    dp_token_counts=tuple(map(sum, lens)), kv_cache=cache,
                                    device=model.device)
         batch.dp_request_lens, batch.tbo = lens, tbo
-        if cp:
-            batch.variant = BatchVariant.CP
+        batch.variant = variants[0] if step == 0 else variants[1]
         stage = getattr(model, "stage", None)
         first = stage is None or stage.first
         last = stage is None or stage.last

@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import cp_view, declare_attn, make_stages
 from ..runtime.args import BoundaryRuntime
+from ..runtime.context import sequence_parallel_scope
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .kv_cache import cached_attention
@@ -58,12 +59,14 @@ class GqaAttention(nn.Module):
 
     def forward(self, positions, hidden_states, forward_batch):
         """hidden_states: the attention rows (in a CP batch this CP rank's share of the DP
-        rank's tokens); positions: every token's of the DP rank."""
+        rank's tokens; in a sequence-parallel batch its scattered slice, which ``qkv_proj``
+        gathers and ``o_proj`` reduce-scatters back); positions: every token's of the DP
+        rank."""
         cp = cp_view(forward_batch)
-        qkv = self.qkv_proj(hidden_states)
+        qkv = self.qkv_proj(hidden_states)  # on scattered rows: gathered to every token
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        tokens = hidden_states.shape[0]
+        tokens = qkv.shape[0]
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # local
         q = q.view(tokens, heads, self.head_dim)  # [T, H, D] (T may be 0: no -1 in views)
         k = k.view(tokens, kv_heads, self.head_dim)  # [T, KVH, D]
@@ -117,7 +120,8 @@ class DecoderLayer(nn.Module):
 
     def connect(self, ffn, runtime: BoundaryRuntime, *, previous, terminal: bool, name: str,
                 fusions=None, attn=None, attn_options=None) -> None:
-        """Build the layer's two stages: ``attn`` (default ``declare_attn()``) read through
+        """Build the layer's two stages: ``attn`` (default ``declare_attn()``; a
+        ``GqaAttention`` honours ``sequence_parallel=True``) read through
         ``input_layernorm``, ``ffn`` through ``post_attention_layernorm``."""
         options = {} if fusions is None else {"fusions": fusions}
         self.attn_boundary, self.ffn_boundary = make_stages(
@@ -128,8 +132,9 @@ class DecoderLayer(nn.Module):
 
     def attend(self, positions, hidden_states, forward_batch):
         # no rows on this rank: an empty contribution (in a CP batch the rank still joins
-        # its DP rank's gather of keys and values)
-        if hidden_states.shape[0] == 0 and cp_view(forward_batch) is None:
+        # its DP rank's gather of keys and values; on scattered rows, its linears' gathers)
+        if (hidden_states.shape[0] == 0 and cp_view(forward_batch) is None
+                and sequence_parallel_scope() is None):
             return hidden_states.new_zeros((0, self.hidden_size))
         return self.self_attn(positions, hidden_states, forward_batch)
 
@@ -138,8 +143,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden_states, forward_batch):
         hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
-        hidden_states = self.attn_boundary.finish(
-            self.attend(positions, hidden_states, forward_batch), forward_batch)
+        # attention computes inside its exit scope: in a sequence-parallel batch the scope
+        # lets its linears gather the scattered input and reduce-scatter the output
+        with self.attn_boundary.exit(forward_batch) as attention:
+            hidden_states = self.attend(positions, hidden_states, forward_batch)
+        hidden_states = attention.finish(hidden_states)
         hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
         with self.ffn_boundary.exit(forward_batch) as output:
             hidden_states = self.feed_forward(hidden_states, forward_batch)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import declare_ffn
+from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from .config import (BOOL, DECODER, POSITIVE_INT, POSITIVE_NUMBER, CheckpointError,
                      check_unquantized_silu)
@@ -152,14 +152,16 @@ class LlamaDecoderLayer(DecoderLayer):
             inv_freq=cfg.inverse_frequencies())
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype,
                             bias=cfg.mlp_bias)
-        self.connect(declare_ffn(), runtime, previous=declare_ffn() if layer_id else None,
+        ffn = declare_ffn(sequence_parallel=True)  # the gated MLP's linears move the rows
+        self.connect(ffn, runtime, previous=ffn if layer_id else None,
                      terminal=layer_id == cfg.num_hidden_layers - 1, name=f"layer{layer_id}",
-                     fusions=fusions)
+                     fusions=fusions, attn=declare_attn(sequence_parallel=True))
 
 
 @register_model("llama", LlamaConfig, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel=True)
+                context_parallel=True, sequence_parallel=True,
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Qwen3's skeleton (stacked q/k/v) with Llama's layers; ``kv_window`` is the attention
     window the cache keeps (None: every position)."""

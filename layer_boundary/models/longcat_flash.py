@@ -312,7 +312,10 @@ _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 @register_model("longcat_flash", LongcatFlashConfig, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
                 context_parallel="its dense FFNs and second attention run as a prepared "
-                                 "branch, which takes ordinary token rows only")
+                                 "branch, which takes ordinary token rows only",
+                sequence_parallel="its MLA latent projections are replicated over attention "
+                                  "TP, and its branch takes ordinary token rows only",
+                attn_input_scattered=True)
 class LongcatFlashForCausalLM(CausalLM):
     layer_cls = LongcatFlashDecoderLayer
 

@@ -35,7 +35,9 @@ class MistralConfig(LlamaConfig):
 # older positions (the class cannot tell per checkpoint, so it says no for all)
 @register_model("mistral", MistralConfig, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=False,
-                context_parallel="its sliding window across a CP cut is not built")
+                context_parallel="its sliding window across a CP cut is not built",
+                sequence_parallel=True,
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
 class MistralForCausalLM(LlamaForCausalLM):
     def kv_window(self) -> int | None:
         return self.config.sliding_window

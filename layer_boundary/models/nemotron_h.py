@@ -331,7 +331,10 @@ _ON_DISK = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.layers."
 @register_model("nemotron_h", NemotronHConfig, check_parallel=check_parallel,
                 # its Mamba states fold every token in
                 boundary_reduction="rs+rsv", positional_cache=False,
-                context_parallel="a Mamba2 state cannot be cut over CP ranks (no state handoff)")
+                context_parallel="a Mamba2 state cannot be cut over CP ranks (no state handoff)",
+                sequence_parallel="its Mamba2 mixers consume their own rows, not column- and "
+                                  "row-parallel linears on gathered ones",
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
 class NemotronHForCausalLM(CausalLM):
     layer_cls = NemotronHBlock
 

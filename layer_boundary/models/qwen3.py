@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .. import declare_ffn
+from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from .base import CausalLM
 from .kv_cache import KVCache
@@ -98,20 +98,23 @@ class Qwen3DecoderLayer(DecoderLayer):
         self.mlp = self.make_mlp(cfg, layer_id, runtime, dtype)
         self.connect(self.ffn_declaration(cfg, layer_id), runtime, fusions=fusions,
                      previous=self.ffn_declaration(cfg, layer_id - 1) if layer_id else None,
-                     terminal=layer_id == cfg.num_hidden_layers - 1, name=f"layer{layer_id}")
+                     terminal=layer_id == cfg.num_hidden_layers - 1, name=f"layer{layer_id}",
+                     attn=declare_attn(sequence_parallel=True))
 
     def make_mlp(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
         return Qwen3MLP(cfg, runtime, dtype)
 
     @staticmethod
     def ffn_declaration(cfg, layer_id: int):
-        """The FFN declaration of layer ``layer_id`` (also what the next layer names as previous)."""
-        return declare_ffn()
+        """The FFN declaration of layer ``layer_id`` (also what the next layer names as
+        previous): a gated MLP of column- and row-parallel linears, sequence-parallel."""
+        return declare_ffn(sequence_parallel=True)
 
 
 @register_model("qwen3", Qwen3Config, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel=True)
+                context_parallel=True, sequence_parallel=True,
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
 class Qwen3ForCausalLM(CausalLM):
     layer_cls = Qwen3DecoderLayer
 

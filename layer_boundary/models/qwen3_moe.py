@@ -96,12 +96,17 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
     @staticmethod
     def ffn_declaration(cfg: Qwen3MoeConfig, layer_id: int):
-        return declare_ffn(sparse=cfg.is_sparse(layer_id), next_sparse=cfg.is_sparse(layer_id + 1))
+        # the dense layers' gated MLPs are sequence-parallel; the experts are not (in a
+        # sequence-parallel batch the boundary gathers their input and reduce-scatters the sum)
+        sparse = cfg.is_sparse(layer_id)
+        return declare_ffn(sparse=sparse, next_sparse=cfg.is_sparse(layer_id + 1),
+                           sequence_parallel=not sparse)
 
 
 @register_model("qwen3_moe", Qwen3MoeConfig, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel=True)
+                context_parallel=True, sequence_parallel=True,
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
 

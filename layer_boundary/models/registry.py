@@ -6,7 +6,9 @@ A model declares itself in its own file, on its class, with ``@register_model``:
                     boundary_reduction="rs+rsv",   # what ``auto`` resolves to
                     positional_cache=True,         # a draft may use it
                     check_parallel=check_parallel, # a topology its config cannot shard over
-                    context_parallel=True)         # its attention runs on a CP share
+                    context_parallel=True,         # its attention runs on a CP share
+                    sequence_parallel=True,        # its compute honours a scattered scope
+                    attn_input_scattered="...")    # why not: no qkv latent (MLA only)
     class LlamaForCausalLM(CausalLM):
         layer_cls = LlamaDecoderLayer
 
@@ -27,7 +29,10 @@ _DISCOVERED = False
 
 
 # what every model declares when it registers (no default: each says it, none inherits it)
-CAPABILITIES = ("boundary_reduction", "positional_cache", "check_parallel", "context_parallel")
+CAPABILITIES = ("boundary_reduction", "positional_cache", "check_parallel", "context_parallel",
+                "sequence_parallel", "attn_input_scattered")
+# the capabilities that are True or the reason the model refuses the feature
+SUPPORT = ("context_parallel", "sequence_parallel", "attn_input_scattered")
 
 
 def register_model(model_type: str, config_class: type, **capabilities):
@@ -43,12 +48,18 @@ def register_model(model_type: str, config_class: type, **capabilities):
             sharded over, naming the config field.
         context_parallel: True where its attention computes on a CP share (``cp_view``), or
             why it cannot (the refusal ``--cp`` gets).
+        sequence_parallel: True where its stages declare sequence-parallel compute (their
+            linears gather and reduce-scatter scattered rows), or why not (``--sequence-parallel``).
+        attn_input_scattered: True where its attention has a ``qkv_latent_func`` that may
+            run before the input gather (MLA), or why not (``--attn-input-scattered``).
     """
     missing = [c for c in CAPABILITIES if c not in capabilities]
-    support = capabilities.get("context_parallel")
-    if support is not None and support is not True and not (isinstance(support, str) and support):
-        raise TypeError(f"register_model({model_type!r}): context_parallel is True or the "
-                        "reason the model cannot run a CP batch")
+    for name in SUPPORT:
+        support = capabilities.get(name)
+        if support is not None and support is not True and not (isinstance(support, str)
+                                                                and support):
+            raise TypeError(f"register_model({model_type!r}): {name} is True or the reason "
+                            "the model cannot run it")
     unknown = sorted(set(capabilities) - set(CAPABILITIES))
     if missing or unknown:
         raise TypeError(f"register_model({model_type!r}) must declare {list(CAPABILITIES)}"
@@ -61,7 +72,9 @@ def register_model(model_type: str, config_class: type, **capabilities):
         cls.model_type, cls.config_class = model_type, config_class
         for name, value in capabilities.items():
             setattr(cls, name, staticmethod(value) if callable(value) else value)
-        cls.context_parallel_refusal = None if support is True else support
+        for name in SUPPORT:  # None where supported, else the reason
+            value = capabilities[name]
+            setattr(cls, f"{name}_refusal", None if value is True else value)
         _MODELS[model_type] = cls
         return cls
 

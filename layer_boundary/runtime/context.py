@@ -1,7 +1,9 @@
 """The forward-flag scope and the current topology, as compute modules see them.
 
 Flags are published only by a boundary's exit scope (spec: "Do not set a skip flag
-independently of a completion action"); compute reads them through ``get_forward()``.
+independently of a completion action"); compute reads them through ``get_forward()``. A
+sequence-parallel exit also opens a ``SequenceParallelScope`` (``sequence_parallel_scope()``):
+the two movements its linears run, on the forward's row facts.
 """
 
 from __future__ import annotations
@@ -16,21 +18,66 @@ class ForwardFlags:
     fuse_mlp_allreduce: bool = False  # skip the output all-reduce; the boundary owns the sum
     mlp_reduce_scatter: bool = False  # leave the sum to the boundary's reduce-scatter
     defer_moe_finalize: bool = False  # a MoE may return a HandoffOutput
+    # compute runs on scattered rows: its linears gather and reduce-scatter (the scope's
+    # movements, ``sequence_parallel_scope()``); the boundary owes nothing after it
+    sequence_parallel: "SequenceParallelMoves | None" = None
 
     @property
     def skips_reduction(self) -> bool:
         return self.fuse_mlp_allreduce or self.mlp_reduce_scatter
 
 
+@dataclass(frozen=True)
+class SequenceParallelMoves:
+    """What a sequence-parallel stage's linears do with rows (the table's movements, bound at
+    construction): ``gather`` brings the scattered input to the rows compute needs (inside
+    the column-parallel linears), ``scatter`` sums a partial output over the linears' group
+    onto the scattered rows (inside the row-parallel ones)."""
+
+    gather: object  # ops.Movement, scattered -> compute rows
+    scatter: object  # ops.Movement, partial on compute rows -> complete on scattered rows
+    group: object  # the linears' group (runtime.parallel.Group)
+
+
+class SequenceParallelScope:
+    """One open sequence-parallel exit: its movements on this forward's row facts. The
+    column-parallel linears of one compute share one gather of one input (a gate and an up
+    projection read the same rows)."""
+
+    __slots__ = ("moves", "facts", "_last")
+
+    def __init__(self, moves: SequenceParallelMoves, facts) -> None:
+        self.moves, self.facts, self._last = moves, facts, None
+
+    def check_group(self, group, linear: str) -> None:
+        if group.ranks != self.moves.group.ranks:
+            raise RuntimeError(
+                f"a {linear} over group {group.name} {list(group.ranks)} runs inside a "
+                f"sequence-parallel scope over {self.moves.group.name} "
+                f"{list(self.moves.group.ranks)}: it cannot gather or scatter these rows")
+
+    def gather(self, x):
+        last = self._last
+        if last is not None and last[0] is x:
+            return last[1]
+        gathered = self.moves.gather.run(self.facts, x) if self.moves.gather.moves else x
+        self._last = (x, gathered)
+        return gathered
+
+    def scatter(self, y):
+        return self.moves.scatter.run(self.facts, y)
+
+
 NO_FLAGS = ForwardFlags()
 
 
 class _ForwardState:
-    __slots__ = ("flags", "open_scopes")
+    __slots__ = ("flags", "open_scopes", "sequence_parallel")
 
     def __init__(self) -> None:
         self.flags = NO_FLAGS
         self.open_scopes = 0  # exit scopes entered and not yet left
+        self.sequence_parallel: SequenceParallelScope | None = None
 
 
 _STATE = _ForwardState()
@@ -41,13 +88,18 @@ def get_forward() -> ForwardFlags:
     return _STATE.flags
 
 
-def swap_flags(flags: ForwardFlags, opening: bool) -> ForwardFlags:
-    """Install ``flags`` and return the previous ones; for exit scopes only (``opening``: a
-    scope is entered, else left)."""
-    previous = _STATE.flags
-    _STATE.flags = flags
+def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
+    """Install ``flags`` (and the sequence-parallel ``scope`` they open, or None) and return
+    the previous pair; for exit scopes only (``opening``: a scope is entered, else left)."""
+    previous = (_STATE.flags, _STATE.sequence_parallel)
+    _STATE.flags, _STATE.sequence_parallel = flags, scope
     _STATE.open_scopes += 1 if opening else -1
     return previous
+
+
+def sequence_parallel_scope() -> SequenceParallelScope | None:
+    """The open sequence-parallel exit's movements (None outside one)."""
+    return _STATE.sequence_parallel
 
 
 def open_exit_scopes() -> int:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .collectives import all_reduce_rows, gather_last_dim
-from .context import get_forward
+from .context import get_forward, sequence_parallel_scope
 from .parallel import Group
 
 
@@ -28,7 +28,10 @@ def expect_shape(loaded: torch.Tensor, *shape: int) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[:, shard] = x @ W[shard].T: output features split over ``group``; rows unchanged."""
+    """y[:, shard] = x @ W[shard].T: output features split over ``group``; rows unchanged,
+    except inside a sequence-parallel exit, where ``x`` holds this rank's scattered rows and
+    is all-gathered first (the scope's movement; one gather per input shared by the
+    compute's column-parallel linears)."""
 
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
                  gather_output: bool = False, dtype=torch.float32, name: str = "linear"):
@@ -49,6 +52,10 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scope = sequence_parallel_scope()
+        if scope is not None:
+            scope.check_group(self.group, type(self).__name__)
+            x = scope.gather(x)
         y = nn.functional.linear(x, self.weight, self.bias)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
@@ -94,6 +101,8 @@ class RowParallelLinear(nn.Module):
     With ``reduce_results=False`` it always returns this rank's partial sum (an attention
     output under a PARTIAL contract). Otherwise it reduces unless the open exit scope
     published ``fuse_mlp_allreduce`` or ``mlp_reduce_scatter``: then the boundary owns the sum.
+    Inside a sequence-parallel exit it reduce-scatters onto the scattered rows instead, either
+    way: the stage's output is complete there and the boundary owes nothing.
     The bias is added on group rank 0 only, so it survives any later sum exactly once.
     """
 
@@ -121,6 +130,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.group.rank == 0 else None
         y = nn.functional.linear(x, self.weight, bias)
+        scope = sequence_parallel_scope()
+        if scope is not None:
+            scope.check_group(self.group, type(self).__name__)
+            return scope.scatter(y)
         if self.reduce_results and not get_forward().skips_reduction:
             y = all_reduce_rows(y, self.group)
         return y

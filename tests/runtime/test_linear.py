@@ -88,8 +88,8 @@ def _row(weight, bias, x, reduce_results, flags):
         with LEDGER.recording() as entries:
             y = layer(x_local)
     finally:
-        swap_flags(previous, opening=False)
-    return group.rank, y, _entries(entries), get_forward() is previous
+        swap_flags(previous[0], False, previous[1])
+    return group.rank, y, _entries(entries), get_forward() is previous[0]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
