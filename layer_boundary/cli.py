@@ -356,7 +356,7 @@ def _check_pipeline(args, cfg, model_cls) -> None:
 
 
 def _report(args, spec, results, reference) -> int:
-    from .runner import merge, parity, speculative_summary, verdict_ok
+    from .runner import forward_variants, merge, parity, speculative_summary, verdict_ok
 
     run = merge(results)
     speculative = speculative_summary(results)
@@ -379,13 +379,18 @@ def _report(args, spec, results, reference) -> int:
                         for i, g in zip(run.request_ids, run.generated)],
             "parity": verdict, "collectives": collectives,
             **({"speculative": speculative} if speculative else {}),
+            **({"cp": spec.cp} if spec.cp > 1 else {}),
+            **({"variants": [v.value for v in forward_variants(spec)]}
+               if forward_variants(spec)[0].value != "ordinary" else {}),
             **({"compile": spec.compile} if spec.compile else {})}))
         return 0 if ok else 1
     log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
              spec.dp, f"cp={spec.cp} " if spec.cp > 1 else "", spec.ep,
              rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
-             f"  compiled ({spec.compile}, fullgraph)" if spec.compile else "")
+             ("  sequence-parallel prefill" if spec.sequence_parallel else
+              "  input-scattered attention" if spec.attn_input_scattered else "")
+             + (f"  compiled ({spec.compile}, fullgraph)" if spec.compile else ""))
     for i, g in zip(run.request_ids, run.generated):
         log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
     if speculative:

@@ -188,8 +188,8 @@ def test_branch_misuse_raises():
         merge_branch(y, branch_output(y, fb), fb)  # the source's output is not ``y``
 
 
-@pytest.mark.parametrize("variant", [BatchVariant.CP, BatchVariant.INPUT_SCATTERED,
-                                     BatchVariant.SEQUENCE_PARALLEL], ids=lambda v: v.value)
+@pytest.mark.parametrize("variant", [BatchVariant.CP, BatchVariant.SEQUENCE_PARALLEL],
+                         ids=lambda v: v.value)
 def test_branch_takes_ordinary_rows_only(variant):
     if variant is BatchVariant.CP:  # a CP topology (construction only: no ranks run)
         from layer_boundary.runtime import BoundaryRuntime
@@ -197,19 +197,27 @@ def test_branch_takes_ordinary_rows_only(variant):
 
         rt = BoundaryRuntime(virtual_parallel(ParallelDims(world_size=2, tp=2, attn_cp=2)),
                              batch_variants=(variant,))
-        # ordinary stages build their CP paths; only the branch refuses
-        make_stages((declare_attn(), toy_norm(0)), runtime=rt, name="layer0", terminal=True)
     else:
         rt = runtime(batch_variants=(BatchVariant.ORDINARY, variant))
-        with pytest.raises(UnsupportedBoundary, match=f"stage layer0.attn: no boundary path "
-                                                      f"for the {variant.value} batch variant"):
-            make_stages((declare_attn(), toy_norm(0)), runtime=rt, name="layer0", terminal=True)
+    # ordinary stages build the variant's paths; only the branch refuses
+    make_stages((declare_attn(), toy_norm(0)), runtime=rt, name="layer0", terminal=True)
     source = declare_ffn()
     with pytest.raises(UnsupportedBoundary, match="branch transport supports ordinary token rows "
                                                   "only: stage branch.ffn cannot run the "
                                                   f"{variant.value} batch"):
         make_stages((declare_ffn(), toy_norm(0)), prepared_from=source, runtime=rt,
                     name="branch", terminal=True)
+
+
+def test_branch_takes_input_scattered_rows():
+    """An input-scattered batch moves ordinary token rows (only where an attention's latent
+    runs differs), so a branch builds for it and plans the same rows as for ordinary batches."""
+    rt = runtime(batch_variants=(BatchVariant.ORDINARY, BatchVariant.INPUT_SCATTERED))
+    source = declare_ffn()
+    stages = make_stages((declare_ffn(), toy_norm(0)), prepared_from=source, runtime=rt,
+                         name="branch", terminal=True)
+    plan = stages[0].plan
+    assert set(plan.variants) == {BatchVariant.ORDINARY, BatchVariant.INPUT_SCATTERED}
 
 
 def test_plan_shows_both_branches_and_the_merge():
