@@ -527,7 +527,7 @@ def cmd_plan(args) -> int:
              "(asked %s)", model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp, policy,
              args.boundary_reduction)
     log.info("tokens per DP rank %s -> row mode %s (%s)%s", list(counts), mode.value, reason,
-             "" if variant is BatchVariant.ORDINARY else f", a {variant.value} batch")
+             "" if variant is BatchVariant.ORDINARY else f", {'an' if variant.value[0] in 'aeiou' else 'a'} {variant.value} batch")
     if cp:
         log.info("CP batch: each DP rank's tokens as one request, cut in %d chunks; CP rank r "
                  "attends chunks r and %d-r", 2 * dims.attn_cp, 2 * dims.attn_cp - 1)

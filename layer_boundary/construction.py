@@ -278,7 +278,7 @@ class StagePlan:
 
     @property
     def variant(self) -> BatchVariant:
-        """The batch variant this plan's paths serve (ordinary, or CP on a CP topology)."""
+        """The batch variant an unmarked batch takes here: ordinary, or CP on a CP topology."""
         return next(iter(self.paths))[0]
 
     def path(self, mode: RowMode) -> StagePath:

@@ -159,8 +159,7 @@ class EntryPath:
         read = f"{'add+norm' if kind == 'add_norm' else 'update+read'} on {self.update_rows}"
         if self.stack_entry:
             text = f"enter: norm on {self.local}"
-            if self.enter_input.moves:
-                text += f" -> {self.enter_input.name}"
+            text += self._compute_steps(self.enter_input)
             if self.enter_residual.moves:
                 text += f"; residual {self.enter_residual.name}"
             return text
@@ -173,9 +172,16 @@ class EntryPath:
                 continue
             fused = " [fusable]" if path.candidates else ""
             head = f"{path.complete.name} -> " if path.complete.moves else ""
-            move = f" -> {self.input_move.name}" if self.input_move.moves else ""
-            steps.append(f"{head}{read}{move}{fused}")
+            steps.append(f"{head}{read}{self._compute_steps(self.input_move)}{fused}")
         return " | ".join(dict.fromkeys(steps)) or read
+
+    def _compute_steps(self, move: Movement) -> str:
+        """The steps from the read's rows to compute's (where the latent runs decides the
+        gathered width)."""
+        steps = [move.name] if move.moves else []
+        if self.latent is not None:
+            steps.insert(0 if self.latent_first else len(steps), "qkv_latent_func")
+        return "".join(f" -> {step}" for step in steps)
 
     def expected(self, key, rows, width: int, input_width: int | None = None) -> list:
         """The collectives this path runs for an arrival ``key`` (None: a written stream whose

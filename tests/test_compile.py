@@ -23,7 +23,8 @@ PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 9))
 
 def _eager_world1(spec: RunSpec):
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar",
-                                   compile=None), world_size=1)])
+                                   compile=None, sequence_parallel=False,
+                                   attn_input_scattered=False), world_size=1)])
 
 
 def _spec(qwen3_dir, tp, dp, policy, backend):
@@ -78,3 +79,14 @@ def test_fullgraph_moe_models(qwen3_moe_dir, deepseek_dir):
     spec = replace(_spec(qwen3_moe_dir, 2, 1, "rs", "eager"), ep=2)
     assert_logits_match(merge(get_pool(2).run(run_rank, spec, timeout=240)),
                         _eager_world1(spec), len(PROMPTS))
+
+
+@pytest.mark.timeout(240)
+def test_fullgraph_scattered_variants(qwen3_dir, deepseek_dir):
+    """A sequence-parallel prefill (the scope's gathers and reduce-scatters inside the
+    linears) and input-scattered attention (the MLA latent before its gather) trace whole."""
+    for spec in (replace(_spec(qwen3_dir, 2, 1, "rs", "eager"), sequence_parallel=True),
+                 replace(_spec(deepseek_dir, 2, 1, "rs", "eager"), attn_input_scattered=True)):
+        results = get_pool(2).run(run_rank, spec, timeout=240)
+        assert all(r.modes == ["rs"] * 3 and r.streams_released for r in results)
+        assert_logits_match(merge(results), _eager_world1(spec), len(PROMPTS))
