@@ -47,16 +47,25 @@ SP_CASES = [(2, 1, "auto", PROMPTS), (4, 1, "rs", PROMPTS), (4, 2, "auto", PROMP
             (4, 2, "rs", PROMPTS[:1])]
 
 
+def matches_world1(spec: RunSpec) -> list:
+    """The run's ranks, after checking its tokens and logits against world 1's."""
+    results = get_pool(spec.tp).run(run_rank, spec)
+    assert_logits_match(merge(results), world1(spec), len(spec.prompts))
+    assert all(r.streams_released for r in results)
+    return results
+
+
+def topologies(cases):
+    return pytest.mark.parametrize("tp,dp,policy,prompts", cases, ids=[
+        f"tp{t}-dp{d}-{p}-{len(n)}" for t, d, p, n in cases])
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tp,dp,policy,prompts", SP_CASES,
-                         ids=[f"tp{t}-dp{d}-{p}-{len(n)}" for t, d, p, n in SP_CASES])
+@topologies(SP_CASES)
 @pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "llama"])
 def test_sequence_parallel_matches_world1(dirs, model, tp, dp, policy, prompts):
-    spec = spec_of(dirs[model], model, tp, dp, policy, prompts, sequence_parallel=True)
-    results = get_pool(tp).run(run_rank, spec)
-    assert_logits_match(merge(results), world1(spec), len(prompts))
-    for r in results:
-        assert r.streams_released
+    for r in matches_world1(spec_of(dirs[model], model, tp, dp, policy, prompts,
+                                    sequence_parallel=True)):
         # the prefill's linears moved rows inside compute; decode ran ordinary paths
         assert any(e.step == 0 and e.site.endswith(".compute") and e.kind == "reduce_scatter"
                    for e in r.ledger)
@@ -112,14 +121,11 @@ IS_CASES = [(2, 1, "rs", PROMPTS), (2, 1, "rsv", PROMPTS), (4, 2, "rs", PROMPTS)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tp,dp,policy,prompts", IS_CASES,
-                         ids=[f"tp{t}-dp{d}-{p}-{len(n)}" for t, d, p, n in IS_CASES])
+@topologies(IS_CASES)
 @pytest.mark.parametrize("model", ["deepseek_v3", "deepseek_v3_noqlora", "longcat_flash"])
 def test_input_scattered_matches_world1(dirs, model, tp, dp, policy, prompts):
-    spec = spec_of(dirs[model], model, tp, dp, policy, prompts, attn_input_scattered=True)
-    results = get_pool(tp).run(run_rank, spec)
-    assert_logits_match(merge(results), world1(spec), len(prompts))
-    assert all(r.streams_released for r in results)
+    matches_world1(spec_of(dirs[model], model, tp, dp, policy, prompts,
+                           attn_input_scattered=True))
 
 
 def latent_width(cfg) -> int:
