@@ -44,7 +44,9 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
         return ExitDecision(NO_FLAGS, None, rows, label, finish_move=handoff,
                             compute_sum=compute_sum)
 
-    if group is None:
+    if output.dispatches:
+        default = complete("complete: all_to_all(tp) dispatch and combine in compute")
+    elif group is None:
         default = complete(f"complete ({output.kind.value} sum group of size 1)")
     elif output.reduction is ProducerReduction.PARTIAL:
         default = ExitDecision(NO_FLAGS, group, rows, f"partial: {group.value} sum owed",

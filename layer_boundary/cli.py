@@ -151,6 +151,41 @@ def _variant_args(parser) -> None:
     parser.add_argument("--attn-input-scattered", action="store_true",
                         help="input-scattered attention (MLA models): the qkv latent runs on "
                              "the scattered rows and only the latent is gathered")
+    parser.add_argument("--moe-a2a-backend", choices=("none", "all_to_all"), default="none",
+                        help="how MoE layers reach their experts: none (default: the boundary "
+                             "gathers every DP rank's rows) or all_to_all (the MoE stays on "
+                             "the attention rows and dispatches each routed token)")
+
+
+def _check_moe_a2a(args, model_cls, attn_tp: int) -> None:
+    """``--moe-a2a-backend`` against the model, the features it does not combine with yet and
+    the policy (one line each, before any rank starts)."""
+    from .models import boundary_reduction
+
+    backend = args.moe_a2a_backend
+    if backend == "none":
+        return
+    flag = f"--moe-a2a-backend {backend}"
+    try:
+        model_cls.check_moe_a2a(backend)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    unsupported = [name for name, on in (
+        (f"--cp {args.cp}", args.cp > 1), ("--sequence-parallel", args.sequence_parallel),
+        ("--attn-input-scattered", args.attn_input_scattered),
+        ("--compile", getattr(args, "compile", False) or getattr(args, "compile_backend", None)),
+        ("speculative decoding", getattr(args, "draft_model", None)
+         or getattr(args, "speculative_algorithm", None))) if on]
+    if unsupported:
+        raise UsageError(f"{flag} does not combine with {', '.join(unsupported)} yet")
+    if attn_tp > 1 and boundary_reduction(args.boundary_reduction, model_cls.model_type) == "ar":
+        raise UsageError(f"{flag} dispatches from rows no other rank holds: with attention TP "
+                         f"{attn_tp} those are the scattered rows, and --boundary-reduction ar "
+                         "has none (use rs, rsv or rs+rsv, or --dp equal to --tp)")
+
+
+def _a2a_note(backend: str) -> str:
+    return "" if backend == "none" else f"  MoE {backend} dispatch"
 
 
 def _check_variants(args, model_cls) -> None:
@@ -286,6 +321,7 @@ def _spec(args):
     model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
     _check_variants(args, model_cls)
+    _check_moe_a2a(args, model_cls, dims.attn_tp)
     if args.tbo and (args.pp > 1 or args.split_prefill > 1 or args.compile
                      or args.compile_backend):
         raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
@@ -312,7 +348,8 @@ def _spec(args):
                              f"{model_dir} ({cfg.model_type}) has none")
     return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, cp=args.cp,
                    sequence_parallel=args.sequence_parallel,
-                   attn_input_scattered=args.attn_input_scattered, pp=args.pp,
+                   attn_input_scattered=args.attn_input_scattered,
+                   moe_a2a_backend=args.moe_a2a_backend, pp=args.pp,
                    pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
                    draft_model=args.draft_model, speculative_algorithm=algorithm,
                    speculative_steps=args.speculative_steps,
@@ -380,6 +417,8 @@ def _report(args, spec, results, reference) -> int:
             "parity": verdict, "collectives": collectives,
             **({"speculative": speculative} if speculative else {}),
             **({"cp": spec.cp} if spec.cp > 1 else {}),
+            **({"moe_a2a_backend": spec.moe_a2a_backend}
+               if spec.moe_a2a_backend != "none" else {}),
             **({"variants": [v.value for v in forward_variants(spec)]}
                if forward_variants(spec)[0].value != "ordinary" else {}),
             **({"compile": spec.compile} if spec.compile else {})}))
@@ -390,6 +429,7 @@ def _report(args, spec, results, reference) -> int:
              rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
              ("  sequence-parallel prefill" if spec.sequence_parallel else
               "  input-scattered attention" if spec.attn_input_scattered else "")
+             + _a2a_note(spec.moe_a2a_backend)
              + (f"  compiled ({spec.compile}, fullgraph)" if spec.compile else ""))
     for i, g in zip(run.request_ids, run.generated):
         log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
@@ -460,6 +500,7 @@ def cmd_plan(args) -> int:
     model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
     _check_variants(args, model_cls)
+    _check_moe_a2a(args, model_cls, dims.attn_tp)
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
@@ -475,7 +516,8 @@ def cmd_plan(args) -> int:
                                         boundary_reduction=policy,
                                         allreduce_fusion=not args.no_allreduce_fusion,
                                         rs_padding=not args.no_rs_padding,
-                                        pp_layers=args.pp_layers, batch_variants=variants))
+                                        pp_layers=args.pp_layers, batch_variants=variants,
+                                        moe_a2a_backend=args.moe_a2a_backend))
         with torch.device("meta"):  # boundaries are built at construction; no weights needed
             models.append(model_cls(cfg, runtimes[-1]))
     runtime = runtimes[0]
@@ -517,6 +559,7 @@ def cmd_plan(args) -> int:
     if args.json:
         log.info(json.dumps({"tp": dims.tp, "dp": dims.attn_dp, "cp": dims.attn_cp,
                              "attn_tp": dims.attn_tp, "variant": variant.value,
+                             "moe_a2a_backend": args.moe_a2a_backend,
                              "boundary_reduction": policy, "tokens": list(counts),
                              "mode": mode.value, "reason": reason, "ranks": per_rank,
                              "stages": table, "movements": movements,
@@ -524,8 +567,8 @@ def cmd_plan(args) -> int:
                              **({"microbatches": microbatches} if microbatches else {})}))
         return 0
     log.info("layer-boundary plan: %s  tp=%d dp=%d cp=%d attn_tp=%d  boundary_reduction=%s "
-             "(asked %s)", model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp, policy,
-             args.boundary_reduction)
+             "(asked %s)%s", model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp, policy,
+             args.boundary_reduction, _a2a_note(args.moe_a2a_backend))
     log.info("tokens per DP rank %s -> row mode %s (%s)%s", list(counts), mode.value, reason,
              "" if variant is BatchVariant.ORDINARY else f", {'an' if variant.value[0] in 'aeiou' else 'a'} {variant.value} batch")
     if cp:

@@ -71,7 +71,7 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
     parts = counts if parts is None else parts
     if dims.tp == 1:
         return RowMode.AR, "tp=1"
-    scattered = variant in SCATTERED_VARIANTS
+    scattered = keeps_scattered(runtime, variant)
     if runtime.allows_rsv:
         if dims.attn_dp > 1 or cp or scattered:
             return RowMode.RSV, "rsv"
@@ -87,11 +87,21 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
         why = f"rs needs padding: {what} {list(parts)} vs attn_tp={a}, padding disallowed"
         reason = f"{reason}; {why}" if reason else why
     if scattered:
-        raise ValueError(f"a {variant.value} batch keeps its residual scattered over attention "
-                         f"TP and has no ar path: {reason or 'boundary_reduction is ar'}")
+        what = (f"a {variant.value} batch" if variant in SCATTERED_VARIANTS else
+                f"moe_a2a_backend={runtime.moe_a2a_backend} with attention TP {dims.attn_tp}")
+        raise ValueError(f"{what} keeps its residual scattered over attention TP and has no "
+                         f"ar path: {reason or 'boundary_reduction is ar'}")
     if runtime.boundary_reduction == "ar":
         return RowMode.AR, "ar"
     return RowMode.AR, f"fallback to ar ({reason})"
+
+
+def keeps_scattered(runtime, variant: BatchVariant) -> bool:
+    """Whether every forward keeps the residual scattered over attention TP: a
+    sequence-parallel batch, or a runtime whose MoEs dispatch from the residual's rows, which
+    must be rows no other rank holds (with attention TP > 1, the scattered ones)."""
+    return variant in SCATTERED_VARIANTS or (
+        runtime.dispatches_moe and runtime.parallel.dims.attn_tp > 1)
 
 
 def supported_modes(runtime, variant: BatchVariant = BatchVariant.ORDINARY) -> list[RowMode]:
@@ -99,7 +109,7 @@ def supported_modes(runtime, variant: BatchVariant = BatchVariant.ORDINARY) -> l
     one), except in a sequence-parallel batch, whose residual is scattered (rs, rsv)."""
     dims = runtime.parallel.dims
     cp = variant is BatchVariant.CP
-    scattered = variant in SCATTERED_VARIANTS
+    scattered = keeps_scattered(runtime, variant)
     modes = [RowMode.AR] if dims.tp == 1 or not scattered else []
     if dims.tp > 1 and runtime.allows_rs:
         modes.append(RowMode.RS)
@@ -165,6 +175,13 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
                            at_producer=at_producer, next_sparse=decl.next_sparse,
                            linears_sum=SumGroup.ATTN_TP if attn else SumGroup.TP,
                            linears_rows=layouts.attention if attn else layouts.replicated)
+    if decl.dispatches:
+        # the combine brings every expert's contribution back to the row it came from:
+        # complete on the residual's rows, nothing owed, no handoff to offer
+        rows = layouts.residual(mode)
+        return StageOutput(StageKind.FFN, rows, decl.reduction, None, rows,
+                           at_producer=at_producer, next_sparse=decl.next_sparse,
+                           dispatches=True)
     known = following is not None and not decl.terminal  # a consumer that can finish a sum
     if decl.kind is StageKind.ATTN:
         if decl.reduction is ProducerReduction.PARTIAL:
@@ -194,7 +211,8 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
 
 
 def resolve_input(decl, runtime, layouts: Layouts,
-                  variant: BatchVariant = BatchVariant.ORDINARY) -> StageInput:
+                  variant: BatchVariant = BatchVariant.ORDINARY,
+                  mode: RowMode = RowMode.AR) -> StageInput:
     """A declaration's input contract: its compute rows and the sum its producer always leaves."""
     prev = decl.previous
     static = None
@@ -204,6 +222,8 @@ def resolve_input(decl, runtime, layouts: Layouts,
         static = _sum(runtime, SumGroup.ATTN_TP)
     if _sequence_parallel(decl, variant):  # compute takes the scattered rows as they are
         return StageInput(layouts.scattered, static)
+    if decl.dispatches:  # the MoE moves its routed tokens itself: the residual's rows
+        return StageInput(layouts.residual(mode), static)
     if decl.kind is StageKind.ATTN:
         gathers = frozenset({TokenAxis.ATTN_TP_SCATTER}) if (
             decl.gathers_tp_input and runtime.parallel.dims.attn_tp > 1) else frozenset()
@@ -316,13 +336,28 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
         variants = plan_variants(runtime)
     except UnsupportedBoundary as exc:
         raise UnsupportedBoundary(f"stage {name}: {exc}") from None
+    if declaration.dispatches:
+        if not runtime.dispatches_moe:
+            raise UnsupportedBoundary(
+                f"stage {name} dispatches its routed tokens itself (declare_ffn(dispatches="
+                "True)), and the runtime's moe_a2a_backend is 'none': build it with "
+                "moe_a2a_backend='all_to_all'")
+        others = [v.value for v in variants if v not in (BatchVariant.ORDINARY,
+                                                         BatchVariant.INPUT_SCATTERED)]
+        if others:
+            raise UnsupportedBoundary(
+                f"stage {name} dispatches its routed tokens from the residual's rows; its "
+                f"{', '.join(others)} batch paths are not built yet")
     paths, tables = {}, {}
     for variant in variants:
         cp = variant is BatchVariant.CP
         modes = supported_modes(runtime, variant)
         if not modes:
+            what = (f"a {variant.value} batch" if variant in SCATTERED_VARIANTS else
+                    f"moe_a2a_backend={runtime.moe_a2a_backend} with attention TP "
+                    f"{runtime.parallel.dims.attn_tp}")
             raise UnsupportedBoundary(
-                f"stage {name}: a {variant.value} batch keeps its residual scattered over "
+                f"stage {name}: {what} keeps its residual scattered over "
                 f"attention TP, and boundary_reduction={runtime.boundary_reduction} permits "
                 "no reduce-scatter (use rs, rsv or rs+rsv)")
         for mode in modes:
@@ -339,7 +374,7 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
     prev = declaration.previous
     layouts = table.layouts
     output = resolve_output(declaration, following, runtime, layouts, fusions, mode, variant)
-    stage_input = resolve_input(declaration, runtime, layouts, variant)
+    stage_input = resolve_input(declaration, runtime, layouts, variant, mode)
     try:
         exit_path = bind_exit(output, mode, table, fusions=fusions, name=name,
                               declaration=declaration)
@@ -358,7 +393,8 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
                            latent_first=variant is BatchVariant.INPUT_SCATTERED)
         branch_in = None
         if declaration.prepared_from is not None:
-            source_rows = resolve_input(declaration.prepared_from, runtime, layouts).rows
+            source_rows = resolve_input(declaration.prepared_from, runtime, layouts,
+                                        variant, mode).rows
             branch_in = table.lookup(None, source_rows, stage_input.rows)
     except UnsupportedBoundary as exc:
         raise UnsupportedBoundary(f"stage {name}: {exc}") from None

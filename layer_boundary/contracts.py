@@ -85,6 +85,8 @@ class StageOutput:
     # gather from and reduce-scatter onto ``rows``, the scattered rows); None otherwise
     linears_sum: SumGroup | None = None
     linears_rows: Layout | None = None
+    # a MoE that dispatched its routed tokens and combined them back itself (all-to-all)
+    dispatches: bool = False
 
 
 @dataclass(frozen=True)

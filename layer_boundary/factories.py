@@ -24,6 +24,9 @@ class StageDeclaration:
     # compute honours a sequence-parallel scope: it takes scattered rows, its column-parallel
     # linears all-gather their input and its row-parallel linears reduce-scatter their output
     sequence_parallel: bool = False
+    # a MoE that dispatches its routed tokens itself (an expert-parallel all-to-all): it
+    # computes on the residual's rows and returns its output complete there
+    dispatches: bool = False
     residual: LayerResidual = field(default_factory=default_layer_residual)
     previous: "StageDeclaration | None" = None
     prepared_from: "StageDeclaration | None" = None
@@ -33,6 +36,7 @@ class StageDeclaration:
         sparse = " sparse" if self.sparse else ""
         update = self.residual.update
         sp = ", sequence-parallel compute" if self.sequence_parallel else ""
+        sp += ", all-to-all dispatch" if self.dispatches else ""
         text = f"{self.kind.value}{sparse} ({self.reduction.value}{sp})"
         return text if is_plain(update) else f"{text} with update {update!r}"
 
@@ -75,7 +79,7 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
                 prepared_from: StageDeclaration | None = None,
                 terminal: bool = False,
                 next_layer_sparse: bool | None = None,
-                sequence_parallel: bool = False) -> StageDeclaration:
+                sequence_parallel: bool = False, dispatches: bool = False) -> StageDeclaration:
     """A dense or sparse FFN declaration.
 
     Args:
@@ -105,7 +109,7 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
     if reduction is ProducerReduction.PARTIAL:
         raise ValueError("PARTIAL is not supported for ffn stages")
     return StageDeclaration(StageKind.FFN, reduction, sparse=sparse, next_sparse=next_sparse,
-                            sequence_parallel=sequence_parallel,
+                            sequence_parallel=sequence_parallel, dispatches=dispatches,
                             residual=_layer_residual(update, read), previous=previous,
                             prepared_from=prepared_from, terminal=terminal)
 

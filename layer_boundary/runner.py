@@ -37,6 +37,8 @@ class RunSpec:
     sequence_parallel: bool = False
     # every forward an input-scattered batch: an MLA's latent runs before the input gather
     attn_input_scattered: bool = False
+    # "all_to_all": MoE layers stay on the attention rows and dispatch their routed tokens
+    moe_a2a_backend: str = "none"
     boundary_reduction: str = "auto"
     dtype: str = "float32"
     prompts: tuple = ((1, 2, 3),)
@@ -96,7 +98,8 @@ def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntim
     return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
                            pp_layers=spec.pp_layers, batch_variants=tuple(
-                               dict.fromkeys(forward_variants(spec))))
+                               dict.fromkeys(forward_variants(spec))),
+                           moe_a2a_backend=spec.moe_a2a_backend)
 
 
 def forward_variants(spec: RunSpec) -> tuple:

@@ -69,7 +69,7 @@ class CausalLM(nn.Module):
     - ``checkpoint_name(name)``: its parameter name for an on-disk tensor.
     """
 
-    model_type: str  # these four are declared through register_model
+    model_type: str  # these are declared through register_model
     config_class: type
     boundary_reduction: str
     positional_cache: bool
@@ -101,10 +101,23 @@ class CausalLM(nn.Module):
             if variant in variants and refusal is not None:
                 raise ValueError(f"{cls.model_type} cannot run {feature}: {refusal}")
 
+    @classmethod
+    def check_moe_a2a(cls, backend: str) -> None:
+        """A runtime whose MoEs dispatch (``moe_a2a_backend``), where the model cannot: its
+        declared reason, as ``--moe-a2a-backend`` reports."""
+        if backend != "none" and cls.moe_a2a_refusal is not None:
+            raise ValueError(f"{cls.model_type} cannot run moe_a2a_backend={backend}: "
+                             f"{cls.moe_a2a_refusal}")
+
     def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
         super().__init__()
         self.check_topology(cfg, runtime.parallel.dims)
         self.check_variants(runtime.batch_variants)
+        self.check_moe_a2a(runtime.moe_a2a_backend)
+        if runtime.dispatches_moe:  # the layers read it from their config
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, moe_a2a=True)
         self.config, self.dtype = cfg, dtype
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
                                   self.decoder_layers(cfg))

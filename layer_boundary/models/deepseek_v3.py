@@ -26,7 +26,6 @@ from torch import nn
 
 from .. import ProducerReduction, cp_view, declare_ffn
 from ..runtime.context import get_forward
-from ..runtime.parallel import Group
 from ..runtime.args import BoundaryRuntime
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
@@ -38,7 +37,7 @@ from .config import (DECODER, EXPERTS, GROUPED_ROUTER, MLA, NON_NEGATIVE_INT, Ch
                      CheckpointError, check_divisible, check_grouped_router,
                      check_unquantized_silu, require, required)
 from .registry import register_model
-from .moe import FusedMoE, expert_stacked_params
+from .moe import UNSHARDED, FusedMoE, expert_stacked_params
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -102,6 +101,9 @@ class DeepseekV3Config(CheckedConfig):
     # Engine option, never read from config.json: run the shared experts unsharded on every
     # rank and add them after the routed experts' sum (a LOCAL_TAIL FFN stage).
     shared_experts_tp1: bool = False
+    # Engine option, never read from config.json: the MoE layers dispatch their routed
+    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
+    moe_a2a: bool = False
     model_type: str = "deepseek_v3"
 
     fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, **MLA,
@@ -327,10 +329,11 @@ class DeepseekV3MoE(nn.Module):
         self.group = runtime.parallel.tp
         self.gate = DeepseekV3Router(cfg)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                runtime.parallel, dtype)
+                                runtime.parallel, dtype, dispatch=cfg.moe_a2a)
         self.tail = cfg.shared_experts_tp1
-        # sharded: its partial is summed with the routed experts'; tp1: a replicated tail
-        group = Group("shared_tp1", (0,), 0) if self.tail else None
+        # sharded: its partial is summed with the routed experts'; tp1: a replicated tail;
+        # beside dispatched experts: whole, on this rank's own rows
+        group = UNSHARDED if self.tail or cfg.moe_a2a else None
         self.shared_experts = DeepseekV3MLP(cfg.hidden_size,
                                             cfg.moe_intermediate_size * cfg.n_shared_experts,
                                             runtime, dtype, reduce_results=False, group=group)
@@ -370,11 +373,12 @@ class DeepseekV3DecoderLayer(DecoderLayer):
             self.mlp = DeepseekV3MoE(cfg, runtime, dtype)
         else:
             self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
-        tail = cfg.shared_experts_tp1 and self.is_moe
+        tail = cfg.shared_experts_tp1 and self.is_moe and not cfg.moe_a2a
         ffn = (declare_ffn(sparse=self.is_moe, reduction=ProducerReduction.LOCAL_TAIL if tail
-                           else ProducerReduction.SCOPED)
+                           else ProducerReduction.SCOPED,
+                           dispatches=self.is_moe and cfg.moe_a2a)
                if nextn else ffn_declaration(cfg, layer_id))
-        # the qkv latent runs before the input gather: only the latent moves
+        # the qkv latent runs on compute rows (before the gather in input-scattered batches)
         self.connect(ffn, runtime, fusions=fusions,
                      attn_options={"qkv_latent_func": self.self_attn.prepare_qkv_latent},
                      previous=None if layer_id == 0 or nextn else ffn_declaration(cfg, layer_id - 1),
@@ -393,11 +397,14 @@ def mla_kv_cache(model, layers, attn: DeepseekV3Attention, slots: int, max_len: 
 def ffn_declaration(cfg: DeepseekV3Config, layer: int):
     """Layer ``layer``'s FFN declaration; the next layer's ``previous`` is built the same way."""
     following = layer + 1
-    tail = cfg.shared_experts_tp1 and cfg.is_moe(layer)
-    return declare_ffn(sparse=cfg.is_moe(layer),
+    moe = cfg.is_moe(layer)
+    # beside dispatched experts the tail is part of the complete output: nothing follows it
+    tail = cfg.shared_experts_tp1 and moe and not cfg.moe_a2a
+    return declare_ffn(sparse=moe,
                        next_sparse=cfg.is_moe(following) if following < cfg.num_hidden_layers
                        else None,
-                       reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED)
+                       reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED,
+                       dispatches=moe and cfg.moe_a2a)
 
 
 @register_model("deepseek_v3", DeepseekV3Config, check_parallel=check_parallel,
@@ -406,7 +413,8 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
                 sequence_parallel="its MLA latent projections are replicated over attention "
                                   "TP, not column-parallel linears (its latent moves under "
                                   "--attn-input-scattered instead)",
-                attn_input_scattered=True)
+                attn_input_scattered=True,
+                moe_a2a=True)
 class DeepseekV3ForCausalLM(CausalLM):
     layer_cls = DeepseekV3DecoderLayer
 

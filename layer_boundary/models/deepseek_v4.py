@@ -54,7 +54,7 @@ from .layers import DecoderLayer
 from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
                      check_divisible, check_unquantized_silu, require, required)
 from .registry import register_model
-from .moe import FusedMoE, expert_stacked_params
+from .moe import UNSHARDED, FusedMoE, expert_stacked_params
 from .rope import inverse_frequencies, rope_cos_sin
 
 SLIDING = "sliding_attention"
@@ -167,6 +167,9 @@ class DeepseekV4Config(CheckedConfig):
     scoring_func: str = "sqrtsoftplus"
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    # Engine option, never read from config.json: the MoE layers dispatch their routed
+    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
+    moe_a2a: bool = False
     model_type: str = "deepseek_v4"
 
     fields = {**DECODER, **EXPERTS, "n_shared_experts": POSITIVE_INT, "mlp_bias": BOOL,
@@ -329,8 +332,9 @@ class DeepseekV4MLP(DeepseekV3MLP):
     joins the routed experts' one sum)."""
 
     def __init__(self, cfg: DeepseekV4Config, runtime: BoundaryRuntime, dtype):
+        # beside dispatched experts: whole, on this rank's own rows
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, runtime, dtype,
-                         reduce_results=False)
+                         reduce_results=False, group=UNSHARDED if cfg.moe_a2a else None)
         self.limit = cfg.swiglu_limit
 
     def forward(self, x):
@@ -378,7 +382,8 @@ class DeepseekV4MoE(nn.Module):
         self.is_hash = cfg.is_hash(layer_id)
         self.gate = DeepseekV4Router(cfg, self.is_hash)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                runtime.parallel, dtype, swiglu_limit=cfg.swiglu_limit)
+                                runtime.parallel, dtype, swiglu_limit=cfg.swiglu_limit,
+                                dispatch=cfg.moe_a2a)
         self.shared_experts = DeepseekV4MLP(cfg, runtime, dtype)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None):
@@ -407,7 +412,7 @@ class DeepseekV4DecoderLayer(DecoderLayer):
         self.mlp = DeepseekV4MoE(cfg, layer_id, runtime, dtype)
         hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)  # fp32
-        ffn = declare_ffn(sparse=True, **mhc_stage(self.ffn_hc))
+        ffn = declare_ffn(sparse=True, dispatches=cfg.moe_a2a, **mhc_stage(self.ffn_hc))
         self.connect(ffn, runtime, fusions=fusions, attn=declare_attn(**mhc_stage(self.attn_hc)),
                      attn_options={"qkv_latent_func": self.self_attn.prepare_qkv_latent},
                      # the previous layer's MoE, whose output carries the (nonlinear) mHC update
@@ -450,7 +455,8 @@ _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
                 context_parallel="its sliding window and sinks across a CP cut are not built",
                 sequence_parallel="its mHC residual and grouped output projection are not "
                                   "built for scattered rows",
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                moe_a2a=True)
 class DeepseekV4ForCausalLM(CausalLM):
     layer_cls = DeepseekV4DecoderLayer
 

@@ -161,7 +161,8 @@ class LlamaDecoderLayer(DecoderLayer):
 @register_model("llama", LlamaConfig, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
                 context_parallel=True, sequence_parallel=True,
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                moe_a2a="it has no MoE layers to dispatch")
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Qwen3's skeleton (stacked q/k/v) with Llama's layers; ``kv_window`` is the attention
     window the cache keeps (None: every position)."""

@@ -84,6 +84,9 @@ class LongcatFlashConfig(CheckedConfig):
     rope_theta: float = DEFAULT_ROPE_THETA
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # Engine option, never read from config.json: the MoE layers dispatch their routed
+    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
+    moe_a2a: bool = False
     model_type: str = "longcat_flash"
 
     fields = {**DECODER, **EXPERTS, **MLA, "zero_expert_num": NON_NEGATIVE_INT,
@@ -235,7 +238,7 @@ class LongcatFlashMoE(nn.Module):
         self.router = LongcatFlashRouter(cfg)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size,
                                 cfg.expert_ffn_hidden_size, runtime.parallel, dtype,
-                                zero_experts=cfg.zero_expert_num)
+                                zero_experts=cfg.zero_expert_num, dispatch=cfg.moe_a2a)
 
     def forward(self, x: torch.Tensor):
         """x: [T, H] (every DP rank's rows): a partial over TP, a finalize handoff or the
@@ -264,9 +267,10 @@ class LongcatFlashDecoderLayer(nn.Module):
         latent = [{"qkv_latent_func": attn.prepare_qkv_latent, **opts} for attn in self.self_attn]
         self.attn0_boundary, self.moe_boundary = make_stages(
             (declare_attn(), self.input_layernorm[0], latent[0]),
-            (declare_ffn(sparse=True), self.post_attention_layernorm[0], opts),
+            (declare_ffn(sparse=True, dispatches=cfg.moe_a2a), self.post_attention_layernorm[0],
+             opts),
             # the previous layer's merged output carries its MoE's pending sum
-            previous=None if i == 0 else declare_ffn(sparse=True),
+            previous=None if i == 0 else declare_ffn(sparse=True, dispatches=cfg.moe_a2a),
             following=following, terminal=last, runtime=runtime, name=f"layer{i}")
         self.mlp0_boundary, self.attn1_boundary, self.mlp1_boundary = make_stages(
             # the entry stage reads the MoE's prepared input: its norm is never applied
@@ -315,7 +319,8 @@ _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
                                  "branch, which takes ordinary token rows only",
                 sequence_parallel="its MLA latent projections are replicated over attention "
                                   "TP, and its branch takes ordinary token rows only",
-                attn_input_scattered=True)
+                attn_input_scattered=True,
+                moe_a2a=True)
 class LongcatFlashForCausalLM(CausalLM):
     layer_cls = LongcatFlashDecoderLayer
 

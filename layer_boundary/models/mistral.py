@@ -37,7 +37,8 @@ class MistralConfig(LlamaConfig):
                 boundary_reduction="rs+rsv", positional_cache=False,
                 context_parallel="its sliding window across a CP cut is not built",
                 sequence_parallel=True,
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                moe_a2a="it has no MoE layers to dispatch")
 class MistralForCausalLM(LlamaForCausalLM):
     def kv_window(self) -> int | None:
         return self.config.sliding_window

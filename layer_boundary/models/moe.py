@@ -1,11 +1,18 @@
 """Routed experts for MoE models: plain PyTorch compute under expert and tensor parallelism.
 
-Every rank of the TP group holds the FFN's input rows (every DP rank's tokens), so expert
-parallelism needs no all-to-all here: rank (ep, mtp) runs its local experts on the tokens
-routed to them, with each expert's intermediate dim split over moe_tp, and the MoE output is a
-partial sum over the whole TP group (``SumGroup.MOE_OUT``). Finalize (the top-k weighted sum)
-runs here, or is handed to the next input as a ``HandoffOutput`` when the exit publishes
-``defer_moe_finalize``.
+Rank (ep, mtp) of the TP group holds experts [ep * E/moe_ep, ...), each with its intermediate
+dim split over moe_tp. Two ways to reach them:
+
+* gathered (``moe_a2a_backend="none"``): every rank holds the FFN's input rows (every DP
+  rank's tokens, gathered by the boundary) and runs its local experts on the tokens routed to
+  them; the output is a partial sum over the whole TP group (``SumGroup.MOE_OUT``). Finalize
+  (the top-k weighted sum) runs here, or is handed to the next input as a ``HandoffOutput``
+  when the exit publishes ``defer_moe_finalize``.
+* dispatched (``"all_to_all"``, ``declare_ffn(dispatches=True)``): the MoE stays on the
+  residual's rows, which no other rank holds. Each token goes once to every rank holding one
+  of its chosen experts (all moe_tp shards of that EP rank), with its ids and weights; the
+  rank returns the weighted sum of its experts' outputs for the token, and the source adds
+  the returns: the output is complete on the source's rows.
 """
 
 from __future__ import annotations
@@ -15,8 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import HandoffOutput
-from ..runtime import Parallel, all_reduce_rows, get_forward
+from ..runtime import Parallel, all_reduce_rows, all_to_all_rows, exchange_counts, get_forward
 from ..runtime.linear import expect_shape
+from ..runtime.parallel import Group
+
+# a group of one: shared experts whole on every rank (DeepSeek-V3's shared_experts_tp1, and
+# every shared expert beside dispatched routed experts, whose rows no other rank holds)
+UNSHARDED = Group("shared_tp1", (0,), 0)
 
 
 class MoeFinalize(HandoffOutput):
@@ -63,12 +75,15 @@ class FusedMoE(nn.Module):
 
     ``swiglu_limit`` (DeepSeek-V4, gated only): the gate pre-activation is clamped to at most
     the limit and the up pre-activation to [-limit, limit] before ``act(gate) * up``.
+
+    ``dispatch`` (an all-to-all runtime): the forward dispatches and combines (module
+    docstring) and returns the complete output; identity experts run on the source rank.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  parallel: Parallel, dtype=torch.float32, *, gated: bool = True,
                  activation: str = "silu", zero_experts: int = 0,
-                 swiglu_limit: float | None = None):
+                 swiglu_limit: float | None = None, dispatch: bool = False):
         super().__init__()
         if swiglu_limit is not None and not gated:
             raise ValueError("swiglu_limit clamps gated experts only")
@@ -84,9 +99,11 @@ class FusedMoE(nn.Module):
             raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by "
                              f"moe_tp={dims.moe_tp}")
         self.group = parallel.tp
-        self.num_experts = num_experts
-        # only TP rank 0 carries the identity experts' rows into the group's partial sum
-        self.zero_experts = zero_experts if parallel.tp.rank == 0 else 0
+        self.num_experts, self.identity_experts = num_experts, zero_experts
+        self.dispatch, self.moe_ep, self.moe_tp = dispatch, dims.moe_ep, dims.moe_tp
+        # gathered: only TP rank 0 carries the identity experts' rows into the group's partial
+        # sum; dispatched: every rank, for its own rows (its output is complete)
+        self.zero_experts = zero_experts if dispatch or parallel.tp.rank == 0 else 0
         self.local = num_experts // dims.moe_ep
         self.first = parallel.moe_ep_rank * self.local
         self.shard = intermediate_size // dims.moe_tp
@@ -121,8 +138,11 @@ class FusedMoE(nn.Module):
         the exit skips it), or a ``MoeFinalize`` handoff under ``defer_moe_finalize``.
 
         ``shared_output``: another partial over the TP group (shared experts sharded like the
-        routed ones) added before the one reduction, wherever that runs.
+        routed ones) added before the one reduction, wherever that runs. Dispatched: the
+        complete output of replicated shared experts, added to the combined rows.
         """
+        if self.dispatch:
+            return self._dispatched(x, topk_ids, topk_weights, shared_output)
         if torch.compiler.is_compiling():
             expert_out = self._dense_experts(x, topk_ids)
         else:
@@ -144,6 +164,56 @@ class FusedMoE(nn.Module):
         if not flags.skips_reduction:
             out = all_reduce_rows(out, self.group)
         return out
+
+    def _dispatched(self, x, topk_ids, topk_weights, shared_output):
+        """The all-to-all path: [T, H] on this rank's rows -> [T, H] complete on them."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("the all-to-all MoE sizes its dispatch by the routing (host "
+                               "counts): it does not run under torch.compile yet")
+        group, rows, k = self.group, x.shape[0], topk_ids.shape[1]
+        routed = topk_ids < self.num_experts
+        owner = torch.where(routed, topk_ids // self.local, 0)  # [T, k] EP rank
+        hits = torch.zeros((rows, self.moe_ep), dtype=torch.long).scatter_add_(
+            1, owner, routed.long()) > 0  # [T, moe_ep]: the token goes to that EP rank
+        # ranks are ep-major over the TP group: rank d holds EP rank d // moe_tp's experts
+        tokens = [torch.nonzero(hits[:, d // self.moe_tp]).squeeze(1) for d in range(group.size)]
+        send = [t.numel() for t in tokens]
+        recv = self._exchange(send, topk_ids)
+        index = torch.cat(tokens)
+        meta = torch.cat([topk_ids[index].float(), topk_weights[index].float()], dim=1)
+        x_in = all_to_all_rows(x[index], group, send, recv)  # [M, H]
+        meta_in = all_to_all_rows(meta, group, send, recv)  # [M, 2k]: ids, weights
+        ids_in, weights_in = meta_in[:, :k].long(), meta_in[:, k:]
+        partial = x.new_zeros(x_in.shape)  # [M, H]: this rank's experts, router-weighted
+        for e in range(self.local):
+            token, slot = torch.where(ids_in == self.first + e)
+            if token.numel():
+                y = self._expert(x_in[token], e)
+                partial.index_add_(0, token, y * weights_in[token, slot].unsqueeze(-1).to(y.dtype))
+        back = all_to_all_rows(partial, group, recv, send)  # [N, H] in ``index`` order
+        out = x.new_zeros(x.shape).index_add_(0, index, back)
+        if self.zero_experts:
+            identity = (~routed).to(x.dtype) * topk_weights.to(x.dtype)  # [T, k]
+            out = out + identity.sum(dim=1, keepdim=True) * x
+        return out if shared_output is None else out + shared_output
+
+    def _exchange(self, send: list[int], topk_ids: torch.Tensor) -> list[int]:
+        """The row counts every rank sends this one, with each rank's check of its router's
+        choices: an expert id no rank owns is refused on every rank (so none waits in an
+        all-to-all its peers left)."""
+        limit = self.num_experts + self.identity_experts
+        bad = topk_ids[(topk_ids < 0) | (topk_ids >= limit)]
+        flag = int(bad[0]) if bad.numel() else -1
+        table = exchange_counts([[n, flag] for n in send], self.group)
+        wrong = [(rank, chosen) for rank, (_, chosen) in enumerate(table) if chosen != -1]
+        if wrong:
+            rank, chosen = wrong[0]
+            owned = f"experts 0..{self.num_experts - 1}" + (
+                f" and identity experts {self.num_experts}..{limit - 1}"
+                if self.identity_experts else "")
+            raise ValueError(f"the router on TP rank {rank} chose expert {chosen}, which no "
+                             f"rank owns ({owned})")
+        return [n for n, _ in table]
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Local expert ``e`` on rows x: [n, H] -> [n, H] (this rank's moe_tp partial)."""

@@ -35,7 +35,7 @@ from .deepseek_v3 import DeepseekV3Router
 from .kv_cache import KVCache
 from .layers import GqaAttention
 from .mamba2 import Mamba2Mixer, MambaState, group_split
-from .moe import ACTIVATIONS, FusedMoE, expert_stacked_params
+from .moe import ACTIVATIONS, UNSHARDED, FusedMoE, expert_stacked_params
 from .qwen3 import check_heads
 from .registry import register_model
 
@@ -100,6 +100,9 @@ class NemotronHConfig(CheckedConfig):
     norm_topk_prob: bool = True
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
+    # Engine option, never read from config.json: the MoE layers dispatch their routed
+    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
+    moe_a2a: bool = False
     model_type: str = "nemotron_h"
 
     fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, "layer_norm_epsilon": POSITIVE_NUMBER,
@@ -214,7 +217,7 @@ def block_declaration(cfg: NemotronHConfig, i: int):
     kind = cfg.layers_block_type[i]
     if kind in MIXERS:
         return declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False)
-    return declare_ffn(sparse=kind == MOE)
+    return declare_ffn(sparse=kind == MOE, dispatches=kind == MOE and cfg.moe_a2a)
 
 
 def NemotronHAttention(cfg: NemotronHConfig, index: int, runtime: BoundaryRuntime, dtype):
@@ -228,9 +231,9 @@ class NemotronHMLP(nn.Module):
     """``down(act(up(x)))`` (ungated, relu2) with its intermediate dim over the TP group."""
 
     def __init__(self, cfg: NemotronHConfig, intermediate_size: int, runtime: BoundaryRuntime,
-                 dtype, reduce_results: bool = True):
+                 dtype, reduce_results: bool = True, group=None):
         super().__init__()
-        group = runtime.parallel.tp
+        group = group if group is not None else runtime.parallel.tp
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, intermediate_size, group,
                                             bias=cfg.mlp_bias, dtype=dtype, name="up_proj")
         self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, group,
@@ -249,9 +252,12 @@ class NemotronHMoE(nn.Module):
         # for the choice only, group-limited top-k, normalised, times routed_scaling_factor
         self.gate = DeepseekV3Router(cfg)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                runtime.parallel, dtype, gated=False, activation=cfg.mlp_hidden_act)
+                                runtime.parallel, dtype, gated=False, activation=cfg.mlp_hidden_act,
+                                dispatch=cfg.moe_a2a)
+        # beside dispatched experts: whole, on this rank's own rows
         self.shared_experts = NemotronHMLP(cfg, cfg.moe_shared_expert_intermediate_size, runtime,
-                                           dtype, reduce_results=False)
+                                           dtype, reduce_results=False,
+                                           group=UNSHARDED if cfg.moe_a2a else None)
 
     def forward(self, x, forward_batch=None):
         """x: [T, H] (every DP rank's rows): a partial over TP, a finalize handoff or the
@@ -334,7 +340,8 @@ _ON_DISK = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.layers."
                 context_parallel="a Mamba2 state cannot be cut over CP ranks (no state handoff)",
                 sequence_parallel="its Mamba2 mixers consume their own rows, not column- and "
                                   "row-parallel linears on gathered ones",
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                moe_a2a=True)
 class NemotronHForCausalLM(CausalLM):
     layer_cls = NemotronHBlock
 

@@ -114,7 +114,8 @@ class Qwen3DecoderLayer(DecoderLayer):
 @register_model("qwen3", Qwen3Config, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
                 context_parallel=True, sequence_parallel=True,
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                moe_a2a="it has no MoE layers to dispatch")
 class Qwen3ForCausalLM(CausalLM):
     layer_cls = Qwen3DecoderLayer
 

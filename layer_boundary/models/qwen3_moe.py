@@ -24,6 +24,9 @@ class Qwen3MoeConfig(Qwen3Config):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
+    # Engine option, never read from config.json: the MoE layers dispatch their routed
+    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
+    moe_a2a: bool = False
     model_type: str = "qwen3_moe"
 
     fields = {**DECODER, **EXPERTS, "decoder_sparse_step": POSITIVE_INT,
@@ -81,7 +84,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         super().__init__()
         self.gate = Qwen3MoeRouter(cfg, dtype)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                runtime.parallel, dtype)
+                                runtime.parallel, dtype, dispatch=cfg.moe_a2a)
 
     def forward(self, x):
         weights, ids = self.gate(x)
@@ -100,13 +103,14 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         # sequence-parallel batch the boundary gathers their input and reduce-scatters the sum)
         sparse = cfg.is_sparse(layer_id)
         return declare_ffn(sparse=sparse, next_sparse=cfg.is_sparse(layer_id + 1),
-                           sequence_parallel=not sparse)
+                           sequence_parallel=not sparse, dispatches=sparse and cfg.moe_a2a)
 
 
 @register_model("qwen3_moe", Qwen3MoeConfig, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
                 context_parallel=True, sequence_parallel=True,
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)")
+                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                moe_a2a=True)
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
 

@@ -8,7 +8,8 @@ A model declares itself in its own file, on its class, with ``@register_model``:
                     check_parallel=check_parallel, # a topology its config cannot shard over
                     context_parallel=True,         # its attention runs on a CP share
                     sequence_parallel=True,        # its compute honours a scattered scope
-                    attn_input_scattered="...")    # why not: no qkv latent (MLA only)
+                    attn_input_scattered="...",    # why not: no qkv latent (MLA only)
+                    moe_a2a="...")                 # why not: no MoE layers
     class LlamaForCausalLM(CausalLM):
         layer_cls = LlamaDecoderLayer
 
@@ -30,9 +31,9 @@ _DISCOVERED = False
 
 # what every model declares when it registers (no default: each says it, none inherits it)
 CAPABILITIES = ("boundary_reduction", "positional_cache", "check_parallel", "context_parallel",
-                "sequence_parallel", "attn_input_scattered")
+                "sequence_parallel", "attn_input_scattered", "moe_a2a")
 # the capabilities that are True or the reason the model refuses the feature
-SUPPORT = ("context_parallel", "sequence_parallel", "attn_input_scattered")
+SUPPORT = ("context_parallel", "sequence_parallel", "attn_input_scattered", "moe_a2a")
 
 
 def register_model(model_type: str, config_class: type, **capabilities):
@@ -52,6 +53,10 @@ def register_model(model_type: str, config_class: type, **capabilities):
             linears gather and reduce-scatter scattered rows), or why not (``--sequence-parallel``).
         attn_input_scattered: True where its attention has a ``qkv_latent_func`` that may
             run before the input gather (MLA), or why not (``--attn-input-scattered``).
+        moe_a2a: True where its MoE layers dispatch their routed tokens with an all-to-all
+            when the runtime asks (``moe_a2a_backend="all_to_all"``: ``FusedMoE(dispatch=)``,
+            ``declare_ffn(dispatches=)``, shared experts replicated), or why not
+            (``--moe-a2a-backend``).
     """
     missing = [c for c in CAPABILITIES if c not in capabilities]
     for name in SUPPORT:

@@ -7,8 +7,8 @@ API").
 
 from .args import (BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime, resolve_boundary_reduction,
                    set_runtime)
-from .collectives import (all_reduce_rows, broadcast_from_last_stage, gather_last_dim,
-                          gather_rows, gather_rows_v, recv_from_prev_stage, reduce_scatter_rows,
+from .collectives import (all_reduce_rows, all_to_all_rows, broadcast_from_last_stage,
+                          exchange_counts, gather_last_dim, gather_rows, gather_rows_v, recv_from_prev_stage, reduce_scatter_rows,
                           reduce_scatter_rows_v, send_to_next_stage)
 from .context import NO_FLAGS, ForwardFlags, get_forward, get_parallel
 from .embedding import ParallelLMHead, VocabParallelEmbedding
@@ -31,7 +31,8 @@ __all__ = [
     "get_parallel",
     # collectives (row contracts in collectives.py)
     "all_reduce_rows", "reduce_scatter_rows", "reduce_scatter_rows_v", "gather_rows",
-    "gather_rows_v", "gather_last_dim", "send_to_next_stage", "recv_from_prev_stage",
+    "gather_rows_v", "gather_last_dim", "exchange_counts", "all_to_all_rows",
+    "send_to_next_stage", "recv_from_prev_stage",
     "broadcast_from_last_stage",
     # layers that honour the flags
     "ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

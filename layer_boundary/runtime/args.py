@@ -8,6 +8,10 @@ from .forward_batch import BatchVariant
 from .parallel import Parallel
 
 BOUNDARY_REDUCTIONS = ("ar", "rs", "rsv", "rs+rsv", "auto")
+# how a MoE reaches its experts: "none" (every TP rank holds every DP rank's rows, gathered by
+# the boundary) or "all_to_all" (the MoE stays on the attention rows and dispatches each
+# routed token to its experts' ranks itself)
+MOE_A2A_BACKENDS = ("none", "all_to_all")
 
 def resolve_boundary_reduction(value: str, auto: str = "ar") -> str:
     """Resolve ``--boundary-reduction`` once, before construction.
@@ -44,12 +48,23 @@ class BoundaryRuntime:
     batch_variants: tuple = (BatchVariant.ORDINARY,)
     # Layers per pipeline stage (``--pp-layers``); None: an even split, remainder first.
     pp_layers: tuple | None = None
+    # MOE_A2A_BACKENDS: "all_to_all" builds MoE stages that compute on the residual's rows
+    # (declare_ffn(dispatches=True)); with attention TP > 1 those are the scattered rows, so
+    # such a runtime has no ar path
+    moe_a2a_backend: str = "none"
 
     def __post_init__(self) -> None:
+        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
+            raise ValueError(f"BoundaryRuntime.moe_a2a_backend must be one of "
+                             f"{', '.join(MOE_A2A_BACKENDS)}, got {self.moe_a2a_backend!r}")
         if self.boundary_reduction not in BOUNDARY_REDUCTIONS[:-1]:
             raise ValueError(
                 "BoundaryRuntime.boundary_reduction must be resolved (ar, rs, rsv or rs+rsv), "
                 f"got {self.boundary_reduction!r}; call resolve_boundary_reduction() first")
+
+    @property
+    def dispatches_moe(self) -> bool:
+        return self.moe_a2a_backend != "none"
 
     @property
     def allows_rs(self) -> bool:

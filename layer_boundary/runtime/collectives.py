@@ -143,6 +143,37 @@ def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torc
     return torch.cat([out[i * widest: i * widest + n] for i, n in enumerate(sizes)])
 
 
+def exchange_counts(counts: list, group: Group) -> list:
+    """Rank i sends ``counts[j]`` (an int, or a list of ints of one length) to rank j;
+    returns what every rank sent this one, in group rank order (the sizes an uneven
+    all-to-all needs on both sides, and whatever else every pair must agree on first)."""
+    if group.size == 1:
+        return list(counts)
+    send = torch.tensor(counts, dtype=torch.int64)
+    recv = torch.empty_like(send)
+    _observe("all_to_all", group, send.numel() // group.size * (group.size - 1), send.dtype,
+             None)
+    dist.all_to_all_single(recv, send, group=group.pg)
+    return recv.tolist()
+
+
+def all_to_all_rows(x: torch.Tensor, group: Group, send: list[int],
+                    recv: list[int]) -> torch.Tensor:
+    """Rows split into consecutive blocks of ``send[j]`` rows, block j to rank j; returns the
+    blocks every rank sent this one (``recv[i]`` rows from rank i), concatenated in group rank
+    order. The ledger counts the elements this rank sends to the others (its own block stays)."""
+    if group.size == 1:
+        return x
+    width = math.prod(x.shape[1:])
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    # no local skip: a rank that neither sends nor receives cannot know that no other pair
+    # exchanges rows, so every rank takes part in every all-to-all
+    _observe("all_to_all", group, (sum(send) - send[group.rank]) * width, x.dtype, None)
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv),
+                           input_split_sizes=list(send), group=group.pg)
+    return out
+
+
 def gather_last_dim(x: torch.Tensor, group: Group, site: str | None = None) -> torch.Tensor:
     """Rows unchanged; the last dim becomes the concatenation of every rank's slice in rank order."""
     if group.size == 1:

@@ -75,6 +75,8 @@ class LedgerEntry:
             return size if self.kind == "send" else 0
         if self.kind == "broadcast":  # from one root: a tree sends it once per receiver
             return size
+        if self.kind == "all_to_all":  # numel is what this rank sends to the others
+            return size
         if self.kind == "all_reduce":
             return 2 * (n - 1) * size // n
         return (n - 1) * size // n
