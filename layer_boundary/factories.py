@@ -94,7 +94,18 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
         sequence_parallel: in a sequence-parallel batch its compute runs on the scattered
             rows: its column-parallel linears (over TP) gather their input, its row-parallel
             linear reduce-scatters its output (a dense FFN; a MoE's experts do not).
+        dispatches: a MoE that reaches its experts itself, with an all-to-all over the TP
+            group (``BoundaryRuntime(moe_a2a_backend="all_to_all")``): its input is the
+            residual's rows (no gather before it) and its output is complete on them (no
+            sum after it).
     """
+    if dispatches and not sparse:
+        raise ValueError("declare_ffn: dispatches=True is for a MoE (sparse=True): a dense "
+                         "FFN has no routed tokens to dispatch")
+    if dispatches and reduction is ProducerReduction.LOCAL_TAIL:
+        raise ValueError("declare_ffn: a dispatching MoE returns its output complete, so "
+                         "there is no boundary sum for a LOCAL_TAIL tail to follow; declare it "
+                         "SCOPED")
     if sequence_parallel and reduction is ProducerReduction.LOCAL_TAIL:
         raise ValueError("declare_ffn: a LOCAL_TAIL FFN adds its tail after its own sum; "
                          "sequence_parallel is for SCOPED FFNs")

@@ -7,7 +7,9 @@ observed while ``torch.compile`` traces: a compiled forward runs no Python to re
 
 The ledger records what each collective logically moves (kind, group, element count, dtype)
 and the ring-formula bytes for that kind, so tests can compare a forward against a path's
-analytic collective list and the command line can report volume per layer.
+analytic collective list and the command line can report volume per layer. An all-to-all
+(a MoE's dispatch and combine) records the elements this rank sends to the other ranks: they
+follow the routing, so its bytes vary per forward and per rank (its own block never moves).
 """
 
 from __future__ import annotations

@@ -101,3 +101,39 @@ def test_a_router_choice_no_rank_owns_is_refused_on_every_rank():
     results = get_pool(4).run(dispatch_case, 4, 4, (3, 2, 4, 1), 0, 2)
     assert [r.get("error") for r in results] == [
         f"the router on TP rank 2 chose expert {E}, which no rank owns (experts 0..{E - 1})"] * 4
+
+
+# ------------------------------------------------------------------ declaration misuse
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"dispatches": True}, "declare_ffn: dispatches=True is for a MoE"),
+    ({"dispatches": True, "sparse": True,
+      "reduction": __import__("layer_boundary").ProducerReduction.LOCAL_TAIL},
+     "declare_ffn: a dispatching MoE returns its output complete")])
+def test_a_dispatching_declaration_that_cannot_hold_is_refused(kwargs, message):
+    from layer_boundary import declare_ffn
+
+    with pytest.raises(ValueError, match=f"^{message}"):
+        declare_ffn(**kwargs)
+
+
+def test_a_dispatching_moe_needs_the_all_to_all_runtime():
+    from toy import runtime, toy_norm
+
+    from layer_boundary import declare_attn, declare_ffn, make_stages
+    from layer_boundary.construction import UnsupportedBoundary
+
+    with pytest.raises(UnsupportedBoundary, match=r"^stage layer0.ffn dispatches its routed "
+                                                  r"tokens itself .* moe_a2a_backend is 'none'"):
+        make_stages((declare_attn(), toy_norm(0)),
+                    (declare_ffn(sparse=True, dispatches=True), toy_norm(1)),
+                    runtime=runtime(), name="layer0", terminal=True)
+    # on an all-to-all runtime it builds: input and output on the residual's rows
+    _, ffn = make_stages((declare_attn(), toy_norm(0)),
+                         (declare_ffn(sparse=True, dispatches=True), toy_norm(1)),
+                         runtime=runtime(moe_a2a_backend="all_to_all"), name="layer0",
+                         terminal=True)
+    row = ffn.plan.describe()
+    assert row["compute"] == row["residual"]
+    assert row["exit"] == "complete: all_to_all(tp) dispatch and combine in compute"

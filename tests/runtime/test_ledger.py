@@ -18,6 +18,8 @@ from layer_boundary.runtime.parallel import Group, ParallelDims, build_parallel
 
 def _ring_bytes(kind, numel, dtype, n):
     size = numel * torch.empty((), dtype=dtype).element_size()
+    if kind == "all_to_all":  # its numel already counts only what goes to the other ranks
+        return Fraction(size)
     factor = Fraction(2 * (n - 1), n) if kind == "all_reduce" else Fraction(n - 1, n)
     return factor * size
 
