@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help='token ids of one prompt, e.g. "1,2,3" (repeatable)')
     run.add_argument("--prompt", action="append", default=None,
                      help="a text prompt (repeatable; needs tokenizer.json in the checkpoint)")
+    run.add_argument("--lora", type=_lora_arg, action="append", default=None,
+                     metavar="NAME=DIR", help="load a PEFT LoRA adapter folder under NAME "
+                                              "(repeatable)")
+    run.add_argument("--prompt-lora", action="append", default=None, metavar="NAME|none",
+                     help="the adapter of one prompt, given once per prompt in prompt order "
+                          "(none: the base model; default: every prompt on the base model)")
     run.add_argument("--max-new-tokens", type=_positive, default=4)
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.add_argument("--logits-out", help="write per-prompt, per-step logits (safetensors)")
@@ -263,6 +269,45 @@ def _setup_logging(rank: int) -> None:
         log.setLevel(logging.CRITICAL + 1)
 
 
+def _lora_arg(text: str) -> tuple[str, str]:
+    name, sep, folder = text.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"--lora {text!r} must be NAME=DIR")
+    return name, folder
+
+
+def _check_lora(args, prompts, cfg, model_cls, dims) -> tuple[tuple, tuple]:
+    """``--lora`` and ``--prompt-lora`` against each other, the prompts, the model (each
+    adapter attached to a weightless copy of rank 0's model) and the features they do not
+    combine with yet: (adapters, each prompt's adapter name)."""
+    from .adapters.lora import LoraError, attach_lora, lora_slots
+    from .runtime.args import BoundaryRuntime
+    from .runtime.parallel import virtual_parallel
+
+    adapters = tuple(args.lora or ())
+    chosen = tuple(args.prompt_lora or ())
+    if not adapters:
+        if chosen:
+            raise UsageError("--prompt-lora needs adapters: load them with --lora NAME=DIR")
+        return (), ()
+    if chosen and len(chosen) != len(prompts):
+        raise UsageError(f"--prompt-lora is given {len(chosen)} times for {len(prompts)} "
+                         "prompts: give it once per prompt, in prompt order")
+    unsupported = [flag for flag, on in (
+        (f"--cp {args.cp}", args.cp > 1), ("--sequence-parallel", args.sequence_parallel),
+        ("--compile", args.compile or args.compile_backend),
+        ("speculative decoding", args.draft_model or args.speculative_algorithm)) if on]
+    if unsupported:
+        raise UsageError(f"--lora does not combine with {', '.join(unsupported)} yet")
+    try:
+        lora_slots([name for name, _ in adapters], chosen)
+        with torch.device("meta"):  # the targets and shards checked, no weights materialized
+            attach_lora(model_cls(cfg, BoundaryRuntime(virtual_parallel(dims))), adapters)
+    except LoraError as exc:
+        raise UsageError(str(exc)) from None
+    return adapters, chosen
+
+
 def _prompts(args, model_dir) -> tuple[tuple[int, ...], ...]:
     prompts = list(args.prompt_ids or [])
     if args.prompt:
@@ -346,10 +391,12 @@ def _spec(args):
             raise UsageError(f"--speculative-algorithm nextn needs a checkpoint with its own "
                              f"NextN layer (config.json num_nextn_predict_layers > 0); "
                              f"{model_dir} ({cfg.model_type}) has none")
+    lora, prompt_lora = _check_lora(args, prompts, cfg, model_cls, dims)
     return RunSpec(model_dir=str(model_dir), tp=tp, dp=dp, ep=args.ep, cp=args.cp,
                    sequence_parallel=args.sequence_parallel,
                    attn_input_scattered=args.attn_input_scattered,
-                   moe_a2a_backend=args.moe_a2a_backend, pp=args.pp,
+                   moe_a2a_backend=args.moe_a2a_backend, lora=lora, prompt_lora=prompt_lora,
+                   pp=args.pp,
                    pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
                    draft_model=args.draft_model, speculative_algorithm=algorithm,
                    speculative_steps=args.speculative_steps,
@@ -432,7 +479,8 @@ def _report(args, spec, results, reference) -> int:
              + _a2a_note(spec.moe_a2a_backend)
              + (f"  compiled ({spec.compile}, fullgraph)" if spec.compile else ""))
     for i, g in zip(run.request_ids, run.generated):
-        log.info("prompt %d %s -> generated %s", i, list(spec.prompts[i]), g)
+        adapter = f" (LoRA {spec.prompt_lora[i]})" if spec.prompt_lora else ""
+        log.info("prompt %d %s%s -> generated %s", i, list(spec.prompts[i]), adapter, g)
     if speculative:
         log.info("speculative (%d draft steps): acceptance %.2f, %.2f tokens per target forward "
                  "per request, %d verification forwards, %d reruns", spec.speculative_steps,

@@ -18,7 +18,8 @@ from .output import HandoffOutput
 from .residual.access import start_completion
 from .residual.batch import fold_stream
 from .residual.stream import arrival_key
-from .runtime.context import ForwardFlags, SequenceParallelScope, swap_flags
+from .runtime.context import (ForwardFlags, SequenceParallelScope, swap_adapter_rows,
+                              swap_flags)
 from .runtime.ledger import active_observer
 
 
@@ -120,14 +121,15 @@ class StageExit:
     """
 
     __slots__ = ("_stream", "_path", "_forward_batch", "_update", "_site", "_finish_site",
-                 "_decision", "_previous", "_state")
+                 "_decision", "_previous", "_state", "_adapter_rows", "_previous_rows")
 
     def __init__(self, stream, path: ExitPath, forward_batch, update, site: str,
-                 finish_site: str) -> None:
+                 finish_site: str, adapter_rows=None) -> None:
         self._stream, self._path, self._forward_batch = stream, path, forward_batch
         self._update, self._site, self._finish_site = update, site, finish_site
         self._decision: ExitDecision | None = None
-        self._previous = None
+        self._previous = self._previous_rows = None
+        self._adapter_rows = adapter_rows  # published for the LoRA linears inside
         self._state = "new"
         stream.handle = self
 
@@ -139,6 +141,7 @@ class StageExit:
         scope = None if flags.sequence_parallel is None else SequenceParallelScope(
             flags.sequence_parallel, self._forward_batch.rows)
         self._previous = swap_flags(flags, True, scope)
+        self._previous_rows = swap_adapter_rows(self._adapter_rows)
         observer = active_observer()
         if observer is not None:
             observer.enter(self._site)
@@ -147,6 +150,7 @@ class StageExit:
 
     def __exit__(self, exc_type, exc, tb):
         swap_flags(self._previous[0], False, self._previous[1])
+        swap_adapter_rows(self._previous_rows)
         self._state = "failed" if exc_type is not None else "computed"
         return False
 

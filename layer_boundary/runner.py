@@ -39,6 +39,10 @@ class RunSpec:
     attn_input_scattered: bool = False
     # "all_to_all": MoE layers stay on the attention rows and dispatch their routed tokens
     moe_a2a_backend: str = "none"
+    # LoRA: (name, PEFT folder) pairs, and each prompt's adapter name ("none": the base
+    # model; empty: every prompt on the base model)
+    lora: tuple = ()
+    prompt_lora: tuple = ()
     boundary_reduction: str = "auto"
     dtype: str = "float32"
     prompts: tuple = ((1, 2, 3),)
@@ -172,6 +176,12 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     provider = make_fusions(spec.fusions)
     model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype], fusions=provider,
                        options=spec.model_options)
+    adapters = None
+    if spec.lora:
+        from .adapters.lora import attach_lora, lora_slots
+
+        names = list(attach_lora(model, spec.lora))
+        adapters = lora_slots(names, spec.prompt_lora or ("none",) * len(spec.prompts))
     forward = model
     if spec.compile is not None:
         if spec.pp > 1:
@@ -199,7 +209,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                                   on_step=_set_ledger_step,
                                   pp=par.pp if par.dims.pp > 1 else None,
                                   split_prefill=spec.split_prefill, tbo=spec.tbo,
-                                  variants=forward_variants(spec))
+                                  variants=forward_variants(spec), adapters=adapters)
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
                         plan_rows(model, RowMode(checked.modes[0]), forward_variants(spec)[0]),
                         checked.released,

@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from .construction import build_plan
-from .contracts import ProducerReduction, StageKind
+from .contracts import BatchVariant, ProducerReduction, StageKind
 from .exit import AttnExit, FfnExit, MixerExit, check_output_dtype, publish
 from .residual import LayerResidual, is_portable
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
 from .runtime.args import get_runtime
+from .runtime.context import NO_ADAPTERS
 from .runtime.ledger import active_observer
 
 if TYPE_CHECKING:
@@ -317,7 +318,20 @@ class StageBoundary:
             raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
         path, _ = self.plan.select(forward_batch)
         return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site,
-                              self._finish_site)
+                              self._finish_site, adapter_rows=self._adapter_rows(forward_batch))
+
+    def _adapter_rows(self, forward_batch: ForwardBatch):
+        """Each compute row's LoRA adapter slot, for the adapted linears inside the scope
+        (the table's movement of the batch's per-token slots: a gather over attention DP,
+        kept for the forward's other stages on the same rows)."""
+        ids = forward_batch.lora_ids
+        if ids is None:
+            return NO_ADAPTERS
+        if forward_batch.variant is BatchVariant.SEQUENCE_PARALLEL:
+            raise RuntimeError(f"stage {self.name}: LoRA adapters do not run in a "
+                               "sequence-parallel batch yet (its linears gather their rows "
+                               "themselves)")
+        return self.to_compute_rows(ids, forward_batch)
 
     def postprocess(self, hidden_states, forward_batch: ForwardBatch):
         """The operation-scheduled FFN's output: compute ran without an exit() scope, so no

@@ -73,7 +73,7 @@ def split_batch(forward_batch, dp_rank: int = 0, overlap: bool = True) -> list:
             seq_lens=fb.seq_lens[lo:hi], extend_lens=fb.extend_lens[lo:hi],
             req_slots=fb.req_slots[lo:hi], dp_token_counts=mine, dp_request_lens=theirs,
             boundary=None, layer_segment=None, tbo=False,
-            overlap=overlap))
+            overlap=overlap, lora_ids=None if fb.lora_ids is None else fb.lora_ids[t0:t1]))
     return parts
 
 

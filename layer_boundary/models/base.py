@@ -166,17 +166,19 @@ class CausalLM(nn.Module):
         return ("lm_head.weight",) if tied_here else ()
 
     def load_weights(self, weights) -> None:
-        tied = self.ties_head()
+        load_weights(self, weights, stacked=self.stacked_params(), skip=self.skipped_params(),
+                     locate=self.local_name)
+
+    def local_name(self, name: str) -> str | None:
+        """This pipeline stage's name for an on-disk tensor name (None: not on this stage, or
+        not loaded)."""
+        ours = self.checkpoint_name(name)
+        if ours is None:
+            return None
         on_stage = self.stage.locator("model.layers.", first_only={EMBEDDING},
                                       last_only=("model.norm.", HEAD), embedding=EMBEDDING,
-                                      head=HEAD if tied else None)
-
-        def locate(name: str) -> str | None:
-            ours = self.checkpoint_name(name)
-            return None if ours is None else on_stage(ours)
-
-        load_weights(self, weights, stacked=self.stacked_params(), skip=self.skipped_params(),
-                     locate=locate)
+                                      head=HEAD if self.ties_head() else None)
+        return on_stage(ours)
 
     def checkpoint_name(self, name: str) -> str | None:
         """This model's name for an on-disk tensor name (None: not loaded); errors still name

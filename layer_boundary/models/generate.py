@@ -48,8 +48,8 @@ def segments(layers: range, parts: int) -> list[tuple[int, int]]:
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp: int = 1,
                     dp_rank: int = 0, keep_logits: bool = True, on_step=None, pp=None,
                     split_prefill: int = 1, tbo: bool = False,
-                    variants: tuple = (BatchVariant.ORDINARY, BatchVariant.ORDINARY)
-                    ) -> Generation:
+                    variants: tuple = (BatchVariant.ORDINARY, BatchVariant.ORDINARY),
+                    adapters: list[int] | None = None) -> Generation:
     """Greedy tokens (and each step's logits) of this rank's requests.
 
     Args:
@@ -64,6 +64,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         tbo: every forward as two interleaved microbatches.
         variants: the batch variant of the prefill and of each decode step (CP for both
             on an attention-CP topology; a sequence-parallel prefill with ordinary decode).
+        adapters: each request's LoRA adapter slot (-1: the base model), or None (every
+            request on the base model).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -89,6 +91,9 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
                                    device=model.device)
         batch.dp_request_lens, batch.tbo = lens, tbo
         batch.variant = variants[0] if step == 0 else variants[1]
+        if adapters is not None:  # each token runs its request's adapter
+            batch.lora_ids = torch.tensor(
+                [adapters[i] for i, t in zip(mine, new_tokens) for _ in t], dtype=torch.long)
         stage = getattr(model, "stage", None)
         first = stage is None or stage.first
         last = stage is None or stage.last

@@ -72,12 +72,15 @@ NO_FLAGS = ForwardFlags()
 
 
 class _ForwardState:
-    __slots__ = ("flags", "open_scopes", "sequence_parallel")
+    __slots__ = ("flags", "open_scopes", "sequence_parallel", "adapter_rows")
 
     def __init__(self) -> None:
         self.flags = NO_FLAGS
         self.open_scopes = 0  # exit scopes entered and not yet left
         self.sequence_parallel: SequenceParallelScope | None = None
+        # the open exit's per-row adapter slots on its compute rows (adapters/lora.py):
+        # NO_ADAPTERS in a batch without adapters, None outside any exit scope
+        self.adapter_rows = None
 
 
 _STATE = _ForwardState()
@@ -95,6 +98,23 @@ def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
     _STATE.flags, _STATE.sequence_parallel = flags, scope
     _STATE.open_scopes += 1 if opening else -1
     return previous
+
+
+# the adapter rows of a batch whose rows all run the base model
+NO_ADAPTERS = "no adapters"
+
+
+def swap_adapter_rows(rows):
+    """Install the open exit's adapter rows (a tensor of adapter slots per compute row, or
+    NO_ADAPTERS; None when the scope closes) and return the previous ones."""
+    previous, _STATE.adapter_rows = _STATE.adapter_rows, rows
+    return previous
+
+
+def adapter_rows():
+    """The open exit's adapter slot per compute row (-1: the base model), NO_ADAPTERS, or
+    None outside any exit scope."""
+    return _STATE.adapter_rows
 
 
 def sequence_parallel_scope() -> SequenceParallelScope | None:

@@ -65,6 +65,9 @@ class ForwardBatch:
     tbo_synchronous: bool = False
     # a two-batch-overlap microbatch: owed sums start at the producer's finish, asynchronously
     overlap: bool = False
+    # LoRA: each local token's adapter slot (-1: the base model), [T] int64; None: every
+    # token runs the base model (adapters/lora.py publishes it on each stage's compute rows)
+    lora_ids: torch.Tensor | None = None
 
     @property
     def residual_stream(self):

@@ -37,6 +37,7 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, dtype=torch.float32, name: str = "linear"):
         super().__init__()
         self.group, self.gather_output = group, gather_output
+        self.lora = None  # adapters/lora.py attaches LoRA weights here
         self.out_per_rank = _divide(out_features, group.size, f"{name} output size")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype),
                                    requires_grad=False)
@@ -57,6 +58,8 @@ class ColumnParallelLinear(nn.Module):
             scope.check_group(self.group, type(self).__name__)
             x = scope.gather(x)
         y = nn.functional.linear(x, self.weight, self.bias)
+        if self.lora is not None:  # this rank's output features of each row's adapter delta
+            y = self.lora(x, y)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
 
@@ -110,6 +113,7 @@ class RowParallelLinear(nn.Module):
                  reduce_results: bool = True, dtype=torch.float32, name: str = "linear"):
         super().__init__()
         self.group, self.reduce_results = group, reduce_results
+        self.lora = None  # adapters/lora.py attaches LoRA weights here
         self.in_per_rank = _divide(in_features, group.size, f"{name} input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype),
                                    requires_grad=False)
@@ -130,6 +134,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.group.rank == 0 else None
         y = nn.functional.linear(x, self.weight, bias)
+        if self.lora is not None:  # a partial of each row's adapter delta: summed with y's
+            y = self.lora(x, y)
         scope = sequence_parallel_scope()
         if scope is not None:
             scope.check_group(self.group, type(self).__name__)
