@@ -331,13 +331,17 @@ DEFAULT_PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8))
 
 def _spec(args):
     from .models import load_config, model_class_of
-    from .models.loader import safetensors_files
+    from .models.loader import check_fp8_tensors, safetensors_files
     from .models.tiny import builtin_checkpoint
     from .runner import RunSpec
 
     model_dir = args.model or str(builtin_checkpoint())
     cfg = load_config(model_dir)
     safetensors_files(model_dir)  # a missing weights file is a one-line error before any rank
+    check_fp8_tensors(model_dir, getattr(cfg, "fp8_block", None))  # headers only
+    if getattr(cfg, "fp8_block", None) and args.sequence_parallel:
+        raise UsageError("--sequence-parallel does not combine with an FP8 checkpoint's "
+                         "quantized reads yet")
     prompts = _prompts(args, model_dir) or tuple(
         tuple(t % cfg.vocab_size for t in p) for p in DEFAULT_PROMPTS)
     for i, p in enumerate(prompts):

@@ -16,6 +16,7 @@ from .ops import SLICE_DP, Movement
 from .residual import read_kind
 from .residual.add_norm import PLAIN_ADD, accumulate_dtype
 from .residual.stream import IN_COMPUTE
+from .runtime.quant import QuantizedInput
 
 
 class ArrivalPath:
@@ -128,11 +129,10 @@ class EntryPath:
 
     def _to_compute(self, rows, x, move: Movement):
         if self.latent is None:
-            return move.run(rows, x) if move.moves else x
+            return _moved(move, rows, x)
         if self.latent_first:
-            x = self.latent(x)
-            return move.run(rows, x) if move.moves else x
-        return self.latent(move.run(rows, x) if move.moves else x)
+            return _moved(move, rows, self.latent(x))
+        return self.latent(_moved(move, rows, x))
 
     def _sum_before_read(self, movement: Movement, stream, partial, rows):
         residual = self.residual(stream, rows)
@@ -197,3 +197,13 @@ class EntryPath:
                 return path.sum_before_read.expected(rows, width)
             out += path.complete.expected(rows, width)
         return out + self.input_move.expected(rows, input_width)
+
+
+def _moved(move: Movement, rows, x):
+    """``x`` on ``move``'s target rows; a quantized input moves its values (as bytes) and its
+    scales alike."""
+    if not move.moves:
+        return x
+    if isinstance(x, QuantizedInput):
+        return x.map_rows(lambda t: move.run(rows, t))
+    return move.run(rows, x)

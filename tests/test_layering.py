@@ -26,7 +26,8 @@ LEVELS = {
     "models": 6,
     "runner": 7, "bench": 7, "cli": 7, "__main__": 7,
 }
-MODEL_SURFACE = ("", "runtime", "residual", "residual.batch", "residual.mhc", "models")
+MODEL_SURFACE = ("", "runtime", "residual", "residual.batch", "residual.mhc", "residual.quant",
+                 "models")
 
 
 def level(module: str) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from ..runtime.args import resolve_boundary_reduction
 from .config import CheckpointError, read_config  # noqa: F401
-from .loader import iter_weights
+from .loader import dequantized, iter_weights
 from .registry import model_class, model_types, register_model  # noqa: F401
 
 
@@ -63,5 +63,6 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=()):
         raise ValueError(f"model options {sorted(dict(options))} do not apply to "
                          f"{cfg.model_type}") from None
     model = model_cls(cfg, runtime, dtype=dtype, **kwargs)
-    model.load_weights(iter_weights(path))
+    # an FP8 checkpoint's weights dequantized as they stream in (CPU: the matmuls run on them)
+    model.load_weights(dequantized(iter_weights(path), getattr(cfg, "fp8_block", None)))
     return model.eval()

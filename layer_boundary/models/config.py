@@ -132,6 +132,53 @@ def required(cfg: dict, *fields: str) -> dict:
     return {field: require(cfg, field) for field in fields}
 
 
+def fp8_quantization(cfg: dict) -> tuple[tuple[int, int] | None, tuple[str, ...]]:
+    """config.json's ``quantization_config`` as this package loads it: (the weights' block
+    [out, in], the modules left unquantized), or (None, ()) for an unquantized checkpoint.
+    Block-quantized FP8 with dynamic activations only, as the public FP8 releases store it."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None, ()
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"config.json quantization_config quant_method {method!r} is not "
+                              "supported (fp8 only)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise CheckpointError(f"config.json quantization_config activation_scheme {scheme!r} "
+                              "is not supported (dynamic only)")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"config.json quantization_config fmt {fmt!r} is not supported "
+                              "(e4m3 only)")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(_is_int(b) and b > 0 for b in block)):
+        raise CheckpointError("config.json quantization_config weight_block_size must be two "
+                              f"positive integers [out, in], got {block!r}")
+    skip = q.get("modules_to_not_convert") or []
+    if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+        raise CheckpointError("config.json quantization_config modules_to_not_convert must be "
+                              f"a list of module names, got {skip!r}")
+    return (int(block[0]), int(block[1])), tuple(skip)
+
+
+def quantized_read(cfg, layer: int, modules: tuple[str, ...]):
+    """The read of a stage whose input linears are ``modules`` (names under layer ``layer``):
+    the FP8 read, grouped as the weights' input blocks, where the checkpoint quantizes all of
+    them; None (the default add+norm read) otherwise. ``modules_to_not_convert`` entries match
+    as transformers matches them: as substrings of the module's name."""
+    block = getattr(cfg, "fp8_block", None)
+    if block is None:
+        return None
+    names = [f"model.layers.{layer}.{m}" for m in modules]
+    if any(s in n for s in cfg.fp8_skip for n in names):
+        return None
+    from ..residual.quant import QuantizedRead
+
+    return QuantizedRead(block[1])
+
+
 def check_unquantized_silu(cfg: dict) -> None:
     """Reject a quantized config.json or one whose ``hidden_act`` is not silu."""
     if cfg.get("quantization_config"):

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ProducerReduction, cp_view, declare_ffn
+from .. import ProducerReduction, cp_view, declare_attn, declare_ffn
 from ..runtime.context import get_forward
 from ..runtime.args import BoundaryRuntime
+from ..runtime.quant import as_activations
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .base import CausalLM
@@ -35,7 +36,8 @@ from .layers import DecoderLayer, GatedMLP
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 from .config import (DECODER, EXPERTS, GROUPED_ROUTER, MLA, NON_NEGATIVE_INT, CheckedConfig,
                      CheckpointError, check_divisible, check_grouped_router,
-                     check_unquantized_silu, require, required)
+                     check_unquantized_silu, fp8_quantization, quantized_read, require,
+                     required)
 from .registry import register_model
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params
 
@@ -54,9 +56,10 @@ def _count(cfg: dict, field: str, default: int) -> int:
     return value
 
 
-def mla_rope(cfg: dict) -> dict:
+def mla_rope(cfg: dict, fp8: bool = False) -> dict:
     """The rope parameters of an MLA config.json (DeepSeek-V3, LongCat-Flash): default rope,
-    unquantized, silu; anything else is rejected naming the field."""
+    silu, and unquantized unless ``fp8`` (DeepSeek-V3's block-quantized FP8); anything else is
+    rejected naming the field."""
     if cfg.get("rope_parameters"):
         rope, rope_field = cfg["rope_parameters"], "rope_parameters"
     else:
@@ -67,7 +70,8 @@ def mla_rope(cfg: dict) -> dict:
         raise CheckpointError(
             f"config.json {rope_field}.{type_key} {rope_type!r} is not supported (default "
             "only; yarn's frequency and softmax mscale corrections are not implemented)")
-    check_unquantized_silu(cfg)
+    check_unquantized_silu({k: v for k, v in cfg.items()
+                            if not (fp8 and k == "quantization_config")})
     return rope
 
 
@@ -101,6 +105,10 @@ class DeepseekV3Config(CheckedConfig):
     # Engine option, never read from config.json: run the shared experts unsharded on every
     # rank and add them after the routed experts' sum (a LOCAL_TAIL FFN stage).
     shared_experts_tp1: bool = False
+    # quantization_config (config.fp8_quantization): the FP8 weights' [out, in] block and the
+    # modules left unquantized; None: an unquantized checkpoint
+    fp8_block: tuple | None = None
+    fp8_skip: tuple = ()
     # Engine option, never read from config.json: the MoE layers dispatch their routed
     # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
     moe_a2a: bool = False
@@ -131,7 +139,8 @@ class DeepseekV3Config(CheckedConfig):
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DeepseekV3Config":
-        rope = mla_rope(cfg)
+        rope = mla_rope(cfg, fp8=True)
+        block, skip = fp8_quantization(cfg)
         scoring = cfg.get("scoring_func", "sigmoid")
         if scoring != "sigmoid":
             raise CheckpointError(f"config.json scoring_func {scoring!r} is not supported "
@@ -155,6 +164,7 @@ class DeepseekV3Config(CheckedConfig):
             raise CheckpointError(f"config.json qk_rope_head_dim={rope_dim} must be even")
         check_grouped_router(experts, n_group, topk_group, top_k)
         return cls(
+            fp8_block=block, fp8_skip=skip,
             **required(cfg, "vocab_size", "hidden_size", "intermediate_size",
                        "moe_intermediate_size", "num_hidden_layers", "n_shared_experts",
                        "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"),
@@ -246,6 +256,7 @@ class DeepseekV3Attention(nn.Module):
         may run it before gathering rows. Without q LoRA the q latent is the input itself:
         ``q_proj`` is head-sharded, and a per-rank head slice must not be gathered over ranks.
         """
+        x = as_activations(x)  # an FP8 read's values and scales, dequantized (CPU)
         q = self.q_a_proj(x) if self.cfg.q_lora_rank is not None else x
         return torch.cat((q, self.kv_a_proj_with_mqa(x)), dim=-1)
 
@@ -379,7 +390,11 @@ class DeepseekV3DecoderLayer(DecoderLayer):
                            dispatches=self.is_moe and cfg.moe_a2a)
                if nextn else ffn_declaration(cfg, layer_id))
         # the qkv latent runs on compute rows (before the gather in input-scattered batches)
+        latent_in = (("self_attn.q_a_proj",) if cfg.q_lora_rank is not None
+                     else ("self_attn.q_proj",)) + ("self_attn.kv_a_proj_with_mqa",)
         self.connect(ffn, runtime, fusions=fusions,
+                     attn=declare_attn(read=None if nextn else quantized_read(cfg, layer_id,
+                                                                               latent_in)),
                      attn_options={"qkv_latent_func": self.self_attn.prepare_qkv_latent},
                      previous=None if layer_id == 0 or nextn else ffn_declaration(cfg, layer_id - 1),
                      terminal=nextn or layer_id == cfg.num_hidden_layers - 1,
@@ -403,6 +418,10 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
     return declare_ffn(sparse=moe,
                        next_sparse=cfg.is_moe(following) if following < cfg.num_hidden_layers
                        else None,
+                       # an FP8 checkpoint's dense MLPs read quantized inputs (a MoE's router
+                       # reads the unquantized one)
+                       read=None if moe else quantized_read(cfg, layer, ("mlp.gate_proj",
+                                                                         "mlp.up_proj")),
                        reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED,
                        dispatches=moe and cfg.moe_a2a)
 

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 
 # config.json lives in config.py; these names stay importable from here
+from ..runtime.quant import FP8, check_block_scales, dequantize_blocks
 from .config import (CheckpointError, check_divisible, check_unquantized_silu,  # noqa: F401
                      read_config, require)
 
@@ -49,6 +50,89 @@ def iter_weights(path):
                 yield name, handle.get_tensor(name)
 
 
+_SCALE = "_scale_inv"  # ``X.weight_scale_inv`` is ``X.weight``'s block scales
+
+
+def dequantized(weights, block: tuple[int, int] | None):
+    """(name, tensor) of ``weights`` with each FP8 ``X.weight`` and its ``X.weight_scale_inv``
+    replaced by the float32 weight (``block``: the checkpoint's [out, in] weight blocks; None:
+    an unquantized checkpoint, where an FP8 tensor is an error). Tensors pair up in any order
+    across files; one left without its partner is an error naming it."""
+    weights_, scales = {}, {}
+    for name, tensor in weights:
+        if name.endswith(_SCALE):
+            base = name[:-len(_SCALE)]
+            if block is None:
+                raise CheckpointError(f"checkpoint tensor {name} holds FP8 block scales, and "
+                                      "config.json has no quantization_config (quant_method "
+                                      "fp8)")
+            if base in weights_:
+                yield base, _dequantize(weights_.pop(base), tensor, block, base)
+            else:
+                scales[base] = tensor
+        elif tensor.dtype == FP8:
+            if block is None:
+                raise CheckpointError(f"checkpoint tensor {name} has dtype float8_e4m3fn, and "
+                                      "config.json has no quantization_config (quant_method "
+                                      "fp8)")
+            if name in scales:
+                yield name, _dequantize(tensor, scales.pop(name), block, name)
+            else:
+                weights_[name] = tensor
+        else:
+            yield name, tensor
+    if weights_:
+        raise CheckpointError(f"checkpoint tensor {sorted(weights_)[0]} is FP8 and has no "
+                              f"{sorted(weights_)[0]}{_SCALE}")
+    if scales:
+        raise CheckpointError(f"checkpoint tensor {sorted(scales)[0]}{_SCALE} scales no FP8 "
+                              f"tensor {sorted(scales)[0]}")
+
+
+def check_fp8_tensors(path, block: tuple[int, int] | None) -> None:
+    """What ``dequantized()`` would refuse, from the safetensors headers alone (shapes and
+    dtypes, no tensor data): run before any rank loads."""
+    shapes, fp8 = {}, set()
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                part = handle.get_slice(name)
+                shapes[name] = tuple(part.get_shape())
+                if part.get_dtype() == "F8_E4M3":
+                    fp8.add(name)
+    scales = {n[:-len(_SCALE)] for n in shapes if n.endswith(_SCALE)}
+    for name in sorted(fp8 | {s + _SCALE for s in scales}):
+        if block is None:
+            what = ("has dtype float8_e4m3fn" if name in fp8 else "holds FP8 block scales")
+            raise CheckpointError(f"checkpoint tensor {name} {what}, and config.json has no "
+                                  "quantization_config (quant_method fp8)")
+    for name in sorted(fp8 - scales):
+        raise CheckpointError(f"checkpoint tensor {name} is FP8 and has no {name}{_SCALE}")
+    for base in sorted(scales):
+        if base not in fp8:
+            raise CheckpointError(f"checkpoint tensor {base}{_SCALE} scales no FP8 tensor {base}")
+        try:
+            check_block_scales(shapes[base], shapes[base + _SCALE], block,
+                               base[:-len(".weight")] if base.endswith(".weight") else base)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint tensor {exc}") from None
+
+
+def _dequantize(weight, scale_inv, block, name: str) -> torch.Tensor:
+    if weight.dim() != 2:
+        raise CheckpointError(f"checkpoint tensor {name} is FP8 with shape "
+                              f"{list(weight.shape)}; block-quantized weights are 2-d")
+    try:
+        out = dequantize_blocks(weight, scale_inv, block, name[:-len(".weight")]
+                                if name.endswith(".weight") else name)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint tensor {exc}") from None
+    if not bool(torch.isfinite(out).all()):
+        raise CheckpointError(f"checkpoint tensor {name} holds non-finite values once its "
+                              "block scales are applied")
+    return out
+
+
 def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=None) -> None:
     """Copy checkpoint tensors into ``module``'s (sharded) parameters.
 
@@ -83,6 +167,9 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
         if param.is_floating_point() and not tensor.is_floating_point():
             raise CheckpointError(f"checkpoint tensor {name} has dtype {tensor.dtype}; parameter "
                                   f"{target} needs a floating-point tensor")
+        if tensor.dtype == FP8:  # a reader that skipped dequantized()
+            raise CheckpointError(f"checkpoint tensor {name} is FP8: load it through "
+                                  "loader.dequantized() with the checkpoint's weight blocks")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(f"checkpoint tensor {name} holds non-finite values (NaN or "
                                   "Inf)")

@@ -26,7 +26,7 @@ from ..residual import batch as residual_batch
 from ..runtime.norm import RMSNorm
 from .deepseek_v3 import DeepseekV3DecoderLayer, ReplicatedLinear
 from .kv_cache import KVCache
-from .loader import CheckpointError, iter_weights, load_weights, read_config
+from .loader import CheckpointError, dequantized, iter_weights, load_weights, read_config
 from .moe import expert_stacked_params
 
 
@@ -101,7 +101,7 @@ def load_nextn(path, runtime, target, dtype=torch.float32) -> DeepseekV3NextN:
         raise ValueError(f"--speculative-algorithm nextn needs a deepseek_v3 target, got "
                          f"{target.config.model_type}")
     draft = DeepseekV3NextN(target.config, runtime, target, dtype)
-    draft.load_weights(iter_weights(path))
+    draft.load_weights(dequantized(iter_weights(path), target.config.fp8_block))
     return draft.eval()
 
 

@@ -13,7 +13,8 @@ from .base import CausalLM
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .rope import inverse_frequencies
-from .config import DECODER, CheckedConfig, CheckpointError, require, required
+from .config import (DECODER, CheckedConfig, CheckpointError, fp8_quantization, quantized_read,
+                     require, required)
 from .registry import register_model
 
 
@@ -30,6 +31,10 @@ class Qwen3Config(CheckedConfig):
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # quantization_config (config.fp8_quantization): the FP8 weights' [out, in] block and the
+    # modules left unquantized; None: an unquantized checkpoint
+    fp8_block: tuple | None = None
+    fp8_skip: tuple = ()
     model_type: str = "qwen3"
 
     fields = DECODER
@@ -43,7 +48,9 @@ class Qwen3Config(CheckedConfig):
         if cfg.get("use_sliding_window"):
             raise CheckpointError("config.json use_sliding_window=true is not supported")
         heads = require(cfg, "num_attention_heads")
+        block, skip = fp8_quantization(cfg)
         return cls(
+            fp8_block=block, fp8_skip=skip,
             **required(cfg, "vocab_size", "hidden_size", "intermediate_size",
                        "num_hidden_layers"),
             num_attention_heads=heads,
@@ -99,7 +106,9 @@ class Qwen3DecoderLayer(DecoderLayer):
         self.connect(self.ffn_declaration(cfg, layer_id), runtime, fusions=fusions,
                      previous=self.ffn_declaration(cfg, layer_id - 1) if layer_id else None,
                      terminal=layer_id == cfg.num_hidden_layers - 1, name=f"layer{layer_id}",
-                     attn=declare_attn(sequence_parallel=True))
+                     attn=declare_attn(sequence_parallel=True, read=quantized_read(
+                         cfg, layer_id, ("self_attn.q_proj", "self_attn.k_proj",
+                                         "self_attn.v_proj"))))
 
     def make_mlp(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
         return Qwen3MLP(cfg, runtime, dtype)
@@ -108,7 +117,8 @@ class Qwen3DecoderLayer(DecoderLayer):
     def ffn_declaration(cfg, layer_id: int):
         """The FFN declaration of layer ``layer_id`` (also what the next layer names as
         previous): a gated MLP of column- and row-parallel linears, sequence-parallel."""
-        return declare_ffn(sequence_parallel=True)
+        return declare_ffn(sequence_parallel=True,
+                           read=quantized_read(cfg, layer_id, ("mlp.gate_proj", "mlp.up_proj")))
 
 
 @register_model("qwen3", Qwen3Config, check_parallel=check_parallel,

@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
-from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, require
+from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, quantized_read, require
 from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
 from .qwen3 import Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, check_tp
@@ -102,8 +102,13 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         # the dense layers' gated MLPs are sequence-parallel; the experts are not (in a
         # sequence-parallel batch the boundary gathers their input and reduce-scatters the sum)
         sparse = cfg.is_sparse(layer_id)
+        # an FP8 checkpoint's dense MLPs read quantized inputs; a MoE's router reads the
+        # unquantized one
+        read = None if sparse else quantized_read(cfg, layer_id, ("mlp.gate_proj",
+                                                                  "mlp.up_proj"))
         return declare_ffn(sparse=sparse, next_sparse=cfg.is_sparse(layer_id + 1),
-                           sequence_parallel=not sparse, dispatches=sparse and cfg.moe_a2a)
+                           sequence_parallel=not sparse, dispatches=sparse and cfg.moe_a2a,
+                           read=read)
 
 
 @register_model("qwen3_moe", Qwen3MoeConfig, check_parallel=check_parallel,

@@ -11,6 +11,7 @@ from torch import nn
 
 from .collectives import all_reduce_rows, gather_last_dim
 from .context import get_forward, sequence_parallel_scope
+from .quant import QuantizedInput, as_activations
 from .parallel import Group
 
 
@@ -56,7 +57,12 @@ class ColumnParallelLinear(nn.Module):
         scope = sequence_parallel_scope()
         if scope is not None:
             scope.check_group(self.group, type(self).__name__)
+            if isinstance(x, QuantizedInput):
+                raise RuntimeError(f"a {type(self).__name__} in a sequence-parallel scope got a "
+                                   "quantized input: quantized reads do not run in "
+                                   "sequence-parallel batches yet")
             x = scope.gather(x)
+        x = as_activations(x)  # a quantized read's values and scales, dequantized (CPU)
         y = nn.functional.linear(x, self.weight, self.bias)
         if self.lora is not None:  # this rank's output features of each row's adapter delta
             y = self.lora(x, y)

@@ -1,0 +1,88 @@
+"""FP8 (``float8_e4m3fn``) numbers: dynamic per-token, per-group activation quantization and
+block-quantized weights, as the public FP8 checkpoints store them.
+
+A quantized compute input is a ``QuantizedInput``: 1-byte values [T, H] and one float32 scale
+per token and group of ``group`` channels [T, H / group]; ``value * scale`` is the input.
+Row movements apply to both parts alike (the values cross ranks as bytes), so a gather of a
+quantized input moves 1 byte per channel plus the scales, and the consumer receives exactly
+what the read produced. On CPU a linear dequantizes it before its matmul.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+class QuantizedInput:
+    """A quantized compute input: ``values`` [T, H] float8, ``scales`` [T, H // group] float32."""
+
+    __slots__ = ("values", "scales", "group", "dtype")
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, group: int, dtype) -> None:
+        self.values, self.scales, self.group = values, scales, group
+        self.dtype = dtype  # what it dequantizes to: the activations' dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def new_zeros(self, shape) -> torch.Tensor:
+        """Zeros in the activations' dtype (a rank's empty contribution, as a tensor's)."""
+        return torch.zeros(shape, dtype=self.dtype, device=self.values.device)
+
+    def map_rows(self, move) -> "QuantizedInput":
+        """Both parts through one row movement ``move(tensor)`` (the values as bytes)."""
+        values = move(self.values.view(torch.uint8)).view(FP8)
+        return QuantizedInput(values, move(self.scales), self.group, self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        rows, width = self.values.shape
+        x = self.values.float().view(rows, width // self.group, self.group)
+        return (x * self.scales.unsqueeze(-1)).view(rows, width).to(self.dtype)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> QuantizedInput:
+    """Dynamic FP8 of ``x`` [T, H]: per token and per ``group`` channels, scale = amax / 448
+    (a zero group keeps scale 1)."""
+    rows, width = x.shape
+    if width % group:
+        raise ValueError(f"a quantized read groups {group} channels; the hidden size {width} "
+                         "is not a multiple of it")
+    g = x.float().view(rows, width // group, group)
+    amax = g.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    values = (g / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, width)
+    return QuantizedInput(values, scales, group, x.dtype)
+
+
+def as_activations(x):
+    """A linear's input as a tensor: a ``QuantizedInput`` dequantized, anything else as is."""
+    return x.dequantize() if isinstance(x, QuantizedInput) else x
+
+
+def check_block_scales(weight_shape: tuple, scale_shape: tuple, block: tuple[int, int],
+                       name: str) -> None:
+    """A ``weight_scale_inv`` of one scale per [bo, bi] block of its weight, or the error
+    naming both tensors."""
+    bo, bi = block
+    want = tuple(math.ceil(n / b) for n, b in zip(weight_shape, (bo, bi)))
+    if len(weight_shape) != 2 or tuple(scale_shape) != want:
+        raise ValueError(f"{name}.weight_scale_inv has shape {list(scale_shape)}, but "
+                         f"{name}.weight {list(weight_shape)} in {bo}x{bi} blocks needs "
+                         f"{list(want)}")
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                      name: str) -> torch.Tensor:
+    """A block-quantized weight [out, in] (float8) times its ``weight_scale_inv``
+    [ceil(out / bo), ceil(in / bi)]: the float32 weight."""
+    check_block_scales(tuple(weight.shape), tuple(scale_inv.shape), block, name)
+    out, inp = weight.shape
+    bo, bi = block
+    scales = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
+    return weight.float() * scales

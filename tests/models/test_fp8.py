@@ -1,0 +1,170 @@
+"""FP8 block-quantized checkpoints (Qwen3, Qwen3-MoE, DeepSeek-V3) and the quantized read.
+
+World 1 against transformers running the dequantized weights: the only difference is the
+read's dynamic FP8 of the activations (per token, per group of the weights' input block), so
+the prefill logits stay within 2^-3 of the logit scale (measured: README). Every multi-rank
+configuration against world 1 within 1e-5 x logit scale: the quantization is row-wise, so
+it gives the same bytes on any rank. The ledger shows the 1-byte gathers (the values as
+uint8, plus the float32 scales); bad quantized input is a named one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import hf_qwen3_moe
+from distributed.checks import assert_logits_match
+from distributed.pool import get_pool
+from ds_checkpoints import hf_deepseek_v3
+from fp8_checkpoints import dequantized_oracle, fp8_checkpoint
+from safetensors.torch import load_file, save_file
+
+from layer_boundary.cli import main
+from layer_boundary.runner import RunSpec, merge, run_rank
+
+PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))
+BLOCK = (16, 16)
+FP8_BOUND = 2 ** -3  # of the logit scale: the acceptance's bound for FP8 activations
+CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def sources(qwen3_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fp8_src")
+    return {"qwen3": Path(qwen3_dir), "qwen3_moe": hf_qwen3_moe(root / "qwen3_moe"),
+            "deepseek_v3": hf_deepseek_v3(root / "deepseek_v3")}
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(sources, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("fp8")
+    dirs = {name: str(fp8_checkpoint(src, root / name, BLOCK)) for name, src in sources.items()}
+    # attention 0's q projection left unquantized: that stage keeps the plain read
+    dirs["qwen3_skip"] = str(fp8_checkpoint(sources["qwen3"], root / "qwen3_skip", BLOCK,
+                                            skip=("layers.0.self_attn.q_proj",)))
+    return dirs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "deepseek_v3", "qwen3_skip"])
+def test_world1_matches_transformers_on_the_dequantized_weights(sources, fp8_dirs, model):
+    source = sources[model.removesuffix("_skip")]
+    spec = RunSpec(fp8_dirs[model], prompts=PROMPTS, max_new_tokens=1)
+    ours = merge([run_rank(spec, world_size=1)])
+    ref = dequantized_oracle(CLASSES[model.removesuffix("_skip")], source, Path(fp8_dirs[model]))
+    plain = merge([run_rank(replace(spec, model_dir=str(source)), world_size=1)])
+    for j, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            expected = ref(torch.tensor([prompt])).logits[0, -1]
+        scale = expected.abs().max().item()
+        assert (ours.logits[j][0] - expected).abs().max().item() <= FP8_BOUND * scale, j
+        # the checkpoint really is quantized: the unquantized model gives other numbers
+        assert (plain.logits[j][0] - ours.logits[j][0]).abs().max().item() > 1e-3 * scale
+
+
+@pytest.mark.timeout(60)
+def test_the_quantized_read_is_declared_where_the_inputs_are_fp8(fp8_dirs):
+    from layer_boundary.models import load_config, model_class_of
+    from layer_boundary.runtime import BoundaryRuntime, ParallelDims, virtual_parallel
+
+    for name in ("qwen3_skip", "qwen3_moe", "deepseek_v3"):
+        cfg = load_config(fp8_dirs[name])
+        with torch.device("meta"):
+            model = model_class_of(fp8_dirs[name])(
+                cfg, BoundaryRuntime(virtual_parallel(ParallelDims())))
+        kinds = {s.name: type(s.declaration.residual.read).__name__
+                 for layer in model.model.layers
+                 for s in (layer.attn_boundary, layer.ffn_boundary)}
+        sparse = {f"layer{i}.ffn" for i, layer in enumerate(model.model.layers)
+                  if getattr(layer.ffn_boundary.declaration, "sparse", False)}
+        for stage, kind in kinds.items():
+            plain = stage in sparse or (name == "qwen3_skip" and stage == "layer0.attn")
+            assert kind == ("AddNormRead" if plain else "QuantizedRead"), (name, stage, kind)
+
+
+# (tp, attn_dp, ep, policy, prompts): every row mode, attention DP with an empty DP rank, EP
+CASES = [(2, 1, 1, "ar", 3), (2, 1, 1, "rs", 3), (4, 2, 1, "rsv", 3), (4, 2, 2, "rs", 3),
+         (4, 2, 2, "rsv", 1)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp,dp,ep,policy,prompts", CASES, ids=[
+    f"tp{t}-dp{d}-ep{e}-{p}-{n}" for t, d, e, p, n in CASES])
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "deepseek_v3"])
+def test_every_configuration_matches_world1(fp8_dirs, model, tp, dp, ep, policy, prompts):
+    ep = ep if model != "qwen3" else 1
+    spec = RunSpec(fp8_dirs[model], tp=tp, dp=dp, ep=ep, boundary_reduction=policy,
+                   prompts=PROMPTS[:prompts], max_new_tokens=2)
+    results = get_pool(tp).run(run_rank, spec)
+    world1 = merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar"),
+                             world_size=1)])
+    assert_logits_match(merge(results), world1, prompts)
+    if policy != "rs":
+        return
+    # the attention input gathers move the FP8 values as bytes and one scale per group
+    hidden = json.loads((Path(fp8_dirs[model]) / "config.json").read_text())["hidden_size"]
+    for r in results:
+        gathers = [(e.dtype, e.numel) for e in r.ledger if e.step == 0 and e.kind == "all_gather"
+                   and e.site == "layer1.attn.prepare"]
+        rows = gathers[0][1] // hidden
+        assert gathers == [(torch.uint8, rows * hidden),
+                           (torch.float32, rows * hidden // BLOCK[1])], gathers
+
+
+@pytest.fixture(scope="module")
+def broken(fp8_dirs, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("fp8_broken")
+    src = Path(fp8_dirs["qwen3"])
+    tensors = load_file(str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+
+    def variant(name, tensors, cfg):
+        path = root / name
+        path.mkdir()
+        save_file(tensors, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(cfg))
+        return str(path)
+
+    key = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    bad_scales = dict(tensors, **{key: tensors[key][:, :-1].contiguous()})
+    unscaled = {k: v for k, v in tensors.items() if k != key}
+    no_config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    int8 = dict(cfg, quantization_config=dict(cfg["quantization_config"], quant_method="bnb"))
+    return {"scales": variant("scales", bad_scales, cfg),
+            "unscaled": variant("unscaled", unscaled, cfg),
+            "no_config": variant("no_config", tensors, no_config),
+            "method": variant("method", tensors, int8)}
+
+
+@pytest.mark.parametrize("case,message", [
+    ("scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv has shape "
+               "[4, 5], but model.layers.0.mlp.down_proj.weight [64, 96] in 16x16 blocks "
+               "needs [4, 6]"),
+    ("unscaled", "checkpoint tensor model.layers.0.mlp.down_proj.weight is FP8 and has no "
+                 "model.layers.0.mlp.down_proj.weight_scale_inv"),
+    ("no_config", "has dtype float8_e4m3fn, and config.json has no quantization_config"),
+    ("method", "config.json quantization_config quant_method 'bnb' is not supported (fp8 "
+               "only)")])
+def test_bad_quantized_input_is_a_one_line_error(broken, case, message, capsys, restore_logger):
+    assert main(["run", "--model", broken[case], "--tp", "2", "--no-reference"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("layer-boundary: error:"), err
+    assert message in err[0], err
+
+
+@pytest.mark.timeout(120)
+def test_fused_add_norm_candidates_never_stand_in_for_the_quantized_read(fp8_dirs, qwen3_dir):
+    """A provider's fused finalize + all-reduce + add + norm matches the add+norm read by its
+    kind: it takes the plain checkpoint's inputs and none of the quantized one's."""
+    for path, fused in ((fp8_dirs["qwen3"], False), (str(qwen3_dir), True)):
+        spec = RunSpec(path, tp=2, boundary_reduction="ar", prompts=PROMPTS, max_new_tokens=2,
+                       fusions="reference")
+        results = get_pool(2).run(run_rank, spec)
+        world1 = merge([run_rank(replace(spec, tp=1, fusions=None), world_size=1)])
+        assert_logits_match(merge(results), world1, len(PROMPTS))
+        assert (results[0].fused_inputs > 0) is fused, results[0].fused_inputs
