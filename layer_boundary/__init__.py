@@ -9,7 +9,7 @@ from .exit import FfnExit, MixerExit
 from .factories import (StageDeclaration, declare_attn, declare_ffn, make_attn_stage,
                         make_ffn_stage, make_stages)
 from .layout import Layout, SumGroup, TokenAxis
-from .output import HandoffOutput
+from .output import HandoffOutput, OutputTransform
 from .residual.stream import OwedOutput, ResidualStream
 from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
 from .stack import LayerStack, append_stages, layer_stack
@@ -18,7 +18,7 @@ from .adapters.cp import CpView, cp_view
 from .adapters.tbo import run_two_batches, split_batch
 
 __all__ = [
-    "BatchVariant", "FfnExit", "HandoffOutput", "Layout", "MixerExit", "Owed", "OwedOutput",
+    "BatchVariant", "FfnExit", "HandoffOutput", "OutputTransform", "Layout", "MixerExit", "Owed", "OwedOutput",
     "ProducerReduction", "ResidualStream", "StageBoundary", "StageDeclaration", "StageKind",
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
     "make_ffn_stage", "make_stages", "boundary_guard_filter", "stage_boundaries",

@@ -157,6 +157,11 @@ def handoff_rows(decl, layouts: Layouts, mode: RowMode):
     return layouts.attention
 
 
+def _transforms_first(decl) -> bool:
+    transform = decl.output_transform
+    return transform is not None and transform.before_reduce_scatter
+
+
 def _sequence_parallel(decl, variant: BatchVariant) -> bool:
     """The stage computes on scattered rows with its linears moving them (a
     sequence-parallel batch, and a declaration whose compute honours it)."""
@@ -205,7 +210,8 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         handoff_rows(decl, layouts, mode),
         leaves_for_all_reduce=known and scoped and runtime.allreduce_fusion,
         leaves_for_reduce_scatter=known,
-        hands_off_finalize=fusions is not None,
+        # a transform before the sum runs on compute's output at the exit: it must be a tensor
+        hands_off_finalize=fusions is not None and not _transforms_first(decl),
         provider_defers_all_reduce=(not scoped and known and fusions is not None),
         at_producer=at_producer, next_sparse=decl.next_sparse)
 
@@ -324,6 +330,9 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
         raise UnsupportedBoundary(
             f"stage {name}: qkv_latent_func runs inside the attention's own input gather, "
             "and a declaration with gathers_tp_input=False has none")
+    if declaration.prepared_from is not None and declaration.output_transform is not None:
+        raise UnsupportedBoundary(f"stage {name}: a branch's entry stage takes no "
+                                  "output_transform (declare it on a stage of the main stack)")
     for variant in runtime.batch_variants:
         # an input-scattered batch moves ordinary token rows (only where an attention's latent
         # runs differs): a branch may take it

@@ -97,10 +97,13 @@ def check_output_dtype(stream, value, stage: str) -> None:
 
 
 def publish(stream, path: ExitPath, decision: ExitDecision, value, update, rows,
-            overlap: bool = False):
+            overlap: bool = False, transform=None):
     """Record compute's output with ``decision``'s owed work (one of ``path``'s); return what
     the model passes on. ``overlap`` (a two-batch-overlap microbatch): on a path that issues
-    early, owed work starts now, asynchronously."""
+    early, owed work starts now, asynchronously. ``transform``: an ``OutputTransform`` the
+    stage declared ``before_reduce_scatter``, applied to the output as compute returned it."""
+    if transform is not None:
+        value = transform(value)
     if decision.finish_move is not None:
         stream.leave(decision.finish_move(rows, value), None, update, decision.finish_move.dst)
     else:
@@ -121,10 +124,12 @@ class StageExit:
     """
 
     __slots__ = ("_stream", "_path", "_forward_batch", "_update", "_site", "_finish_site",
-                 "_decision", "_previous", "_state", "_adapter_rows", "_previous_rows")
+                 "_decision", "_previous", "_state", "_adapter_rows", "_previous_rows",
+                 "_transform")
 
     def __init__(self, stream, path: ExitPath, forward_batch, update, site: str,
-                 finish_site: str, adapter_rows=None) -> None:
+                 finish_site: str, adapter_rows=None, transform=None) -> None:
+        self._transform = transform  # a before-the-sum OutputTransform, or None
         self._stream, self._path, self._forward_batch = stream, path, forward_batch
         self._update, self._site, self._finish_site = update, site, finish_site
         self._decision: ExitDecision | None = None
@@ -196,7 +201,7 @@ class StageExit:
         if observer is not None:
             observer.enter(self._finish_site)
         handle = publish(self._stream, self._path, self._decision, hidden_states, self._update,
-                         rows, self._forward_batch.overlap)
+                         rows, self._forward_batch.overlap, transform=self._transform)
         if observer is not None:
             observer.boundary(self._finish_site, self._stream, rows)
         return handle

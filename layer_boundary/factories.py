@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .contracts import ProducerReduction, StageKind
+from .output import OutputTransform, TransformedUpdate
 from .residual import LayerResidual, StageRead, StageUpdate, default_layer_residual, is_plain
 
 ATTN_OPTIONS = frozenset({"qkv_latent_func", "fusions"})
@@ -27,6 +28,9 @@ class StageDeclaration:
     # a MoE that dispatches its routed tokens itself (an expert-parallel all-to-all): it
     # computes on the residual's rows and returns its output complete there
     dispatches: bool = False
+    # contribution processing before the residual update (output.OutputTransform); after the
+    # sum it is also folded into ``residual.update``
+    output_transform: OutputTransform | None = None
     residual: LayerResidual = field(default_factory=default_layer_residual)
     previous: "StageDeclaration | None" = None
     prepared_from: "StageDeclaration | None" = None
@@ -41,16 +45,27 @@ class StageDeclaration:
         return text if is_plain(update) else f"{text} with update {update!r}"
 
 
-def _layer_residual(update: StageUpdate | None, read: StageRead | None) -> LayerResidual:
+def _layer_residual(update: StageUpdate | None, read: StageRead | None,
+                    transform: OutputTransform | None = None) -> LayerResidual:
     default = default_layer_residual()
-    return LayerResidual(update or default.update, read or default.read)
+    update = update or default.update
+    if transform is not None and not transform.before_reduce_scatter:
+        update = TransformedUpdate(update, transform)  # applied wherever the sum completes
+    return LayerResidual(update, read or default.read)
+
+
+def _check_transform(transform) -> None:
+    if transform is not None and not isinstance(transform, OutputTransform):
+        raise TypeError(f"output_transform must be an OutputTransform, got "
+                        f"{type(transform).__name__}")
 
 
 def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
                  gathers_tp_input: bool = True, update: StageUpdate | None = None,
                  read: StageRead | None = None, previous: StageDeclaration | None = None,
                  prepared_from: StageDeclaration | None = None,
-                 terminal: bool = False, sequence_parallel: bool = False) -> StageDeclaration:
+                 terminal: bool = False, sequence_parallel: bool = False,
+                 output_transform: OutputTransform | None = None) -> StageDeclaration:
     """An attention (or, with ``reduction=SCOPED``, a single-stage mixer) declaration.
 
     Args:
@@ -63,13 +78,17 @@ def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
         sequence_parallel: in a sequence-parallel batch its compute runs inside ``exit()``
             on the scattered rows: its column-parallel linears (over attention TP) gather
             their input, its row-parallel output projection reduce-scatters its output.
+        output_transform: processing of its contribution before the residual update
+            (``OutputTransform``; its ``before_reduce_scatter`` states the order kept).
     """
     if reduction is ProducerReduction.LOCAL_TAIL:
         raise ValueError("LOCAL_TAIL is not supported for attention stages")
+    _check_transform(output_transform)
     return StageDeclaration(StageKind.ATTN, reduction, gathers_tp_input=gathers_tp_input,
                             sequence_parallel=sequence_parallel,
-                            residual=_layer_residual(update, read), previous=previous,
-                            prepared_from=prepared_from, terminal=terminal)
+                            output_transform=output_transform,
+                            residual=_layer_residual(update, read, output_transform),
+                            previous=previous, prepared_from=prepared_from, terminal=terminal)
 
 
 def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
@@ -79,7 +98,8 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
                 prepared_from: StageDeclaration | None = None,
                 terminal: bool = False,
                 next_layer_sparse: bool | None = None,
-                sequence_parallel: bool = False, dispatches: bool = False) -> StageDeclaration:
+                sequence_parallel: bool = False, dispatches: bool = False,
+                output_transform: OutputTransform | None = None) -> StageDeclaration:
     """A dense or sparse FFN declaration.
 
     Args:
@@ -98,7 +118,11 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
             group (``BoundaryRuntime(moe_a2a_backend="all_to_all")``): its input is the
             residual's rows (no gather before it) and its output is complete on them (no
             sum after it).
+        output_transform: processing of its contribution before the residual update
+            (``OutputTransform``; its ``before_reduce_scatter`` states the order kept; a
+            stage with one before the sum takes no finalize handoff).
     """
+    _check_transform(output_transform)
     if dispatches and not sparse:
         raise ValueError("declare_ffn: dispatches=True is for a MoE (sparse=True): a dense "
                          "FFN has no routed tokens to dispatch")
@@ -121,7 +145,9 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
         raise ValueError("PARTIAL is not supported for ffn stages")
     return StageDeclaration(StageKind.FFN, reduction, sparse=sparse, next_sparse=next_sparse,
                             sequence_parallel=sequence_parallel, dispatches=dispatches,
-                            residual=_layer_residual(update, read), previous=previous,
+                            output_transform=output_transform,
+                            residual=_layer_residual(update, read, output_transform),
+                            previous=previous,
                             prepared_from=prepared_from, terminal=terminal)
 
 

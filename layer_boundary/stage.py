@@ -105,6 +105,11 @@ class StageBoundary:
         self._is_attn = declaration.kind is StageKind.ATTN
         self._exit_cls = (FfnExit if declaration.kind is StageKind.FFN
                           else AttnExit if self._is_partial else MixerExit)
+        # an OutputTransform declared before the sum runs on compute's output as published
+        # (after the sum it travels in the declaration's update instead)
+        transform = declaration.output_transform
+        self._transform = (transform if transform is not None
+                           and transform.before_reduce_scatter else None)
         if bind:
             self.bind(declaration, following)
 
@@ -299,7 +304,7 @@ class StageBoundary:
         if observer is not None:
             observer.enter(self._finish_site)
         handle = publish(stream, path.exit, path.exit.default, hidden_states, self._update, rows,
-                         forward_batch.overlap)
+                         forward_batch.overlap, transform=self._transform)
         if observer is not None:
             observer.boundary(self._finish_site, stream, rows)
         return handle
@@ -318,7 +323,8 @@ class StageBoundary:
             raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
         path, _ = self.plan.select(forward_batch)
         return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site,
-                              self._finish_site, adapter_rows=self._adapter_rows(forward_batch))
+                              self._finish_site, adapter_rows=self._adapter_rows(forward_batch),
+                              transform=self._transform)
 
     def _adapter_rows(self, forward_batch: ForwardBatch):
         """Each compute row's LoRA adapter slot, for the adapted linears inside the scope
@@ -365,7 +371,7 @@ class StageBoundary:
         if observer is not None:
             observer.enter(self._finish_site)
         handle = publish(stream, path.exit, path.exit.completed, hidden_states, self._update,
-                         rows, forward_batch.overlap)
+                         rows, forward_batch.overlap, transform=self._transform)
         if observer is not None:
             observer.boundary(self._finish_site, stream, rows)
         return handle
