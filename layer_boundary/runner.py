@@ -21,6 +21,7 @@ from .contracts import BatchVariant
 from .runtime.args import BoundaryRuntime
 from .runtime.ledger import LEDGER, LedgerEntry
 from .runtime.parallel import ParallelDims, build_parallel
+from .runtime.shards import ReadBytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -95,6 +96,7 @@ class RankResult:
     last_stage: bool = True  # this rank's logits are the model's (the last pipeline stage)
     layers: tuple = ()  # the global layers this rank's pipeline stage holds
     speculative: dict | None = None  # proposed/accepted/target_forwards/emitted/reruns
+    load_bytes: int = 0  # what this rank read from the checkpoint (its shard)
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
@@ -174,8 +176,9 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     runtime = make_runtime(spec, world_size)
     par = runtime.parallel
     provider = make_fusions(spec.fusions)
+    read = ReadBytes()
     model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype], fusions=provider,
-                       options=spec.model_options)
+                       options=spec.model_options, read=read)
     adapters = None
     if spec.lora:
         from .adapters.lora import attach_lora, lora_slots
@@ -219,6 +222,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                               ("proposed", "accepted", "target_forwards", "emitted", "reruns",
                                "request_rounds")}
     result.pp_rank, result.last_stage = par.pp_rank, model.stage.last
+    result.load_bytes = read.bytes
     result.layers = tuple(model.stage.layers)
     if provider is not None:
         result.fused_inputs = provider.accepted

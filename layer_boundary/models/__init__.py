@@ -41,7 +41,7 @@ def boundary_reduction(value: str, model_type: str) -> str:
     return resolve_boundary_reduction(value, model_class(model_type).boundary_reduction)
 
 
-def load_model(path, runtime, dtype=torch.float32, fusions=None, options=()):
+def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), read=None):
     """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard.
 
     Args:
@@ -51,6 +51,8 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=()):
         fusions: a fusion provider for every stage.
         options: (name, value) engine options that replace config fields the checkpoint does
             not set (such as DeepSeek-V3's ``shared_experts_tp1``).
+        read: a ``runtime.shards.ReadBytes`` that counts the bytes this rank reads (each
+            sharded layer reads only its shard).
     """
     import dataclasses
 
@@ -64,5 +66,6 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=()):
                          f"{cfg.model_type}") from None
     model = model_cls(cfg, runtime, dtype=dtype, **kwargs)
     # an FP8 checkpoint's weights dequantized as they stream in (CPU: the matmuls run on them)
-    model.load_weights(dequantized(iter_weights(path), getattr(cfg, "fp8_block", None)))
+    model.load_weights(dequantized(iter_weights(path, lazy=True, read=read),
+                                   getattr(cfg, "fp8_block", None)))
     return model.eval()

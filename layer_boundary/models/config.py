@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Callable, ClassVar
 
 
-class CheckpointError(ValueError):
-    """A missing, malformed or mismatched checkpoint; the message names the file or tensor."""
+# a missing, malformed or mismatched checkpoint; the message names the file or tensor
+from ..runtime.shards import CheckpointError  # noqa: E402  (defined where loaders read)
 
 
 def read_config(path) -> dict:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 # config.json lives in config.py; these names stay importable from here
 from ..runtime.quant import FP8, check_block_scales, dequantize_blocks
+from ..runtime.shards import CheckpointSlice, ReadBytes, whole
 from .config import (CheckpointError, check_divisible, check_unquantized_silu,  # noqa: F401
                      read_config, require)
 
@@ -38,8 +39,15 @@ def safetensors_files(path) -> list[Path]:
     return files
 
 
-def iter_weights(path):
-    """(name, tensor) for every tensor of the checkpoint's safetensors files."""
+def iter_weights(path, lazy: bool = False, read: ReadBytes | None = None):
+    """(name, tensor) for every tensor of the checkpoint's safetensors files.
+
+    Args:
+        path: the checkpoint folder.
+        lazy: yield ``CheckpointSlice``s (header facts, data read on demand, only the block a
+            loader takes) instead of whole tensors; each is valid until the next item.
+        read: counts the bytes the slices read.
+    """
     for f in safetensors_files(path):
         try:
             handle = safe_open(str(f), framework="pt")
@@ -47,7 +55,10 @@ def iter_weights(path):
             raise CheckpointError(f"{f} is not a readable safetensors file: {exc}") from None
         with handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if lazy:
+                    yield name, CheckpointSlice(name, handle.get_slice(name), read)
+                else:
+                    yield name, handle.get_tensor(name)
 
 
 _SCALE = "_scale_inv"  # ``X.weight_scale_inv`` is ``X.weight``'s block scales
@@ -60,6 +71,8 @@ def dequantized(weights, block: tuple[int, int] | None):
     across files; one left without its partner is an error naming it."""
     weights_, scales = {}, {}
     for name, tensor in weights:
+        if name.endswith(_SCALE) or tensor.dtype == FP8:
+            tensor = whole(tensor)  # FP8 blocks are dequantized whole (and kept past the file)
         if name.endswith(_SCALE):
             base = name[:-len(_SCALE)]
             if block is None:
@@ -170,10 +183,13 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
         if tensor.dtype == FP8:  # a reader that skipped dequantized()
             raise CheckpointError(f"checkpoint tensor {name} is FP8: load it through "
                                   "loader.dequantized() with the checkpoint's weight blocks")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if (not isinstance(tensor, CheckpointSlice) and tensor.is_floating_point()
+                and not bool(torch.isfinite(tensor).all())):  # a slice checks what it reads
             raise CheckpointError(f"checkpoint tensor {name} holds non-finite values (NaN or "
                                   "Inf)")
         loader = getattr(param, "weight_loader", None)
+        if loader is None or not getattr(loader, "reads_slices", False):
+            tensor = whole(tensor)  # a loader that takes whole tensors
         try:
             with torch.no_grad():
                 if loader is None:
@@ -181,9 +197,11 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
                         raise RuntimeError(f"shape {tuple(tensor.shape)} != {tuple(param.shape)}")
                     param.data.copy_(tensor)
                 elif shard is None:
-                    loader(param, tensor.to(param.dtype))
+                    loader(param, tensor if isinstance(tensor, CheckpointSlice)
+                           else tensor.to(param.dtype))
                 else:
-                    loader(param, tensor.to(param.dtype), shard)
+                    loader(param, tensor if isinstance(tensor, CheckpointSlice)
+                           else tensor.to(param.dtype), shard)
         except (RuntimeError, IndexError, ValueError) as exc:
             raise CheckpointError(
                 f"checkpoint tensor {name} (shape {tuple(tensor.shape)}) does not fit parameter "

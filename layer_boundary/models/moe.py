@@ -24,6 +24,7 @@ from torch import nn
 from .. import HandoffOutput
 from ..runtime import Parallel, all_reduce_rows, all_to_all_rows, exchange_counts, get_forward
 from ..runtime.linear import expect_shape
+from ..runtime.shards import take
 from ..runtime.parallel import Group
 
 # a group of one: shared experts whole on every rank (DeepSeek-V3's shared_experts_tp1, and
@@ -123,14 +124,14 @@ class FusedMoE(nn.Module):
         e = expert - self.first
         if not 0 <= e < self.local:
             return  # another expert-parallel rank's expert
-        rows = slice(self.shard_start, self.shard_start + self.shard)
         if which == "down":
-            self.w2.data[e].copy_(loaded[:, rows])
+            self.w2.data[e].copy_(take(loaded, 1, self.shard_start, self.shard))
         else:
             if which == "gate" and not self.gated:
                 raise RuntimeError("ungated experts have no gate_proj")
             offset = self.shard if which == "up" and self.gated else 0
-            self.w13.data[e, offset:offset + self.shard].copy_(loaded[rows])
+            self.w13.data[e, offset:offset + self.shard].copy_(
+                take(loaded, 0, self.shard_start, self.shard))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared_output: torch.Tensor | None = None):
@@ -238,6 +239,9 @@ class FusedMoE(nn.Module):
             routed = (topk_ids == self.first + e).unsqueeze(-1)  # [T, k, 1]
             expert_out = torch.where(routed, y.unsqueeze(1), expert_out)
         return expert_out
+
+
+FusedMoE.weight_loader.reads_slices = True  # this rank's experts, their moe_tp shard only
 
 
 def expert_stacked_params(num_experts: int, gated: bool = True) -> list[tuple[str, str, tuple]]:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .collectives import all_reduce_rows, gather_last_dim
 from .parallel import Group
+from .shards import take
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,7 +32,9 @@ class VocabParallelEmbedding(nn.Module):
             raise RuntimeError(f"expected the full shape {(self.vocab_size, param.shape[1])} "
                                f"(vocab_size, hidden_size)")
         param.data.zero_()
-        param.data[: self.end - self.start].copy_(loaded[self.start:self.end])
+        rows = max(0, self.end - self.start)  # the last ranks may hold padding only
+        if rows:
+            param.data[:rows].copy_(take(loaded, 0, self.start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
@@ -40,6 +43,9 @@ class VocabParallelEmbedding(nn.Module):
         local = (input_ids - self.start).masked_fill(outside, 0)
         out = nn.functional.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return all_reduce_rows(out, self.group, site="embed")
+
+
+VocabParallelEmbedding.weight_loader.reads_slices = True  # its vocab rows only
 
 
 class ParallelLMHead(VocabParallelEmbedding):

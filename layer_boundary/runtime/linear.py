@@ -12,6 +12,7 @@ from torch import nn
 from .collectives import all_reduce_rows, gather_last_dim
 from .context import get_forward, sequence_parallel_scope
 from .quant import QuantizedInput, as_activations
+from .shards import take, whole
 from .parallel import Group
 
 
@@ -51,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         expect_shape(loaded, self.out_per_rank * self.group.size, *param.shape[1:])
         start = self.group.rank * self.out_per_rank
-        param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
+        param.data.copy_(take(loaded, 0, start, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scope = sequence_parallel_scope()
@@ -67,6 +68,10 @@ class ColumnParallelLinear(nn.Module):
         if self.lora is not None:  # this rank's output features of each row's adapter delta
             y = self.lora(x, y)
         return gather_last_dim(y, self.group) if self.gather_output else y
+
+
+# loaders that read only their shard of a CheckpointSlice (runtime/shards.py)
+ColumnParallelLinear.weight_loader.reads_slices = True
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -101,7 +106,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size, start = self.kv_size, (rank // self.kv_replicas) * self.kv_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        param.data.narrow(0, offset, size).copy_(take(loaded, 0, start, size))
+
+
+QKVParallelLinear.weight_loader.reads_slices = True
 
 
 class RowParallelLinear(nn.Module):
@@ -131,11 +139,11 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         expect_shape(loaded, param.shape[0], self.in_per_rank * self.group.size)
-        param.data.copy_(loaded.narrow(1, self.group.rank * self.in_per_rank, self.in_per_rank))
+        param.data.copy_(take(loaded, 1, self.group.rank * self.in_per_rank, self.in_per_rank))
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         expect_shape(loaded, *param.shape)
-        param.data.copy_(loaded)
+        param.data.copy_(whole(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.group.rank == 0 else None
@@ -149,3 +157,7 @@ class RowParallelLinear(nn.Module):
         if self.reduce_results and not get_forward().skips_reduction:
             y = all_reduce_rows(y, self.group)
         return y
+
+
+RowParallelLinear.weight_loader.reads_slices = True
+RowParallelLinear._bias_loader.reads_slices = True
