@@ -3,8 +3,9 @@
 
 A hidden-1024, 8-layer Qwen3 (transformers save_pretrained, random weights). Each rank
 loads its model through the sharded loader (safetensors slices: a sharded layer reads only
-its rows or columns) and reports the bytes it read, the bytes it keeps and its peak RSS
-growth while loading. Prints one JSON line per world size.
+its rows or columns) and reports the bytes it read, the bytes it keeps and its peak RSS;
+the same ranks then load once more reading whole tensors (the loader before slices), each
+load in a fresh process, so the two peaks compare. Prints one JSON line per world size.
 """
 
 import json
@@ -31,18 +32,24 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def load_rank(model_dir: str, tp: int) -> dict:
-    from layer_boundary.models import load_model
+def load_rank(model_dir: str, tp: int, lazy: bool) -> dict:
+    from layer_boundary.models import load_config, model_class_of
+    from layer_boundary.models.loader import iter_weights
     from layer_boundary.runner import RunSpec, make_runtime
     from layer_boundary.runtime.shards import ReadBytes
 
     runtime = make_runtime(RunSpec(model_dir, tp=tp))
+    model = model_class_of(model_dir)(load_config(model_dir), runtime)
     before = _peak_mb()
     read = ReadBytes()
-    model = load_model(model_dir, runtime, read=read)
+    weights = iter_weights(model_dir, lazy=lazy, read=read)
+    if not lazy:  # count what the whole tensors held
+        weights = ((n, t) for n, t in weights if not setattr(read, "bytes", read.bytes
+                                                              + t.numel() * t.element_size()))
+    model.load_weights(weights)
     kept = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"read_mb": read.bytes / 2 ** 20, "kept_mb": kept / 2 ** 20,
-            "peak_rss_growth_mb": _peak_mb() - before}
+            "peak_before_mb": before, "peak_after_mb": _peak_mb()}
 
 
 if __name__ == "__main__":
@@ -52,12 +59,15 @@ if __name__ == "__main__":
         model_dir = str(checkpoint(Path(tmp) / "qwen3_1024x8"))
         size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2 ** 20
         for tp in (1, 4):
-            ranks = spawn(load_rank, tp, model_dir, tp)
-            print(json.dumps({"tp": tp, "checkpoint_mb": round(size, 1),
-                              "read_mb": [round(r["read_mb"], 1) for r in ranks],
-                              "kept_mb": [round(r["kept_mb"], 1) for r in ranks],
-                              "read_over_kept": [round(r["read_mb"] / r["kept_mb"], 3)
-                                                 for r in ranks],
-                              "peak_rss_growth_mb": [round(r["peak_rss_growth_mb"])
-                                                     for r in ranks]}), flush=True)
+            sliced = spawn(load_rank, tp, model_dir, tp, True)
+            whole = spawn(load_rank, tp, model_dir, tp, False)
+            print(json.dumps({
+                "tp": tp, "checkpoint_mb": round(size, 1),
+                "read_mb": [round(r["read_mb"], 1) for r in sliced],
+                "kept_mb": [round(r["kept_mb"], 1) for r in sliced],
+                "whole_tensors_read_mb": [round(r["read_mb"], 1) for r in whole],
+                "peak_rss_mb": [round(r["peak_after_mb"]) for r in sliced],
+                "whole_tensors_peak_rss_mb": [round(r["peak_after_mb"]) for r in whole],
+                "peak_before_load_mb": [round(r["peak_before_mb"]) for r in sliced]}),
+                flush=True)
     sys.exit(0)
