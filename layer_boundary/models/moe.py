@@ -172,14 +172,16 @@ class FusedMoE(nn.Module):
             raise RuntimeError("the all-to-all MoE sizes its dispatch by the routing (host "
                                "counts): it does not run under torch.compile yet")
         group, rows, k = self.group, x.shape[0], topk_ids.shape[1]
-        routed = topk_ids < self.num_experts
+        limit = self.num_experts + self.identity_experts
+        bad = topk_ids[(topk_ids < 0) | (topk_ids >= limit)]  # refused on every rank below
+        routed = (topk_ids >= 0) & (topk_ids < self.num_experts)
         owner = torch.where(routed, topk_ids // self.local, 0)  # [T, k] EP rank
         hits = torch.zeros((rows, self.moe_ep), dtype=torch.long).scatter_add_(
             1, owner, routed.long()) > 0  # [T, moe_ep]: the token goes to that EP rank
         # ranks are ep-major over the TP group: rank d holds EP rank d // moe_tp's experts
         tokens = [torch.nonzero(hits[:, d // self.moe_tp]).squeeze(1) for d in range(group.size)]
         send = [t.numel() for t in tokens]
-        recv = self._exchange(send, topk_ids)
+        recv = self._exchange(send, int(bad[0]) if bad.numel() else None)
         index = torch.cat(tokens)
         meta = torch.cat([topk_ids[index].float(), topk_weights[index].float()], dim=1)
         x_in = all_to_all_rows(x[index], group, send, recv)  # [M, H]
@@ -198,15 +200,13 @@ class FusedMoE(nn.Module):
             out = out + identity.sum(dim=1, keepdim=True) * x
         return out if shared_output is None else out + shared_output
 
-    def _exchange(self, send: list[int], topk_ids: torch.Tensor) -> list[int]:
+    def _exchange(self, send: list[int], bad: int | None) -> list[int]:
         """The row counts every rank sends this one, with each rank's check of its router's
-        choices: an expert id no rank owns is refused on every rank (so none waits in an
-        all-to-all its peers left)."""
+        choices (``bad``: an expert id no rank owns, or None): refused on every rank, so none
+        waits in an all-to-all its peers left."""
         limit = self.num_experts + self.identity_experts
-        bad = topk_ids[(topk_ids < 0) | (topk_ids >= limit)]
-        flag = int(bad[0]) if bad.numel() else -1
-        table = exchange_counts([[n, flag] for n in send], self.group)
-        wrong = [(rank, chosen) for rank, (_, chosen) in enumerate(table) if chosen != -1]
+        table = exchange_counts([[n, bad is not None, bad or 0] for n in send], self.group)
+        wrong = [(rank, chosen) for rank, (_, flagged, chosen) in enumerate(table) if flagged]
         if wrong:
             rank, chosen = wrong[0]
             owned = f"experts 0..{self.num_experts - 1}" + (
@@ -214,7 +214,7 @@ class FusedMoE(nn.Module):
                 if self.identity_experts else "")
             raise ValueError(f"the router on TP rank {rank} chose expert {chosen}, which no "
                              f"rank owns ({owned})")
-        return [n for n, _ in table]
+        return [n for n, _, _ in table]
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Local expert ``e`` on rows x: [n, H] -> [n, H] (this rank's moe_tp partial)."""

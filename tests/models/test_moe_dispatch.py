@@ -53,11 +53,13 @@ def _expected_elements(ids_all, counts, rank: int, ep: int, moe_tp: int) -> dict
     others = [d for d in range(len(counts)) if d != rank]
     rows_out = sum(sent(rank, d) for d in others)
     rows_back = sum(sent(d, rank) for d in others)
-    return {"counts": 2 * len(others), "rows": rows_out * H, "meta": rows_out * 2 * K,
+    # counts: (rows, router flagged, the id it chose) to each other rank
+    return {"counts": 3 * len(others), "rows": rows_out * H, "meta": rows_out * 2 * K,
             "combine": rows_back * H}
 
 
-def dispatch_case(tp: int, ep: int, counts, zero: int = 0, bad_rank: int | None = None):
+def dispatch_case(tp: int, ep: int, counts, zero: int = 0, bad_rank: int | None = None,
+                  bad_id: int = E):
     par = build_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=tp, moe_ep=ep))
     rank = par.tp.rank
     x_all, ids_all, w_all = _routing(counts, zero)
@@ -65,7 +67,7 @@ def dispatch_case(tp: int, ep: int, counts, zero: int = 0, bad_rank: int | None 
     mine = slice(start, start + counts[rank])
     x, ids, w = x_all[mine], ids_all[mine].clone(), w_all[mine]
     if bad_rank == rank and ids.numel():
-        ids[0, 0] = E + zero  # no rank owns it
+        ids[0, 0] = bad_id  # no rank owns it
     moe = _experts(par, True, zero)
     try:
         with LEDGER.recording() as entries:
@@ -97,10 +99,12 @@ def test_dispatched_experts_match_the_gathered_ones(tp, ep, counts, zero):
 
 
 @pytest.mark.timeout(60)
-def test_a_router_choice_no_rank_owns_is_refused_on_every_rank():
-    results = get_pool(4).run(dispatch_case, 4, 4, (3, 2, 4, 1), 0, 2)
+@pytest.mark.parametrize("bad_id", [E, -1])
+def test_a_router_choice_no_rank_owns_is_refused_on_every_rank(bad_id):
+    results = get_pool(4).run(dispatch_case, 4, 4, (3, 2, 4, 1), 0, 2, bad_id)
     assert [r.get("error") for r in results] == [
-        f"the router on TP rank 2 chose expert {E}, which no rank owns (experts 0..{E - 1})"] * 4
+        f"the router on TP rank 2 chose expert {bad_id}, which no rank owns (experts "
+        f"0..{E - 1})"] * 4
 
 
 # ------------------------------------------------------------------ declaration misuse
