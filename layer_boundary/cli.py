@@ -569,7 +569,8 @@ def cmd_plan(args) -> int:
                                         allreduce_fusion=not args.no_allreduce_fusion,
                                         rs_padding=not args.no_rs_padding,
                                         pp_layers=args.pp_layers, batch_variants=variants,
-                                        moe_a2a_backend=args.moe_a2a_backend))
+                                        moe_a2a_backend=args.moe_a2a_backend,
+                                        choose_by_bytes=args.boundary_reduction == "auto"))
         with torch.device("meta"):  # boundaries are built at construction; no weights needed
             models.append(model_cls(cfg, runtimes[-1]))
     runtime = runtimes[0]

@@ -72,6 +72,10 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
     if dims.tp == 1:
         return RowMode.AR, "tp=1"
     scattered = keeps_scattered(runtime, variant)
+    if runtime.choose_by_bytes and not scattered and not cp:
+        why_ar = _ar_is_cheaper(runtime, counts)
+        if why_ar is not None:
+            return RowMode.AR, why_ar
     if runtime.allows_rsv:
         if dims.attn_dp > 1 or cp or scattered:
             return RowMode.RSV, "rsv"
@@ -94,6 +98,46 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
     if runtime.boundary_reduction == "ar":
         return RowMode.AR, "ar"
     return RowMode.AR, f"fallback to ar ({reason})"
+
+
+def layer_rows_moved(runtime, mode: RowMode, counts: tuple[int, ...]) -> float:
+    """The ring-formula rows (times hidden) one rank sends per dense layer in ``mode``: the
+    attention sum and the FFN sum, and, scattered, the two input gathers (an all-reduce is a
+    reduce-scatter plus an all-gather). ``rs`` counts its padding."""
+    dims = runtime.parallel.dims
+    n, a = dims.tp, dims.attn_tp
+    if mode is RowMode.AR:
+        # attention sum onto the FFN's global rows, FFN sum back: two all-reduces over TP of
+        # every DP rank's rows (at attn_dp 1 the attention's is over attention TP = TP)
+        return 4 * (n - 1) / n * sum(counts)
+    if mode is RowMode.RS:
+        chunk = -(-max(counts) // a) if counts else 0
+        local, total = chunk * a, chunk * a * len(counts)
+    else:
+        local, total = max(counts), sum(counts)
+    return 2 * (n - 1) / n * total + 2 * (a - 1) / a * local
+
+
+def _ar_is_cheaper(runtime, counts: tuple[int, ...]) -> str | None:
+    """Why the all-reduce path serves this batch better than the scattered one the policy
+    permits (None: it does not). A scattered path issues twice the collectives, so it must
+    move fewer rows to be chosen; a DP rank with fewer rows than attention-TP ranks gains
+    nothing from a scatter."""
+    dims = runtime.parallel.dims
+    mode = (RowMode.RSV if runtime.allows_rsv and dims.attn_dp > 1
+            else RowMode.RS if runtime.allows_rs else None)
+    if mode is None:
+        return None
+    widest = max(counts) if counts else 0
+    if widest < dims.attn_tp:
+        return (f"ar: each DP rank holds at most {widest} rows, fewer than attn_tp="
+                f"{dims.attn_tp}, so a scatter gains nothing")
+    ar, other = layer_rows_moved(runtime, RowMode.AR, counts), layer_rows_moved(
+        runtime, mode, counts)
+    if other >= ar:
+        return (f"ar: {mode.value} would send {other:g} rows x hidden per layer against ar's "
+                f"{ar:g}, in twice the collectives")
+    return None
 
 
 def keeps_scattered(runtime, variant: BatchVariant) -> bool:

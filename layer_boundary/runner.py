@@ -105,7 +105,8 @@ def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntim
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
                            pp_layers=spec.pp_layers, batch_variants=tuple(
                                dict.fromkeys(forward_variants(spec))),
-                           moe_a2a_backend=spec.moe_a2a_backend)
+                           moe_a2a_backend=spec.moe_a2a_backend,
+                           choose_by_bytes=spec.boundary_reduction == "auto")
 
 
 def forward_variants(spec: RunSpec) -> tuple:

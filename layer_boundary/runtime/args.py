@@ -52,6 +52,9 @@ class BoundaryRuntime:
     # (declare_ffn(dispatches=True)); with attention TP > 1 those are the scattered rows, so
     # such a runtime has no ar path
     moe_a2a_backend: str = "none"
+    # ``auto`` as asked: each batch takes a scattered path only where it sends fewer rows
+    # than ar (construction.select_mode); False: the policy's own preference, always
+    choose_by_bytes: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
