@@ -135,8 +135,9 @@ def _ar_is_cheaper(runtime, counts: tuple[int, ...]) -> str | None:
     ar, other = layer_rows_moved(runtime, RowMode.AR, counts), layer_rows_moved(
         runtime, mode, counts)
     if other >= ar:
-        return (f"ar: {mode.value} would send {other:g} rows x hidden per layer against ar's "
-                f"{ar:g}, in twice the collectives")
+        # plain str() of the figures: select_mode also runs inside a compiled forward
+        return (f"ar: {mode.value} would send {round(other, 2)} rows x hidden per layer "
+                f"against ar's {round(ar, 2)}, in twice the collectives")
     return None
 
 

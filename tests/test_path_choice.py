@@ -1,0 +1,70 @@
+"""``auto`` chooses per batch: a scattered path only where it sends fewer rows than ar (it
+issues twice the collectives) and a DP rank holds at least attn_tp rows; an explicit policy
+keeps its own preference. On real ranks: a one-token-per-DP-rank decode under ``auto`` issues
+exactly the collectives of ``ar``, while the long skewed prefill before it takes rsv and
+moves fewer bytes than ``ar`` does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from distributed.checks import assert_logits_match
+from distributed.pool import get_pool
+
+from layer_boundary.construction import layer_rows_moved, select_mode
+from layer_boundary.layout import RowMode
+from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.runtime import (BatchVariant, BoundaryRuntime, ParallelDims,
+                                    virtual_parallel)
+
+
+def _runtime(tp, dp, policy="rs+rsv", by_bytes=True):
+    return BoundaryRuntime(virtual_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=dp)),
+                           boundary_reduction=policy, choose_by_bytes=by_bytes)
+
+
+@pytest.mark.parametrize("tp,dp,counts,mode,why", [
+    (4, 2, (1, 1), RowMode.AR, "each DP rank holds at most 1 rows, fewer than attn_tp=2"),
+    (4, 2, (0, 1), RowMode.AR, "fewer than attn_tp=2"),
+    (4, 2, (40, 3), RowMode.RSV, "rsv"),
+    (4, 2, (2, 2), RowMode.RSV, "rsv"),
+    (2, 1, (9,), RowMode.AR, "rs would send 20.0 rows x hidden per layer against ar's 18.0"),
+    (4, 4, (1, 1, 1, 1), RowMode.RSV, "rsv")])  # attention TP 1: same count, fewer bytes
+def test_auto_takes_a_scatter_only_where_it_sends_fewer_rows(tp, dp, counts, mode, why):
+    got, reason = select_mode(_runtime(tp, dp), counts)
+    assert got is mode and why in reason, (got, reason)
+    if mode is RowMode.RSV:
+        rt = _runtime(tp, dp)
+        assert layer_rows_moved(rt, RowMode.RSV, counts) < layer_rows_moved(rt, RowMode.AR,
+                                                                            counts)
+
+
+def test_an_explicit_policy_and_scattered_variants_keep_their_modes():
+    assert select_mode(_runtime(4, 2, by_bytes=False), (1, 1))[0] is RowMode.RSV
+    assert select_mode(_runtime(2, 1, "rs", by_bytes=False), (9,))[0] is RowMode.RS
+    # a sequence-parallel batch has no ar path: the choice does not apply
+    rt = BoundaryRuntime(virtual_parallel(ParallelDims(world_size=2, tp=2)),
+                         boundary_reduction="rs+rsv", choose_by_bytes=True,
+                         batch_variants=(BatchVariant.ORDINARY, BatchVariant.SEQUENCE_PARALLEL))
+    assert select_mode(rt, (1,), variant=BatchVariant.SEQUENCE_PARALLEL)[0] is RowMode.RSV
+
+
+@pytest.mark.timeout(120)
+def test_one_token_decode_under_auto_runs_the_ar_collectives(qwen3_dir):
+    # one long and one short prompt, one per DP rank: a skewed prefill, then decode steps of
+    # one token per DP rank
+    spec = RunSpec(str(qwen3_dir), tp=4, dp=2, prompts=((3, 1, 4, 1, 5, 9, 2, 6, 5, 8) * 4,
+                                                         (7, 7, 2)), max_new_tokens=3)
+    auto = get_pool(4).run(run_rank, spec)
+    ar = get_pool(4).run(run_rank, replace(spec, boundary_reduction="ar"))
+    assert_logits_match(merge(auto), merge(ar), 2)
+    for a, b in zip(auto, ar):
+        assert a.modes == ["rsv", "ar", "ar"] and b.modes == ["ar"] * 3, a.modes
+
+        def step(r, s):
+            return [(e.site, e.kind, e.group, e.numel) for e in r.ledger if e.step == s]
+
+        assert step(a, 1) == step(b, 1) and step(a, 2) == step(b, 2)
+        prefill = [sum(e.bytes for e in r.ledger if e.step == 0) for r in (a, b)]
+        assert prefill[0] < prefill[1], prefill
