@@ -4,6 +4,8 @@ Models import the factories, ``StageBoundary``, ``residual.batch`` and the runti
 arithmetic, group selection and collective choice stay inside the package.
 """
 
+__version__ = "0.1.0"  # the package version (pyproject reads it from here)
+
 from .contracts import BatchVariant, Owed, ProducerReduction, StageKind
 from .exit import FfnExit, MixerExit
 from .factories import (StageDeclaration, declare_attn, declare_ffn, make_attn_stage,
@@ -18,6 +20,7 @@ from .adapters.cp import CpView, cp_view
 from .adapters.tbo import run_two_batches, split_batch
 
 __all__ = [
+    "__version__",
     "BatchVariant", "FfnExit", "HandoffOutput", "OutputTransform", "Layout", "MixerExit", "Owed", "OwedOutput",
     "ProducerReduction", "ResidualStream", "StageBoundary", "StageDeclaration", "StageKind",
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",

@@ -59,7 +59,10 @@ def _prompt_ids(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="layer-boundary", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"layer-boundary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate on parallel CPU ranks and check parity with world 1")
     run.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
@@ -692,6 +695,10 @@ def cmd_run(args) -> int:
         return code
     _setup_logging(0)
     spec = _spec(args)
+    if spec.tbo and not args.json:  # spawned gloo ranks on this machine's shared cores
+        log.info("note: --tbo on gloo ranks that share CPU cores runs slower than the plain "
+                 "forward (README, Two-batch overlap); it proves the overlapped schedule's "
+                 "numbers, not a speed-up here")
     world = spec.world_size
     with _stop_on_sigterm():
         options = {"collective_timeout_s": timeout} if timeout else {}
