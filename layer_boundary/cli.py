@@ -126,8 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the per-stage boundary paths for a batch shape")
     plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
-    plan.add_argument("--tp", type=_positive, default=4)
-    plan.add_argument("--dp", type=_positive, default=2)
+    plan.add_argument("--tp", type=_positive, default=None,
+                      help="tensor-parallel size (default 4, as run)")
+    plan.add_argument("--dp", type=_positive, default=None,
+                      help="attention data-parallel size (default 2 with the default tp, else "
+                           "1, as run)")
     plan.add_argument("--ep", type=_positive, default=1)
     plan.add_argument("--cp", type=_positive, default=1)
     _variant_args(plan)
@@ -191,6 +194,12 @@ def _check_moe_a2a(args, model_cls, attn_tp: int) -> None:
         raise UsageError(f"{flag} dispatches from rows no other rank holds: with attention TP "
                          f"{attn_tp} those are the scattered rows, and --boundary-reduction ar "
                          "has none (use rs, rsv or rs+rsv, or --dp equal to --tp)")
+
+
+def _tp_dp(args) -> tuple[int, int]:
+    """The topology ``run`` and ``plan`` derive from the same flags: the default job is tp=4
+    dp=2; an explicit --tp alone means pure tensor parallelism."""
+    return args.tp or 4, args.dp or (1 if args.tp else 2)
 
 
 def _a2a_note(backend: str) -> str:
@@ -364,9 +373,7 @@ def _spec(args):
     if args.ep > 1 and not experts:
         raise UsageError(f"--ep {args.ep} splits MoE experts over ranks; the {cfg.model_type} "
                          f"checkpoint {model_dir} has none")
-    # the default job is tp=4 dp=2; an explicit --tp alone means pure tensor parallelism
-    tp = args.tp or 4
-    dp = args.dp or (1 if args.tp else 2)
+    tp, dp = _tp_dp(args)
     dims = ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp,
                         attn_cp=args.cp, moe_ep=args.ep)  # names bad factors
     model_cls = model_class_of(model_dir)
@@ -547,6 +554,7 @@ def cmd_plan(args) -> int:
     from .runtime.parallel import virtual_parallel
 
     _setup_logging(0)
+    args.tp, args.dp = _tp_dp(args)
     model_dir = args.model or str(builtin_checkpoint())
     cfg = load_config(model_dir)
     dims = ParallelDims(world_size=args.pp * args.tp, tp=args.tp, pp=args.pp, attn_dp=args.dp,
@@ -700,6 +708,9 @@ def cmd_run(args) -> int:
                  "forward (README, Two-batch overlap); it proves the overlapped schedule's "
                  "numbers, not a speed-up here")
     world = spec.world_size
+    if world > 1 and not args.json:  # before the wait: how many processes this starts
+        log.info("starting %d rank processes (%stp %d)", world,
+                 f"pp {spec.pp} x " if spec.pp > 1 else "", spec.tp)
     with _stop_on_sigterm():
         options = {"collective_timeout_s": timeout} if timeout else {}
         if args.start_timeout:
