@@ -72,7 +72,9 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
     if dims.tp == 1:
         return RowMode.AR, "tp=1"
     scattered = keeps_scattered(runtime, variant)
-    if runtime.choose_by_bytes and not scattered and not cp:
+    # an ordinary batch only: a variant the engine asked for (input-scattered attention) keeps
+    # the policy's scattered mode, where its path differs
+    if runtime.choose_by_bytes and variant is BatchVariant.ORDINARY and not scattered and not cp:
         why_ar = _ar_is_cheaper(runtime, counts)
         if why_ar is not None:
             return RowMode.AR, why_ar

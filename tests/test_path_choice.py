@@ -48,6 +48,9 @@ def test_an_explicit_policy_and_scattered_variants_keep_their_modes():
                          boundary_reduction="rs+rsv", choose_by_bytes=True,
                          batch_variants=(BatchVariant.ORDINARY, BatchVariant.SEQUENCE_PARALLEL))
     assert select_mode(rt, (1,), variant=BatchVariant.SEQUENCE_PARALLEL)[0] is RowMode.RSV
+    # nor to an input-scattered batch, whose path differs from ar's only when scattered
+    rt = _runtime(2, 1)
+    assert select_mode(rt, (9,), variant=BatchVariant.INPUT_SCATTERED)[0] is RowMode.RS
 
 
 @pytest.mark.timeout(120)
