@@ -331,7 +331,8 @@ def _prompts(args, model_dir) -> tuple[tuple[int, ...], ...]:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise UsageError("--prompt needs the 'tokenizers' package; pass --prompt-ids") from None
+            raise UsageError("--prompt needs the 'tokenizers' package (pip install "
+                             "'layer_boundary[tokenizer]'); or pass --prompt-ids") from None
         tok = Tokenizer.from_file(str(tok_file))
         prompts += [tuple(tok.encode(text).ids) for text in args.prompt]
     return tuple(prompts)
@@ -541,6 +542,19 @@ def _plan_table(rows) -> None:
         log.info("  %-*s %-*s  %s", names, row["stage"], width, row["entry"], row["exit"])
 
 
+PLAN_LEGEND = (
+    "legend:",
+    "  rows per rank a/b/c: this rank's local rows (its DP rank's tokens) / its scattered "
+    "slice of them / every DP rank's rows (CP: local / share / scattered / global)",
+    "  replicated: every DP rank's rows on every rank; attn_dp: this DP rank's rows; "
+    "attn_tp_scatter: a slice of them per attention-TP rank",
+    "  partial: attn_tp sum owed: compute left its sum over attention TP to the next prepare; "
+    "X sum left to the next input: the same, by the exit's decision",
+    "  all_reduce(g) / reduce_scatter(g) / all_gather(g): one collective over group g; _v: "
+    "variable rows per rank; -> : the steps in order",
+)
+
+
 def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
     from .construction import select_mode
@@ -657,6 +671,8 @@ def cmd_plan(args) -> int:
         _plan_table([row for row in table if row["pp_stage"] == p["stage"]])
         if p["handoff"]:
             log.info("  -> stage %d: %s", p["stage"] + 1, p["handoff"])
+    for line in PLAN_LEGEND:
+        log.info("%s", line)
     log.info("\nthe movement table these paths come from (%s mode, this topology):", mode.value)
     for m in movements:
         owed = f"sum over {m['owed']}" if m["owed"] else "complete"

@@ -22,3 +22,16 @@ def test_plan_and_run_report_the_same_topology(flags, capsys, restore_logger):
 def test_run_says_how_many_processes_it_starts(capsys, restore_logger):
     out = cli_ok(["run", "--pp", "2", "--tp", "1", "--max-new-tokens", "1"], capsys)
     assert out.splitlines()[0] == "starting 2 rank processes (pp 2 x tp 1)"
+
+
+def test_the_plan_explains_its_notation(capsys, restore_logger):
+    from layer_boundary.cli import PLAN_LEGEND
+
+    out = cli_ok(["plan", "--tp", "4", "--dp", "2"], capsys)
+    lines = out.splitlines()
+    start = lines.index("legend:")
+    assert lines[start:start + len(PLAN_LEGEND)] == list(PLAN_LEGEND)
+    # every term the legend explains appears in the plan above it
+    table = "\n".join(lines[:start])
+    for term in ("attn_tp_scatter", "attn_dp", "partial: attn_tp sum owed", "all_gather_v"):
+        assert term in table, term

@@ -34,3 +34,10 @@ def test_the_wheel_carries_its_license_readme_and_type_marker():
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["layer_boundary"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {
         "attr": "layer_boundary.__version__"}
+
+
+def test_runtime_dependencies_are_ranges_and_extras_name_the_optional_ones():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] and not any("==" in d for d in project["dependencies"])
+    extras = project["optional-dependencies"]
+    assert extras["tokenizer"] == ["tokenizers"] and "peft" in extras["test"]
