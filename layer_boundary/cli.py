@@ -169,6 +169,22 @@ def _variant_args(parser) -> None:
                              "the attention rows and dispatches each routed token)")
 
 
+def _compiling(args) -> bool:
+    return bool(getattr(args, "compile", False) or getattr(args, "compile_backend", None))
+
+
+def _speculative(args) -> bool:
+    return bool(getattr(args, "draft_model", None) or getattr(args, "speculative_algorithm", None))
+
+
+def _refuse_combinations(feature: str, options) -> None:
+    """``feature`` against (flag, given) pairs of what it does not combine with yet: one
+    line naming every flag given."""
+    given = [flag for flag, on in options if on]
+    if given:
+        raise UsageError(f"{feature} does not combine with {', '.join(given)} yet")
+
+
 def _check_moe_a2a(args, model_cls, attn_tp: int) -> None:
     """``--moe-a2a-backend`` against the model, the features it does not combine with yet and
     the policy (one line each, before any rank starts)."""
@@ -182,14 +198,10 @@ def _check_moe_a2a(args, model_cls, attn_tp: int) -> None:
         model_cls.check_moe_a2a(backend)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    unsupported = [name for name, on in (
+    _refuse_combinations(flag, (
         (f"--cp {args.cp}", args.cp > 1), ("--sequence-parallel", args.sequence_parallel),
-        ("--attn-input-scattered", args.attn_input_scattered),
-        ("--compile", getattr(args, "compile", False) or getattr(args, "compile_backend", None)),
-        ("speculative decoding", getattr(args, "draft_model", None)
-         or getattr(args, "speculative_algorithm", None))) if on]
-    if unsupported:
-        raise UsageError(f"{flag} does not combine with {', '.join(unsupported)} yet")
+        ("--attn-input-scattered", args.attn_input_scattered), ("--compile", _compiling(args)),
+        ("speculative decoding", _speculative(args))))
     if attn_tp > 1 and boundary_reduction(args.boundary_reduction, model_cls.model_type) == "ar":
         raise UsageError(f"{flag} dispatches from rows no other rank holds: with attention TP "
                          f"{attn_tp} those are the scattered rows, and --boundary-reduction ar "
@@ -220,15 +232,11 @@ def _check_variants(args, model_cls) -> None:
     if len(features) > 1:
         raise UsageError(f"{features[0]} does not combine with {features[1]} yet")
     feature = features[0]
-    unsupported = [flag for flag, on in (
+    _refuse_combinations(feature, (
         ("--pp", args.pp > 1), ("--tbo", args.tbo),
         ("--split-prefill", getattr(args, "split_prefill", 1) > 1),
-        ("--compile", args.cp > 1 and (getattr(args, "compile", False)
-                                       or getattr(args, "compile_backend", None))),
-        ("speculative decoding", getattr(args, "draft_model", None)
-         or getattr(args, "speculative_algorithm", None))) if on]
-    if unsupported:
-        raise UsageError(f"{feature} does not combine with {', '.join(unsupported)} yet")
+        ("--compile", args.cp > 1 and _compiling(args)),
+        ("speculative decoding", _speculative(args))))
     if args.cp == 1 and boundary_reduction(args.boundary_reduction,
                                            model_cls.model_type) == "ar":
         raise UsageError(f"{feature} needs a scattered residual: --boundary-reduction ar "
@@ -305,12 +313,9 @@ def _check_lora(args, prompts, cfg, model_cls, dims) -> tuple[tuple, tuple]:
     if chosen and len(chosen) != len(prompts):
         raise UsageError(f"--prompt-lora is given {len(chosen)} times for {len(prompts)} "
                          "prompts: give it once per prompt, in prompt order")
-    unsupported = [flag for flag, on in (
+    _refuse_combinations("--lora", (
         (f"--cp {args.cp}", args.cp > 1), ("--sequence-parallel", args.sequence_parallel),
-        ("--compile", args.compile or args.compile_backend),
-        ("speculative decoding", args.draft_model or args.speculative_algorithm)) if on]
-    if unsupported:
-        raise UsageError(f"--lora does not combine with {', '.join(unsupported)} yet")
+        ("--compile", _compiling(args)), ("speculative decoding", _speculative(args))))
     try:
         lora_slots([name for name, _ in adapters], chosen)
         with torch.device("meta"):  # the targets and shards checked, no weights materialized

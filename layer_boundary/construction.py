@@ -204,11 +204,6 @@ def handoff_rows(decl, layouts: Layouts, mode: RowMode):
     return layouts.attention
 
 
-def _transforms_first(decl) -> bool:
-    transform = decl.output_transform
-    return transform is not None and transform.before_reduce_scatter
-
-
 def _sequence_parallel(decl, variant: BatchVariant) -> bool:
     """The stage computes on scattered rows with its linears moving them (a
     sequence-parallel batch, and a declaration whose compute honours it)."""
@@ -258,7 +253,7 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         leaves_for_all_reduce=known and scoped and runtime.allreduce_fusion,
         leaves_for_reduce_scatter=known,
         # a transform before the sum runs on compute's output at the exit: it must be a tensor
-        hands_off_finalize=fusions is not None and not _transforms_first(decl),
+        hands_off_finalize=fusions is not None and decl.transform_first is None,
         provider_defers_all_reduce=(not scoped and known and fusions is not None),
         at_producer=at_producer, next_sparse=decl.next_sparse)
 

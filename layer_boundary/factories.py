@@ -36,6 +36,13 @@ class StageDeclaration:
     prepared_from: "StageDeclaration | None" = None
     terminal: bool = False
 
+    @property
+    def transform_first(self) -> OutputTransform | None:
+        """The output transform compute's output takes at the exit, before its sum (None:
+        none, or one folded into the update after the sum)."""
+        t = self.output_transform
+        return t if t is not None and t.before_reduce_scatter else None
+
     def describe(self) -> str:
         sparse = " sparse" if self.sparse else ""
         update = self.residual.update

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .residual import is_portable
+
 
 class HandoffOutput:
     """Producer-specific work (such as a deferred MoE finalize) left for the next input.
@@ -51,16 +53,19 @@ class TransformedUpdate:
     carried with the contribution, so every place that completes it applies it once."""
 
     plain = False  # declared: the transform is work a fused add+norm would skip
-    at_producer = False
 
     def __init__(self, update, transform: OutputTransform) -> None:
         self.update, self.transform = update, transform
-        self.at_producer = getattr(update, "at_producer", False)
+
+    @property
+    def at_producer(self) -> bool:
+        return getattr(self.update, "at_producer", False)
+
+    @property
+    def portable(self) -> bool:
         # a copy on another pipeline stage applies it identically where the update does
         # (the transform is the declaring model's function, on both stages)
-        from .residual import is_portable
-
-        self.portable = is_portable(update)
+        return is_portable(self.update)
 
     def apply(self, residual, contribution):
         return self.update.apply(residual, self.transform(contribution))

@@ -107,9 +107,7 @@ class StageBoundary:
                           else AttnExit if self._is_partial else MixerExit)
         # an OutputTransform declared before the sum runs on compute's output as published
         # (after the sum it travels in the declaration's update instead)
-        transform = declaration.output_transform
-        self._transform = (transform if transform is not None
-                           and transform.before_reduce_scatter else None)
+        self._transform = declaration.transform_first
         if bind:
             self.bind(declaration, following)
 

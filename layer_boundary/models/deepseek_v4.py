@@ -53,7 +53,7 @@ from .kv_cache import KVCache, cached_attention
 from .layers import DecoderLayer
 from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
                      check_divisible, check_unquantized_silu, require, required)
-from .registry import register_model
+from .registry import NO_QKV_LATENT, register_model
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params
 from .rope import inverse_frequencies, rope_cos_sin
 
@@ -455,7 +455,7 @@ _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
                 context_parallel="its sliding window and sinks across a CP cut are not built",
                 sequence_parallel="its mHC residual and grouped output projection are not "
                                   "built for scattered rows",
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                attn_input_scattered=NO_QKV_LATENT,
                 moe_a2a=True)
 class DeepseekV4ForCausalLM(CausalLM):
     layer_cls = DeepseekV4DecoderLayer

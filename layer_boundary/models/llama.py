@@ -20,7 +20,7 @@ from .config import (BOOL, DECODER, POSITIVE_INT, POSITIVE_NUMBER, CheckpointErr
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, check_tp
-from .registry import register_model
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 from .rope import inverse_frequencies
 
 ROPE_TYPES = ("default", "llama3")
@@ -161,8 +161,8 @@ class LlamaDecoderLayer(DecoderLayer):
 @register_model("llama", LlamaConfig, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
                 context_parallel=True, sequence_parallel=True,
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
-                moe_a2a="it has no MoE layers to dispatch")
+                attn_input_scattered=NO_QKV_LATENT,
+                moe_a2a=NO_MOE_LAYERS)
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Qwen3's skeleton (stacked q/k/v) with Llama's layers; ``kv_window`` is the attention
     window the cache keeps (None: every position)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .config import POSITIVE_INT
 from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
-from .registry import register_model
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,8 @@ class MistralConfig(LlamaConfig):
                 boundary_reduction="rs+rsv", positional_cache=False,
                 context_parallel="its sliding window across a CP cut is not built",
                 sequence_parallel=True,
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
-                moe_a2a="it has no MoE layers to dispatch")
+                attn_input_scattered=NO_QKV_LATENT,
+                moe_a2a=NO_MOE_LAYERS)
 class MistralForCausalLM(LlamaForCausalLM):
     def kv_window(self) -> int | None:
         return self.config.sliding_window

@@ -37,7 +37,7 @@ from .layers import GqaAttention
 from .mamba2 import Mamba2Mixer, MambaState, group_split
 from .moe import ACTIVATIONS, UNSHARDED, FusedMoE, expert_stacked_params
 from .qwen3 import check_heads
-from .registry import register_model
+from .registry import NO_QKV_LATENT, register_model
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 BLOCK_TYPES = (MAMBA, ATTENTION, MLP, MOE)
@@ -340,7 +340,7 @@ _ON_DISK = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.layers."
                 context_parallel="a Mamba2 state cannot be cut over CP ranks (no state handoff)",
                 sequence_parallel="its Mamba2 mixers consume their own rows, not column- and "
                                   "row-parallel linears on gathered ones",
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                attn_input_scattered=NO_QKV_LATENT,
                 moe_a2a=True)
 class NemotronHForCausalLM(CausalLM):
     layer_cls = NemotronHBlock

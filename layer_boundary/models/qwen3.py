@@ -15,7 +15,7 @@ from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .rope import inverse_frequencies
 from .config import (DECODER, CheckedConfig, CheckpointError, fp8_quantization, quantized_read,
                      require, required)
-from .registry import register_model
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,8 @@ class Qwen3DecoderLayer(DecoderLayer):
 @register_model("qwen3", Qwen3Config, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
                 context_parallel=True, sequence_parallel=True,
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
-                moe_a2a="it has no MoE layers to dispatch")
+                attn_input_scattered=NO_QKV_LATENT,
+                moe_a2a=NO_MOE_LAYERS)
 class Qwen3ForCausalLM(CausalLM):
     layer_cls = Qwen3DecoderLayer
 

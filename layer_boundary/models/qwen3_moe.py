@@ -11,7 +11,7 @@ from torch import nn
 from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
 from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, quantized_read, require
-from .registry import register_model
+from .registry import NO_QKV_LATENT, register_model
 from .moe import FusedMoE, expert_stacked_params
 from .qwen3 import Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, check_tp
 
@@ -114,7 +114,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 @register_model("qwen3_moe", Qwen3MoeConfig, check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True,
                 context_parallel=True, sequence_parallel=True,
-                attn_input_scattered="its attention has no qkv latent to run before the gather (MLA only)",
+                attn_input_scattered=NO_QKV_LATENT,
                 moe_a2a=True)
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer

@@ -34,6 +34,9 @@ CAPABILITIES = ("boundary_reduction", "positional_cache", "check_parallel", "con
                 "sequence_parallel", "attn_input_scattered", "moe_a2a")
 # the capabilities that are True or the reason the model refuses the feature
 SUPPORT = ("context_parallel", "sequence_parallel", "attn_input_scattered", "moe_a2a")
+# reasons several models give, stated once
+NO_QKV_LATENT = "its attention has no qkv latent to run before the gather (MLA only)"
+NO_MOE_LAYERS = "it has no MoE layers to dispatch"
 
 
 def register_model(model_type: str, config_class: type, **capabilities):
