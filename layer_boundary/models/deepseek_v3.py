@@ -426,15 +426,17 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int):
                        dispatches=moe and cfg.moe_a2a)
 
 
+NO_SP = ("its MLA latent projections are replicated over attention TP, not column-parallel "
+         "linears (its latent moves under --attn-input-scattered instead)")
+
+
 @register_model("deepseek_v3", DeepseekV3Config, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel=True,
-                sequence_parallel="its MLA latent projections are replicated over attention "
-                                  "TP, not column-parallel linears (its latent moves under "
-                                  "--attn-input-scattered instead)",
-                attn_input_scattered=True,
-                moe_a2a=True)
+                sequence_parallel=NO_SP, attn_input_scattered=True, moe_a2a=True,
+                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True)
 class DeepseekV3ForCausalLM(CausalLM):
+    """DeepSeek-V3: MLA attention, grouped-router MoE after ``first_k_dense_replace`` dense
+    layers, and NextN layers a draft may use."""
+
     layer_cls = DeepseekV3DecoderLayer
 
     @staticmethod

@@ -449,15 +449,18 @@ HEAD_PREFIX, NORM_PREFIX = "model.norm.head", "model.norm.norm"  # inside MhcFin
 _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
 
 
+NO_CP = "its sliding window and sinks across a CP cut are not built"
+NO_SP = "its mHC residual and grouped output projection are not built for scattered rows"
+
+
+# its sliding-window ring folds every token in: not positional
 @register_model("deepseek_v4", DeepseekV4Config, check_parallel=check_parallel,
-                # its sliding-window ring folds every token in
-                boundary_reduction="rs+rsv", positional_cache=False,
-                context_parallel="its sliding window and sinks across a CP cut are not built",
-                sequence_parallel="its mHC residual and grouped output projection are not "
-                                  "built for scattered rows",
-                attn_input_scattered=NO_QKV_LATENT,
-                moe_a2a=True)
+                boundary_reduction="rs+rsv", positional_cache=False, moe_a2a=True,
+                attn_input_scattered=NO_QKV_LATENT, context_parallel=NO_CP, sequence_parallel=NO_SP)
 class DeepseekV4ForCausalLM(CausalLM):
+    """DeepSeek-V4: an mHC residual of ``hc_mult`` copies, windowed attention with sinks,
+    hash-routed then scored MoE layers."""
+
     layer_cls = DeepseekV4DecoderLayer
 
     def __init__(self, cfg: DeepseekV4Config, runtime: BoundaryRuntime, dtype=torch.float32,

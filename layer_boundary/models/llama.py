@@ -158,11 +158,9 @@ class LlamaDecoderLayer(DecoderLayer):
                      fusions=fusions, attn=declare_attn(sequence_parallel=True))
 
 
-@register_model("llama", LlamaConfig, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT,
-                moe_a2a=NO_MOE_LAYERS)
+@register_model("llama", LlamaConfig, boundary_reduction="rs+rsv", positional_cache=True,
+                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Qwen3's skeleton (stacked q/k/v) with Llama's layers; ``kv_window`` is the attention
     window the cache keeps (None: every position)."""

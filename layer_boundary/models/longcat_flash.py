@@ -313,15 +313,19 @@ class LongcatFlashDecoderLayer(nn.Module):
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-@register_model("longcat_flash", LongcatFlashConfig, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel="its dense FFNs and second attention run as a prepared "
-                                 "branch, which takes ordinary token rows only",
-                sequence_parallel="its MLA latent projections are replicated over attention "
-                                  "TP, and its branch takes ordinary token rows only",
-                attn_input_scattered=True,
-                moe_a2a=True)
+NO_CP = ("its dense FFNs and second attention run as a prepared branch, which takes ordinary "
+         "token rows only")
+NO_SP = ("its MLA latent projections are replicated over attention TP, and its branch takes "
+         "ordinary token rows only")
+
+
+@register_model("longcat_flash", LongcatFlashConfig, context_parallel=NO_CP,
+                sequence_parallel=NO_SP, attn_input_scattered=True, moe_a2a=True,
+                check_parallel=check_parallel, boundary_reduction="rs+rsv", positional_cache=True)
 class LongcatFlashForCausalLM(CausalLM):
+    """LongCat-Flash: per layer two MLA attentions and two dense MLPs beside a MoE with
+    identity experts (the branch of the first attention's output)."""
+
     layer_cls = LongcatFlashDecoderLayer
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:

@@ -34,11 +34,11 @@ class MistralConfig(LlamaConfig):
 # a draft may not be a Mistral: with a sliding window its cache is a ring that overwrites
 # older positions (the class cannot tell per checkpoint, so it says no for all)
 @register_model("mistral", MistralConfig, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=False,
+                boundary_reduction="rs+rsv", positional_cache=False, sequence_parallel=True,
                 context_parallel="its sliding window across a CP cut is not built",
-                sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT,
-                moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
 class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's model with the checkpoint's ``sliding_window`` kept by the KV cache."""
+
     def kv_window(self) -> int | None:
         return self.config.sliding_window

@@ -334,15 +334,19 @@ _ON_DISK = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.layers."
             ("backbone.norm_f.", "model.norm."))
 
 
-@register_model("nemotron_h", NemotronHConfig, check_parallel=check_parallel,
-                # its Mamba states fold every token in
-                boundary_reduction="rs+rsv", positional_cache=False,
-                context_parallel="a Mamba2 state cannot be cut over CP ranks (no state handoff)",
-                sequence_parallel="its Mamba2 mixers consume their own rows, not column- and "
-                                  "row-parallel linears on gathered ones",
-                attn_input_scattered=NO_QKV_LATENT,
-                moe_a2a=True)
+NO_CP = "a Mamba2 state cannot be cut over CP ranks (no state handoff)"
+NO_SP = ("its Mamba2 mixers consume their own rows, not column- and row-parallel linears on "
+         "gathered ones")
+
+
+@register_model("nemotron_h", NemotronHConfig, check_parallel=check_parallel, moe_a2a=True,
+                context_parallel=NO_CP, sequence_parallel=NO_SP, boundary_reduction="rs+rsv",
+                positional_cache=False,  # its Mamba states fold every token in
+                attn_input_scattered=NO_QKV_LATENT)
 class NemotronHForCausalLM(CausalLM):
+    """Nemotron-H: Mamba2, attention, MLP and MoE blocks in the order ``layers_block_type``
+    gives, one stage each."""
+
     layer_cls = NemotronHBlock
 
     def ties_head(self) -> bool:

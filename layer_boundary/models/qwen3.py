@@ -121,12 +121,12 @@ class Qwen3DecoderLayer(DecoderLayer):
                            read=quantized_read(cfg, layer_id, ("mlp.gate_proj", "mlp.up_proj")))
 
 
-@register_model("qwen3", Qwen3Config, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT,
-                moe_a2a=NO_MOE_LAYERS)
+@register_model("qwen3", Qwen3Config, check_parallel=check_parallel, boundary_reduction="rs+rsv",
+                positional_cache=True, context_parallel=True, sequence_parallel=True,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
 class Qwen3ForCausalLM(CausalLM):
+    """Qwen3 (dense): GQA with per-head q/k norms and a gated MLP; q/k/v load stacked."""
+
     layer_cls = Qwen3DecoderLayer
 
     def stacked_params(self) -> list:

@@ -112,11 +112,12 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
 
 @register_model("qwen3_moe", Qwen3MoeConfig, check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True,
-                context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT,
-                moe_a2a=True)
+                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
+                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3's attention before MoE FFNs (a gated MLP where the layer is dense); the experts'
+    weights load stacked after q/k/v."""
+
     layer_cls = Qwen3MoeDecoderLayer
 
     def stacked_params(self) -> list:
