@@ -488,7 +488,8 @@ def _report(args, spec, results, reference) -> int:
                if spec.moe_a2a_backend != "none" else {}),
             **({"variants": [v.value for v in forward_variants(spec)]}
                if forward_variants(spec)[0].value != "ordinary" else {}),
-            **({"compile": spec.compile} if spec.compile else {})}))
+            **({"compile": spec.compile, "compiled_graphs": rank0.compiled_graphs}
+               if spec.compile else {})}))
         return 0 if ok else 1
     log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
@@ -497,7 +498,8 @@ def _report(args, spec, results, reference) -> int:
              ("  sequence-parallel prefill" if spec.sequence_parallel else
               "  input-scattered attention" if spec.attn_input_scattered else "")
              + _a2a_note(spec.moe_a2a_backend)
-             + (f"  compiled ({spec.compile}, fullgraph)" if spec.compile else ""))
+             + (f"  compiled ({spec.compile}, fullgraph) into {rank0.compiled_graphs} "
+                f"graph{'s' * (rank0.compiled_graphs != 1)} on rank 0" if spec.compile else ""))
     for i, g in zip(run.request_ids, run.generated):
         adapter = f" (LoRA {spec.prompt_lora[i]})" if spec.prompt_lora else ""
         log.info("prompt %d %s%s -> generated %s", i, list(spec.prompts[i]), adapter, g)

@@ -15,10 +15,11 @@ from . import boundary_guard_filter, stage_boundaries
 from .adapters.branch import describe_merge
 from .layout import RowMode
 from .models import boundary_reduction, load_model, model_type_of
-from .models.generate import Generation, greedy_generate
+from .models.generate import Generation, greedy_generate, takes_padded_batches
 from .models.speculative import speculative_generate
 from .contracts import BatchVariant
 from .runtime.args import BoundaryRuntime
+from .runtime.forward_batch import token_bucket
 from .runtime.ledger import LEDGER, LedgerEntry
 from .runtime.parallel import ParallelDims, build_parallel
 from .runtime.shards import ReadBytes
@@ -97,6 +98,7 @@ class RankResult:
     layers: tuple = ()  # the global layers this rank's pipeline stage holds
     speculative: dict | None = None  # proposed/accepted/target_forwards/emitted/reruns
     load_bytes: int = 0  # what this rank read from the checkpoint (its shard)
+    compiled_graphs: int = 0  # graphs torch.compile built for this rank's forwards
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
@@ -152,6 +154,30 @@ def handoff_contract(receiver, mode: RowMode) -> str:
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+# one graph per token bucket: a doubling per graph reaches 16 x 2^31 rows before the limit
+RECOMPILE_LIMIT = 32
+
+
+def compile_forward(model, backend: str, padded: bool):
+    """``model``'s forward under ``torch.compile(fullgraph=True)``.
+
+    ``padded``: each forward is padded to its token bucket (``greedy_generate(bucket=)``), so
+    shapes are static and a graph is one bucket's; automatic dynamic shapes would only trace
+    the boundary's per-batch Python over symbolic sizes. Otherwise (a cache that cannot serve
+    padded batches) dynamo's defaults apply, and a new request pattern is a new graph. The
+    recompile limit admits one graph per bucket."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT)
+    return torch.compile(model, fullgraph=True, backend=backend,
+                         dynamic=False if padded else None,
+                         options={"guard_filter_fn": boundary_guard_filter(model)})
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (``torch._dynamo`` counters)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 class _ForwardCheck:
@@ -187,6 +213,9 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
         names = list(attach_lora(model, spec.lora))
         adapters = lora_slots(names, spec.prompt_lora or ("none",) * len(spec.prompts))
     forward = model
+    # a compiled forward runs padded to its token bucket where the cache allows (speculative
+    # verification builds its own batches, unpadded)
+    pads = spec.compile is not None and not spec.speculative and takes_padded_batches(model)
     if spec.compile is not None:
         if spec.pp > 1:
             raise ValueError("--compile runs one stage's whole forward as one graph: it does "
@@ -195,8 +224,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
             raise ValueError(f"compile backend {spec.compile!r} is not one of "
                              f"{', '.join(COMPILE_BACKENDS)}")
         torch._dynamo.reset()  # one model per run: no earlier run's graphs count to its limits
-        forward = torch.compile(model, fullgraph=True, backend=spec.compile,
-                                options={"guard_filter_fn": boundary_guard_filter(model)})
+        forward = compile_forward(model, spec.compile, padded=pads)
+    graphs_before = compiled_graphs()
     checked = _ForwardCheck(model, forward)
     draft = load_draft(spec, runtime, model) if spec.speculative else None
     stats = None
@@ -213,7 +242,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                                   on_step=_set_ledger_step,
                                   pp=par.pp if par.dims.pp > 1 else None,
                                   split_prefill=spec.split_prefill, tbo=spec.tbo,
-                                  variants=forward_variants(spec), adapters=adapters)
+                                  variants=forward_variants(spec), adapters=adapters,
+                                  bucket=token_bucket if pads else None)
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
                         plan_rows(model, RowMode(checked.modes[0]), forward_variants(spec)[0]),
                         checked.released,
@@ -224,6 +254,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                                "request_rounds")}
     result.pp_rank, result.last_stage = par.pp_rank, model.stage.last
     result.load_bytes = read.bytes
+    if spec.compile is not None:
+        result.compiled_graphs = compiled_graphs() - graphs_before
     result.layers = tuple(model.stage.layers)
     if provider is not None:
         result.fused_inputs = provider.accepted

@@ -90,3 +90,20 @@ def test_fullgraph_scattered_variants(qwen3_dir, deepseek_dir):
         results = get_pool(2).run(run_rank, spec, timeout=240)
         assert all(r.modes == ["rs"] * 3 and r.streams_released for r in results)
         assert_logits_match(merge(results), _eager_world1(spec), len(PROMPTS))
+
+
+@pytest.mark.timeout(240)
+def test_run_compile_reports_one_graph_per_bucket(qwen3_dir, capsys):
+    """Prefill (15 rows) and decode (3 rows) pad to the 16-row bucket: one graph on every
+    rank, reported by ``run --compile``; a prompt set of 20 rows adds the 32-row bucket."""
+    import json
+
+    out = cli_ok(["run", "--model", str(qwen3_dir), "--tp", "2", "--compile-backend", "eager",
+                  "--max-new-tokens", "3", "--json"], capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["compiled_graphs"] == 1 and report["parity"]["tokens_match"]
+    spec = replace(_spec(qwen3_dir, 2, 1, "rs", "eager"),
+                   prompts=PROMPTS + (tuple(range(1, 9)),), max_new_tokens=2)
+    results = get_pool(2).run(run_rank, spec, timeout=240)
+    assert [r.compiled_graphs for r in results] == [2, 2]
+    assert_logits_match(merge(results), _eager_world1(spec), len(spec.prompts))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..residual import declared
 from ..runtime.collectives import (broadcast_from_last_stage, recv_from_prev_stage,
                                    send_to_next_stage)
 from ..runtime.forward_batch import BatchVariant, ForwardBatch, ForwardMode
@@ -44,12 +45,18 @@ def segments(layers: range, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def takes_padded_batches(model) -> bool:
+    """Whether ``model``'s KV cache serves padded batches (``KVCache.padded_batches``, as the
+    cache's own class declares it), so a compiled forward can run one graph per bucket."""
+    return declared(model.make_kv_cache(1, 1), "padded_batches", False) is True
+
+
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp: int = 1,
                     dp_rank: int = 0, keep_logits: bool = True, on_step=None, pp=None,
                     split_prefill: int = 1, tbo: bool = False,
                     variants: tuple = (BatchVariant.ORDINARY, BatchVariant.ORDINARY),
-                    adapters: list[int] | None = None) -> Generation:
+                    adapters: list[int] | None = None, bucket=None) -> Generation:
     """Greedy tokens (and each step's logits) of this rank's requests.
 
     Args:
@@ -66,6 +73,11 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
             on an attention-CP topology; a sequence-parallel prefill with ordinary decode).
         adapters: each request's LoRA adapter slot (-1: the base model), or None (every
             request on the base model).
+        bucket: for a compiled model, ``bucket(tokens)`` is the row count each forward is
+            padded to (``runtime.token_bucket``), so that one graph serves every batch of a
+            bucket; the cache takes one more slot, the padding's. A cache that cannot serve
+            padded batches (``KVCache.padded_batches``), a TBO forward and a split prefill run
+            unpadded.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -73,7 +85,9 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         if not p:
             raise ValueError(f"prompt {i} is empty")
     mine = requests_of(dp_rank, dp, len(prompts))
-    cache = model.make_kv_cache(max(1, len(mine)), max(len(p) for p in prompts) + max_new_tokens)
+    slots = max(1, len(mine)) + (bucket is not None)  # the last one the padding's
+    cache = model.make_kv_cache(slots, max(len(p) for p in prompts) + max_new_tokens)
+    pad = bucket is not None and not tbo and declared(cache, "padded_batches", False)
     new_tokens = [list(prompts[i]) for i in mine]
     prefix = [0] * len(mine)
     lens_of = lambda step: tuple(  # noqa: E731 - every DP rank's requests' tokens this step
@@ -99,9 +113,12 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         last = stage is None or stage.last
         pp_input = None if first else recv_from_prev_stage(pp, site="pp_recv")
         parts = split_prefill if step == 0 and stage is not None else 1
+        run = batch
+        if pad and parts == 1:
+            run = batch.padded(bucket(max(batch.dp_token_counts)), scratch_slot=slots - 1)
         for segment in (segments(stage.layers, parts) if parts > 1 else [None]):
-            batch.layer_segment = segment
-            out = model(batch, pp_input) if stage is not None else model(batch)
+            run.layer_segment = segment
+            out = model(run, pp_input) if stage is not None else model(run)
         if not last:
             send_to_next_stage(out, pp, site="pp_send")
             tokens = torch.zeros(len(mine), dtype=torch.long)

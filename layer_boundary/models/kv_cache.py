@@ -36,6 +36,13 @@ class KVCache:
         self.max_len, self.window, self.rows, self.shared_kv = max_len, window, rows, shared_kv
 
     @property
+    def padded_batches(self) -> bool:
+        """Whether a padded batch (``ForwardBatch.padded``) runs on this cache: a positional
+        one, whose attention reads slots and positions from tensors. A subclass that keeps
+        other per-request state declares its own answer (read with ``residual.declared``)."""
+        return self.window is None
+
+    @property
     def positional(self) -> bool:
         """Whether entry p holds position p and nothing else: then a later write at p replaces
         a rejected speculative token, and rolling back needs no copy. A windowed ring (row p
@@ -73,6 +80,11 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     joins the softmax and is then dropped (attention sinks).
     """
     cache: KVCache = forward_batch.kv_cache
+    if forward_batch.token_slots is not None:
+        if queries is not None or cache.window is not None:
+            raise ValueError("a padded batch takes every token's queries on a positional cache")
+        return _slot_attention(cache, layer, q, k, v, forward_batch.token_slots,
+                               forward_batch.positions, scaling, sinks)
     num_heads, groups = q.shape[1], q.shape[1] // k.shape[1]
     out = q.new_empty((*q.shape[:2], v.shape[-1]))
     if queries is not None:
@@ -128,21 +140,42 @@ def _window_keys(cache: KVCache, layer: int, slot: int, prefix: int, k, v):
     return first, keys, values
 
 
+def _slot_attention(cache: KVCache, layer: int, q, k, v, slots, positions, scaling: float,
+                    sinks):
+    """A padded batch's attention: every row's k/v is written at (its slot, its position),
+    then each query reads its slot's cache rows at positions up to its own. Nothing reads the
+    per-request tuples, so the work and the graph depend on the row count alone."""
+    keys_of, values_of = cache.k[layer], cache.v[layer]
+    keys_of.index_put_((slots, positions), k)
+    if not cache.shared_kv:
+        values_of.index_put_((slots, positions), v)
+    groups = q.shape[1] // k.shape[1]
+    keys = keys_of[slots].repeat_interleave(groups, dim=2)  # [T, rows, H, D]
+    values = values_of[slots].repeat_interleave(groups, dim=2)  # [T, rows, H, Dv]
+    scores = torch.einsum("thd,trhd->htr", q, keys) * scaling  # [H, T, rows]
+    later = torch.arange(cache.rows, device=q.device)[None, :] > positions[:, None]  # [T, rows]
+    probs = _softmax(scores.masked_fill(later, torch.finfo(scores.dtype).min), sinks, q.dtype)
+    return torch.einsum("htr,trhd->thd", probs, values)
+
+
+def _softmax(scores, sinks, dtype):
+    """Softmax over the last dim in fp32; ``sinks`` [H]: one extra logit per head that joins
+    each row's softmax and then leaves (its rows sum to less than one)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:2], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    return probs[..., :-1].to(dtype)
+
+
 def _attend(q, keys, values, query_pos, first: int, scaling: float, window, sinks):
     """q [n, H, D] at positions ``query_pos`` [n] over keys/values [L, H, *] at positions
     first.."""
-    n = q.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, keys) * scaling  # [H, n, L]
     query_pos = query_pos[:, None]
     key_pos = torch.arange(first, first + keys.shape[0], device=q.device)[None, :]
     hidden = key_pos > query_pos
     if window is not None:
         hidden = hidden | (key_pos <= query_pos - window)
-    scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    else:  # the sink joins each row's softmax, then leaves: rows sum to less than one
-        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, n, 1)
-        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
-        probs = probs[..., :-1].to(q.dtype)
+    probs = _softmax(scores.masked_fill(hidden, torch.finfo(scores.dtype).min), sinks, q.dtype)
     return torch.einsum("hqk,khd->qhd", probs, values)

@@ -315,6 +315,10 @@ class HybridCache(KVCache):
     def positional(self) -> bool:
         return not self.conv  # the Mamba states hold every token seen, rejected ones too
 
+    @property
+    def padded_batches(self) -> bool:
+        return not self.conv  # a Mamba layer scans each request's own tokens in order
+
     def snapshot(self):
         if self.positional:
             return None

@@ -10,15 +10,16 @@ import torch
 
 from . import is_plain
 
-_ACCUMULATE: dict = {}
+# filled once at import and never written again: a memo written during a forward would
+# change what a compiled graph guards on, and recompile it
+_ACCUMULATE = {dtype: torch.promote_types(dtype, torch.float32)
+               for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
 def accumulate_dtype(dtype):
     """fp32 for half and single precision; wider types keep their own precision."""
     acc = _ACCUMULATE.get(dtype)
-    if acc is None:
-        acc = _ACCUMULATE[dtype] = torch.promote_types(dtype, torch.float32)
-    return acc
+    return torch.promote_types(dtype, torch.float32) if acc is None else acc
 
 
 class PlainAdd:

@@ -12,7 +12,7 @@ from .collectives import (all_reduce_rows, all_to_all_rows, broadcast_from_last_
                           reduce_scatter_rows_v, send_to_next_stage)
 from .context import NO_FLAGS, ForwardFlags, get_forward, get_parallel
 from .embedding import ParallelLMHead, VocabParallelEmbedding
-from .forward_batch import BatchVariant, ForwardBatch, ForwardMode
+from .forward_batch import SMALLEST_BUCKET, BatchVariant, ForwardBatch, ForwardMode, token_bucket
 from .ledger import LEDGER, HOOK, Ledger, LedgerEntry, Observer, observing, summarize
 from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
@@ -28,7 +28,7 @@ __all__ = [
     "BOUNDARY_REDUCTIONS",
     # a batch and the flags compute reads
     "ForwardBatch", "ForwardMode", "BatchVariant", "ForwardFlags", "NO_FLAGS", "get_forward",
-    "get_parallel",
+    "get_parallel", "token_bucket", "SMALLEST_BUCKET",
     # collectives (row contracts in collectives.py)
     "all_reduce_rows", "reduce_scatter_rows", "reduce_scatter_rows_v", "gather_rows",
     "gather_rows_v", "gather_last_dim", "exchange_counts", "all_to_all_rows",

@@ -1,7 +1,9 @@
-"""ForwardBatch: the batch facts a forward reads, and the residual stream it carries."""
+"""ForwardBatch: the batch facts a forward reads, and the residual stream it carries; the row
+buckets a compiled forward pads its batches to."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -68,6 +70,11 @@ class ForwardBatch:
     # LoRA: each local token's adapter slot (-1: the base model), [T] int64; None: every
     # token runs the base model (adapters/lora.py publishes it on each stage's compute rows)
     lora_ids: torch.Tensor | None = None
+    # a padded batch (``padded()``): each row's KV-cache slot, [T] int64; attention then reads
+    # slots and positions from tensors only, never the per-request tuples above, so a
+    # compiled forward's graph depends on the padded row count alone
+    token_slots: torch.Tensor | None = None
+    real_tokens: int | None = None  # a padded batch's rows before the padding
 
     @property
     def residual_stream(self):
@@ -86,6 +93,43 @@ class ForwardBatch:
     @property
     def prefix_lens(self) -> tuple[int, ...]:
         return tuple(s - e for s, e in zip(self.seq_lens, self.extend_lens))
+
+    def padded(self, tokens: int, scratch_slot: int) -> "ForwardBatch":
+        """This batch with ``tokens`` rows on every attention-DP rank (a compiled forward's
+        bucket), its own rows first.
+
+        The padding rows are token 0 at position 0 of KV-cache slot ``scratch_slot``, a slot
+        no request uses: they attend only each other, and every row's output depends on its
+        own row alone, so the real rows' numbers are those of the unpadded batch. Every DP
+        rank pads to the same ``tokens`` (pick it from the largest of ``dp_token_counts``).
+
+        Args:
+            tokens: the padded row count of every DP rank (at least the largest DP count).
+            scratch_slot: a KV-cache slot outside ``req_slots``.
+        """
+        mine = self.num_tokens
+        if tokens < max(self.dp_token_counts):
+            raise ValueError(f"cannot pad to {tokens} rows: a DP rank holds "
+                             f"{max(self.dp_token_counts)} (dp_token_counts "
+                             f"{self.dp_token_counts})")
+        if scratch_slot in self.req_slots:
+            raise ValueError(f"scratch slot {scratch_slot} is a request's slot "
+                             f"(req_slots {self.req_slots})")
+        if self.variant is BatchVariant.CP or self.tbo or self.layer_segment is not None:
+            raise ValueError("a CP batch, a two-batch-overlap batch and a split-prefill segment "
+                             "are not padded (their splits read the per-request lengths)")
+        extra = tokens - mine
+        slots = torch.tensor([s for s, n in zip(self.req_slots, self.extend_lens)
+                              for _ in range(n)] + [scratch_slot] * extra, dtype=torch.long,
+                             device=self.input_ids.device)
+        pad = self.input_ids.new_zeros(extra)
+        return dataclasses.replace(
+            self, input_ids=torch.cat((self.input_ids, pad)),
+            positions=torch.cat((self.positions, pad)),
+            dp_token_counts=(tokens,) * len(self.dp_token_counts), dp_request_lens=None,
+            lora_ids=None if self.lora_ids is None else torch.cat(
+                (self.lora_ids, self.lora_ids.new_full((extra,), -1))),
+            token_slots=slots, real_tokens=mine, boundary=None)
 
     @classmethod
     def build(cls, mode: ForwardMode, requests: list[list[int]], prefix_lens: list[int],
@@ -107,3 +151,13 @@ class ForwardBatch:
             req_slots=tuple(req_slots if req_slots is not None else range(len(requests))),
             kv_cache=kv_cache,
         )
+
+
+SMALLEST_BUCKET = 16
+
+
+def token_bucket(tokens: int) -> int:
+    """The padded row count of a compiled forward over ``tokens`` rows: the next power of two,
+    at least ``SMALLEST_BUCKET`` (so every decode step up to 16 requests shares one graph, and
+    a batch of any size compiles at most one graph per doubling)."""
+    return max(SMALLEST_BUCKET, 1 << max(0, tokens - 1).bit_length())

@@ -1,0 +1,152 @@
+"""Compiled forwards over padded batches: an engine pads each forward to its token bucket
+(``ForwardBatch.padded``, ``runtime.token_bucket``), so one graph serves every batch of a
+bucket, whatever its requests, prefixes or forward mode.
+
+The loop below drives the compiled model as a server does (prefills of several shapes, some
+continuing a cached prefix; decode steps over 1 to 8 live requests with ragged prefixes) and
+checks each forward's real rows against the same forward run eagerly and unpadded on a cache
+of its own, then counts the graphs dynamo built. A loop over 16 distinct batch sizes runs
+past the default recompile limit of 8 distinct shapes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from checkpoints import hf_qwen3
+from torch._dynamo.utils import counters
+
+from layer_boundary.models import load_model
+from layer_boundary.models.generate import takes_padded_batches
+from layer_boundary.runner import compile_forward
+from layer_boundary.runtime import ForwardBatch, ForwardMode, token_bucket
+from layer_boundary.runtime.args import BoundaryRuntime
+from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+
+SLOTS, ROWS = 8, 96  # requests the server holds, cache rows per request
+SCRATCH = SLOTS  # the padding's slot
+
+
+class Server:
+    """The same model compiled and eager, each with its own KV cache; ``step`` runs one
+    forward on both and returns the largest difference of the real rows' logits."""
+
+    def __init__(self, model) -> None:
+        self.model, self.compiled = model, compile_forward(model, "eager", padded=True)
+        self.caches = [model.make_kv_cache(SLOTS + 1, ROWS) for _ in range(2)]
+        self.lens = {}  # slot -> cached tokens
+        self.forwards = []
+
+    def step(self, mode, requests: dict[int, list[int]]) -> float:
+        slots = list(requests)
+        prefix = [self.lens.get(s, 0) for s in slots]
+        tokens = [requests[s] for s in slots]
+        eager, compiled = (ForwardBatch.build(mode, tokens, prefix, req_slots=slots, kv_cache=c)
+                           for c in self.caches)
+        rows = eager.num_tokens
+        padded = compiled.padded(token_bucket(rows), scratch_slot=SCRATCH)
+        with torch.no_grad():
+            want = self.model(eager)
+            got = self.compiled(padded)
+        assert got.shape[0] == token_bucket(rows)
+        for s, t in zip(slots, tokens):
+            self.lens[s] = self.lens.get(s, 0) + len(t)
+        self.forwards.append((mode.value, len(slots), rows))
+        return (got[:rows] - want).abs().max().item() / max(1.0, want.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = hf_qwen3(tmp_path_factory.mktemp("buckets"))
+    return load_model(path, BoundaryRuntime(build_parallel(ParallelDims())))
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_the_qwen3_cache_serves_padded_batches(model):
+    assert takes_padded_batches(model)
+
+
+@pytest.mark.timeout(300)
+def test_a_serving_loop_compiles_at_most_four_graphs(model):
+    torch._dynamo.reset()
+    before = _graphs()
+    server, rng = Server(model), random.Random(0)
+    token = lambda: rng.randrange(1, 96)  # noqa: E731 - the tiny vocabulary
+    worst = 0.0
+    # prefills of three shapes into slots 0-7 (5 + 2 + 9 = 16 rows, 20, then 3 + 30 = 33)
+    worst = max(worst, server.step(ForwardMode.EXTEND, {0: [token() for _ in range(5)],
+                                                        1: [token(), token()],
+                                                        2: [token() for _ in range(9)]}))
+    worst = max(worst, server.step(ForwardMode.EXTEND, {3: [token() for _ in range(20)]}))
+    worst = max(worst, server.step(ForwardMode.EXTEND, {4: [token() for _ in range(3)],
+                                                        5: [token() for _ in range(30)]}))
+    # decode at 1..8 live requests, each a different subset, prefixes ragged
+    for live in (1, 2, 3, 4, 5, 6, 8, 7, 3, 1):
+        if live > 6:  # the last two requests join with short prefills first
+            for s in (6, 7):
+                if s not in server.lens:
+                    worst = max(worst, server.step(ForwardMode.EXTEND, {s: [token()] * (s - 3)}))
+        slots = rng.sample(sorted(server.lens), min(live, len(server.lens)))
+        worst = max(worst, server.step(ForwardMode.DECODE, {s: [token()] for s in slots}))
+    # a prefill that continues a cached prefix (chunked prefill) in a decode-sized bucket
+    worst = max(worst, server.step(ForwardMode.EXTEND, {0: [token() for _ in range(6)]}))
+    graphs = _graphs() - before
+    buckets = sorted({token_bucket(rows) for _, _, rows in server.forwards})
+    assert worst <= 1e-5, f"padded compiled logits differ by {worst:.3g} of the logit scale"
+    assert len({live for mode, live, _ in server.forwards if mode == "decode"}) >= 7
+    assert buckets == [16, 32, 64]
+    assert graphs <= 4, f"{graphs} graphs for buckets {buckets} over {server.forwards}"
+    assert graphs == len(buckets)  # one per bucket: prefill and decode share it
+
+
+@pytest.mark.timeout(300)
+def test_sixteen_distinct_batch_sizes_run_compiled(model):
+    """16 distinct row counts (decode at 1-12 requests, prefills of 17, 29, 40 and 63 rows):
+    without padding the ninth shape would hit dynamo's recompile limit."""
+    torch._dynamo.reset()
+    before = _graphs()
+    server, worst = Server(model), 0.0
+    sizes = [17, 29, 40, 63]
+    for s, n in zip(range(4), sizes):
+        worst = max(worst, server.step(ForwardMode.EXTEND, {s: [3 + s] * n}))
+    server.lens.update({s: 0 for s in range(4, SLOTS)})  # four more requests, empty so far
+    seen = set(sizes)
+    for live in range(1, 9):
+        worst = max(worst, server.step(ForwardMode.DECODE,
+                                       {s: [5 + live] for s in range(live)}))
+        seen.add(live)
+    for extra in (9, 10, 11, 12):  # rows beyond the live requests: a ragged chunked step
+        worst = max(worst, server.step(ForwardMode.EXTEND,
+                                       {s: [7] * (1 + (s < extra - 8)) for s in range(8)}))
+        seen.add(extra)
+    assert len(seen) == 16 and len(server.forwards) == 16
+    assert worst <= 1e-5, f"padded compiled logits differ by {worst:.3g} of the logit scale"
+    assert _graphs() - before == len({token_bucket(n) for n in seen}) == 3
+
+
+def test_padding_refuses_what_it_cannot_pad(model):
+    batch = ForwardBatch.build(ForwardMode.DECODE, [[1], [2]], [3, 4], req_slots=[0, 1],
+                               dp_token_counts=(2, 5))
+    with pytest.raises(ValueError, match="cannot pad to 4 rows: a DP rank holds 5"):
+        batch.padded(4, scratch_slot=SCRATCH)
+    with pytest.raises(ValueError, match="scratch slot 1 is a request's slot"):
+        batch.padded(8, scratch_slot=1)
+    batch.tbo = True
+    with pytest.raises(ValueError, match="two-batch-overlap batch"):
+        batch.padded(8, scratch_slot=SCRATCH)
+
+
+def test_padding_rows_are_the_scratch_slot_at_position_zero(model):
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [[4, 5], [6]], [3, 0], req_slots=[2, 0],
+                               dp_token_counts=(3, 1))
+    padded = batch.padded(16, scratch_slot=SCRATCH)
+    assert padded.dp_token_counts == (16, 16) and padded.real_tokens == 3
+    assert padded.token_slots.tolist() == [2, 2, 0] + [SCRATCH] * 13
+    assert padded.positions.tolist() == [3, 4, 0] + [0] * 13
+    assert padded.input_ids.tolist() == [4, 5, 6] + [0] * 13
+    assert [token_bucket(n) for n in (0, 1, 16, 17, 32, 33)] == [16, 16, 16, 32, 32, 64]
