@@ -1,6 +1,7 @@
 """What the boundary costs the model: a boundary-integrated Qwen3 decoder against a
-hand-written forward of the same modules doing the same tensor ops (world 1, so both run the
-same math and only the boundary's Python and bookkeeping differ)."""
+hand-written forward of the same modules doing the same tensor ops and, at tp > 1, the same
+collectives a Megatron-style forward issues (one all-reduce after each attention and each MLP),
+so only the boundary's Python, bookkeeping and path choice differ."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from . import boundary_guard_filter
 from .models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from .runtime.args import BoundaryRuntime
+from .runtime.collectives import all_reduce_rows
 from .runtime.forward_batch import ForwardBatch, ForwardMode
 from .runtime.parallel import ParallelDims, build_parallel
 
@@ -20,12 +22,15 @@ BENCH_HEADS = 8  # attention heads of the overhead benchmark's model
 
 
 def hand_written(model: Qwen3ForCausalLM, fb: ForwardBatch) -> torch.Tensor:
-    """The same forward without boundaries: fp32 residual add + norm written inline."""
+    """The same forward without boundaries: fp32 residual add + norm written inline; at
+    tp > 1 the attention's partial is all-reduced by hand (the MLP's down projection reduces
+    itself outside a boundary's scope)."""
     m = model.model
+    attn_tp = m.layers[0].self_attn.o_proj.group  # the group its partial is a sum over
     residual = m.embed_tokens(fb.input_ids)
     x = m.layers[0].input_layernorm(residual)
     for i, layer in enumerate(m.layers):
-        out = layer.self_attn(fb.positions, x, fb)
+        out = all_reduce_rows(layer.self_attn(fb.positions, x, fb), attn_tp)
         total = residual.float() + out.float()
         residual = total.to(out.dtype)
         x = layer.post_attention_layernorm.normalize_fp32(total, out.dtype)
@@ -37,8 +42,8 @@ def hand_written(model: Qwen3ForCausalLM, fb: ForwardBatch) -> torch.Tensor:
     return model.lm_head(x)
 
 
-def _random_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
-    model = Qwen3ForCausalLM(cfg, BoundaryRuntime(build_parallel(ParallelDims())))
+def _random_model(cfg: Qwen3Config, runtime: BoundaryRuntime | None = None) -> Qwen3ForCausalLM:
+    model = Qwen3ForCausalLM(cfg, runtime or BoundaryRuntime(build_parallel(ParallelDims())))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -47,17 +52,47 @@ def _random_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
     return model.eval()
 
 
-@torch.no_grad()
 def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int = 32,
              repeats: int = 30, compile: str | None = None) -> dict:
-    """Median decode-step time with and without boundaries, their ratio, and the boundary's
-    cost per stage in microseconds (the difference of the fastest runs over the 2 x layers
-    stages). With
-    ``compile`` (a torch.compile backend) both forwards run compiled, fullgraph."""
+    """Median decode-step time with and without boundaries at world 1, their ratio, and the
+    boundary's cost per stage in microseconds (the difference of the fastest runs over the
+    2 x layers stages). With ``compile`` (a torch.compile backend) both forwards run
+    compiled, fullgraph."""
+    result = _overhead_rank(hidden, layers, requests, prefix, repeats, compile, "rs+rsv", 1)
+    return {k: result[k] for k in ("hidden", "layers", "requests", "compile", "boundary_ms",
+                                   "hand_written_ms", "overhead", "per_stage_us")}
+
+
+def overhead_tp(tp: int, hidden: int = 256, layers: int = 8, requests: int = 16,
+                prefix: int = 32, repeats: int = 20, boundary_reduction: str = "rs+rsv",
+                compile: str | None = None) -> dict:
+    """``overhead`` on ``tp`` spawned gloo ranks (no attention DP) against a hand-written
+    Megatron-style forward (one all-reduce after each attention and each MLP); rank 0's
+    figures, with the row mode the boundary ran (``mode``) and ``ratio`` (boundary / hand).
+
+    Args:
+        tp: ranks.
+        hidden, layers, requests, prefix, repeats, compile: as ``overhead``.
+        boundary_reduction: the boundary's policy (as ``--boundary-reduction``); ``rs+rsv``
+            chooses per batch (``auto``'s choice), which takes ``ar`` where it moves fewer rows.
+    """
+    from .runtime.parallel import spawn
+
+    return spawn(_overhead_rank, tp, hidden, layers, requests, prefix, repeats, compile,
+                 boundary_reduction, tp)[0]
+
+
+@torch.no_grad()
+def _overhead_rank(hidden, layers, requests, prefix, repeats, compile, boundary_reduction,
+                   tp: int) -> dict:
     cfg = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
                       num_hidden_layers=layers, num_attention_heads=BENCH_HEADS,
-                      num_key_value_heads=2, head_dim=hidden // BENCH_HEADS)
-    model = _random_model(cfg)
+                      num_key_value_heads=max(2, tp), head_dim=hidden // BENCH_HEADS)
+    runtime = BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp)),
+                              boundary_reduction=boundary_reduction,
+                              choose_by_bytes=boundary_reduction == "rs+rsv")
+    model = _random_model(cfg, runtime)
+    sync = _barrier if tp > 1 else (lambda: None)
     cache = model.make_kv_cache(requests, prefix + 1)
     prompts = [[(7 * r + t) % cfg.vocab_size for t in range(prefix)] for r in range(requests)]
     model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * requests, kv_cache=cache))
@@ -74,12 +109,15 @@ def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int
         with_boundary = torch.compile(model, fullgraph=True, backend=compile,
                                       options={"guard_filter_fn": boundary_guard_filter(model)})
         by_hand = torch.compile(by_hand, fullgraph=True, backend=compile)
-    torch.testing.assert_close(with_boundary(step()), by_hand(step()), atol=1e-5, rtol=0)
+    probe = step()
+    torch.testing.assert_close(with_boundary(probe), by_hand(step()), atol=1e-5, rtol=0)
+    mode = probe.rows.mode.value if probe.rows is not None else None
     with_boundary(step()), by_hand(step())  # warm (and, compiled, settle any recompile)
     times = {"boundary": [], "hand_written": []}
     for _ in range(repeats):  # interleaved, so drift hits both alike
         for name, fn in (("boundary", with_boundary), ("hand_written", by_hand)):
             fb = step()
+            sync()  # every rank starts the forward together
             start = time.perf_counter()
             fn(fb)
             times[name].append(time.perf_counter() - start)
@@ -88,9 +126,18 @@ def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int
     # sub-millisecond forwards drift more than the boundary costs
     best = {k: min(v) for k, v in times.items()}
     return {"hidden": hidden, "layers": layers, "requests": requests, "compile": compile,
+            "tp": tp, "boundary_reduction": boundary_reduction,
+            "mode": mode,
+            "ratio": med["boundary"] / med["hand_written"],
             "boundary_ms": med["boundary"] * 1e3, "hand_written_ms": med["hand_written"] * 1e3,
             "overhead": med["boundary"] / med["hand_written"] - 1.0,
             "per_stage_us": (best["boundary"] - best["hand_written"]) / (2 * layers) * 1e6}
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def _moe_rank(hidden: int, layers: int, tokens: int, repeats: int) -> dict:

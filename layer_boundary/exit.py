@@ -7,7 +7,7 @@ from the producer's ``StageOutput``; an exit only selects one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -18,9 +18,8 @@ from .output import HandoffOutput
 from .residual.access import start_completion
 from .residual.batch import fold_stream
 from .residual.stream import arrival_key
-from .runtime.context import (ForwardFlags, SequenceParallelScope, swap_adapter_rows,
-                              swap_flags)
-from .runtime.ledger import active_observer
+from .runtime.context import ForwardFlags, SequenceParallelScope, close_scope, open_scope
+from .runtime.ledger import HOOK, active_observer
 
 
 @dataclass(frozen=True)
@@ -36,11 +35,19 @@ class ExitDecision:
     # the sum compute runs itself when it completes its output (for plans and ledgers)
     compute_sum: Movement | None = None
 
+    # the Contribution key of a plain (non-handoff) output left by this decision
+    key: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        moved = self.finish_move
+        object.__setattr__(self, "key", arrival_key(None, moved.dst, False) if moved is not None
+                           else arrival_key(self.owed, self.rows, False))
+
     def arrivals(self) -> tuple[tuple, ...]:
         """The Contribution keys an output of this decision arrives with."""
         if self.finish_move is not None:
-            return (arrival_key(None, self.finish_move.dst, False),)
-        plain = arrival_key(self.owed, self.rows, False)
+            return (self.key,)
+        plain = self.key
         if not self.hands_off:
             return (plain,)
         return (plain, arrival_key(self.owed, self.rows, True))
@@ -104,11 +111,16 @@ def publish(stream, path: ExitPath, decision: ExitDecision, value, update, rows,
     stage declared ``before_reduce_scatter``, applied to the output as compute returned it."""
     if transform is not None:
         value = transform(value)
-    if decision.finish_move is not None:
-        stream.leave(decision.finish_move(rows, value), None, update, decision.finish_move.dst)
+    moved = decision.finish_move
+    if moved is not None:
+        stream.leave(moved.run(rows, value) if moved.moves else value, None, update, moved.dst,
+                     False, False, decision.key)
+    elif isinstance(value, HandoffOutput):
+        stream.leave(value, decision.owed, update, decision.rows, handoff=True,
+                     declared=decision.declared)
     else:
-        stream.leave(value, decision.owed, update, decision.rows,
-                     handoff=isinstance(value, HandoffOutput), declared=decision.declared)
+        stream.leave(value, decision.owed, update, decision.rows, False, decision.declared,
+                     decision.key)
     if path.at_producer:
         return fold_stream(stream, rows)
     c = stream.contribution
@@ -117,45 +129,51 @@ def publish(stream, path: ExitPath, decision: ExitDecision, value, update, rows,
     return stream.handle
 
 
+_FINISH_MISUSE = {"failed": "finish() called after the exit's computation raised",
+                  "new": "finish() called before the exit scope was entered",
+                  "finished": "finish() called twice on one exit"}
+
+
 class StageExit:
     """Scope around an FFN's or mixer's compute: publishes the decision's flags, restores them.
 
     Opening it takes the stage's turn: a second exit() of the same prepare() raises.
     """
 
-    __slots__ = ("_stream", "_path", "_forward_batch", "_update", "_site", "_finish_site",
-                 "_decision", "_previous", "_state", "_adapter_rows", "_previous_rows",
-                 "_transform")
+    __slots__ = ("_stream", "_path", "_forward_batch", "_stage", "_rows", "_decision",
+                 "_previous", "_state", "_adapter_rows")
 
-    def __init__(self, stream, path: ExitPath, forward_batch, update, site: str,
-                 finish_site: str, adapter_rows=None, transform=None) -> None:
-        self._transform = transform  # a before-the-sum OutputTransform, or None
+    def __init__(self, stream, path: ExitPath, forward_batch, stage, rows,
+                 adapter_rows=None) -> None:
+        """``stage``: the StageBoundary (its update, sites, name and before-the-sum transform);
+        ``rows``: the forward's row facts; ``adapter_rows``: published for the LoRA linears
+        inside the scope."""
         self._stream, self._path, self._forward_batch = stream, path, forward_batch
-        self._update, self._site, self._finish_site = update, site, finish_site
+        self._stage, self._rows, self._adapter_rows = stage, rows, adapter_rows
         self._decision: ExitDecision | None = None
-        self._previous = self._previous_rows = None
-        self._adapter_rows = adapter_rows  # published for the LoRA linears inside
+        self._previous = None
         self._state = "new"
         stream.handle = self
 
     def __enter__(self):
         if self._state != "new":
             raise RuntimeError("an exit scope can be entered once")
-        self._decision = self._path.select(self._forward_batch)
-        flags = self._decision.flags
+        path = self._path
+        self._decision = decision = (path.select(self._forward_batch) if path.choices
+                                     else path.default)
+        flags = decision.flags
         scope = None if flags.sequence_parallel is None else SequenceParallelScope(
             flags.sequence_parallel, self._forward_batch.rows)
-        self._previous = swap_flags(flags, True, scope)
-        self._previous_rows = swap_adapter_rows(self._adapter_rows)
-        observer = active_observer()
-        if observer is not None:
-            observer.enter(self._site)
+        self._previous = open_scope(flags, scope, self._adapter_rows)
+        if HOOK.observer is not None:
+            observer = active_observer()
+            if observer is not None:
+                observer.enter(self._stage._compute_site)
         self._state = "open"
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        swap_flags(self._previous[0], False, self._previous[1])
-        swap_adapter_rows(self._previous_rows)
+        close_scope(self._previous)
         self._state = "failed" if exc_type is not None else "computed"
         return False
 
@@ -183,27 +201,29 @@ class StageExit:
 
     def finish(self, hidden_states):
         """Record compute's output with the decided owed work; return what to pass on."""
-        if self._state == "failed":
-            raise RuntimeError("finish() called after the exit's computation raised")
-        if self._state == "new":
-            raise RuntimeError("finish() called before the exit scope was entered")
-        if self._state == "finished":
-            raise RuntimeError("finish() called twice on one exit")
-        if self._stream.handle is not self:
+        misuse = _FINISH_MISUSE.get(self._state)
+        if misuse is not None:
+            raise RuntimeError(misuse)
+        stream = self._stream
+        if stream.handle is not self:
             raise RuntimeError("finish() on an exit whose stream has moved on")
         if isinstance(hidden_states, HandoffOutput) and not self.defer_moe_finalize:
             raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
                                "publish defer_moe_finalize")
-        check_output_dtype(self._stream, hidden_states, self._finish_site.rsplit(".", 1)[0])
+        stage = self._stage
+        check_output_dtype(stream, hidden_states, stage.name)
         self._state = "finished"
-        rows = self._forward_batch.rows
+        rows = self._rows
+        if HOOK.observer is None:  # nobody watches: publish without the observer's calls
+            return publish(stream, self._path, self._decision, hidden_states, stage._update,
+                           rows, self._forward_batch.overlap, stage._transform)
         observer = active_observer()
         if observer is not None:
-            observer.enter(self._finish_site)
-        handle = publish(self._stream, self._path, self._decision, hidden_states, self._update,
-                         rows, self._forward_batch.overlap, transform=self._transform)
+            observer.enter(stage._finish_site)
+        handle = publish(stream, self._path, self._decision, hidden_states, stage._update,
+                         rows, self._forward_batch.overlap, transform=stage._transform)
         if observer is not None:
-            observer.boundary(self._finish_site, self._stream, rows)
+            observer.boundary(stage._finish_site, stream, rows)
         return handle
 
 

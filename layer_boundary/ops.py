@@ -526,16 +526,20 @@ class Movement:
     dst: Layout
     primitive: Primitive
     contract: str  # its row contract, one line
+    # every group of the topology has one rank: the primitive would return its input, so
+    # callers skip it (decided once, at construction)
+    alone: bool = False
     run: object = field(init=False, repr=False)  # the primitive's run, bound once
     moves: bool = field(init=False, repr=False)  # False for the identity: callers skip it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run", self.primitive.run)
-        object.__setattr__(self, "moves", self.primitive is not IDENTITY)
+        object.__setattr__(self, "moves", self.primitive is not IDENTITY and not self.alone)
 
     @property
     def allocates(self) -> bool:
-        return self.primitive.allocates
+        """Whether its result is new storage (never where nothing moves)."""
+        return self.moves and self.primitive.allocates
 
     def __call__(self, facts: RowFacts, x: torch.Tensor) -> torch.Tensor:
         return self.run(facts, x)
@@ -660,12 +664,14 @@ def _no_movement(owed, src: Layout, dst: Layout, mode: RowMode) -> str:
     return f"no row movement takes {what} on {src} rows to {dst} rows in {mode.value} mode"
 
 
-def resolve(owed, src: Layout, dst: Layout, mode: RowMode, layouts: Layouts) -> Movement | None:
-    """The table's movement for this pair, or None when it holds none."""
+def resolve(owed, src: Layout, dst: Layout, mode: RowMode, layouts: Layouts,
+            alone: bool = False) -> Movement | None:
+    """The table's movement for this pair, or None when it holds none (``alone``: on a
+    one-rank topology, where it moves nothing)."""
     for row in TRANSITIONS:
         if row.matches(owed, src, dst, mode, layouts):
             return Movement(_name(row.primitive, mode), owed, src, dst, row.primitive,
-                            row.contract)
+                            row.contract, alone)
     return None
 
 
@@ -688,7 +694,8 @@ class MovementTable:
         for owed in (None, *SumGroup):
             for src in names:
                 for dst in names:
-                    movement = resolve(owed, src, dst, mode, layouts)
+                    movement = resolve(owed, src, dst, mode, layouts,
+                                       alone=parallel.tp.size == 1)
                     if movement is not None:
                         self._moves[(owed, src.key, dst.key)] = movement
         self._facts: dict[tuple, RowFacts] = {}

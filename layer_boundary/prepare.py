@@ -8,7 +8,7 @@ dispatches on what actually arrived.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .fusions import Arrival
 from .layout import Layout
@@ -62,13 +62,35 @@ class EntryPath:
     # rebuilds from its own declaration; None where the producer decides per batch
     declared: object = None
     latent_first: bool = False  # an input-scattered batch: the latent runs before the move
+    # the arrivals a plain add+norm input takes with no per-call choice (no finalize handoff,
+    # no fusion candidate, no sum before the read, no latent): Contribution.key -> the
+    # movement completing it; what ``run`` does first, in a few steps
+    plain_arrivals: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        plain = read_kind(self.read) == "add_norm" and self.latent is None
+        self.plain_arrivals = {
+            key: path.complete for key, path in self.arrivals.items()
+            if plain and not key[2] and not path.candidates and path.sum_before_read is None}
 
     def run(self, stream, hidden, rows, *, extra=None, fused: bool = True):
         """This stage's compute input; the stream holds the updated residual afterwards."""
         c = stream.contribution
+        if c is not None and extra is None:
+            complete = self.plain_arrivals.get(c.key)
+            # a plain add of an output that owes at most its sum, onto a residual already on
+            # the update rows (every stage of an ordinary forward after the first)
+            if (complete is not None and c.update is PLAIN_ADD
+                    and stream.residual_rows is self.update_rows):
+                value = complete.run(rows, c.value) if complete.moves else c.value
+                x, residual = self.read.update_and_read(PLAIN_ADD, stream.residual, value,
+                                                        self.norm)
+                move = self.input_move
+                stream.write(residual, IN_COMPUTE, self.update_rows)
+                return _moved(move, rows, x) if move.moves else x
         if c is not None:
             if c.rows is None:  # left before any boundary placed the rows: on local rows
-                c.rows = self.local
+                c.place(self.local)
             path = self.arrivals.get(c.key)
             if path is None:
                 raise RuntimeError(
@@ -121,6 +143,8 @@ class EntryPath:
     def residual(self, stream, rows):
         """The stream's residual on the update rows."""
         src = stream.residual_rows
+        if src is self.update_rows:  # already there (the common case: skip the lookup)
+            return stream.residual
         movement = self.align.get(self.local.key if src is None else src.key)
         if movement is None:
             raise RuntimeError(f"stage {self.stage} finds the residual on {src} rows, which "
@@ -129,7 +153,7 @@ class EntryPath:
 
     def _to_compute(self, rows, x, move: Movement):
         if self.latent is None:
-            return _moved(move, rows, x)
+            return _moved(move, rows, x) if move.moves else x
         if self.latent_first:
             return _moved(move, rows, self.latent(x))
         return self.latent(_moved(move, rows, x))

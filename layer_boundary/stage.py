@@ -15,7 +15,7 @@ from .residual.access import complete_onto
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
 from .runtime.args import get_runtime
 from .runtime.context import NO_ADAPTERS
-from .runtime.ledger import active_observer
+from .runtime.ledger import HOOK, active_observer
 
 if TYPE_CHECKING:
     from .runtime.forward_batch import ForwardBatch
@@ -103,6 +103,7 @@ class StageBoundary:
         self._finish_site = f"{self.name}.finish"
         self._is_partial = declaration.reduction is ProducerReduction.PARTIAL
         self._is_attn = declaration.kind is StageKind.ATTN
+        self._branch_entry = declaration.prepared_from is not None
         self._exit_cls = (FfnExit if declaration.kind is StageKind.FFN
                           else AttnExit if self._is_partial else MixerExit)
         # an OutputTransform declared before the sum runs on compute's output as published
@@ -211,7 +212,21 @@ class StageBoundary:
 
         Returns the compute input, in the read's format, on the rows compute consumes.
         """
-        if self.declaration.prepared_from is not None:
+        if (capture_output is None and captured_last_layer_outputs is None
+                and post_residual_addition is None and not self._branch_entry):
+            # the plain call inside the stack (every stage of a decode step): a producer's
+            # output arrives, no observer watches; anything else takes the full path below
+            stream = stream_of(forward_batch)
+            handle = stream.handle
+            if handle is not None and HOOK.observer is None:
+                if hidden_states is not handle:
+                    raise RuntimeError(NOT_OURS)
+                path, rows = self.plan.select(forward_batch)
+                compute_input = path.entry.run(stream, hidden_states, rows)
+                stream.prepared = (self, compute_input)
+                stream.selected = (self, path, rows)
+                return compute_input
+        if self._branch_entry:
             raise RuntimeError(BRANCH_ENTRY)
         if not self._is_attn and (capture_output is not None or post_residual_addition is not None
                                   or captured_last_layer_outputs is not None):
@@ -267,6 +282,7 @@ class StageBoundary:
                   _visible(entry.read, entry.input_move(rows, stream.residual)),
                   entry.input_move.allocates)
         stream.prepared = (self, compute_input)  # what a branch forking here may take
+        stream.selected = (self, path, rows)  # what this stage's exit() selects again
         if observer is not None:
             observer.boundary(self._prepare_site, stream, rows)
             observer.enter(self._compute_site)
@@ -319,10 +335,13 @@ class StageBoundary:
         stream = stream_of(forward_batch)
         if stream.handle is not IN_COMPUTE:
             raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
-        path, _ = self.plan.select(forward_batch)
-        return self._exit_cls(stream, path.exit, forward_batch, self._update, self._compute_site,
-                              self._finish_site, adapter_rows=self._adapter_rows(forward_batch),
-                              transform=self._transform)
+        selected = stream.selected
+        if selected is None or selected[0] is not self:  # not this stage's prepare (a branch)
+            selected = (self, *self.plan.select(forward_batch))
+        _, path, rows = selected
+        adapters = (NO_ADAPTERS if forward_batch.lora_ids is None
+                    else self._adapter_rows(forward_batch))
+        return self._exit_cls(stream, path.exit, forward_batch, self, rows, adapters)
 
     def _adapter_rows(self, forward_batch: ForwardBatch):
         """Each compute row's LoRA adapter slot, for the adapted linears inside the scope

@@ -50,9 +50,9 @@ class AddNormRead:
     def update_and_read(self, update, residual, contribution, norm):
         if residual is None:
             return norm(contribution), contribution
-        if not is_plain(update):
+        if update is not PLAIN_ADD and not is_plain(update):
             return self.read(update.apply(residual, contribution), norm)
-        acc = accumulate_dtype(residual.dtype)
+        acc = _ACCUMULATE.get(residual.dtype) or accumulate_dtype(residual.dtype)
         total = residual.to(acc) + contribution.to(acc)
         return norm.normalize_fp32(total, residual.dtype), total.to(residual.dtype)
 

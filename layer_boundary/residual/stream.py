@@ -35,27 +35,32 @@ def arrival_key(owed: SumGroup | None, rows: Layout, handoff: bool) -> tuple:
     return (None if owed is None else owed.value, rows.key, handoff)
 
 
-@dataclass(eq=False)
 class Contribution:
     """A producer's actual output: its value, the sum it still owes, and its residual update.
 
-    ``declared``: the owed sum is the producer's static contract (a PARTIAL attention's), not
-    an exit's per-batch decision.
+    ``value``: a torch.Tensor, or a HandoffOutput for producer-specific finalize work;
+    ``owed``: the SumGroup it still owes (None: complete); ``update``: its StageUpdate;
+    ``rows``: where ``value``'s rows are (None: left before any boundary placed the rows,
+    until ``place``). ``declared``: the owed sum is the producer's static contract (a PARTIAL
+    attention's), not an exit's per-batch decision. ``completed_declared``: an accessor
+    completed the producer's declared sum (which a pipeline receiver would perform again):
+    to_pp() refuses such a contribution. ``key``: what a consumer's input path dispatches on.
     """
 
-    value: object  # torch.Tensor, or a HandoffOutput for producer-specific finalize work
-    owed: SumGroup | None
-    update: object  # StageUpdate
-    rows: Layout  # where ``value``'s rows are
-    handoff: bool = False
-    declared: bool = False
-    # an accessor completed the producer's declared sum (which a pipeline receiver would
-    # perform again): to_pp() refuses such a contribution
-    completed_declared: bool = False
+    __slots__ = ("value", "owed", "update", "rows", "handoff", "declared",
+                 "completed_declared", "key")
 
-    @property
-    def key(self) -> tuple:
-        return arrival_key(self.owed, self.rows, self.handoff)
+    def __init__(self, value, owed: SumGroup | None, update, rows: Layout | None,
+                 handoff: bool = False, declared: bool = False,
+                 completed_declared: bool = False, key: tuple | None = None) -> None:
+        self.value, self.owed, self.update, self.rows = value, owed, update, rows
+        self.handoff, self.declared, self.completed_declared = handoff, declared, completed_declared
+        self.key = (key if key is not None else None if rows is None
+                    else arrival_key(owed, rows, handoff))
+
+    def place(self, rows: Layout) -> None:
+        """The rows of a contribution left before any boundary placed them."""
+        self.rows, self.key = rows, arrival_key(self.owed, rows, self.handoff)
 
 
 class OwedOutput:
@@ -104,7 +109,7 @@ class ForwardState:
 
 class ResidualStream:
     __slots__ = ("residual", "residual_rows", "contribution", "handle", "prepared", "parent",
-                 "branch_output", "owner", "pending", "made_by")
+                 "branch_output", "owner", "pending", "made_by", "selected")
 
     def __init__(self, parent: "ResidualStream | None" = None) -> None:
         self.residual: torch.Tensor | None = None
@@ -112,6 +117,7 @@ class ResidualStream:
         self.contribution: Contribution | None = None
         self.handle: object = None  # what the model must pass to the next call
         self.prepared: tuple | None = None  # (stage, compute input) of the last prepare()
+        self.selected: tuple | None = None  # (stage, path, row facts) of the last prepare()
         self.parent = parent  # a branch's stream: the stream it forked from
         self.branch_output: object = None  # a branch's output, once branch_output() made it
         self.owner = None  # weakref to the forward batch the stream was started or arrived on
@@ -142,10 +148,11 @@ class ResidualStream:
         if self.handle is None or hidden is not self.handle:
             raise RuntimeError(NOT_OURS)
 
-    def leave(self, value, owed: SumGroup | None, update, rows: Layout, *, handoff: bool = False,
-              declared: bool = False) -> object:
-        """Record a producer's output on ``rows``; return what the model passes on."""
-        self.contribution = Contribution(value, owed, update, rows, handoff, declared)
+    def leave(self, value, owed: SumGroup | None, update, rows: Layout, handoff: bool = False,
+              declared: bool = False, key: tuple | None = None) -> object:
+        """Record a producer's output on ``rows``; return what the model passes on (``key``:
+        its arrival key, where the caller has it already)."""
+        self.contribution = Contribution(value, owed, update, rows, handoff, declared, False, key)
         self.handle = OwedOutput(self) if (owed is not None or handoff) else value
         return self.handle
 
@@ -171,9 +178,9 @@ def release(forward_batch) -> None:
 
 def stream_of(forward_batch) -> ResidualStream:
     state = forward_batch.boundary
-    stream = None if state is None else state.stream
-    if stream is None:
+    if state is None or state.stream is None:
         raise RuntimeError(START_FIRST)
+    stream = state.stream
     owner = stream.owner
     if owner is not None and owner() is not forward_batch:
         raise RuntimeError(SHARED_STREAM)

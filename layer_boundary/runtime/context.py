@@ -104,6 +104,24 @@ def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
 NO_ADAPTERS = "no adapters"
 
 
+def open_scope(flags: ForwardFlags, scope, rows) -> tuple:
+    """``swap_flags(flags, True, scope)`` and ``swap_adapter_rows(rows)`` in one call (what an
+    exit scope does on entry, on every stage of every forward); returns what ``close_scope``
+    restores."""
+    state = _STATE
+    previous = (state.flags, state.sequence_parallel, state.adapter_rows)
+    state.flags, state.sequence_parallel, state.adapter_rows = flags, scope, rows
+    state.open_scopes += 1
+    return previous
+
+
+def close_scope(previous: tuple) -> None:
+    """Leave an exit scope: reinstate what ``open_scope`` returned."""
+    state = _STATE
+    state.flags, state.sequence_parallel, state.adapter_rows = previous
+    state.open_scopes -= 1
+
+
 def swap_adapter_rows(rows):
     """Install the open exit's adapter rows (a tensor of adapter slots per compute row, or
     NO_ADAPTERS; None when the scope closes) and return the previous ones."""
