@@ -190,12 +190,54 @@ def _moe_rank(hidden: int, layers: int, tokens: int, repeats: int) -> dict:
 
 
 def tbo_overlap(hidden: int = 512, layers: int = 4, tokens: int = 384, repeats: int = 10) -> dict:
-    """Two-batch overlap on gloo: tp=4 dp=2 (EP 2) MoE prefill of ``tokens`` tokens. Reports
-    rank 0's median times (ms) and ``ratio``: the overlapped two-batch forward against the same
-    schedule with every collective synchronous (compute plus communication, serialized)."""
+    """Two-batch overlap on gloo: tp=4 dp=2 (EP 2) MoE prefill of ``tokens`` tokens, timed on
+    the same ranks three ways, interleaved. Reports rank 0's median times (ms),
+    ``tbo_vs_plain`` (the overlapped two-batch forward against the plain one: what a user of
+    ``--tbo`` gets) and ``ratio`` (the overlapped forward against the same schedule with every
+    collective synchronous: how much communication the overlap hides)."""
     from .runtime.parallel import spawn
 
     result = spawn(_moe_rank, 4, hidden, layers, tokens, repeats)[0]
     result.update(hidden=hidden, layers=layers, tokens=tokens,
+                  tbo_vs_plain=result["tbo_overlapped"] / result["plain"],
                   ratio=result["tbo_overlapped"] / result["tbo_synchronous"])
     return result
+
+
+def _path_bytes_rank(spec) -> dict:
+    from .runner import run_rank
+
+    result = run_rank(spec)
+    per_step: dict[int, int] = {}
+    for entry in result.ledger:
+        per_step[entry.step] = per_step.get(entry.step, 0) + entry.bytes
+    return {"bytes": [per_step.get(s, 0) for s in range(spec.max_new_tokens)],
+            "modes": result.modes}
+
+
+def path_bytes(model_dir: str, prompts: tuple, tp: int = 4, dp: int = 2, ranks=None) -> dict:
+    """Rank 0's collective bytes per forward (the ledger's ring figures) in every row mode and
+    under ``auto`` for one generation (a prefill, then one-token decode steps), and ``auto``'s
+    bytes against the least of the explicit modes per forward (1.0: it took the cheapest).
+
+    Args:
+        model_dir: a checkpoint ``run`` accepts.
+        prompts: the prompts (request i on DP rank i mod dp): skew them to make ``rsv`` pay.
+        tp, dp: the topology (attention DP, no CP).
+        ranks: ``ranks(fn, spec)`` runs ``fn(spec)`` on tp ranks and returns their results
+            (default: freshly spawned processes; a test passes its pool).
+    """
+    from .runner import RunSpec
+    from .runtime.parallel import spawn
+
+    ranks = ranks or (lambda fn, spec: spawn(fn, tp, spec))
+    out = {}
+    for mode in ("ar", "rs", "rsv", "auto"):
+        spec = RunSpec(model_dir, tp=tp, dp=dp, boundary_reduction=mode, prompts=prompts,
+                       max_new_tokens=2)
+        out[mode] = ranks(_path_bytes_rank, spec)[0]
+    least = [min(out[m]["bytes"][s] for m in ("ar", "rs", "rsv")) for s in range(2)]
+    return {"tp": tp, "dp": dp, "prompt_lens": [len(p) for p in prompts],
+            "bytes": {m: r["bytes"] for m, r in out.items()},
+            "auto_modes": out["auto"]["modes"],
+            "auto_vs_least": [a / b if b else 1.0 for a, b in zip(out["auto"]["bytes"], least)]}

@@ -25,3 +25,42 @@ def test_bench_command(capsys):
     out = cli_ok(["bench", "--hidden", "64", "--layers", "2", "--requests", "2",
                   "--repeats", "1"], capsys)
     assert "overhead" in out
+
+
+
+def _suite():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
+    spec = importlib.util.spec_from_file_location("suite", path)
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    return suite
+
+
+def test_benchmark_suite_writes_its_rows_as_json(tmp_path, capsys):
+    """``benchmarks/suite.py --quick --json FILE`` (tiny sizes, one run: the numbers mean
+    nothing) writes the rows it prints as one JSON list, each with its ratio."""
+    import json
+
+    out = tmp_path / "suite.json"
+    _suite().main(["--quick", "--only", "overhead", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows == printed and [(r["tp"], r.get("policy")) for r in rows] == [
+        (1, None), (2, "auto"), (2, "rs")]
+    assert all(r["ratio"] == r["boundary_ms"] / r["hand_written_ms"] for r in rows)
+    assert [r["mode"] for r in rows[1:]] == ["ar", "rs"]  # auto: ar for a decode step
+
+
+def test_path_bytes_under_auto_are_the_least_of_the_modes():
+    """The suite's path-bytes row on pool ranks: a skewed prefill, where auto takes rsv, and
+    a one-token decode step; auto's bytes are the least explicit mode's both times."""
+    from distributed.pool import get_pool
+
+    pool = get_pool(4)
+    row = _suite().path_bytes_row(ranks=lambda fn, spec: pool.run(fn, spec, timeout=120))
+    least = [min(row["bytes"][m][s] for m in ("ar", "rs", "rsv")) for s in range(2)]
+    assert row["auto_vs_least"] == [a / b for a, b in zip(row["bytes"]["auto"], least)]
+    assert row["auto_vs_least"] == [1.0, 1.0] and row["auto_modes"][0] == "rsv"

@@ -1,0 +1,116 @@
+"""Every benchmark, as ratios measured A/B in one run: `python benchmarks/suite.py [--quick]
+[--json FILE]`.
+
+- ``overhead``: a boundary-integrated Qwen3 decode step against a hand-written forward of the
+  same modules (same tensor ops; at tp > 1 the same collectives a Megatron-style forward
+  issues), paired and interleaved, eager at three sizes, compiled (inductor) at two, and at
+  tp 2 and 4 under ``auto`` (its per-batch choice) and under ``rs``. ``ratio`` = boundary /
+  hand-written, the median of ``runs`` paired measurements.
+- ``load``: each rank's bytes read from the checkpoint against the bytes it keeps (tp 4).
+- ``path_bytes``: a forward's collective bytes under ``auto`` against the least of ar, rs and
+  rsv for that forward (tp 4 dp 2: a skewed prefill, then a one-token decode).
+- ``tbo``: two-batch overlap against the plain forward on the same ranks (tp 4 dp 2 MoE).
+
+One JSON object per line on stdout; ``--json FILE`` writes them all as one list (what
+README's figures come from). ``--only overhead,load,path_bytes,tbo`` picks benchmarks;
+``--quick`` runs tiny sizes once (a check that it runs; its numbers mean nothing).
+"""
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _median_ratio(fn, runs: int, **kwargs) -> dict:
+    results = [fn(**kwargs) for _ in range(runs)]
+    ratios = [r["boundary_ms"] / r["hand_written_ms"] for r in results]
+    best = min(results, key=lambda r: abs(r["boundary_ms"] / r["hand_written_ms"]
+                                          - statistics.median(ratios)))
+    return dict(best, ratio=statistics.median(ratios), ratios=ratios, runs=runs)
+
+
+def overhead_rows(quick: bool):
+    from layer_boundary.bench import overhead, overhead_tp
+
+    runs = 1 if quick else 5
+    small = dict(hidden=64, layers=2, requests=1, prefix=4, repeats=1) if quick else None
+    eager = [small] if quick else [dict(hidden=64, layers=8, requests=1, repeats=80),
+                                   dict(hidden=256, layers=8, requests=16, repeats=30),
+                                   dict(hidden=1024, layers=4, requests=16, repeats=20)]
+    for size in eager:
+        yield dict(bench="overhead", tp=1, **_median_ratio(overhead, runs, **size))
+    if not quick:
+        for size in (dict(hidden=64, layers=8, requests=1, repeats=80),
+                     dict(hidden=256, layers=8, requests=16, repeats=30)):
+            yield dict(bench="overhead", tp=1,
+                       **_median_ratio(overhead, 3, compile="inductor", **size))
+    for tp in ((2,) if quick else (2, 4)):
+        for policy in ("rs+rsv", "rs"):
+            size = (dict(hidden=64, layers=2, requests=2, prefix=4, repeats=1) if quick
+                    else dict(hidden=256, layers=8, requests=16, repeats=20))
+            row = _median_ratio(overhead_tp, runs, tp=tp, boundary_reduction=policy, **size)
+            yield dict(bench="overhead", policy="auto" if policy == "rs+rsv" else policy, **row)
+
+
+def load_row(quick: bool):
+    import load_bytes
+    from layer_boundary.runtime.parallel import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if quick:
+            load_bytes.CONFIG.update(hidden_size=64, intermediate_size=128, vocab_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=4, head_dim=16)
+        model_dir = str(load_bytes.checkpoint(Path(tmp) / "qwen3"))
+        size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+        ranks = spawn(load_bytes.load_rank, 4, model_dir, 4, True)
+    return dict(bench="load", tp=4, checkpoint_mb=size / 2 ** 20,
+                read_vs_kept=max(r["read_mb"] / r["kept_mb"] for r in ranks),
+                read_vs_checkpoint=max(r["read_mb"] for r in ranks) / (size / 2 ** 20))
+
+
+SKEWED = (tuple(range(1, 30)), (5,), (7, 8), (9,))  # DP rank 0 holds most rows
+
+
+def path_bytes_row(ranks=None):
+    from layer_boundary.bench import path_bytes
+    from layer_boundary.models.tiny import write_tiny_qwen3
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(write_tiny_qwen3(Path(tmp) / "qwen3"))
+        return dict(bench="path_bytes", **path_bytes(model_dir, SKEWED, ranks=ranks))
+
+
+def tbo_rows(quick: bool):
+    from layer_boundary.bench import tbo_overlap
+
+    for tokens in ((64,) if quick else (128, 384)):
+        row = tbo_overlap(tokens=tokens, repeats=1 if quick else 10,
+                          **(dict(hidden=64, layers=2) if quick else {}))
+        yield dict(bench="tbo", **row)
+
+
+BENCHES = {"overhead": lambda quick: overhead_rows(quick), "load": lambda quick: [load_row(quick)],
+           "path_bytes": lambda quick: [path_bytes_row()], "tbo": lambda quick: tbo_rows(quick)}
+
+
+def main(argv) -> list:
+    quick = "--quick" in argv
+    only = argv[argv.index("--only") + 1].split(",") if "--only" in argv else list(BENCHES)
+    rows = []
+    for name in only:
+        for row in BENCHES[name](quick):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if "--json" in argv:
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.exit(0)
