@@ -783,6 +783,28 @@ def _reference(spec):
 
 
 def main(argv=None) -> int:
+    """The ``layer-boundary`` command (``argv`` None: the process's own arguments, and the
+    process ends after it: multiprocessing's resource tracker, which spawned ranks start, is
+    stopped and reaped first, so nothing of the run outlives it in its process group)."""
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:
+            _stop_resource_tracker()
+
+
+def _stop_resource_tracker() -> None:
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # CPython's own
+    if stop is not None:
+        try:
+            stop()
+        except (OSError, ChildProcessError):  # already gone
+            pass
+
+
+def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "run":

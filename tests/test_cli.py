@@ -607,3 +607,18 @@ def test_an_unwritable_cache_is_a_one_line_error(tmp_path, capsys, restore_logge
     monkeypatch.setenv("LAYER_BOUNDARY_CACHE", str(blocked / "sub"))
     assert main(["run", "--tp", "1", "--dp", "1"]) == 2
     assert "cannot write the built-in checkpoint" in _one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.timeout(180)
+def test_run_leaves_no_process_behind_in_its_process_group(qwen3_dir):
+    """``layer-boundary run`` as a shell starts it, in a session of its own: once it exits,
+    its process group holds only the shell (before the launcher stopped multiprocessing's
+    resource tracker, the tracker outlived the run as an unreaped process)."""
+    script = (f"{sys.executable} -m layer_boundary run --model {qwen3_dir} --tp 2 "
+              "--max-new-tokens 1 --no-reference > /dev/null 2>&1; echo rc=$?; "
+              "ps -o pid=,stat=,args= -g $(ps -o pgid= -p $$)")
+    out = subprocess.run(["setsid", "bash", "-c", script], capture_output=True, text=True,
+                         timeout=150).stdout.splitlines()
+    assert out[0] == "rc=0", out
+    left = [line for line in out[1:] if "bash -c" not in line and "ps -o" not in line]
+    assert left == [], f"left behind in the run's process group: {left}"
