@@ -6,18 +6,59 @@ arithmetic, group selection and collective choice stay inside the package.
 
 __version__ = "0.1.0"  # the package version (pyproject reads it from here)
 
-from .contracts import BatchVariant, Owed, ProducerReduction, StageKind
-from .exit import FfnExit, MixerExit
-from .factories import (StageDeclaration, declare_attn, declare_ffn, make_attn_stage,
-                        make_ffn_stage, make_stages)
-from .layout import Layout, SumGroup, TokenAxis
-from .output import HandoffOutput, OutputTransform
-from .residual.stream import OwedOutput, ResidualStream
-from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
-from .stack import LayerStack, append_stages, layer_stack
-from .adapters import branch_input, branch_output, merge_branch
-from .adapters.cp import CpView, cp_view
-from .adapters.tbo import run_two_batches, split_batch
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the names are, for type checkers; imported on first use
+    from .contracts import BatchVariant, Owed, ProducerReduction, StageKind
+    from .exit import FfnExit, MixerExit
+    from .factories import (StageDeclaration, declare_attn, declare_ffn, make_attn_stage,
+                            make_ffn_stage, make_stages)
+    from .layout import Layout, SumGroup, TokenAxis
+    from .output import HandoffOutput, OutputTransform
+    from .residual.stream import OwedOutput, ResidualStream
+    from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
+    from .stack import LayerStack, append_stages, layer_stack
+    from .adapters import branch_input, branch_output, merge_branch
+    from .adapters.cp import CpView, cp_view
+    from .adapters.tbo import run_two_batches, split_batch
+
+# each public name -> the module that defines it: importing the package imports no torch, so
+# `layer-boundary --help` answers before torch loads (PEP 562)
+_EXPORTS = {
+    'BatchVariant': '.contracts',
+    'Owed': '.contracts',
+    'ProducerReduction': '.contracts',
+    'StageKind': '.contracts',
+    'FfnExit': '.exit',
+    'MixerExit': '.exit',
+    'StageDeclaration': '.factories',
+    'declare_attn': '.factories',
+    'declare_ffn': '.factories',
+    'make_attn_stage': '.factories',
+    'make_ffn_stage': '.factories',
+    'make_stages': '.factories',
+    'Layout': '.layout',
+    'SumGroup': '.layout',
+    'TokenAxis': '.layout',
+    'HandoffOutput': '.output',
+    'OutputTransform': '.output',
+    'OwedOutput': '.residual.stream',
+    'ResidualStream': '.residual.stream',
+    'StageBoundary': '.stage',
+    'boundary_guard_filter': '.stage',
+    'stage_boundaries': '.stage',
+    'LayerStack': '.stack',
+    'append_stages': '.stack',
+    'layer_stack': '.stack',
+    'branch_input': '.adapters',
+    'branch_output': '.adapters',
+    'merge_branch': '.adapters',
+    'CpView': '.adapters.cp',
+    'cp_view': '.adapters.cp',
+    'run_two_batches': '.adapters.tbo',
+    'split_batch': '.adapters.tbo',
+}
 
 __all__ = [
     "__version__",
@@ -28,3 +69,16 @@ __all__ = [
     "branch_input", "branch_output", "merge_branch", "run_two_batches", "split_batch",
     "LayerStack", "append_stages", "layer_stack", "CpView", "cp_view",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next lookup finds it without this hook
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

@@ -12,13 +12,9 @@ import json
 import logging
 import sys
 
-import torch
-
-from .construction import UnsupportedBoundary
-from .models.loader import CheckpointError
-from .runtime.args import BOUNDARY_REDUCTIONS
-from .runtime.ledger import summarize
-from .runtime.parallel import START_TIMEOUT_S, ParallelDims, RankError, TopologyError
+# only what parsing needs: a command imports torch and the package when it runs, so --help
+# and --version answer before torch loads
+from .runtime.defaults import BOUNDARY_REDUCTIONS, START_TIMEOUT_S
 
 log = logging.getLogger("layer_boundary")
 
@@ -58,13 +54,30 @@ def _prompt_ids(text: str) -> tuple[int, ...]:
     return ids
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help states its default, unless the text already says it (a default
+    derived from other flags is written out there) or the option is a switch."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="layer-boundary", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="layer-boundary", description="Stage boundaries for parallel transformer inference: "
+        "run a checkpoint on CPU ranks and check it against one rank (run), print the "
+        "boundary paths a batch takes (plan), or time the boundary against a hand-written "
+        "forward (bench).",
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"layer-boundary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="generate on parallel CPU ranks and check parity with world 1")
+    run = sub.add_parser("run", formatter_class=_HelpFormatter, help="generate on parallel CPU ranks and check parity with world 1")
     run.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
     run.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default 4)")
     run.add_argument("--dp", type=_positive, default=None,
@@ -76,8 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="attention context parallelism: each DP rank's tokens split over "
                           "this many ranks of its attention group (dp x cp divides tp)")
     _variant_args(run)
-    run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
-    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto",
+                     help="which row modes the boundaries may use: ar (all-reduce only), rs, rsv, rs+rsv, or "
+                          "auto (the architecture's policy, chosen per batch by rows moved)")
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                     help="the dtype weights and activations run in")
     run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
                      help='token ids of one prompt, e.g. "1,2,3" (repeatable)')
     run.add_argument("--prompt", action="append", default=None,
@@ -88,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-lora", action="append", default=None, metavar="NAME|none",
                      help="the adapter of one prompt, given once per prompt in prompt order "
                           "(none: the base model; default: every prompt on the base model)")
-    run.add_argument("--max-new-tokens", type=_positive, default=4)
+    run.add_argument("--max-new-tokens", type=_positive, default=4,
+                     help="tokens generated per prompt, the prefill's included")
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.add_argument("--logits-out", help="write per-prompt, per-step logits (safetensors)")
     run.add_argument("--no-reference", action="store_true", help="skip the world-1 parity run")
@@ -124,32 +141,41 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--speculative-boundary-reduction", choices=BOUNDARY_REDUCTIONS,
                      default="auto", help="the draft stack's own boundary-reduction policy")
 
-    plan = sub.add_parser("plan", help="print the per-stage boundary paths for a batch shape")
+    plan = sub.add_parser("plan", formatter_class=_HelpFormatter, help="print the per-stage boundary paths for a batch shape")
     plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
     plan.add_argument("--tp", type=_positive, default=None,
                       help="tensor-parallel size (default 4, as run)")
     plan.add_argument("--dp", type=_positive, default=None,
                       help="attention data-parallel size (default 2 with the default tp, else "
                            "1, as run)")
-    plan.add_argument("--ep", type=_positive, default=1)
-    plan.add_argument("--cp", type=_positive, default=1)
+    plan.add_argument("--ep", type=_positive, default=1,
+                      help="expert parallelism of MoE layers over the TP ranks, as run")
+    plan.add_argument("--cp", type=_positive, default=1,
+                      help="attention context parallelism, as run")
     _variant_args(plan)
-    plan.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto")
+    plan.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto",
+                      help="which row modes the boundaries may use: ar (all-reduce only), rs, rsv, rs+rsv, or "
+                           "auto (the architecture's policy, chosen per batch by rows moved)")
     plan.add_argument("--tokens", type=_token_counts, default=None,
                       help='tokens per attention-DP rank, e.g. "5,0,3,1" (default: 4 per rank)')
-    plan.add_argument("--no-allreduce-fusion", action="store_true")
-    plan.add_argument("--no-rs-padding", action="store_true")
+    plan.add_argument("--no-allreduce-fusion", action="store_true",
+                      help="plan every FFN all-reduce completed in compute, as run")
+    plan.add_argument("--no-rs-padding", action="store_true",
+                      help="forbid padding rows for fixed-size reduce-scatter, as run")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--tbo", action="store_true",
                       help="also show the rows of both two-batch-overlap microbatches (each "
                            "DP rank's tokens taken as one-token requests)")
     _pipeline_args(plan)
 
-    bench = sub.add_parser("bench", help="boundary overhead against a hand-written decoder")
-    bench.add_argument("--hidden", type=_positive, default=256)
-    bench.add_argument("--layers", type=_positive, default=8)
-    bench.add_argument("--requests", type=_positive, default=16)
-    bench.add_argument("--repeats", type=_positive, default=30)
+    bench = sub.add_parser("bench", formatter_class=_HelpFormatter, help="boundary overhead against a hand-written decoder")
+    bench.add_argument("--hidden", type=_positive, default=256,
+                       help="the benchmark model's hidden size (a multiple of 8)")
+    bench.add_argument("--layers", type=_positive, default=8, help="its decoder layers")
+    bench.add_argument("--requests", type=_positive, default=16,
+                       help="requests in the decode step")
+    bench.add_argument("--repeats", type=_positive, default=30,
+                       help="timed forwards of each kind, interleaved")
     bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
                        help="run both forwards under torch.compile(fullgraph=True)")
     return parser
@@ -300,6 +326,8 @@ def _check_lora(args, prompts, cfg, model_cls, dims) -> tuple[tuple, tuple]:
     """``--lora`` and ``--prompt-lora`` against each other, the prompts, the model (each
     adapter attached to a weightless copy of rank 0's model) and the features they do not
     combine with yet: (adapters, each prompt's adapter name)."""
+    import torch
+
     from .adapters.lora import LoraError, attach_lora, lora_slots
     from .runtime.args import BoundaryRuntime
     from .runtime.parallel import virtual_parallel
@@ -325,22 +353,38 @@ def _check_lora(args, prompts, cfg, model_cls, dims) -> tuple[tuple, tuple]:
     return adapters, chosen
 
 
+def _tokenizer(model_dir):
+    """The checkpoint's ``tokenizer.json`` (what ``--prompt`` encodes with and the report
+    decodes with), or the one-line error naming what is missing."""
+    from pathlib import Path
+
+    tok_file = Path(model_dir) / "tokenizer.json"
+    if not tok_file.is_file():
+        raise UsageError(f"--prompt needs {tok_file}; pass --prompt-ids instead")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("--prompt needs the 'tokenizers' package (pip install "
+                         "'layer_boundary[tokenizer]'); or pass --prompt-ids") from None
+    return Tokenizer.from_file(str(tok_file))
+
+
 def _prompts(args, model_dir) -> tuple[tuple[int, ...], ...]:
     prompts = list(args.prompt_ids or [])
     if args.prompt:
-        from pathlib import Path
-
-        tok_file = Path(model_dir) / "tokenizer.json"
-        if not tok_file.is_file():
-            raise UsageError(f"--prompt needs {tok_file}; pass --prompt-ids instead")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise UsageError("--prompt needs the 'tokenizers' package (pip install "
-                             "'layer_boundary[tokenizer]'); or pass --prompt-ids") from None
-        tok = Tokenizer.from_file(str(tok_file))
+        tok = _tokenizer(model_dir)
         prompts += [tuple(tok.encode(text).ids) for text in args.prompt]
     return tuple(prompts)
+
+
+def _texts(args, spec, run) -> dict | None:
+    """With ``--prompt``: each request's prompt and completion decoded by the checkpoint's
+    tokenizer (request index -> (prompt text, completion text)); else None."""
+    if not args.prompt:
+        return None
+    tok = _tokenizer(spec.model_dir)
+    return {i: (tok.decode(list(spec.prompts[i])), tok.decode(g))
+            for i, g in zip(run.request_ids, run.generated)}
 
 
 # Used when no prompt is given; ids are taken modulo the checkpoint's vocabulary.
@@ -348,6 +392,8 @@ DEFAULT_PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8))
 
 
 def _spec(args):
+    from .runtime.parallel import ParallelDims
+
     from .models import load_config, model_class_of
     from .models.loader import check_fp8_tensors, safetensors_files
     from .models.tiny import builtin_checkpoint
@@ -460,6 +506,8 @@ def _check_pipeline(args, cfg, model_cls) -> None:
 
 
 def _report(args, spec, results, reference) -> int:
+    from .runtime.ledger import summarize
+
     from .runner import forward_variants, merge, parity, speculative_summary, verdict_ok
 
     run = merge(results)
@@ -474,12 +522,15 @@ def _report(args, spec, results, reference) -> int:
                    for i, steps in zip(run.request_ids, run.logits)
                    for j, logit in enumerate(steps)}, args.logits_out)
     ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
+    texts = _texts(args, spec, run)
     if args.json:
         log.info(json.dumps({
             "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
             "boundary_reduction": rank0.resolved_reduction,
             "dtype": spec.dtype,
-            "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g}
+            "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g,
+                         **({"prompt_text": texts[i][0], "generated_text": texts[i][1]}
+                            if texts else {})}
                         for i, g in zip(run.request_ids, run.generated)],
             "parity": verdict, "collectives": collectives,
             **({"speculative": speculative} if speculative else {}),
@@ -497,12 +548,14 @@ def _report(args, spec, results, reference) -> int:
              rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
              ("  sequence-parallel prefill" if spec.sequence_parallel else
               "  input-scattered attention" if spec.attn_input_scattered else "")
-             + _a2a_note(spec.moe_a2a_backend)
+             + _a2a_note(spec.moe_a2a_backend) + _modes_on(spec)
              + (f"  compiled ({spec.compile}, fullgraph) into {rank0.compiled_graphs} "
                 f"graph{'s' * (rank0.compiled_graphs != 1)} on rank 0" if spec.compile else ""))
     for i, g in zip(run.request_ids, run.generated):
         adapter = f" (LoRA {spec.prompt_lora[i]})" if spec.prompt_lora else ""
         log.info("prompt %d %s%s -> generated %s", i, list(spec.prompts[i]), adapter, g)
+        if texts:
+            log.info("  text: %r -> %r", *texts[i])
     if speculative:
         log.info("speculative (%d draft steps): acceptance %.2f, %.2f tokens per target forward "
                  "per request, %d verification forwards, %d reruns", spec.speculative_steps,
@@ -526,19 +579,56 @@ def _report(args, spec, results, reference) -> int:
                  "from; run without --compile for the ledger)")
         return 0 if ok else 1
     log.info("\ncollectives per forward on rank 0 (count x kind, bytes; step 0 = prefill):")
-    for step in sorted({e.step for e in rank0.ledger})[:2]:
-        log.info("  step %d:", step)
-        per_site: dict[str, dict] = {}
+    lines = {}  # step -> its per-site lines
+    for step in sorted({e.step for e in rank0.ledger}):
+        per_site: dict[str, list] = {}
         for e in rank0.ledger:
             if e.step == step:
                 per_site.setdefault(e.site, []).append(e)
-        for site, entries in per_site.items():
-            desc = ", ".join(f"{v['count']}x {k} {v['bytes']} B"
-                             for k, v in summarize(entries).items())
-            log.info("    %-22s %s", site, desc)
+        lines[step] = [f"    {site:<22} " + ", ".join(
+            f"{v['count']}x {k} {v['bytes']} B" for k, v in summarize(entries).items())
+            for site, entries in per_site.items()]
+    steps = sorted(lines)
+    for step in steps[:2]:
+        log.info("  step %d:", step)
+        for line in lines[step]:
+            log.info("%s", line)
+    if len(steps) > 2:  # decode steps past the first: say whether they repeat it
+        same = [s for s in steps[2:] if lines[s] == lines[steps[1]]]
+        other = [s for s in steps[2:] if s not in same]
+        if same:
+            log.info("  step%s %s repeat%s step %d", "s" * (len(same) > 1), _span(same),
+                     "" if len(same) > 1 else "s", steps[1])
+        for step in other:
+            log.info("  step %d:", step)
+            for line in lines[step]:
+                log.info("%s", line)
     log.info("\ncollectives over the run: %s", ", ".join(
         f"{k}: {v['count']} ({v['bytes']} B)" for k, v in collectives.items()) or "none")
     return 0 if ok else 1
+
+
+def _modes_on(spec) -> str:
+    """The header's words for the run's other modes that are on."""
+    words = []
+    if spec.tbo:
+        words.append("two-batch overlap")
+    if spec.split_prefill > 1:
+        words.append(f"prefill in {spec.split_prefill} segments")
+    if spec.speculative:
+        source = ("its NextN layer" if spec.speculative_algorithm == "nextn"
+                  else f"draft {spec.draft_model}")
+        words.append(f"speculative ({source}, {spec.speculative_steps} steps)")
+    if spec.lora:
+        words.append(f"LoRA {', '.join(name for name, _ in spec.lora)}")
+    return "".join(f"  {w}" for w in words)
+
+
+def _span(steps: list[int]) -> str:
+    """``2-3`` for consecutive steps, else ``2, 4``."""
+    if steps == list(range(steps[0], steps[-1] + 1)) and len(steps) > 1:
+        return f"{steps[0]}-{steps[-1]}"
+    return ", ".join(map(str, steps))
 
 
 def _plan_table(rows) -> None:
@@ -564,6 +654,11 @@ PLAN_LEGEND = (
 
 def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
+    import torch
+
+    from .runtime.ledger import summarize
+    from .runtime.parallel import ParallelDims
+
     from .construction import select_mode
     from .contracts import BatchVariant
     from .layout import RowMode
@@ -689,6 +784,8 @@ def cmd_plan(args) -> int:
 
 
 def _rank_entry(spec):
+    import torch
+
     from .runner import run_rank
 
     torch.manual_seed(0)
@@ -696,6 +793,8 @@ def _rank_entry(spec):
 
 
 def cmd_run(args) -> int:
+    from .runtime.parallel import TopologyError
+
     from .runtime.parallel import init_distributed, launched_by_torchrun, spawn
     from .runner import run_rank
 
@@ -806,6 +905,10 @@ def _stop_resource_tracker() -> None:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
+    from .construction import UnsupportedBoundary
+    from .models.loader import CheckpointError
+    from .runtime.parallel import RankError, TopologyError
+
     try:
         if args.command == "run":
             return cmd_run(args)

@@ -35,6 +35,9 @@ class StageDeclaration:
     previous: "StageDeclaration | None" = None
     prepared_from: "StageDeclaration | None" = None
     terminal: bool = False
+    # what the compute is, as plans name it (e.g. "mamba2" for a single-stage Mamba2 mixer);
+    # None: its kind says it. A label only: no path depends on it, neighbours need not say it
+    mixer: str | None = field(default=None, compare=False)
 
     @property
     def transform_first(self) -> OutputTransform | None:
@@ -48,7 +51,8 @@ class StageDeclaration:
         update = self.residual.update
         sp = ", sequence-parallel compute" if self.sequence_parallel else ""
         sp += ", all-to-all dispatch" if self.dispatches else ""
-        text = f"{self.kind.value}{sparse} ({self.reduction.value}{sp})"
+        kind = self.kind.value if self.mixer is None else f"{self.mixer} {self.kind.value}"
+        text = f"{kind}{sparse} ({self.reduction.value}{sp})"
         return text if is_plain(update) else f"{text} with update {update!r}"
 
 
@@ -72,7 +76,8 @@ def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
                  read: StageRead | None = None, previous: StageDeclaration | None = None,
                  prepared_from: StageDeclaration | None = None,
                  terminal: bool = False, sequence_parallel: bool = False,
-                 output_transform: OutputTransform | None = None) -> StageDeclaration:
+                 output_transform: OutputTransform | None = None,
+                 mixer: str | None = None) -> StageDeclaration:
     """An attention (or, with ``reduction=SCOPED``, a single-stage mixer) declaration.
 
     Args:
@@ -87,6 +92,8 @@ def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
             their input, its row-parallel output projection reduce-scatters its output.
         output_transform: processing of its contribution before the residual update
             (``OutputTransform``; its ``before_reduce_scatter`` states the order kept).
+        mixer: what the compute is, as plans label the stage (e.g. ``"mamba2"``; None: an
+            attention).
     """
     if reduction is ProducerReduction.LOCAL_TAIL:
         raise ValueError("LOCAL_TAIL is not supported for attention stages")
@@ -95,7 +102,8 @@ def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
                             sequence_parallel=sequence_parallel,
                             output_transform=output_transform,
                             residual=_layer_residual(update, read, output_transform),
-                            previous=previous, prepared_from=prepared_from, terminal=terminal)
+                            previous=previous, prepared_from=prepared_from, terminal=terminal,
+                            mixer=mixer)
 
 
 def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,

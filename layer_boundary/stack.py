@@ -99,6 +99,8 @@ def _differences(declared, built) -> str:
     """The fields in which two bare declarations differ, each as declared vs built."""
     out = []
     for f in dataclasses.fields(declared):
+        if not f.compare:  # a label (mixer), not a fact the neighbours must agree on
+            continue
         said, real = getattr(declared, f.name), getattr(built, f.name)
         if said != real:
             name = f.name

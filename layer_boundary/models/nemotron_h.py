@@ -216,7 +216,8 @@ def block_declaration(cfg: NemotronHConfig, i: int):
     """Block ``i``'s declaration; its neighbours describe it with this same call."""
     kind = cfg.layers_block_type[i]
     if kind in MIXERS:
-        return declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False)
+        return declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False,
+                            mixer="mamba2" if kind == MAMBA else None)
     return declare_ffn(sparse=kind == MOE, dispatches=kind == MOE and cfg.moe_a2a)
 
 

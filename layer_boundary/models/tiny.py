@@ -88,12 +88,47 @@ def write_tiny_qwen3(path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def _byte_symbols() -> dict[int, str]:
+    """Each byte's printable stand-in in a byte-level BPE vocabulary (GPT-2's table: the
+    printable Latin-1 bytes stand for themselves, the others for code points from 256)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def byte_tokenizer_json() -> dict:
+    """A ``tokenizers`` tokenizer.json whose token ids are the bytes of the UTF-8 text (256
+    tokens, no merges): the built-in checkpoint's vocabulary, so ``run --prompt`` works on it."""
+    level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+            "normalizer": None, "pre_tokenizer": {"type": "ByteLevel", **level},
+            "post_processor": None, "decoder": {"type": "ByteLevel", **level},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {s: b for b, s in sorted(_byte_symbols().items())},
+                      "merges": []}}
+
+
+def write_byte_tokenizer(path) -> Path:
+    """``path/tokenizer.json``: ``byte_tokenizer_json()`` (written atomically)."""
+    target = Path(path) / "tokenizer.json"
+    tmp = target.with_name(f"tokenizer.json.{os.getpid()}")
+    tmp.write_text(json.dumps(byte_tokenizer_json(), ensure_ascii=False) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
 def builtin_checkpoint() -> Path:
-    """The main job's checkpoint, written to the cache folder on first use."""
+    """The main job's checkpoint (with its byte-level tokenizer), written to the cache
+    folder on first use."""
     path = default_cache_dir() / "tiny-qwen3"
-    if not (path / "model.safetensors").is_file():
+    if not (path / "model.safetensors").is_file() or not (path / "tokenizer.json").is_file():
         try:
-            write_tiny_qwen3(path)
+            if not (path / "model.safetensors").is_file():
+                write_tiny_qwen3(path)
+            write_byte_tokenizer(path)
         except OSError as exc:
             raise CheckpointError(f"cannot write the built-in checkpoint to {path} ({exc.strerror}"
                                   "); set LAYER_BOUNDARY_CACHE to a writable folder") from None

@@ -5,19 +5,76 @@ needs to stand up a topology and run a batch is exported here; see README ("Publ
 API").
 """
 
-from .args import (BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime, resolve_boundary_reduction,
-                   set_runtime)
-from .collectives import (all_reduce_rows, all_to_all_rows, broadcast_from_last_stage,
-                          exchange_counts, gather_last_dim, gather_rows, gather_rows_v, recv_from_prev_stage, reduce_scatter_rows,
-                          reduce_scatter_rows_v, send_to_next_stage)
-from .context import NO_FLAGS, ForwardFlags, get_forward, get_parallel
-from .embedding import ParallelLMHead, VocabParallelEmbedding
-from .forward_batch import SMALLEST_BUCKET, BatchVariant, ForwardBatch, ForwardMode, token_bucket
-from .ledger import LEDGER, HOOK, Ledger, LedgerEntry, Observer, observing, summarize
-from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from .norm import RMSNorm
-from .parallel import (Group, Parallel, ParallelDims, RankError, TopologyError, build_parallel,
-                       init_distributed, launched_by_torchrun, spawn, virtual_parallel)
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the names are, for type checkers; imported on first use
+    from .args import (BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime, resolve_boundary_reduction,
+                       set_runtime)
+    from .collectives import (all_reduce_rows, all_to_all_rows, broadcast_from_last_stage,
+                              exchange_counts, gather_last_dim, gather_rows, gather_rows_v, recv_from_prev_stage, reduce_scatter_rows,
+                              reduce_scatter_rows_v, send_to_next_stage)
+    from .context import NO_FLAGS, ForwardFlags, get_forward, get_parallel
+    from .embedding import ParallelLMHead, VocabParallelEmbedding
+    from .forward_batch import SMALLEST_BUCKET, BatchVariant, ForwardBatch, ForwardMode, token_bucket
+    from .ledger import LEDGER, HOOK, Ledger, LedgerEntry, Observer, observing, summarize
+    from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from .norm import RMSNorm
+    from .parallel import (Group, Parallel, ParallelDims, RankError, TopologyError, build_parallel,
+                           init_distributed, launched_by_torchrun, spawn, virtual_parallel)
+
+# each public name -> its module, imported on first use (PEP 562): the command line reads
+# `defaults` without importing torch
+_EXPORTS = {
+    'BOUNDARY_REDUCTIONS': '.args',
+    'BoundaryRuntime': '.args',
+    'get_runtime': '.args',
+    'resolve_boundary_reduction': '.args',
+    'set_runtime': '.args',
+    'all_reduce_rows': '.collectives',
+    'all_to_all_rows': '.collectives',
+    'broadcast_from_last_stage': '.collectives',
+    'exchange_counts': '.collectives',
+    'gather_last_dim': '.collectives',
+    'gather_rows': '.collectives',
+    'gather_rows_v': '.collectives',
+    'recv_from_prev_stage': '.collectives',
+    'reduce_scatter_rows': '.collectives',
+    'reduce_scatter_rows_v': '.collectives',
+    'send_to_next_stage': '.collectives',
+    'NO_FLAGS': '.context',
+    'ForwardFlags': '.context',
+    'get_forward': '.context',
+    'get_parallel': '.context',
+    'ParallelLMHead': '.embedding',
+    'VocabParallelEmbedding': '.embedding',
+    'SMALLEST_BUCKET': '.forward_batch',
+    'BatchVariant': '.forward_batch',
+    'ForwardBatch': '.forward_batch',
+    'ForwardMode': '.forward_batch',
+    'token_bucket': '.forward_batch',
+    'LEDGER': '.ledger',
+    'HOOK': '.ledger',
+    'Ledger': '.ledger',
+    'LedgerEntry': '.ledger',
+    'Observer': '.ledger',
+    'observing': '.ledger',
+    'summarize': '.ledger',
+    'ColumnParallelLinear': '.linear',
+    'QKVParallelLinear': '.linear',
+    'RowParallelLinear': '.linear',
+    'RMSNorm': '.norm',
+    'Group': '.parallel',
+    'Parallel': '.parallel',
+    'ParallelDims': '.parallel',
+    'RankError': '.parallel',
+    'TopologyError': '.parallel',
+    'build_parallel': '.parallel',
+    'init_distributed': '.parallel',
+    'launched_by_torchrun': '.parallel',
+    'spawn': '.parallel',
+    'virtual_parallel': '.parallel',
+}
 
 __all__ = [
     # topology and process start-up
@@ -40,3 +97,16 @@ __all__ = [
     # observing a forward
     "LEDGER", "Ledger", "LedgerEntry", "Observer", "HOOK", "observing", "summarize",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next lookup finds it without this hook
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .defaults import BOUNDARY_REDUCTIONS  # noqa: F401 - the choices, stated once there
 from .forward_batch import BatchVariant
 from .parallel import Parallel
 
-BOUNDARY_REDUCTIONS = ("ar", "rs", "rsv", "rs+rsv", "auto")
 # how a MoE reaches its experts: "none" (every TP rank holds every DP rank's rows, gathered by
 # the boundary) or "all_to_all" (the MoE stays on the attention rows and dispatches each
 # routed token to its experts' ranks itself)

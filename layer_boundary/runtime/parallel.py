@@ -290,7 +290,7 @@ SILENT_S = 20.0  # a started rank silent this long (stuck, or stopped where the 
 STOPPED_S = 3.0  # a rank whose process the OS reports stopped (SIGSTOP) this long ends the job
 # Start-up is not silence: a rank imports torch and the package before it can report, which
 # takes minutes on a loaded machine or a network filesystem.
-START_TIMEOUT_S = 300.0
+from .defaults import START_TIMEOUT_S  # noqa: E402 - stated once, where --help reads it
 
 
 def process_state(pid: int) -> str | None:
