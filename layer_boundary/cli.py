@@ -827,7 +827,7 @@ def cmd_run(args) -> int:
     spec = _spec(args)
     if spec.tbo and not args.json:  # spawned gloo ranks on this machine's shared cores
         log.info("note: --tbo on gloo ranks that share CPU cores runs slower than the plain "
-                 "forward (README, Two-batch overlap); it proves the overlapped schedule's "
+                 "forward (docs/features.md, Two-batch overlap); it proves the overlapped schedule's "
                  "numbers, not a speed-up here")
     world = spec.world_size
     if world > 1 and not args.json:  # before the wait: how many processes this starts

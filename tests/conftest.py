@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/checkpoints.py for the rank workers too
+# examples/ (the GPT-2 outside model, the engine loop): importable here and in rank workers
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 os.environ.setdefault("LAYER_BOUNDARY_CACHE", str(Path(__file__).parent.parent / ".cache"))
 
 from checkpoints import hf_qwen3  # noqa: E402

@@ -108,6 +108,10 @@ class ForwardState:
 
 
 class ResidualStream:
+    """One forward's residual between the stack's entry and exit: the residual tensor and
+    its rows, the producer's pending contribution, and the handle the model must pass to the
+    next boundary call (a branch's stream forks from its ``parent``)."""
+
     __slots__ = ("residual", "residual_rows", "contribution", "handle", "prepared", "parent",
                  "branch_output", "owner", "pending", "made_by", "selected")
 

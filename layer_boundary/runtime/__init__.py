@@ -1,7 +1,7 @@
 """The host runtime that plays the engine's part: topology, batches, flags, layers, ledger.
 
 It stands below the boundary library and imports nothing from it. What an engine or a test
-needs to stand up a topology and run a batch is exported here; see README ("Public runtime
+needs to stand up a topology and run a batch is exported here; see docs/api.md ("Public runtime
 API").
 """
 

@@ -82,10 +82,13 @@ _RUNTIME: list[BoundaryRuntime] = []
 
 
 def set_runtime(runtime: BoundaryRuntime) -> None:
+    """Make ``runtime`` the engine's default: what a stage built without ``runtime=`` outside
+    a layer stack is built on (construction only; a forward never reads it)."""
     _RUNTIME[:] = [runtime]
 
 
 def get_runtime() -> BoundaryRuntime:
+    """The engine's default runtime (``set_runtime``), or the error saying none is set."""
     if not _RUNTIME:
         raise RuntimeError("no boundary runtime is set; pass runtime= or call set_runtime() first")
     return _RUNTIME[0]

@@ -30,6 +30,9 @@ class Observer(Protocol):
 
 
 class _Hook:
+    """The one observation point: ``HOOK.observer`` (None: nobody watches, and a forward
+    does no work for observation), installed with ``observing(observer)``."""
+
     __slots__ = ("observer",)
 
     def __init__(self) -> None:

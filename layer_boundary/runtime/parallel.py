@@ -246,6 +246,7 @@ def free_port() -> int:
 
 
 def launched_by_torchrun() -> bool:
+    """Whether this process is a torchrun worker (its environment names the rendezvous)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     )

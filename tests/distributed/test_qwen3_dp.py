@@ -47,7 +47,7 @@ def expected_mode(policy: str, tp: int, dp: int) -> str:
 
 
 def expected_modes(policy: str, tp: int, dp: int, prompts) -> list[str]:
-    """Each step's mode. ``auto`` chooses per batch (README, Row modes): without attention
+    """Each step's mode. ``auto`` chooses per batch (docs/concepts.md, Row modes): without attention
     DP ``rs`` sends no fewer rows than ``ar``, so ``ar``; with it ``rsv`` sends fewer (its
     attention-TP gathers move one DP rank's rows, ``ar``'s sums every DP rank's), unless no
     DP rank holds attn_tp rows."""

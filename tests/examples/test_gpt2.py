@@ -1,4 +1,4 @@
-"""The worked example of docs/adding-a-model.md: GPT-2 (tests/examples/gpt2.py) against
+"""The worked example of docs/adding-a-model.md: GPT-2 (examples/gpt2.py) against
 transformers' GPT-2 at world 1, then on real gloo ranks against world 1."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 World 1 against transformers running the dequantized weights: the only difference is the
 read's dynamic FP8 of the activations (per token, per group of the weights' input block), so
-the prefill logits stay within 2^-3 of the logit scale (measured: README). Every multi-rank
+the prefill logits stay within 2^-3 of the logit scale (measured: docs/features.md). Every multi-rank
 configuration against world 1 within 1e-5 x logit scale: the quantization is row-wise, so
 it gives the same bytes on any rank. The ledger shows the 1-byte gathers (the values as
 uint8, plus the float32 scales); bad quantized input is a named one-line error.

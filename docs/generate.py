@@ -1,0 +1,114 @@
+"""The generated parts of docs/: the API reference of the public surface (from docstrings)
+and the command-line reference (from the parser's own help).
+
+    python docs/generate.py          # rewrite the generated blocks in place
+    python docs/generate.py --check  # exit 1, naming the file, where a block is stale
+
+A generated block stands between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``;
+everything else in the file is written by hand. ``tests/test_docs.py`` runs ``--check``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+SURFACE = ("layer_boundary", "layer_boundary.residual.batch", "layer_boundary.runtime")
+HELP_WIDTH = "96"
+
+
+def _summary(obj) -> str:
+    doc = inspect.getdoc(obj) or ""
+    first = doc.split("\n\n")[0].replace("\n", " ").strip()
+    return first or "(no docstring)"
+
+
+def _signature(name: str, obj) -> str:
+    try:
+        return f"{name}{inspect.signature(obj)}"
+    except (TypeError, ValueError):
+        return name
+
+
+def _public(module_name: str) -> list[str]:
+    import importlib
+
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", None)
+    if names is None:  # a module of functions: those it defines itself
+        names = [n for n, v in vars(module).items() if not n.startswith("_")
+                 and inspect.isfunction(v) and v.__module__ == module_name]
+    return [n for n in names if n != "__version__"]
+
+
+def api_reference() -> str:
+    import importlib
+
+    out = []
+    for module_name in SURFACE:
+        module = importlib.import_module(module_name)
+        out.append(f"### `{module_name}`\n")
+        for name in sorted(_public(module_name), key=str.lower):
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                kind = "class" if inspect.isclass(obj) else "function"
+                out.append(f"- `{_signature(name, obj)}` ({kind}): {_summary(obj)}")
+            else:
+                out.append(f"- `{name}` ({type(obj).__name__}): {_summary_of_value(obj)}")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _summary_of_value(value) -> str:
+    """A literal's value; an instance's class docstring (a repr may hold an address)."""
+    if isinstance(value, (str, int, float, tuple)) and len(repr(value)) <= 70:
+        return f"`{value!r}`"
+    return f"an instance: {_summary(type(value))}"
+
+
+def cli_reference() -> str:
+    os.environ["COLUMNS"] = HELP_WIDTH  # argparse wraps to the terminal: a fixed width
+    from layer_boundary.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    out = ["### `layer-boundary`\n", "```", parser.format_help().rstrip(), "```", ""]
+    for name, command in sub.choices.items():
+        out += [f"### `layer-boundary {name}`\n", "```", command.format_help().rstrip(), "```", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+BLOCKS = {"api.md": ("api", api_reference), "cli.md": ("cli", cli_reference)}
+MARK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
+
+
+def render(path: Path) -> str:
+    text = path.read_text()
+    name, make = BLOCKS[path.name]
+    if f"<!-- generated: {name} -->" not in text:
+        raise SystemExit(f"{path}: no <!-- generated: {name} --> block")
+    return MARK.sub(lambda m: m.group(1) + make() + m.group(4), text)
+
+
+def main(argv) -> int:
+    stale = []
+    for file in BLOCKS:
+        path = DOCS / file
+        new = render(path)
+        if new != path.read_text():
+            if "--check" in argv:
+                stale.append(str(path))
+            else:
+                path.write_text(new)
+    if stale:
+        print(f"stale generated docs (run python docs/generate.py): {', '.join(stale)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
