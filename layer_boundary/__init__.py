@@ -6,8 +6,9 @@ arithmetic, group selection and collective choice stay inside the package.
 
 __version__ = "0.1.0"  # the package version (pyproject reads it from here)
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .runtime.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the names are, for type checkers; imported on first use
     from .contracts import BatchVariant, Owed, ProducerReduction, StageKind
@@ -71,14 +72,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # the next lookup finds it without this hook
-    return value
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -63,6 +63,14 @@ def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int
                                    "hand_written_ms", "overhead", "per_stage_us")}
 
 
+def overhead_with_noise(hidden: int = 256, layers: int = 8, requests: int = 16,
+                        prefix: int = 32, repeats: int = 30, compile: str | None = None) -> dict:
+    """``overhead`` with the spread of the timed forwards: ``spread_ms`` (min, median, max of
+    each kind) and ``noise`` (the hand-written forward's interquartile range over its
+    median: an overhead smaller than it is not measured)."""
+    return _overhead_rank(hidden, layers, requests, prefix, repeats, compile, "rs+rsv", 1)
+
+
 def overhead_tp(tp: int, hidden: int = 256, layers: int = 8, requests: int = 16,
                 prefix: int = 32, repeats: int = 20, boundary_reduction: str = "rs+rsv",
                 compile: str | None = None) -> dict:
@@ -125,8 +133,14 @@ def _overhead_rank(hidden, layers, requests, prefix, repeats, compile, boundary_
     # the fixed cost per stage from the fastest runs: on a shared machine the medians of two
     # sub-millisecond forwards drift more than the boundary costs
     best = {k: min(v) for k, v in times.items()}
+    # the spread of the hand-written forward's own times: an overhead inside it is noise
+    hand = sorted(times["hand_written"])
+    noise = (hand[len(hand) * 3 // 4] - hand[len(hand) // 4]) / med["hand_written"]
     return {"hidden": hidden, "layers": layers, "requests": requests, "compile": compile,
             "tp": tp, "boundary_reduction": boundary_reduction,
+            "spread_ms": {k: [min(v) * 1e3, med[k] * 1e3, max(v) * 1e3]
+                          for k, v in times.items()},
+            "noise": noise,
             "mode": mode,
             "ratio": med["boundary"] / med["hand_written"],
             "boundary_ms": med["boundary"] * 1e3, "hand_written_ms": med["hand_written"] * 1e3,

@@ -632,11 +632,12 @@ def _span(steps: list[int]) -> str:
 
 
 def _plan_table(rows) -> None:
-    names = max(len(r["stage"]) for r in rows)
+    labels = [r["stage"] + (f" ({r['mixer']})" if "mixer" in r else "") for r in rows]
+    names = max(map(len, labels))
     width = max(len(r["entry"]) for r in rows)
     log.info("  %-*s %-*s  %s", names, "stage", width, "prepare", "exit")
-    for row in rows:
-        log.info("  %-*s %-*s  %s", names, row["stage"], width, row["entry"], row["exit"])
+    for label, row in zip(labels, rows):
+        log.info("  %-*s %-*s  %s", names, label, width, row["entry"], row["exit"])
 
 
 PLAN_LEGEND = (
@@ -833,6 +834,9 @@ def cmd_run(args) -> int:
     if world > 1 and not args.json:  # before the wait: how many processes this starts
         log.info("starting %d rank processes (%stp %d)", world,
                  f"pp {spec.pp} x " if spec.pp > 1 else "", spec.tp)
+        log.info("each loads its shard of %s%s", spec.model_dir,
+                 f", then compiles its forward with {spec.compile} (the first forward of each "
+                 "token bucket; minutes with cold caches)" if spec.compile else "")
     with _stop_on_sigterm():
         options = {"collective_timeout_s": timeout} if timeout else {}
         if args.start_timeout:
@@ -915,26 +919,37 @@ def _main(argv) -> int:
         if args.command == "plan":
             return cmd_plan(args)
         if args.command == "bench":
-            from .bench import BENCH_HEADS, overhead
+            from .bench import BENCH_HEADS, overhead_with_noise
 
             if args.hidden % BENCH_HEADS:
                 raise UsageError(f"--hidden {args.hidden} must be a multiple of {BENCH_HEADS}, "
                                  "the benchmark model's attention heads")
             _setup_logging(0)
-            result = overhead(args.hidden, args.layers, args.requests, repeats=args.repeats,
-                              compile=args.compile)
+            log.info("timing %d paired decode steps (hidden %d, %d layers, %d requests%s) ...",
+                     args.repeats, args.hidden, args.layers, args.requests,
+                     f", compiling with {args.compile} first" if args.compile else "")
+            result = overhead_with_noise(args.hidden, args.layers, args.requests,
+                                         repeats=args.repeats, compile=args.compile)
             log.info("decode step, world 1, hidden %d, %d layers, %d requests%s: boundary %.3f "
                      "ms, hand-written %.3f ms, overhead %+.1f%% (%.1f us per stage)",
                      result["hidden"], result["layers"], result["requests"],
                      f", compiled ({args.compile})" if args.compile else ", eager",
                      result["boundary_ms"], result["hand_written_ms"], 100 * result["overhead"],
                      result["per_stage_us"])
+            for kind, (low, mid, high) in result["spread_ms"].items():
+                log.info("  %-12s min %.3f / median %.3f / max %.3f ms", kind, low, mid, high)
+            if abs(result["overhead"]) <= result["noise"]:
+                log.info("warning: the overhead is within the noise (the hand-written forward's "
+                         "interquartile range is %.1f%% of its median): raise --repeats or run "
+                         "on an idle machine", 100 * result["noise"])
             return 0
     except (CheckpointError, TopologyError, UnsupportedBoundary, UsageError, ValueError) as exc:
         print(f"layer-boundary: error: {exc}", file=sys.stderr)
         return 2
     except RankError as exc:  # a rank crashed, died or fell silent: the job is over
-        print(f"layer-boundary: error: {exc}", file=sys.stderr)
+        hint = (" (a rank that imports or loads slowly: --start-timeout SECONDS widens the "
+                "start-up window)" if "did not start within" in str(exc) else "")
+        print(f"layer-boundary: error: {exc}{hint}", file=sys.stderr)
         return 1
     return 0
 

@@ -282,13 +282,13 @@ def resolve_input(decl, runtime, layouts: Layouts,
 class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
-    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "_by_key", "variants", "label")
+    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "_by_key", "variants", "_mixer")
 
     def __init__(self, name: str, declaration, paths: dict, runtime, tables: dict) -> None:
         self.name, self.declaration, self.paths, self.runtime = name, declaration, paths, runtime
-        # how plans name the stage: with its mixer where the declaration names one
+        # what plans print beside the stage's name, where its declaration names its mixer
         mixer = declaration.mixer
-        self.label = name if mixer is None else f"{name} ({mixer})"
+        self._mixer = {} if mixer is None else {"mixer": mixer}
         self.tables = tables  # (batch variant, row mode) -> the movement table
         # the same paths keyed by plain strings, which a forward hashes cheaply
         self._by_key = {(variant.value, mode.value): path for (variant, mode), path in paths.items()}
@@ -359,12 +359,13 @@ class StagePlan:
     def describe(self, mode: RowMode = RowMode.AR, variant: BatchVariant | None = None) -> dict:
         path = self.paths.get((variant or self.variant, mode))
         if path is None:
-            return {"stage": self.label, "entry": "unsupported", "exit": "unsupported"}
+            return {"stage": self.name, **self._mixer, "entry": "unsupported",
+                    "exit": "unsupported"}
         entry = path.entry.describe()
         if path.branch_in is not None:
             entry = (f"branch_input from the prepared {self.declaration.prepared_from.describe()}"
                      f" input: {path.branch_in.name}")
-        return {"stage": self.label, "kind": self.declaration.describe(),
+        return {"stage": self.name, **self._mixer, "kind": self.declaration.describe(),
                 "residual": str(path.edge.residual_dst), "compute": str(path.decl.input.rows),
                 "entry": entry, "exit": " | ".join(d.label for d in path.exit.decisions)}
 

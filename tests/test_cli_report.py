@@ -77,6 +77,10 @@ def test_a_nemotron_h_plan_labels_its_mamba2_mixers(tmp_path, capsys):
                                     for i, k in enumerate(kinds)]
     assert [r[1] == "(mamba2)" for r in rows] == [k == "linear_attention" for k in kinds]
     assert "linear_attention" in kinds and "full_attention" in kinds
+    stages = json.loads(cli_ok(["plan", "--model", str(path), "--tp", "2", "--json"],
+                               capsys))["stages"]
+    assert [s.get("mixer") for s in stages] == [
+        "mamba2" if k == "linear_attention" else None for k in kinds]
 
 
 @pytest.mark.timeout(120)
@@ -87,3 +91,28 @@ def test_the_header_names_the_modes_on_and_later_steps_say_they_repeat(capsys):
     assert "  steps 2-3 repeat step 1" in out
     out = cli_ok(["run", "--tp", "2", "--max-new-tokens", "3"], capsys)
     assert "  step 2 repeats step 1" in out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_does_not_start_in_time_names_the_option_that_widens_the_window(capsys):
+    from layer_boundary.cli import main
+
+    assert main(["run", "--tp", "2", "--start-timeout", "0.01", "--no-reference"]) == 1
+    err = capsys.readouterr().err
+    assert "did not start within 0 s" in err
+    assert err.rstrip().endswith("--start-timeout SECONDS widens the start-up window)")
+
+
+def test_bench_prints_the_spread_and_warns_within_noise(capsys, monkeypatch):
+    """The spread of the timed forwards, and the warning when the overhead is inside the
+    hand-written forward's own noise (forced here: a noise figure larger than any overhead)."""
+    import layer_boundary.bench as bench
+
+    real = bench.overhead_with_noise
+    monkeypatch.setattr(bench, "overhead_with_noise",
+                        lambda *a, **k: dict(real(*a, **k), noise=10.0))
+    out = cli_ok(["bench", "--hidden", "64", "--layers", "1", "--requests", "1",
+                  "--repeats", "3"], capsys)
+    assert out.splitlines()[0].startswith("timing 3 paired decode steps (hidden 64")
+    assert "  boundary     min " in out and "  hand_written min " in out
+    assert "warning: the overhead is within the noise" in out

@@ -5,8 +5,9 @@ needs to stand up a topology and run a batch is exported here; see docs/api.md (
 API").
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the names are, for type checkers; imported on first use
     from .args import (BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime, resolve_boundary_reduction,
@@ -99,14 +100,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # the next lookup finds it without this hook
-    return value
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
