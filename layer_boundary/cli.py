@@ -605,6 +605,12 @@ def _report(args, spec, results, reference) -> int:
                 log.info("%s", line)
     log.info("\ncollectives over the run: %s", ", ".join(
         f"{k}: {v['count']} ({v['bytes']} B)" for k, v in collectives.items()) or "none")
+    if rank0.ledger:  # the figures above are the logical (ring) bytes
+        from .runtime.ledger import wire_total
+
+        log.info("on gloo's wire (its reduce-scatter is an all-reduce, its variable gather is "
+                 "padded to the widest rank): %d B, against %d B logical",
+                 wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
     return 0 if ok else 1
 
 

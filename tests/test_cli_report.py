@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -91,6 +92,15 @@ def test_the_header_names_the_modes_on_and_later_steps_say_they_repeat(capsys):
     assert "  steps 2-3 repeat step 1" in out
     out = cli_ok(["run", "--tp", "2", "--max-new-tokens", "3"], capsys)
     assert "  step 2 repeats step 1" in out
+    # all-reduces only (auto runs ar without attention DP): gloo moves the logical bytes
+    wire, logical = re.search(r"on gloo's wire .*: (\d+) B, against (\d+) B logical",
+                              out).groups()
+    assert wire == logical
+    out = cli_ok(["run", "--tp", "2", "--boundary-reduction", "rs", "--max-new-tokens", "2"],
+                 capsys)
+    wire, logical = re.search(r"on gloo's wire .*: (\d+) B, against (\d+) B logical",
+                              out).groups()
+    assert int(wire) > int(logical)  # its reduce-scatters run as all-reduces
 
 
 @pytest.mark.timeout(120)

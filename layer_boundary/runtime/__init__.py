@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
     from .context import NO_FLAGS, ForwardFlags, get_forward, get_parallel
     from .embedding import ParallelLMHead, VocabParallelEmbedding
     from .forward_batch import SMALLEST_BUCKET, BatchVariant, ForwardBatch, ForwardMode, token_bucket
-    from .ledger import LEDGER, HOOK, Ledger, LedgerEntry, Observer, observing, summarize
+    from .ledger import (LEDGER, HOOK, Ledger, LedgerEntry, Observer, observing, summarize,
+                         wire_total)
     from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from .norm import RMSNorm
     from .parallel import (Group, Parallel, ParallelDims, RankError, TopologyError, build_parallel,
@@ -61,6 +62,7 @@ _EXPORTS = {
     'Observer': '.ledger',
     'observing': '.ledger',
     'summarize': '.ledger',
+    'wire_total': '.ledger',
     'ColumnParallelLinear': '.linear',
     'QKVParallelLinear': '.linear',
     'RowParallelLinear': '.linear',
@@ -97,6 +99,7 @@ __all__ = [
     "ParallelLMHead", "RMSNorm",
     # observing a forward
     "LEDGER", "Ledger", "LedgerEntry", "Observer", "HOOK", "observing", "summarize",
+    "wire_total",
 ]
 
 

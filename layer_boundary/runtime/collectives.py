@@ -47,9 +47,14 @@ def _issue(call, *keep) -> None:
         _ISSUED.append((call(async_op=True), keep))
 
 
-def _observe(kind: str, group: Group, numel: int, dtype, site: str | None) -> None:
+def _observe(kind: str, group: Group, numel: int, dtype, site: str | None,
+             wire_numel: int | None = None) -> None:
     observer = active_observer()
-    if observer is not None:
+    if observer is None:
+        return
+    if wire_numel is not None and "records_wire" in type(observer).__dict__:
+        observer.collective(kind, group, numel, dtype, site, wire_numel=wire_numel)
+    else:
         observer.collective(kind, group, numel, dtype, site)
 
 
@@ -134,8 +139,10 @@ def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torc
     widest = max(sizes)
     if widest == 0:
         return x.new_empty((0, *x.shape[1:]))
-    _observe("all_gather", group, sum(sizes) * math.prod(x.shape[1:]), x.dtype, None)
+    width = math.prod(x.shape[1:])
     # gloo has no uneven all-gather: pad every block to the widest, then drop the padding
+    _observe("all_gather", group, sum(sizes) * width, x.dtype, None,
+             wire_numel=widest * group.size * width)
     padded = x.new_zeros((widest, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((widest * group.size, *x.shape[1:]))

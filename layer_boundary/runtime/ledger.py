@@ -70,21 +70,38 @@ class LedgerEntry:
     dtype: torch.dtype
     site: str  # "<stage name>.<phase>" or a runtime label ("embed", "lm_head")
     step: int = 0  # which forward of a generation (0 = prefill)
+    # elements the implementation moves where that is not ``numel``: a variable-size gather,
+    # which gloo (no uneven all-gather) runs padded to the widest rank; None: ``numel``
+    wire_numel: int | None = None
 
     @property
     def bytes(self) -> int:
-        """Per-rank bytes sent by a ring implementation of this collective."""
-        size = self.numel * self.dtype.itemsize
-        n = self.group_size
-        if self.kind in ("send", "recv"):  # point to point: the payload, once
-            return size if self.kind == "send" else 0
-        if self.kind == "broadcast":  # from one root: a tree sends it once per receiver
-            return size
-        if self.kind == "all_to_all":  # numel is what this rank sends to the others
-            return size
-        if self.kind == "all_reduce":
-            return 2 * (n - 1) * size // n
-        return (n - 1) * size // n
+        """Per-rank bytes sent by a ring implementation of this collective (the logical
+        figure: what the collective must move, whatever the backend does)."""
+        return _ring_bytes(self.kind, self.numel * self.dtype.itemsize, self.group_size)
+
+    def wire_bytes(self, backend: str = "gloo") -> int:
+        """Per-rank bytes ``backend`` really sends for it. On gloo a reduce-scatter is an
+        all-reduce of the whole tensor (each rank then keeps its block) and a variable
+        gather moves every rank's block padded to the widest; NCCL (any other backend
+        here) moves the logical figure."""
+        if backend != "gloo":
+            return self.bytes
+        size = (self.numel if self.wire_numel is None else self.wire_numel) * self.dtype.itemsize
+        kind = "all_reduce" if self.kind == "reduce_scatter" else self.kind
+        return _ring_bytes(kind, size, self.group_size)
+
+
+def _ring_bytes(kind: str, size: int, n: int) -> int:
+    if kind in ("send", "recv"):  # point to point: the payload, once
+        return size if kind == "send" else 0
+    if kind == "broadcast":  # from one root: a tree sends it once per receiver
+        return size
+    if kind == "all_to_all":  # the size is what this rank sends to the others
+        return size
+    if kind == "all_reduce":
+        return 2 * (n - 1) * size // n
+    return (n - 1) * size // n
 
 
 @dataclass(frozen=True)
@@ -115,10 +132,15 @@ class Ledger:
     def enter(self, site: str) -> None:
         self.site = site
 
-    def collective(self, kind: str, group, numel: int, dtype, site: str | None = None) -> None:
+    # an observer that takes what the backend moves too (``collective(..., wire_numel=)``);
+    # one that does not declare it gets the protocol's five arguments
+    records_wire = True
+
+    def collective(self, kind: str, group, numel: int, dtype, site: str | None = None,
+                   wire_numel: int | None = None) -> None:
         if self.enabled:
             self.entries.append(LedgerEntry(kind, group.name, group.size, numel, dtype,
-                                            site or self.site, self.step))
+                                            site or self.site, self.step, wire_numel))
 
     def boundary(self, site: str, stream, rows) -> None:
         if self.traces is None:
@@ -176,6 +198,11 @@ def ledger_site(site: str):
         yield
     finally:
         LEDGER.site = previous
+
+
+def wire_total(entries, backend: str = "gloo") -> int:
+    """The bytes ``backend`` sends for ``entries`` (``LedgerEntry.wire_bytes``)."""
+    return sum(e.wire_bytes(backend) for e in entries)
 
 
 def summarize(entries) -> dict[str, dict[str, int]]:
