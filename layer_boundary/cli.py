@@ -77,21 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"layer-boundary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", formatter_class=_HelpFormatter, help="generate on parallel CPU ranks and check parity with world 1")
-    run.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
-    run.add_argument("--tp", type=_positive, default=None, help="tensor-parallel size (default 4)")
-    run.add_argument("--dp", type=_positive, default=None,
-                     help="attention data-parallel size, dividing tp (default 2 with the default "
-                          "tp, else 1); prompt i runs on DP rank i mod dp")
-    run.add_argument("--ep", type=_positive, default=1,
-                     help="expert parallelism of MoE layers over the TP ranks (dividing tp)")
-    run.add_argument("--cp", type=_positive, default=1,
-                     help="attention context parallelism: each DP rank's tokens split over "
-                          "this many ranks of its attention group (dp x cp divides tp)")
+    run = sub.add_parser("run", formatter_class=_HelpFormatter,
+                         help="generate on parallel CPU ranks and check parity with world 1")
+    _topology_args(run)
     _variant_args(run)
-    run.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto",
-                     help="which row modes the boundaries may use: ar (all-reduce only), rs, rsv, rs+rsv, or "
-                          "auto (the architecture's policy, chosen per batch by rows moved)")
+    _policy_arg(run)
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                      help="the dtype weights and activations run in")
     run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
@@ -141,21 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--speculative-boundary-reduction", choices=BOUNDARY_REDUCTIONS,
                      default="auto", help="the draft stack's own boundary-reduction policy")
 
-    plan = sub.add_parser("plan", formatter_class=_HelpFormatter, help="print the per-stage boundary paths for a batch shape")
-    plan.add_argument("--model", help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
-    plan.add_argument("--tp", type=_positive, default=None,
-                      help="tensor-parallel size (default 4, as run)")
-    plan.add_argument("--dp", type=_positive, default=None,
-                      help="attention data-parallel size (default 2 with the default tp, else "
-                           "1, as run)")
-    plan.add_argument("--ep", type=_positive, default=1,
-                      help="expert parallelism of MoE layers over the TP ranks, as run")
-    plan.add_argument("--cp", type=_positive, default=1,
-                      help="attention context parallelism, as run")
+    plan = sub.add_parser("plan", formatter_class=_HelpFormatter,
+                          help="print the per-stage boundary paths for a batch shape")
+    _topology_args(plan)  # the same flags as run's: plan shows the topology run would run
     _variant_args(plan)
-    plan.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto",
-                      help="which row modes the boundaries may use: ar (all-reduce only), rs, rsv, rs+rsv, or "
-                           "auto (the architecture's policy, chosen per batch by rows moved)")
+    _policy_arg(plan)
     plan.add_argument("--tokens", type=_token_counts, default=None,
                       help='tokens per attention-DP rank, e.g. "5,0,3,1" (default: 4 per rank)')
     plan.add_argument("--no-allreduce-fusion", action="store_true",
@@ -179,6 +159,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
                        help="run both forwards under torch.compile(fullgraph=True)")
     return parser
+
+
+def _topology_args(parser) -> None:
+    parser.add_argument("--model",
+                        help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
+    parser.add_argument("--tp", type=_positive, default=None,
+                        help="tensor-parallel size (default 4)")
+    parser.add_argument("--dp", type=_positive, default=None,
+                        help="attention data-parallel size, dividing tp (default 2 with the "
+                             "default tp, else 1); prompt i runs on DP rank i mod dp")
+    parser.add_argument("--ep", type=_positive, default=1,
+                        help="expert parallelism of MoE layers over the TP ranks (dividing tp)")
+    parser.add_argument("--cp", type=_positive, default=1,
+                        help="attention context parallelism: each DP rank's tokens split over "
+                             "this many ranks of its attention group (dp x cp divides tp)")
+
+
+def _policy_arg(parser) -> None:
+    parser.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto",
+                        help="which row modes the boundaries may use: ar (all-reduce only), rs, "
+                             "rsv, rs+rsv, or auto (the architecture's policy, chosen per batch "
+                             "by rows moved)")
 
 
 def _variant_args(parser) -> None:

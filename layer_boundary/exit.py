@@ -115,12 +115,10 @@ def publish(stream, path: ExitPath, decision: ExitDecision, value, update, rows,
     if moved is not None:
         stream.leave(moved.run(rows, value) if moved.moves else value, None, update, moved.dst,
                      False, False, decision.key)
-    elif isinstance(value, HandoffOutput):
-        stream.leave(value, decision.owed, update, decision.rows, handoff=True,
-                     declared=decision.declared)
-    else:
-        stream.leave(value, decision.owed, update, decision.rows, False, decision.declared,
-                     decision.key)
+    else:  # a handoff arrives under its own key (computed by the contribution)
+        handoff = isinstance(value, HandoffOutput)
+        stream.leave(value, decision.owed, update, decision.rows, handoff, decision.declared,
+                     None if handoff else decision.key)
     if path.at_producer:
         return fold_stream(stream, rows)
     c = stream.contribution
@@ -165,10 +163,9 @@ class StageExit:
         scope = None if flags.sequence_parallel is None else SequenceParallelScope(
             flags.sequence_parallel, self._forward_batch.rows)
         self._previous = open_scope(flags, scope, self._adapter_rows)
-        if HOOK.observer is not None:
-            observer = active_observer()
-            if observer is not None:
-                observer.enter(self._stage._compute_site)
+        observer = None if HOOK.observer is None else active_observer()
+        if observer is not None:
+            observer.enter(self._stage._compute_site)
         self._state = "open"
         return self
 
@@ -214,14 +211,12 @@ class StageExit:
         check_output_dtype(stream, hidden_states, stage.name)
         self._state = "finished"
         rows = self._rows
-        if HOOK.observer is None:  # nobody watches: publish without the observer's calls
-            return publish(stream, self._path, self._decision, hidden_states, stage._update,
-                           rows, self._forward_batch.overlap, stage._transform)
-        observer = active_observer()
+        # HOOK first: with nobody watching, no call to ask whether anybody watches
+        observer = None if HOOK.observer is None else active_observer()
         if observer is not None:
             observer.enter(stage._finish_site)
         handle = publish(stream, self._path, self._decision, hidden_states, stage._update,
-                         rows, self._forward_batch.overlap, transform=stage._transform)
+                         rows, self._forward_batch.overlap, stage._transform)
         if observer is not None:
             observer.boundary(stage._finish_site, stream, rows)
         return handle

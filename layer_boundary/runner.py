@@ -225,7 +225,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                              f"{', '.join(COMPILE_BACKENDS)}")
         torch._dynamo.reset()  # one model per run: no earlier run's graphs count to its limits
         forward = compile_forward(model, spec.compile, padded=pads)
-    graphs_before = compiled_graphs()
+        graphs_before = compiled_graphs()
     checked = _ForwardCheck(model, forward)
     draft = load_draft(spec, runtime, model) if spec.speculative else None
     stats = None

@@ -74,7 +74,6 @@ class ForwardBatch:
     # slots and positions from tensors only, never the per-request tuples above, so a
     # compiled forward's graph depends on the padded row count alone
     token_slots: torch.Tensor | None = None
-    real_tokens: int | None = None  # a padded batch's rows before the padding
 
     @property
     def residual_stream(self):
@@ -89,6 +88,11 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def real_tokens(self) -> int:
+        """The rows its requests bring (a padded batch's rows before the padding)."""
+        return sum(self.extend_lens)
 
     @property
     def prefix_lens(self) -> tuple[int, ...]:
@@ -129,7 +133,7 @@ class ForwardBatch:
             dp_token_counts=(tokens,) * len(self.dp_token_counts), dp_request_lens=None,
             lora_ids=None if self.lora_ids is None else torch.cat(
                 (self.lora_ids, self.lora_ids.new_full((extra,), -1))),
-            token_slots=slots, real_tokens=mine, boundary=None)
+            token_slots=slots, boundary=None)
 
     @classmethod
     def build(cls, mode: ForwardMode, requests: list[list[int]], prefix_lens: list[int],
