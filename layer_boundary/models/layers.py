@@ -119,16 +119,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
 
     def connect(self, ffn, runtime: BoundaryRuntime, *, previous, terminal: bool, name: str,
-                fusions=None, attn=None, attn_options=None) -> None:
+                fusions=None, attn=None, attn_options=None, following=None) -> None:
         """Build the layer's two stages: ``attn`` (default ``declare_attn()``; a
         ``GqaAttention`` honours ``sequence_parallel=True``) read through
-        ``input_layernorm``, ``ffn`` through ``post_attention_layernorm``."""
+        ``input_layernorm``, ``ffn`` through ``post_attention_layernorm``; ``following``: the
+        next layer's first stage where it is not this layer's ``attn`` again (a hybrid)."""
         options = {} if fusions is None else {"fusions": fusions}
         self.attn_boundary, self.ffn_boundary = make_stages(
             (attn if attn is not None else declare_attn(), self.input_layernorm,
              {**options, **(attn_options or {})}),
             (ffn, self.post_attention_layernorm, options),
-            previous=previous, terminal=terminal, runtime=runtime, name=name)
+            previous=previous, following=following, terminal=terminal, runtime=runtime,
+            name=name)
 
     def attend(self, positions, hidden_states, forward_batch):
         # no rows on this rank: an empty contribution (in a CP batch the rank still joins

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
     from .ledger import (LEDGER, HOOK, Ledger, LedgerEntry, Observer, observing, summarize,
                          wire_total)
     from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-    from .norm import RMSNorm
+    from .norm import GemmaRMSNorm, RMSNorm
     from .parallel import (Group, Parallel, ParallelDims, RankError, TopologyError, build_parallel,
                            init_distributed, launched_by_torchrun, spawn, virtual_parallel)
 
@@ -67,6 +67,7 @@ _EXPORTS = {
     'QKVParallelLinear': '.linear',
     'RowParallelLinear': '.linear',
     'RMSNorm': '.norm',
+    'GemmaRMSNorm': '.norm',
     'Group': '.parallel',
     'Parallel': '.parallel',
     'ParallelDims': '.parallel',
@@ -96,7 +97,7 @@ __all__ = [
     "broadcast_from_last_stage",
     # layers that honour the flags
     "ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "ParallelLMHead", "RMSNorm",
+    "ParallelLMHead", "RMSNorm", "GemmaRMSNorm",
     # observing a forward
     "LEDGER", "Ledger", "LedgerEntry", "Observer", "HOOK", "observing", "summarize",
     "wire_total",

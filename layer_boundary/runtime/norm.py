@@ -24,3 +24,27 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.normalize_fp32(x.float(), x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """The zero-centered RMSNorm (Gemma, Qwen3-Next, Qwen3.5): ``norm(x) * (1 + w)`` with the
+    scale applied in fp32 before the one rounding (HF: ``(x * (1 + w)).to(dtype)``), unlike
+    ``RMSNorm``, which rounds and then scales. The stored weight is ``w`` (zeros: identity),
+    also readable as ``gemma_weight`` for fused kernels that take the zero-centered form."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    @property
+    def gemma_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def normalize_fp32(self, x32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Normalise an fp32 tensor, scale by ``1 + w`` in fp32, round once to ``out_dtype``."""
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return (x32 * torch.rsqrt(variance + self.eps) * (1.0 + self.weight.float())).to(out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize_fp32(x.float(), x.dtype)

@@ -1,0 +1,375 @@
+"""Qwen3-Next (hybrid gated DeltaNet / gated attention, MoE) with layer boundaries.
+
+Every decoder layer is two stages, as in transformers: a token mixer read through
+``input_layernorm``, then an FFN read through ``post_attention_layernorm``. ``layer_types``
+(or ``full_attention_interval``) picks each layer's mixer:
+
+* ``linear_attention``: the gated DeltaNet (``gated_deltanet.py``), a single-stage SCOPED
+  mixer on this attention-DP rank's rows (``declare_attn(reduction=SCOPED,
+  gathers_tp_input=False)``, as Nemotron-H's Mamba2), its conv window and recurrent state
+  kept per request;
+* ``full_attention``: GQA whose ``q_proj`` also yields an output gate (the output is
+  ``o_proj(attn * sigmoid(gate))``), zero-centered per-head q/k norms, rotary on the first
+  ``partial_rotary_factor`` of each head; a PARTIAL attention (``o_proj`` never reduces).
+
+The FFN is a MoE (softmax top-k routed experts plus a shared expert scaled by
+``sigmoid(shared_expert_gate(x))``, whose partial rides on the routed experts' one sum) where
+``num_experts > 0``, the layer is not in ``mlp_only_layers`` and ``(i + 1) %
+decoder_sparse_step == 0``; a gated MLP otherwise. Every RMSNorm outside the DeltaNet is
+zero-centered (``GemmaRMSNorm``: ``norm(x) * (1 + w)`` in fp32), the boundaries' included.
+
+Parameter names follow the checkpoint; q/k/v stack into ``qkv_proj`` and the routed experts
+fuse per rank (``experts.w13``/``experts.w2``) at load time. transformers drops the MTP
+weights (``mtp.*``) and has no MTP module; they are not loaded here either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import ProducerReduction, declare_attn, declare_ffn
+from ..runtime import GemmaRMSNorm, QKVParallelLinear, RowParallelLinear
+from ..runtime.args import BoundaryRuntime
+from .base import CausalLM
+from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT,
+                     POSITIVE_NUMBER, CheckedConfig, CheckpointError, check_unquantized_silu,
+                     require)
+from .gated_deltanet import GatedDeltaNet, check_heads as check_linear_heads
+from .kv_cache import KVCache, cached_attention
+from .layers import DecoderLayer, GatedMLP
+from .mamba2 import MambaState
+from .moe import UNSHARDED, FusedMoE, expert_stacked_params
+from .nemotron_h import HybridCache
+from .qwen3 import check_heads
+from .qwen3_moe import Qwen3MoeRouter
+from .registry import NO_QKV_LATENT, register_model
+from .rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def layer_types(cfg: dict) -> tuple[str, ...]:
+    """Each layer's mixer: ``layer_types``, else every ``full_attention_interval``-th layer
+    full attention (transformers' default interval 4)."""
+    layers = require(cfg, "num_hidden_layers")
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        types = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise CheckpointError(f"config.json layer_types must list num_hidden_layers={layers} "
+                              f"layer types, got {types!r}")
+    bad = sorted(set(types) - {LINEAR, FULL})
+    if bad:
+        raise CheckpointError(f"config.json layer_types has unsupported types {bad} "
+                              f"(supported: {LINEAR}, {FULL})")
+    return tuple(types)
+
+
+def rope_fields(cfg: dict, head_dim: int) -> dict:
+    """rope_theta and the rotary dims of a head (``partial_rotary_factor``, default 0.25 as
+    transformers sets it). Qwen3.5's ``mrope_section`` rotates text positions exactly as
+    plain rope (its three position rows are equal for text), so it is accepted and unused."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
+                              "(default only)")
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise CheckpointError(f"config.json partial_rotary_factor={factor} gives {rotary_dim} "
+                              f"rotary dims of head_dim={head_dim} (a positive even number "
+                              "is needed)")
+    return dict(rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rotary_dim=rotary_dim)
+
+
+@dataclass(frozen=True)
+class Qwen3NextConfig(CheckedConfig):
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int = 1
+    num_key_value_heads: int = 1
+    head_dim: int = 1
+    rotary_dim: int = 2
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    linear_num_key_heads: int = 1
+    linear_num_value_heads: int = 1
+    linear_key_head_dim: int = 1
+    linear_value_head_dim: int = 1
+    linear_conv_kernel_dim: int = 4
+    intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    # the DeltaNet's projections: Qwen3.5's in_proj_qkv/z/b/a, not Qwen3-Next's fused qkvz/ba
+    split_projections: bool = False
+    # Engine option, never read from config.json: the MoE layers dispatch their routed
+    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
+    moe_a2a: bool = False
+    model_type: str = "qwen3_next"
+
+    fields = {**DECODER, **EXPERTS, "num_experts": NON_NEGATIVE_INT,
+              "decoder_sparse_step": POSITIVE_INT, "mlp_only_layers": INT_LIST,
+              "partial_rotary_factor": POSITIVE_NUMBER, "full_attention_interval": POSITIVE_INT,
+              **{f: POSITIVE_INT for f in (
+                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim",
+                  "shared_expert_intermediate_size")}}
+    expert_fields, top_k_fields = ("num_experts",), ("num_experts_per_tok",)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    def has(self, kind: str) -> bool:
+        return kind in self.layer_types
+
+    def is_sparse(self, layer_id: int) -> bool:
+        return (self.num_experts > 0 and 0 <= layer_id < self.num_hidden_layers
+                and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, **forced) -> "Qwen3NextConfig":
+        """``forced``: fields the architecture fixes whatever config.json says (Qwen3.5)."""
+        check_unquantized_silu(cfg)
+        types = layer_types(cfg)
+        out = dict(vocab_size=require(cfg, "vocab_size"), hidden_size=require(cfg, "hidden_size"),
+                   layer_types=types, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        if FULL in types:
+            heads, head_dim = require(cfg, "num_attention_heads"), require(cfg, "head_dim")
+            out.update(num_attention_heads=heads, head_dim=head_dim,
+                       num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+                       attention_bias=bool(cfg.get("attention_bias", False)),
+                       **rope_fields(cfg, head_dim))
+        if LINEAR in types:
+            out.update({f: require(cfg, f) for f in (
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim")},
+                linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim") or 4)
+            if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+                raise CheckpointError(
+                    f"config.json linear_num_value_heads={out['linear_num_value_heads']} is not "
+                    f"divisible by linear_num_key_heads={out['linear_num_key_heads']}")
+        experts = forced.get("num_experts", cfg.get("num_experts") or 0)
+        if experts:
+            out.update(num_experts=experts, num_experts_per_tok=require(cfg, "num_experts_per_tok"),
+                       moe_intermediate_size=require(cfg, "moe_intermediate_size"),
+                       shared_expert_intermediate_size=require(
+                           cfg, "shared_expert_intermediate_size"),
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                       decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+                       mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+        out.update(forced)
+        config = cls(**out)
+        if not all(config.is_sparse(i) for i in range(config.num_hidden_layers)):
+            out["intermediate_size"] = require(cfg, "intermediate_size")  # a dense layer's
+            config = cls(**out)
+        return config
+
+
+def check_parallel(cfg: Qwen3NextConfig, dims) -> None:
+    """Reject a topology this config cannot be sharded over, naming the config field."""
+    if cfg.has(FULL):
+        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, dims.attn_tp)
+    if cfg.has(LINEAR):
+        check_linear_heads(cfg.linear_num_key_heads, cfg.linear_num_value_heads, dims.attn_tp)
+    sparse = [cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)]
+    if not all(sparse) and cfg.intermediate_size % dims.tp:
+        raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by "
+                         f"tp={dims.tp}")
+    if any(sparse):
+        if cfg.num_experts % dims.moe_ep:
+            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by "
+                             f"ep={dims.moe_ep}")
+        if cfg.moe_intermediate_size % dims.moe_tp:
+            raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} is not "
+                             f"divisible by the MoE tensor-parallel size tp/ep={dims.moe_tp}")
+        if cfg.shared_expert_intermediate_size % dims.tp:
+            raise ValueError("shared_expert_intermediate_size="
+                             f"{cfg.shared_expert_intermediate_size} is not divisible by "
+                             f"tp={dims.tp}")
+
+
+def mixer_declaration(cfg: Qwen3NextConfig, layer_id: int):
+    """Layer ``layer_id``'s mixer stage: the DeltaNet SCOPED on its own rows, or a PARTIAL
+    gated attention."""
+    if cfg.layer_types[layer_id] == LINEAR:
+        return declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False,
+                            mixer="gated_deltanet")
+    return declare_attn()
+
+
+def ffn_declaration(cfg: Qwen3NextConfig, layer_id: int):
+    """Layer ``layer_id``'s FFN stage (also what the next layer names as previous)."""
+    sparse = cfg.is_sparse(layer_id)
+    return declare_ffn(sparse=sparse, next_sparse=cfg.is_sparse(layer_id + 1),
+                       dispatches=sparse and cfg.moe_a2a)
+
+
+class Qwen3NextAttention(nn.Module):
+    """GQA with an output gate; heads over attention TP (kv heads split or replicated);
+    ``index`` is its KV-cache slot; PARTIAL: ``o_proj`` never reduces."""
+
+    def __init__(self, cfg: Qwen3NextConfig, index: int, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        group = runtime.parallel.attn_tp
+        heads, d = cfg.num_attention_heads, cfg.head_dim
+        self.index, self.head_dim, self.rotary_dim = index, d, cfg.rotary_dim
+        # q_proj's rows are [q_h | gate_h] per head: as 2 * heads "heads" of head_dim they
+        # shard head by head, with the kv heads of the real query heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, 2 * heads, cfg.num_key_value_heads,
+                                          group, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, group,
+                                        bias=cfg.attention_bias, reduce_results=False,
+                                        dtype=dtype, name="o_proj")
+        self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
+                             persistent=False)
+        self.scaling = d ** -0.5
+
+    def rope(self, x, cos, sin):
+        """Rotary on the first ``rotary_dim`` dims of each head, the rest passed through."""
+        rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat([apply_rope(rot, cos, sin, interleave=False), rest], dim=-1)
+
+    def forward(self, positions, hidden_states, forward_batch):
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        qg, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        tokens, d = qkv.shape[0], self.head_dim
+        heads, kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads  # local
+        q, gate = qg.view(tokens, heads, 2 * d).split(d, dim=-1)  # [T, H, D] each
+        k = k.view(tokens, kv_heads, d)  # [T, KVH, D]
+        v = v.view(tokens, kv_heads, d)
+        q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        out = cached_attention(self.index, q, k, v, forward_batch, self.scaling)  # [T, H, D]
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.flatten(1))  # [T, hidden], this rank's partial
+
+
+class Qwen3NextSparseMoe(nn.Module):
+    """Routed experts over ``moe_ep x moe_tp`` plus the shared expert, sharded over TP (whole
+    beside dispatched experts), scaled by a replicated ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, cfg: Qwen3NextConfig, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.gate = Qwen3MoeRouter(cfg, dtype)  # softmax top-k, renormalised by norm_topk_prob
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                runtime.parallel, dtype, dispatch=cfg.moe_a2a)
+        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size,
+                                      runtime, dtype, reduce_results=False,
+                                      group=UNSHARDED if cfg.moe_a2a else None)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype)
+        self.shared_expert_gate.requires_grad_(False)
+
+    def forward(self, x):
+        """x: [T, H]: a partial over TP, a finalize handoff or the complete output, as the
+        exit's flags ask; the gated shared expert (a partial, since the gate is per row)
+        shares the one sum."""
+        weights, ids = self.gate(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, ids, weights, shared_output=shared)
+
+
+class Qwen3NextDecoderLayer(DecoderLayer):
+    """The mixer stage (``linear_attn`` or ``self_attn``) then the FFN stage (``mlp``), both
+    read through zero-centered norms; the mixer's index is its slot among its kind."""
+
+    def __init__(self, cfg: Qwen3NextConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                     dtype=dtype)
+        self.kind = cfg.layer_types[layer_id]
+        index = cfg.layer_types[:layer_id].count(self.kind)
+        if self.kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, index, runtime, dtype)
+        else:
+            self.self_attn = Qwen3NextAttention(cfg, index, runtime, dtype)
+        if cfg.is_sparse(layer_id):
+            self.mlp = Qwen3NextSparseMoe(cfg, runtime, dtype)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
+        last = layer_id == cfg.num_hidden_layers - 1
+        self.connect(ffn_declaration(cfg, layer_id), runtime, fusions=fusions,
+                     previous=ffn_declaration(cfg, layer_id - 1) if layer_id else None,
+                     following=None if last else mixer_declaration(cfg, layer_id + 1),
+                     terminal=last, name=f"layer{layer_id}",
+                     attn=mixer_declaration(cfg, layer_id))
+
+    def attend(self, positions, hidden_states, forward_batch):
+        if self.kind == FULL:
+            return super().attend(positions, hidden_states, forward_batch)
+        if hidden_states.shape[0] == 0:  # no rows on this DP rank (nor on its attn-TP peers)
+            return hidden_states.new_zeros((0, self.hidden_size))
+        return self.linear_attn(hidden_states, forward_batch)
+
+
+NO_CP = "a gated DeltaNet state cannot be cut over CP ranks (no state handoff)"
+NO_SP = ("its gated DeltaNet mixers consume their own rows, not column- and row-parallel "
+         "linears on gathered ones")
+
+
+@register_model("qwen3_next", Qwen3NextConfig, check_parallel=check_parallel, moe_a2a=True,
+                context_parallel=NO_CP, sequence_parallel=NO_SP, boundary_reduction="rs+rsv",
+                positional_cache=False,  # its recurrent states fold every token in
+                attn_input_scattered=NO_QKV_LATENT)
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3-Next: gated DeltaNet and gated-attention mixers in the order ``layer_types``
+    gives, each before a MoE (or gated MLP) FFN; zero-centered norms throughout."""
+
+    layer_cls = Qwen3NextDecoderLayer
+
+    def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
+        super().__init__(cfg, runtime, dtype, fusions)
+        if self.stage.last:  # the final norm is zero-centered too
+            self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def make_kv_cache(self, slots: int, max_len: int) -> HybridCache:
+        """This stage's attention layers' k/v and DeltaNet layers' conv windows and recurrent
+        states, by their index among the layers of their kind."""
+        cfg, device = self.config, self.device
+        attn = [layer.self_attn for layer in self.model.layers if layer.kind == FULL]
+        linear = [layer.linear_attn for layer in self.model.layers if layer.kind == LINEAR]
+        kv_heads = attn[0].qkv_proj.num_kv_heads if attn else 1
+        kv = KVCache([a.index for a in attn], slots, max_len, kv_heads, cfg.head_dim,
+                     self.dtype, device=device)
+        m = linear[0] if linear else None
+        # MambaState's shapes: the [heads, head_dim, state_size] state is [v heads, dk, dv]
+        state = MambaState([x.index for x in linear], slots, m.conv_channels if m else 0,
+                           cfg.linear_conv_kernel_dim, m.v_heads if m else 0,
+                           cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype,
+                           device=device)
+        return HybridCache(kv, state)
+
+    def stacked_params(self) -> list:
+        out = []
+        if self.config.has(FULL):
+            out += [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                    ("qkv_proj", "v_proj", "v")]
+        if self.config.num_experts:
+            out += expert_stacked_params(self.config.num_experts)
+        return out
+
+    def skipped_params(self) -> tuple:
+        # the MTP block (mtp.*): transformers ignores it on load and has no module for it
+        return super().skipped_params() + ("mtp.",)
