@@ -11,16 +11,17 @@ import torch
 from checkpoints import hf_oracle, randomize
 
 # Two consecutive DeltaNets (0-1), gated attention (2, 4), a dense layer (1) among MoEs, a
-# terminal attention layer. DeltaNet: 4 key heads of 8 serving 8 value heads of 8 (each key
-# head two value heads), so attention tp 4 holds one key head per rank. Attention: 8 heads of
+# terminal attention layer. DeltaNet: 4 key heads of 32 serving 8 value heads of 16 (each key
+# head two value heads), so attention tp 4 holds one key head per rank; heads this wide keep
+# a random DeltaNet's fp32 rounding near 1e-5 of the logits (narrower ones amplify it). Attention: 8 heads of
 # 16 (4 rotary dims), 2 kv heads (replicated at attention tp 4). MoE: 8 experts, top 2.
 COMMON = dict(
     vocab_size=96, hidden_size=64, num_hidden_layers=5,
     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention",
                  "full_attention"],
     num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
-    linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
     max_position_embeddings=128)
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
            shared_expert_intermediate_size=32)

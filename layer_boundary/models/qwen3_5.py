@@ -1,0 +1,79 @@
+"""Qwen3.5 (text): Qwen3-Next's hybrid stack (``qwen3_next.py``) with a dense gated MLP in
+every layer and the DeltaNet's input projection split (``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``).
+
+Two checkpoint layouts, one model:
+
+* ``qwen3_5_text``: what transformers' ``Qwen3_5ForCausalLM.save_pretrained`` writes (the
+  text config at the top, ``model.layers.*``);
+* ``qwen3_5``: the released multimodal checkpoint (``Qwen3_5ForConditionalGeneration``): the
+  text config nested in ``text_config``, the language model under ``model.language_model.``;
+  the vision tower (``model.visual.*``) and the MTP block (``mtp.*``) are not loaded.
+
+Qwen3.5's rotary is multimodal (``mrope_section``); for text its three position rows are
+equal, which is plain partial rotary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import CheckpointError
+from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM, check_parallel
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .qwen3_next import NO_CP, NO_SP
+
+LANGUAGE_MODEL, MODEL = "model.language_model.", "model."
+
+
+def text_config(raw: dict) -> dict:
+    """The text model's fields: ``text_config`` where the config nests it (with the top
+    level's ``tie_word_embeddings`` where the text config leaves it out), else ``raw``."""
+    text = raw.get("text_config")
+    if text is None:
+        return raw
+    if not isinstance(text, dict):
+        raise CheckpointError(f"config.json field text_config must be an object, got {text!r}")
+    top = {k: raw[k] for k in ("tie_word_embeddings",) if k in raw}
+    return {**top, **text}
+
+
+@dataclass(frozen=True)
+class Qwen3_5Config(Qwen3NextConfig):
+    model_type: str = "qwen3_5"
+
+    @classmethod
+    def validate(cls, raw: dict) -> None:
+        super().validate(text_config(raw))
+
+    @classmethod
+    def from_dict(cls, cfg: dict, **forced) -> "Qwen3_5Config":
+        # no experts (transformers' Qwen3_5TextConfig has no MoE fields)
+        return super().from_dict(text_config(cfg), num_experts=0, split_projections=True,
+                                 **forced)
+
+
+class Qwen3_5Names:
+    """Checkpoint names of either layout: ``model.language_model.*`` read as ``model.*``;
+    the vision tower and the MTP block skipped."""
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(LANGUAGE_MODEL):
+            return MODEL + name[len(LANGUAGE_MODEL):]
+        return None if name.startswith("model.visual.") else name
+
+
+CAPABILITIES = dict(check_parallel=check_parallel, moe_a2a=NO_MOE_LAYERS, context_parallel=NO_CP,
+                    sequence_parallel=NO_SP, boundary_reduction="rs+rsv",
+                    positional_cache=False,  # its recurrent states fold every token in
+                    attn_input_scattered=NO_QKV_LATENT)
+
+
+@register_model("qwen3_5", Qwen3_5Config, **CAPABILITIES)
+class Qwen3_5ForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
+    """Qwen3.5's language model: gated DeltaNet and gated attention, gated MLPs."""
+
+
+@register_model("qwen3_5_text", Qwen3_5Config, **CAPABILITIES)
+class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5 as transformers' text-only class saves it."""
