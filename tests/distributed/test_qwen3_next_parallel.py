@@ -1,0 +1,80 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE under TP, attention DP and expert parallelism on gloo
+ranks against world 1: gated DeltaNet heads over attention TP (one key head per rank at
+attention TP 4), gated-attention heads over attention TP (kv heads replicated at 4), routed
+experts over moe_ep x moe_tp with the gated shared expert's partial in their sum; a prefill,
+then recurrent / KV-cache decode steps; the `run` command's parity check."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from qwen3_next_checkpoints import hf_qwen3_next
+
+from layer_boundary.runner import RunSpec, merge, run_rank
+
+from .checks import assert_logits_match, cli_ok, world1
+from .pool import get_pool
+
+PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))  # dp=4 leaves a rank idle
+STEPS = 3  # a prefill, then two cached decode steps
+
+# (model, tp, attn_dp, moe_ep, policy, expected row mode of the prefill)
+CASES = [
+    ("qwen3_next", 4, 2, 2, "rs", "rs"),  # attention TP 2 under DP 2, moe_tp 2
+    ("qwen3_next", 4, 2, 4, "auto", "rsv"),  # auto resolves to rs+rsv; pure EP
+    ("qwen3_5", 4, 1, 1, "ar", "ar"),  # attention TP 4: one key head per rank
+    ("qwen3_5_moe", 4, 4, 2, "rs+rsv", "rsv"),  # attention DP 4 with an empty DP rank
+]
+
+
+def logit_tolerance(ref) -> float:
+    """1e-5 times the logit scale: a random DeltaNet amplifies fp32 rounding (see
+    tests/models/test_qwen3_next_oracle.py), and rank sums round in another order."""
+    return 1e-5 * max(1.0, max(t.abs().max().item() for steps in ref.logits for t in steps))
+
+
+def run_matching_world1(spec: RunSpec, mode: str) -> list:
+    """checks.run_matching_world1 at ``logit_tolerance``."""
+    results = get_pool(spec.world_size).run(run_rank, spec)
+    ref = world1(spec)
+    assert_logits_match(merge(results), ref, len(spec.prompts), logit_tolerance(ref))
+    for r in results:
+        assert r.modes[0] == mode, (r.rank, r.modes)
+        assert r.streams_released
+        if r.dp_rank >= len(spec.prompts):
+            assert r.generation.request_ids == [], r.rank
+    return results
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("qwen3_next")
+    return {arch: str(hf_qwen3_next(root / arch, arch, seed=i))
+            for i, arch in enumerate(("qwen3_next", "qwen3_5", "qwen3_5_moe"))}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model,tp,dp,ep,policy,mode", CASES,
+                         ids=[f"{c[0]}-tp{c[1]}-dp{c[2]}-ep{c[3]}-{c[4]}" for c in CASES])
+def test_matches_world1(dirs, model, tp, dp, ep, policy, mode):
+    run_matching_world1(RunSpec(dirs[model], tp=tp, dp=dp, ep=ep, boundary_reduction=policy,
+                                prompts=PROMPTS, max_new_tokens=STEPS), mode)
+
+
+@pytest.mark.timeout(240)
+def test_all_to_all_moe_matches_world1(dirs):
+    """The MoE dispatches its routed tokens, the shared expert whole beside them."""
+    spec = RunSpec(dirs["qwen3_5_moe"], tp=4, dp=2, ep=4, boundary_reduction="rsv",
+                   prompts=PROMPTS, max_new_tokens=STEPS, moe_a2a_backend="all_to_all")
+    results = get_pool(spec.world_size).run(run_rank, spec)
+    ref = world1(replace(spec, moe_a2a_backend="none"))
+    assert_logits_match(merge(results), ref, len(PROMPTS), logit_tolerance(ref))
+    assert all(any("all-to-all dispatch" in row["kind"] for row in r.plan) for r in results)
+
+
+@pytest.mark.timeout(240)
+def test_run_command_passes_parity(dirs, capsys, restore_logger):
+    out = cli_ok(["run", "--model", dirs["qwen3_next"], "--tp", "2", "--max-new-tokens", "2"],
+                 capsys)
+    assert "parity vs world 1: PASS" in out
