@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import CheckpointError
-from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM, check_parallel
+from .qwen3_next import NO_CP, NO_SP, Qwen3NextConfig, Qwen3NextForCausalLM, check_parallel
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
-from .qwen3_next import NO_CP, NO_SP
 
 LANGUAGE_MODEL, MODEL = "model.language_model.", "model."
 
