@@ -32,11 +32,11 @@ def hand_written(model: Qwen3ForCausalLM, fb: ForwardBatch) -> torch.Tensor:
     for i, layer in enumerate(m.layers):
         out = all_reduce_rows(layer.self_attn(fb.positions, x, fb), attn_tp)
         total = residual.float() + out.float()
-        residual = total.to(out.dtype)
+        residual = total.to(dtype=out.dtype)
         x = layer.post_attention_layernorm.normalize_fp32(total, out.dtype)
         out = layer.mlp(x)
         total = residual.float() + out.float()
-        residual = total.to(out.dtype)
+        residual = total.to(dtype=out.dtype)
         norm = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x = norm.normalize_fp32(total, out.dtype)
     return model.lm_head(x)

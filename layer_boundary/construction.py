@@ -282,7 +282,7 @@ def resolve_input(decl, runtime, layouts: Layouts,
 class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
-    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "_by_key", "variants", "_mixer")
+    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "by_key", "variants", "_mixer")
 
     def __init__(self, name: str, declaration, paths: dict, runtime, tables: dict) -> None:
         self.name, self.declaration, self.paths, self.runtime = name, declaration, paths, runtime
@@ -291,7 +291,7 @@ class StagePlan:
         self._mixer = {} if mixer is None else {"mixer": mixer}
         self.tables = tables  # (batch variant, row mode) -> the movement table
         # the same paths keyed by plain strings, which a forward hashes cheaply
-        self._by_key = {(variant.value, mode.value): path for (variant, mode), path in paths.items()}
+        self.by_key = {(variant.value, mode.value): path for (variant, mode), path in paths.items()}
         self.variants = frozenset(variant for variant, _ in paths)
 
     def rows(self, forward_batch) -> RowFacts:
@@ -342,7 +342,7 @@ class StagePlan:
                 or state.runtime is not self.runtime):
             facts = self.rows(forward_batch)  # places the rows, or names the misuse
             state = forward_batch.boundary
-        path = self._by_key.get(state.path_key)
+        path = self.by_key.get(state.path_key)
         if path is None:
             raise no_path_error(forward_batch.variant)
         return path, facts

@@ -17,8 +17,8 @@ from .ops import Movement
 from .output import HandoffOutput
 from .residual.access import start_completion
 from .residual.batch import fold_stream
-from .residual.stream import arrival_key
-from .runtime.context import ForwardFlags, SequenceParallelScope, close_scope, open_scope
+from .residual.stream import Contribution, OwedOutput, arrival_key
+from .runtime.context import FORWARD_STATE, ForwardFlags, SequenceParallelScope
 from .runtime.ledger import HOOK, active_observer
 
 
@@ -38,10 +38,18 @@ class ExitDecision:
     # the Contribution key of a plain (non-handoff) output left by this decision
     key: tuple = field(init=False, repr=False, compare=False)
 
+    # what a plain (non-handoff) output leaves pending: (owed, its rows, declared)
+    leaves: tuple = field(init=False, repr=False, compare=False)
+    # finish() moves no rows: the output stays on the rows compute left it on
+    leaves_as_is: bool = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         moved = self.finish_move
-        object.__setattr__(self, "key", arrival_key(None, moved.dst, False) if moved is not None
-                           else arrival_key(self.owed, self.rows, False))
+        leaves = ((None, moved.dst, False) if moved is not None
+                  else (self.owed, self.rows, self.declared))
+        object.__setattr__(self, "leaves", leaves)
+        object.__setattr__(self, "key", arrival_key(leaves[0], leaves[1], False))
+        object.__setattr__(self, "leaves_as_is", moved is None or not moved.moves)
 
     def arrivals(self) -> tuple[tuple, ...]:
         """The Contribution keys an output of this decision arrives with."""
@@ -112,13 +120,13 @@ def publish(stream, path: ExitPath, decision: ExitDecision, value, update, rows,
     if transform is not None:
         value = transform(value)
     moved = decision.finish_move
-    if moved is not None:
-        stream.leave(moved.run(rows, value) if moved.moves else value, None, update, moved.dst,
-                     False, False, decision.key)
-    else:  # a handoff arrives under its own key (computed by the contribution)
-        handoff = isinstance(value, HandoffOutput)
-        stream.leave(value, decision.owed, update, decision.rows, handoff, decision.declared,
-                     None if handoff else decision.key)
+    if moved is None and isinstance(value, HandoffOutput):  # under its own key (computed)
+        stream.leave(value, decision.owed, update, decision.rows, True, decision.declared)
+    else:
+        if moved is not None and moved.moves:
+            value = moved.run(rows, value)
+        owed, where, declared = decision.leaves
+        stream.leave(value, owed, update, where, False, declared, decision.key)
     if path.at_producer:
         return fold_stream(stream, rows)
     c = stream.contribution
@@ -162,16 +170,23 @@ class StageExit:
         flags = decision.flags
         scope = None if flags.sequence_parallel is None else SequenceParallelScope(
             flags.sequence_parallel, self._forward_batch.rows)
-        self._previous = open_scope(flags, scope, self._adapter_rows)
-        observer = None if HOOK.observer is None else active_observer()
-        if observer is not None:
-            observer.enter(self._stage._compute_site)
+        # ``open_scope`` written out (every stage of every forward opens one)
+        state = FORWARD_STATE
+        self._previous = (state.flags, state.sequence_parallel, state.adapter_rows)
+        state.flags, state.sequence_parallel, state.adapter_rows = flags, scope, self._adapter_rows
+        state.open_scopes += 1
+        if HOOK.observer is not None:
+            observer = active_observer()
+            if observer is not None:
+                observer.enter(self._stage._compute_site)
         self._state = "open"
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        close_scope(self._previous)
-        self._state = "failed" if exc_type is not None else "computed"
+        state = FORWARD_STATE  # ``close_scope`` written out
+        state.flags, state.sequence_parallel, state.adapter_rows = self._previous
+        state.open_scopes -= 1
+        self._state = "computed" if exc_type is None else "failed"
         return False
 
     @property
@@ -204,15 +219,30 @@ class StageExit:
         stream = self._stream
         if stream.handle is not self:
             raise RuntimeError("finish() on an exit whose stream has moved on")
-        if isinstance(hidden_states, HandoffOutput) and not self.defer_moe_finalize:
-            raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
-                               "publish defer_moe_finalize")
         stage = self._stage
-        check_output_dtype(stream, hidden_states, stage.name)
+        residual = stream.residual
+        plain = type(hidden_states) is torch.Tensor
+        if not plain or (residual is not None and hidden_states.dtype != residual.dtype):
+            # anything but a plain tensor of the residual's dtype: name what is wrong
+            if isinstance(hidden_states, HandoffOutput) and not self.defer_moe_finalize:
+                raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
+                                   "publish defer_moe_finalize")
+            check_output_dtype(stream, hidden_states, stage.name)
         self._state = "finished"
-        rows = self._rows
-        # HOOK first: with nobody watching, no call to ask whether anybody watches
-        observer = None if HOOK.observer is None else active_observer()
+        rows, decision = self._rows, self._decision
+        if HOOK.observer is None:  # with nobody watching, no call to ask whether anybody does
+            if (plain and decision.leaves_as_is and stage._transform is None
+                    and not self._path.at_producer and not self._forward_batch.overlap):
+                # ``publish`` (and ``stream.leave``) of a tensor that stays where compute
+                # left it, written out: every stage of an ordinary forward comes here
+                owed, where, declared = decision.leaves
+                stream.contribution = Contribution(hidden_states, owed, stage._update, where,
+                                                   False, declared, False, decision.key)
+                handle = stream.handle = hidden_states if owed is None else OwedOutput(stream)
+                return handle
+            return publish(stream, self._path, decision, hidden_states, stage._update,
+                           rows, self._forward_batch.overlap, stage._transform)
+        observer = active_observer()
         if observer is not None:
             observer.enter(stage._finish_site)
         handle = publish(stream, self._path, self._decision, hidden_states, stage._update,

@@ -64,7 +64,7 @@ class EntryPath:
     latent_first: bool = False  # an input-scattered batch: the latent runs before the move
     # the arrivals a plain add+norm input takes with no per-call choice (no finalize handoff,
     # no fusion candidate, no sum before the read, no latent): Contribution.key -> the
-    # movement completing it; what ``run`` does first, in a few steps
+    # movement completing it; what a plain prepare() runs without calling ``run``
     plain_arrivals: dict = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,18 +76,6 @@ class EntryPath:
     def run(self, stream, hidden, rows, *, extra=None, fused: bool = True):
         """This stage's compute input; the stream holds the updated residual afterwards."""
         c = stream.contribution
-        if c is not None and extra is None:
-            complete = self.plain_arrivals.get(c.key)
-            # a plain add of an output that owes at most its sum, onto a residual already on
-            # the update rows (every stage of an ordinary forward after the first)
-            if (complete is not None and c.update is PLAIN_ADD
-                    and stream.residual_rows is self.update_rows):
-                value = complete.run(rows, c.value) if complete.moves else c.value
-                x, residual = self.read.update_and_read(PLAIN_ADD, stream.residual, value,
-                                                        self.norm)
-                move = self.input_move
-                stream.write(residual, IN_COMPUTE, self.update_rows)
-                return _moved(move, rows, x) if move.moves else x
         if c is not None:
             if c.rows is None:  # left before any boundary placed the rows: on local rows
                 c.place(self.local)

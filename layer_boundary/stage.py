@@ -12,6 +12,7 @@ from .exit import AttnExit, FfnExit, MixerExit, check_output_dtype, publish
 from .residual import LayerResidual, is_portable
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
+from .residual.add_norm import ACCUMULATE, PLAIN_ADD, accumulate_dtype
 from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
 from .runtime.args import get_runtime
 from .runtime.context import NO_ADAPTERS
@@ -97,6 +98,7 @@ class StageBoundary:
         # the declaration this stage's branch is prepared from (every stage of the branch)
         self.branch_source = branch_source or declaration.prepared_from
         self.declaration, self.following, self.plan = declaration, following, _Unbound(self.name)
+        self._by_key = {}  # the plan's paths by (variant, mode) key, once bound
         self._update = declaration.residual.update
         self._prepare_site = f"{self.name}.prepare"
         self._compute_site = f"{self.name}.compute"
@@ -118,6 +120,7 @@ class StageBoundary:
         self.declaration, self.following = declaration, following
         self.plan = build_plan(self.name, declaration, self.norm, following, self.runtime,
                                qkv_latent_func=self.qkv_latent_func, fusions=self.fusions)
+        self._by_key = self.plan.by_key
 
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
@@ -215,16 +218,44 @@ class StageBoundary:
         if (capture_output is None and captured_last_layer_outputs is None
                 and post_residual_addition is None and not self._branch_entry):
             # the plain call inside the stack (every stage of a decode step): a producer's
-            # output arrives, no observer watches; anything else takes the full path below
-            stream = stream_of(forward_batch)
-            handle = stream.handle
-            if handle is not None and HOOK.observer is None:
-                if hidden_states is not handle:
+            # output arrives on this batch's own stream with nothing in flight, and no
+            # observer watches; anything else takes the full path below (``stream_of``'s
+            # checks name what is wrong)
+            state = forward_batch.boundary
+            stream = None if state is None else state.stream
+            if (stream is not None and stream.handle is not None and stream.pending is None
+                    and HOOK.observer is None and stream.owner is not None
+                    and stream.owner() is forward_batch):
+                if hidden_states is not stream.handle:
                     raise RuntimeError(NOT_OURS)
-                path, rows = self.plan.select(forward_batch)
-                compute_input = path.entry.run(stream, hidden_states, rows)
-                stream.prepared = (self, compute_input)
-                stream.selected = (self, path, rows)
+                # ``plan.select`` written out: the facts this forward placed, for its counts,
+                # by this stage's runtime
+                rows, path = state.facts, self._by_key.get(state.path_key)
+                if (path is None or rows is None or state.runtime is not self.runtime
+                        or rows.counts != forward_batch.dp_token_counts):
+                    path, rows = self.plan.select(forward_batch)  # or the misuse, named
+                entry, c, residual = path.entry, stream.contribution, stream.residual
+                complete = None if c is None else entry.plain_arrivals.get(c.key)
+                if (complete is None or c.update is not PLAIN_ADD or residual is None
+                        or stream.residual_rows is not entry.update_rows):
+                    compute_input = entry.run(stream, hidden_states, rows)
+                else:
+                    # a plain add of an output owing at most its sum onto a residual on the
+                    # update rows, and the add+norm read (what a read declaring kind
+                    # "add_norm" computes), written out: every stage of an ordinary forward
+                    # after the first comes here. The fp32 sum feeds the norm; the residual
+                    # keeps it rounded.
+                    value = complete.run(rows, c.value) if complete.moves else c.value
+                    dtype = residual.dtype
+                    acc = ACCUMULATE.get(dtype) or accumulate_dtype(dtype)
+                    total = residual.to(dtype=acc) + value.to(dtype=acc)
+                    compute_input = entry.norm.normalize_fp32(total, dtype)
+                    stream.residual, stream.made_by = total.to(dtype=dtype), PLAIN_ADD
+                    stream.contribution, stream.handle = None, IN_COMPUTE
+                    move = entry.input_move
+                    if move.moves:
+                        compute_input = move.run(rows, compute_input)
+                stream.prepared = (self, compute_input, path, rows)
                 return compute_input
         if self._branch_entry:
             raise RuntimeError(BRANCH_ENTRY)
@@ -281,8 +312,8 @@ class StageBoundary:
             _keep(captured_last_layer_outputs,
                   _visible(entry.read, entry.input_move(rows, stream.residual)),
                   entry.input_move.allocates)
-        stream.prepared = (self, compute_input)  # what a branch forking here may take
-        stream.selected = (self, path, rows)  # what this stage's exit() selects again
+        # what a branch forking here may take, and what this stage's exit() selects again
+        stream.prepared = (self, compute_input, path, rows)
         if observer is not None:
             observer.boundary(self._prepare_site, stream, rows)
             observer.enter(self._compute_site)
@@ -332,16 +363,24 @@ class StageBoundary:
         Args:
             forward_batch: the forward (after this stage's ``prepare()``).
         """
-        stream = stream_of(forward_batch)
-        if stream.handle is not IN_COMPUTE:
-            raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
-        selected = stream.selected
-        if selected is None or selected[0] is not self:  # not this stage's prepare (a branch)
-            selected = (self, *self.plan.select(forward_batch))
-        _, path, rows = selected
-        adapters = (NO_ADAPTERS if forward_batch.lora_ids is None
-                    else self._adapter_rows(forward_batch))
-        return self._exit_cls(stream, path.exit, forward_batch, self, rows, adapters)
+        state = forward_batch.boundary
+        stream = None if state is None else state.stream
+        prepared = None if stream is None else stream.prepared
+        if (prepared is not None and prepared[0] is self and prepared[2] is not None
+                and stream.handle is IN_COMPUTE and stream.owner is not None
+                and stream.owner() is forward_batch):
+            # right after this stage's prepare() on this batch's stream: its checks and
+            # its selection stand (nothing can be in flight while a stage computes)
+            path, rows = prepared[2], prepared[3]
+        else:
+            stream = stream_of(forward_batch)
+            if stream.handle is not IN_COMPUTE:
+                raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
+            path, rows = self.plan.select(forward_batch)  # a branch's entry, prepared for it
+        if forward_batch.lora_ids is None:
+            return self._exit_cls(stream, path.exit, forward_batch, self, rows, NO_ADAPTERS)
+        return self._exit_cls(stream, path.exit, forward_batch, self, rows,
+                              self._adapter_rows(forward_batch))
 
     def _adapter_rows(self, forward_batch: ForwardBatch):
         """Each compute row's LoRA adapter slot, for the adapted linears inside the scope

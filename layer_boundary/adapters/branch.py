@@ -62,9 +62,10 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
     path, rows = entry.plan.select(forward_batch)
     x = path.branch_in.run(rows, hidden_states) if path.branch_in.moves else hidden_states
     branch = ResidualStream(parent=stream)
+    branch.owner = stream.owner  # installed on the same forward batch
     branch.residual, branch.residual_rows = stream.residual, stream.residual_rows
     branch.made_by = stream.made_by
-    branch.handle, branch.prepared = IN_COMPUTE, (entry, x)
+    branch.handle, branch.prepared = IN_COMPUTE, (entry, x, None, None)
     forward_batch.boundary.stream = branch
     return x
 

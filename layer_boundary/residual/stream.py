@@ -113,15 +113,16 @@ class ResidualStream:
     next boundary call (a branch's stream forks from its ``parent``)."""
 
     __slots__ = ("residual", "residual_rows", "contribution", "handle", "prepared", "parent",
-                 "branch_output", "owner", "pending", "made_by", "selected")
+                 "branch_output", "owner", "pending", "made_by")
 
     def __init__(self, parent: "ResidualStream | None" = None) -> None:
         self.residual: torch.Tensor | None = None
         self.residual_rows: Layout | None = None
         self.contribution: Contribution | None = None
         self.handle: object = None  # what the model must pass to the next call
-        self.prepared: tuple | None = None  # (stage, compute input) of the last prepare()
-        self.selected: tuple | None = None  # (stage, path, row facts) of the last prepare()
+        # (stage, compute input, its path, row facts) of the last prepare(); a branch's
+        # entry has no path selected yet (None, None)
+        self.prepared: tuple | None = None
         self.parent = parent  # a branch's stream: the stream it forked from
         self.branch_output: object = None  # a branch's output, once branch_output() made it
         self.owner = None  # weakref to the forward batch the stream was started or arrived on

@@ -83,20 +83,22 @@ class _ForwardState:
         self.adapter_rows = None
 
 
-_STATE = _ForwardState()
+# the flags, scopes and adapter rows compute sees now; exit scopes (exit.py) swap them on
+# entry and restore them on leaving, on every stage of every forward
+FORWARD_STATE = _ForwardState()
 
 
 def get_forward() -> ForwardFlags:
     """Flags of the innermost open exit scope (all False outside one)."""
-    return _STATE.flags
+    return FORWARD_STATE.flags
 
 
 def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
     """Install ``flags`` (and the sequence-parallel ``scope`` they open, or None) and return
     the previous pair; for exit scopes only (``opening``: a scope is entered, else left)."""
-    previous = (_STATE.flags, _STATE.sequence_parallel)
-    _STATE.flags, _STATE.sequence_parallel = flags, scope
-    _STATE.open_scopes += 1 if opening else -1
+    previous = (FORWARD_STATE.flags, FORWARD_STATE.sequence_parallel)
+    FORWARD_STATE.flags, FORWARD_STATE.sequence_parallel = flags, scope
+    FORWARD_STATE.open_scopes += 1 if opening else -1
     return previous
 
 
@@ -104,45 +106,20 @@ def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
 NO_ADAPTERS = "no adapters"
 
 
-def open_scope(flags: ForwardFlags, scope, rows) -> tuple:
-    """``swap_flags(flags, True, scope)`` and ``swap_adapter_rows(rows)`` in one call (what an
-    exit scope does on entry, on every stage of every forward); returns what ``close_scope``
-    restores."""
-    state = _STATE
-    previous = (state.flags, state.sequence_parallel, state.adapter_rows)
-    state.flags, state.sequence_parallel, state.adapter_rows = flags, scope, rows
-    state.open_scopes += 1
-    return previous
-
-
-def close_scope(previous: tuple) -> None:
-    """Leave an exit scope: reinstate what ``open_scope`` returned."""
-    state = _STATE
-    state.flags, state.sequence_parallel, state.adapter_rows = previous
-    state.open_scopes -= 1
-
-
-def swap_adapter_rows(rows):
-    """Install the open exit's adapter rows (a tensor of adapter slots per compute row, or
-    NO_ADAPTERS; None when the scope closes) and return the previous ones."""
-    previous, _STATE.adapter_rows = _STATE.adapter_rows, rows
-    return previous
-
-
 def adapter_rows():
     """The open exit's adapter slot per compute row (-1: the base model), NO_ADAPTERS, or
     None outside any exit scope."""
-    return _STATE.adapter_rows
+    return FORWARD_STATE.adapter_rows
 
 
 def sequence_parallel_scope() -> SequenceParallelScope | None:
     """The open sequence-parallel exit's movements (None outside one)."""
-    return _STATE.sequence_parallel
+    return FORWARD_STATE.sequence_parallel
 
 
 def open_exit_scopes() -> int:
     """How many exit scopes are open now (a two-batch-overlap yield point requires none)."""
-    return _STATE.open_scopes
+    return FORWARD_STATE.open_scopes
 
 
 def get_parallel() -> Parallel:
