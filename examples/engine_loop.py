@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layer_boundary.models import boundary_reduction, load_model, model_type_of
+from layer_boundary.models import boundary_reduction, load_model
 from layer_boundary.runtime import (BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims,
                                     build_parallel)
 
@@ -107,8 +107,9 @@ def demo_schedule(vocab: int) -> dict[int, list[Request]]:
 
 def run_rank(model_dir: str, tp: int, slots: int = 4, max_len: int = 32) -> dict:
     """This rank's engine over ``demo_schedule``: request id -> (tokens, logits)."""
-    # auto: the architecture's policy (its model class declares it), chosen per batch
-    policy = boundary_reduction("auto", model_type_of(model_dir))
+    # auto: the checkpoint's architecture's policy (its model class declares it), chosen
+    # per batch
+    policy = boundary_reduction("auto", model_dir)
     runtime = BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp)),
                               boundary_reduction=policy, choose_by_bytes=True)
     model = load_model(model_dir, runtime)

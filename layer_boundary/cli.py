@@ -213,7 +213,18 @@ def _refuse_combinations(feature: str, options) -> None:
         raise UsageError(f"{feature} does not combine with {', '.join(given)} yet")
 
 
-def _check_moe_a2a(args, model_cls, attn_tp: int) -> None:
+def _asked(value: str, model_dir) -> str:
+    """The policy asked for, as the run and plan headers show it: ``auto`` with what chose
+    its policy (the checkpoint's ``architectures`` entry, ``model_type`` or
+    ``text_config``)."""
+    if value != "auto":
+        return value
+    from .models import auto_policy, read_config
+
+    return f"auto, by {auto_policy(read_config(model_dir))[1]}"
+
+
+def _check_moe_a2a(args, model_cls, attn_tp: int, model_dir) -> None:
     """``--moe-a2a-backend`` against the model, the features it does not combine with yet and
     the policy (one line each, before any rank starts)."""
     from .models import boundary_reduction
@@ -230,7 +241,7 @@ def _check_moe_a2a(args, model_cls, attn_tp: int) -> None:
         (f"--cp {args.cp}", args.cp > 1), ("--sequence-parallel", args.sequence_parallel),
         ("--attn-input-scattered", args.attn_input_scattered), ("--compile", _compiling(args)),
         ("speculative decoding", _speculative(args))))
-    if attn_tp > 1 and boundary_reduction(args.boundary_reduction, model_cls.model_type) == "ar":
+    if attn_tp > 1 and boundary_reduction(args.boundary_reduction, model_dir) == "ar":
         raise UsageError(f"{flag} dispatches from rows no other rank holds: with attention TP "
                          f"{attn_tp} those are the scattered rows, and --boundary-reduction ar "
                          "has none (use rs, rsv or rs+rsv, or --dp equal to --tp)")
@@ -246,7 +257,7 @@ def _a2a_note(backend: str) -> str:
     return "" if backend == "none" else f"  MoE {backend} dispatch"
 
 
-def _check_variants(args, model_cls) -> None:
+def _check_variants(args, model_cls, model_dir) -> None:
     """The batch-variant options against each other, the features they do not combine with
     yet, the policy and the model (one line each, before any rank starts)."""
     from .models import boundary_reduction
@@ -265,8 +276,7 @@ def _check_variants(args, model_cls) -> None:
         ("--split-prefill", getattr(args, "split_prefill", 1) > 1),
         ("--compile", args.cp > 1 and _compiling(args)),
         ("speculative decoding", _speculative(args))))
-    if args.cp == 1 and boundary_reduction(args.boundary_reduction,
-                                           model_cls.model_type) == "ar":
+    if args.cp == 1 and boundary_reduction(args.boundary_reduction, model_dir) == "ar":
         raise UsageError(f"{feature} needs a scattered residual: --boundary-reduction ar "
                          "permits no reduce-scatter (use rs, rsv or rs+rsv)")
     from .contracts import BatchVariant
@@ -433,8 +443,8 @@ def _spec(args):
     model_cls = model_class_of(model_dir)
     model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
-    _check_variants(args, model_cls)
-    _check_moe_a2a(args, model_cls, dims.attn_tp)
+    _check_variants(args, model_cls, model_dir)
+    _check_moe_a2a(args, model_cls, dims.attn_tp, model_dir)
     if args.tbo and (args.pp > 1 or args.split_prefill > 1 or args.compile
                      or args.compile_backend):
         raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
@@ -547,7 +557,8 @@ def _report(args, spec, results, reference) -> int:
     log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
              spec.dp, f"cp={spec.cp} " if spec.cp > 1 else "", spec.ep,
-             rank0.resolved_reduction, spec.boundary_reduction, spec.dtype,
+             rank0.resolved_reduction, _asked(spec.boundary_reduction, spec.model_dir),
+             spec.dtype,
              ("  sequence-parallel prefill" if spec.sequence_parallel else
               "  input-scattered attention" if spec.attn_input_scattered else "")
              + _a2a_note(spec.moe_a2a_backend) + _modes_on(spec)
@@ -687,12 +698,12 @@ def cmd_plan(args) -> int:
     model_cls = model_class_of(model_dir)
     model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
-    _check_variants(args, model_cls)
-    _check_moe_a2a(args, model_cls, dims.attn_tp)
+    _check_variants(args, model_cls, model_dir)
+    _check_moe_a2a(args, model_cls, dims.attn_tp, model_dir)
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
-    policy = boundary_reduction(args.boundary_reduction, model_cls.model_type)
+    policy = boundary_reduction(args.boundary_reduction, model_dir)
     cp = dims.attn_cp > 1
     variant = (BatchVariant.CP if cp else BatchVariant.SEQUENCE_PARALLEL if args.sequence_parallel
                else BatchVariant.INPUT_SCATTERED if args.attn_input_scattered
@@ -757,7 +768,7 @@ def cmd_plan(args) -> int:
         return 0
     log.info("layer-boundary plan: %s  tp=%d dp=%d cp=%d attn_tp=%d  boundary_reduction=%s "
              "(asked %s)%s", model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp, policy,
-             args.boundary_reduction, _a2a_note(args.moe_a2a_backend))
+             _asked(args.boundary_reduction, model_dir), _a2a_note(args.moe_a2a_backend))
     log.info("tokens per DP rank %s -> row mode %s (%s)%s", list(counts), mode.value, reason,
              "" if variant is BatchVariant.ORDINARY else f", {'an' if variant.value[0] in 'aeiou' else 'a'} {variant.value} batch")
     if cp:

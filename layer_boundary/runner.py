@@ -14,7 +14,7 @@ import torch
 from . import boundary_guard_filter, stage_boundaries
 from .adapters.branch import describe_merge
 from .layout import RowMode
-from .models import boundary_reduction, load_model, model_type_of
+from .models import boundary_reduction, load_model
 from .models.generate import Generation, greedy_generate, takes_padded_batches
 from .models.speculative import speculative_generate
 from .contracts import BatchVariant
@@ -102,7 +102,7 @@ class RankResult:
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
-    policy = boundary_reduction(spec.boundary_reduction, model_type_of(spec.model_dir))
+    policy = boundary_reduction(spec.boundary_reduction, spec.model_dir)
     return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
                            pp_layers=spec.pp_layers, batch_variants=tuple(
@@ -204,8 +204,10 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     par = runtime.parallel
     provider = make_fusions(spec.fusions)
     read = ReadBytes()
-    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype], fusions=provider,
+    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype],
                        options=spec.model_options, read=read)
+    if provider is not None:  # installed on the built model, as an engine installs a backend's
+        model.install_fusion(provider)
     adapters = None
     if spec.lora:
         from .adapters.lora import attach_lora, lora_slots
@@ -259,7 +261,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     result.layers = tuple(model.stage.layers)
     if provider is not None:
         result.fused_inputs = provider.accepted
-        result.fused_final_norms = provider.service.calls
+        result.fused_final_norms = 0 if provider.service is None else provider.service.calls
     return result
 
 
@@ -272,8 +274,8 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
     if spec.speculative_algorithm == "nextn":
         from .models.nextn import load_nextn
 
-        policy = boundary_reduction(spec.speculative_boundary_reduction,
-                                    model_type_of(spec.model_dir))
+        # the target's own NextN layer: the target checkpoint's architecture
+        policy = boundary_reduction(spec.speculative_boundary_reduction, spec.model_dir)
         runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                                   allreduce_fusion=spec.allreduce_fusion,
                                   rs_padding=spec.rs_padding)
@@ -281,7 +283,7 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
     draft_cls = model_class_of(spec.draft_model)
     target_cfg, draft_cfg = load_config(spec.model_dir), load_config(spec.draft_model)
     check_draft(target_cfg, draft_cfg, draft_cls, target_runtime.parallel.dims)
-    policy = boundary_reduction(spec.speculative_boundary_reduction, draft_cls.model_type)
+    policy = boundary_reduction(spec.speculative_boundary_reduction, spec.draft_model)
     runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                               allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
     return load_model(spec.draft_model, runtime, dtype=DTYPES[spec.dtype])

@@ -122,6 +122,11 @@ class StageBoundary:
                                qkv_latent_func=self.qkv_latent_func, fusions=self.fusions)
         self._by_key = self.plan.by_key
 
+    @property
+    def bound(self) -> bool:
+        """Whether its plan is built (its layer stack knows its consumer)."""
+        return not isinstance(self.plan, _Unbound)
+
     def __repr__(self) -> str:
         return f"StageBoundary({self.name}: {self.declaration.describe()})"
 

@@ -85,6 +85,7 @@ class FusionProvider(Protocol):
 
     def can_defer_all_reduce(self, plan, forward_batch) -> bool: ...
 
-    # Optional: ``handoff_norm()`` returns a service whose ``finalize(arrival)`` completes a
-    # terminal finalize handoff inside the final norm (or None to decline), for
-    # ``residual_batch.norm(..., handoff_norm=service)``.
+    # Optional: ``handoff_norm(eps)`` returns a service whose ``finalize(handoff, residual,
+    # gamma)`` completes a terminal finalize handoff with the TP sum, the residual add and
+    # the final norm (``gamma``: its ``gemma_weight``) in one call, or None to decline, for
+    # ``residual_batch.norm(..., handoff_norm=service)`` (fusions/terminal.py).

@@ -11,6 +11,7 @@ from ..ops import ALL_REDUCE_TP_SLICE_DP, SLICE_DP
 from ..residual import is_plain
 from ..residual.add_norm import accumulate_dtype
 from . import Arrival, FusedInput, InputPlan
+from .terminal import TerminalFinalizeNorm
 
 # the owed sums it completes: the FFN output's TP sum, the MoE output's, or none (one rank)
 COMPLETES = frozenset({SumGroup.TP, SumGroup.MOE_OUT, None})
@@ -53,26 +54,12 @@ def fused_finalize_all_reduce_add_norm(plan: InputPlan, run=None) -> FusedInput:
                       collective=RowMode.AR)
 
 
-class FinalizeNorm:
-    """The terminal service for ``residual_batch.norm(..., handoff_norm=...)``."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def finalize(self, arrival: Arrival):
-        """(normalised output, residual) on the residual's rows, or None to decline."""
-        if arrival.residual_rows != arrival.batch_rows.layouts.local:
-            return None  # it lands on local rows only
-        out = finalize_all_reduce_add_norm(arrival)
-        self.calls += out is not None
-        return out
-
-
 class ReferenceFusions:
     """Offers the fused candidate to FFN and attention inputs.
 
     ``defer_finalize``: let sparse FFNs hand their finalize to the next input;
-    ``terminal_finalize``: also at the last layer, to the final norm's ``handoff_norm``;
+    ``terminal_finalize``: also at the last layer, to the final norm's ``handoff_norm()``
+    service (``fusions.terminal``);
     ``defer_all_reduce``: let a LOCAL_TAIL FFN leave its all-reduce to the next input.
     ``decline``: offer candidates that always decline (to test the fallback).
     """
@@ -82,9 +69,11 @@ class ReferenceFusions:
         self.defer_finalize, self.terminal_finalize = defer_finalize, terminal_finalize
         self.defer_all_reduce, self.decline = defer_all_reduce, decline
         self.candidates: list[FusedInput] = []
-        self.service = FinalizeNorm()
+        self.service: TerminalFinalizeNorm | None = None  # once handoff_norm() made it
+        self._parallel = None  # the topology of the plans it was offered to
 
     def _input(self, plan: InputPlan) -> list[FusedInput]:
+        self._parallel = plan.parallel
         candidate = fused_finalize_all_reduce_add_norm(
             plan, Counted(_declining) if self.decline else None)
         self.candidates.append(candidate)
@@ -105,8 +94,17 @@ class ReferenceFusions:
         return (self.defer_all_reduce and decl.kind is StageKind.FFN and not decl.terminal
                 and decl.reduction is ProducerReduction.LOCAL_TAIL)
 
-    def handoff_norm(self):
-        return None if self.decline or not self.terminal_finalize else self.service
+    def handoff_norm(self, eps: float = 1e-6):
+        """The terminal service for a final norm of epsilon ``eps`` (None: this provider
+        leaves no finalize to the final norm), once its stages are built with it."""
+        if self.decline or not self.terminal_finalize:
+            return None
+        if self._parallel is None:
+            raise RuntimeError("handoff_norm() needs the provider installed first (on the "
+                               "stages' construction or by install_fusion): its service sums "
+                               "over their TP group")
+        self.service = TerminalFinalizeNorm(self._parallel.tp, eps)
+        return self.service
 
     @property
     def accepted(self) -> int:

@@ -10,12 +10,7 @@ import torch
 from ..runtime.args import resolve_boundary_reduction
 from .config import CheckpointError, read_config  # noqa: F401
 from .loader import dequantized, iter_weights
-from .registry import model_class, model_types, register_model  # noqa: F401
-
-
-def model_type_of(path) -> str:
-    """The checkpoint's ``model_type``, which a registered model serves."""
-    return model_class_of(path).model_type
+from .registry import auto_policy, model_class, model_types, register_model  # noqa: F401
 
 
 def model_class_of(path) -> type:
@@ -35,10 +30,17 @@ def load_config(path):
     return _load_config(path)[0]
 
 
-def boundary_reduction(value: str, model_type: str) -> str:
-    """``--boundary-reduction`` resolved for an architecture: ``auto`` is what its model class
-    declares (``boundary_reduction``)."""
-    return resolve_boundary_reduction(value, model_class(model_type).boundary_reduction)
+def boundary_reduction(value: str, checkpoint) -> str:
+    """``--boundary-reduction`` resolved for a checkpoint: ``auto`` is its architecture's
+    policy (``registry.auto_policy``: its ``architectures`` entry, else its ``model_type``,
+    else its ``text_config``'s).
+
+    Args:
+        value: ar | rs | rsv | rs+rsv | auto.
+        checkpoint: the checkpoint folder, or its config.json as a dict.
+    """
+    raw = checkpoint if isinstance(checkpoint, dict) else read_config(checkpoint)
+    return resolve_boundary_reduction(value, auto_policy(raw)[0])
 
 
 def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), read=None):

@@ -33,9 +33,16 @@ class DecoderModel(nn.Module):
                                         for i in self.stage.layers)
         if self.stage.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        # a provider may offer a service that finalizes a terminal MoE handoff in the final norm
+        self.handoff_norm = None
+        if fusions is not None:
+            self.take_handoff_norm(fusions)
+
+    def take_handoff_norm(self, fusions) -> None:
+        """The service of ``fusions`` that finalizes a terminal MoE handoff in the final norm
+        (``fusions.terminal``), if it offers one, for every later forward."""
         service = getattr(fusions, "handoff_norm", None)
-        self.handoff_norm = service() if service is not None else None
+        if service is not None and self.stage.last:
+            self.handoff_norm = service(self.norm.eps)
 
     def forward(self, forward_batch, pp_input=None):
         """The final norm's output on the last stage, the tensors for the next stage on the
@@ -127,6 +134,22 @@ class CausalLM(nn.Module):
                                           runtime.parallel.attn_tp, dtype=dtype)
             if self.ties_head() and self.stage.first:
                 self.lm_head.tie(self.model.embed_tokens)
+
+    def install_fusion(self, provider):
+        """Install a fusion provider on this built model (``fusions.install_fusion``: every
+        decoder layer's stages, their plans rebuilt once) and take its terminal service, if
+        it offers one, for the final norm. Before the first forward.
+
+        Args:
+            provider: the fusion provider.
+
+        Returns the terminal service (None: the provider offers none).
+        """
+        from ..fusions.terminal import install_fusion
+
+        install_fusion(self, provider)
+        self.model.take_handoff_norm(provider)
+        return self.model.handoff_norm
 
     def ties_head(self) -> bool:
         """The LM head is the embedding (``tie_word_embeddings``)."""

@@ -430,7 +430,8 @@ NO_SP = ("its MLA latent projections are replicated over attention TP, not colum
          "linears (its latent moves under --attn-input-scattered instead)")
 
 
-@register_model("deepseek_v3", DeepseekV3Config, check_parallel=check_parallel,
+@register_model("deepseek_v3", DeepseekV3Config, architectures=("DeepseekV3ForCausalLM",),
+                check_parallel=check_parallel,
                 sequence_parallel=NO_SP, attn_input_scattered=True, moe_a2a=True,
                 boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True)
 class DeepseekV3ForCausalLM(CausalLM):

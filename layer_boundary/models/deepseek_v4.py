@@ -454,7 +454,8 @@ NO_SP = "its mHC residual and grouped output projection are not built for scatte
 
 
 # its sliding-window ring folds every token in: not positional
-@register_model("deepseek_v4", DeepseekV4Config, check_parallel=check_parallel,
+@register_model("deepseek_v4", DeepseekV4Config, architectures=("DeepseekV4ForCausalLM",),
+                check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=False, moe_a2a=True,
                 attn_input_scattered=NO_QKV_LATENT, context_parallel=NO_CP, sequence_parallel=NO_SP)
 class DeepseekV4ForCausalLM(CausalLM):

@@ -158,7 +158,8 @@ class LlamaDecoderLayer(DecoderLayer):
                      fusions=fusions, attn=declare_attn(sequence_parallel=True))
 
 
-@register_model("llama", LlamaConfig, boundary_reduction="rs+rsv", positional_cache=True,
+@register_model("llama", LlamaConfig, architectures=("LlamaForCausalLM",),
+                boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
                 attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
 class LlamaForCausalLM(Qwen3ForCausalLM):

@@ -319,7 +319,8 @@ NO_SP = ("its MLA latent projections are replicated over attention TP, and its b
          "ordinary token rows only")
 
 
-@register_model("longcat_flash", LongcatFlashConfig, context_parallel=NO_CP,
+@register_model("longcat_flash", LongcatFlashConfig, architectures=("LongcatFlashForCausalLM",),
+                context_parallel=NO_CP,
                 sequence_parallel=NO_SP, attn_input_scattered=True, moe_a2a=True,
                 check_parallel=check_parallel, boundary_reduction="rs+rsv", positional_cache=True)
 class LongcatFlashForCausalLM(CausalLM):

@@ -33,7 +33,8 @@ class MistralConfig(LlamaConfig):
 
 # a draft may not be a Mistral: with a sliding window its cache is a ring that overwrites
 # older positions (the class cannot tell per checkpoint, so it says no for all)
-@register_model("mistral", MistralConfig, check_parallel=check_parallel,
+@register_model("mistral", MistralConfig, architectures=("MistralForCausalLM",),
+                check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=False, sequence_parallel=True,
                 context_parallel="its sliding window across a CP cut is not built",
                 attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)

@@ -344,7 +344,8 @@ NO_SP = ("its Mamba2 mixers consume their own rows, not column- and row-parallel
          "gathered ones")
 
 
-@register_model("nemotron_h", NemotronHConfig, check_parallel=check_parallel, moe_a2a=True,
+@register_model("nemotron_h", NemotronHConfig, architectures=("NemotronHForCausalLM",),
+                check_parallel=check_parallel, moe_a2a=True,
                 context_parallel=NO_CP, sequence_parallel=NO_SP, boundary_reduction="rs+rsv",
                 positional_cache=False,  # its Mamba states fold every token in
                 attn_input_scattered=NO_QKV_LATENT)

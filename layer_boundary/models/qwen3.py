@@ -121,7 +121,8 @@ class Qwen3DecoderLayer(DecoderLayer):
                            read=quantized_read(cfg, layer_id, ("mlp.gate_proj", "mlp.up_proj")))
 
 
-@register_model("qwen3", Qwen3Config, check_parallel=check_parallel, boundary_reduction="rs+rsv",
+@register_model("qwen3", Qwen3Config, architectures=("Qwen3ForCausalLM",),
+                check_parallel=check_parallel, boundary_reduction="rs+rsv",
                 positional_cache=True, context_parallel=True, sequence_parallel=True,
                 attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
 class Qwen3ForCausalLM(CausalLM):

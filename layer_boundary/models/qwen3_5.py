@@ -68,11 +68,13 @@ CAPABILITIES = dict(check_parallel=check_parallel, moe_a2a=NO_MOE_LAYERS, contex
                     attn_input_scattered=NO_QKV_LATENT)
 
 
-@register_model("qwen3_5", Qwen3_5Config, **CAPABILITIES)
+@register_model("qwen3_5", Qwen3_5Config, architectures=("Qwen3_5ForConditionalGeneration",),
+                **CAPABILITIES)
 class Qwen3_5ForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
     """Qwen3.5's language model: gated DeltaNet and gated attention, gated MLPs."""
 
 
-@register_model("qwen3_5_text", Qwen3_5Config, **CAPABILITIES)
+@register_model("qwen3_5_text", Qwen3_5Config, architectures=("Qwen3_5ForCausalLM",),
+                **CAPABILITIES)
 class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5 as transformers' text-only class saves it."""

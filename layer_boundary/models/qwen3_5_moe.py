@@ -33,11 +33,13 @@ class Qwen3_5MoeConfig(Qwen3NextConfig):
 MOE_CAPABILITIES = dict(CAPABILITIES, moe_a2a=True)
 
 
-@register_model("qwen3_5_moe", Qwen3_5MoeConfig, **MOE_CAPABILITIES)
+@register_model("qwen3_5_moe", Qwen3_5MoeConfig,
+                architectures=("Qwen3_5MoeForConditionalGeneration",), **MOE_CAPABILITIES)
 class Qwen3_5MoeForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
     """Qwen3.5-MoE's language model: gated DeltaNet and gated attention, MoE FFNs."""
 
 
-@register_model("qwen3_5_moe_text", Qwen3_5MoeConfig, **MOE_CAPABILITIES)
+@register_model("qwen3_5_moe_text", Qwen3_5MoeConfig,
+                architectures=("Qwen3_5MoeForCausalLM",), **MOE_CAPABILITIES)
 class Qwen3_5MoeTextForCausalLM(Qwen3_5MoeForCausalLM):
     """Qwen3.5-MoE as transformers' text-only class saves it."""

@@ -111,7 +111,8 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
                            read=read)
 
 
-@register_model("qwen3_moe", Qwen3MoeConfig, check_parallel=check_parallel,
+@register_model("qwen3_moe", Qwen3MoeConfig, architectures=("Qwen3MoeForCausalLM",),
+                check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
                 sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -329,7 +329,8 @@ NO_SP = ("its gated DeltaNet mixers consume their own rows, not column- and row-
          "linears on gathered ones")
 
 
-@register_model("qwen3_next", Qwen3NextConfig, check_parallel=check_parallel, moe_a2a=True,
+@register_model("qwen3_next", Qwen3NextConfig, architectures=("Qwen3NextForCausalLM",),
+                check_parallel=check_parallel, moe_a2a=True,
                 context_parallel=NO_CP, sequence_parallel=NO_SP, boundary_reduction="rs+rsv",
                 positional_cache=False,  # its recurrent states fold every token in
                 attn_input_scattered=NO_QKV_LATENT)

@@ -26,6 +26,9 @@ import pkgutil
 from .config import CheckpointError
 
 _MODELS: dict[str, type] = {}
+# the Hugging Face ``architectures`` entries a model declares, each naming the class whose
+# ``boundary_reduction`` ``auto`` takes for a checkpoint listing it
+_ARCHITECTURES: dict[str, type] = {}
 _DISCOVERED = False
 
 
@@ -39,12 +42,16 @@ NO_QKV_LATENT = "its attention has no qkv latent to run before the gather (MLA o
 NO_MOE_LAYERS = "it has no MoE layers to dispatch"
 
 
-def register_model(model_type: str, config_class: type, **capabilities):
+def register_model(model_type: str, config_class: type, *, architectures: tuple = (),
+                   **capabilities):
     """Class decorator: the class serves checkpoints whose config.json has ``model_type``.
 
     Args:
         model_type: config.json's ``model_type``.
         config_class: its config (``validate(raw)``, ``from_dict(raw)``, ``fields``).
+        architectures: config.json ``architectures`` entries whose ``auto`` policy is this
+            class's ``boundary_reduction`` (``auto_policy``: they come first, then
+            ``model_type``, then a nested ``text_config``'s).
         boundary_reduction: what ``--boundary-reduction auto`` resolves to.
         positional_cache: whether a draft may use its cache (a rejected token is overwritten,
             never folded into a state).
@@ -77,7 +84,13 @@ def register_model(model_type: str, config_class: type, **capabilities):
         known = _MODELS.get(model_type)
         if known is not None and known is not cls:
             raise TypeError(f"model_type {model_type!r} is served by {known.__name__} already")
+        for name in architectures:
+            other = _ARCHITECTURES.get(name)
+            if other is not None and other is not cls:
+                raise TypeError(f"architecture {name!r} is declared by {other.__name__} already")
         cls.model_type, cls.config_class = model_type, config_class
+        cls.architectures = tuple(architectures)
+        _ARCHITECTURES.update(dict.fromkeys(architectures, cls))
         for name, value in capabilities.items():
             setattr(cls, name, staticmethod(value) if callable(value) else value)
         for name in SUPPORT:  # None where supported, else the reason
@@ -116,3 +129,29 @@ def model_class(model_type) -> type:
         raise CheckpointError(f"config.json model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(sorted(_MODELS))})")
     return cls
+
+
+def auto_policy(raw: dict) -> tuple[str, str]:
+    """What ``--boundary-reduction auto`` resolves to for a checkpoint's config.json, and
+    what decided it: the first ``architectures`` entry a model declares, else the class
+    serving its ``model_type``, else the one serving a nested ``text_config``'s.
+
+    Args:
+        raw: the checkpoint's config.json.
+
+    Returns (policy, source), e.g. ("rs+rsv", "architectures: Qwen3NextForCausalLM").
+    """
+    _discover()
+    for name in raw.get("architectures") or ():
+        cls = _ARCHITECTURES.get(name)
+        if cls is not None:
+            return cls.boundary_reduction, f"architectures: {name}"
+    model_type = raw.get("model_type")
+    if model_type in _MODELS:
+        return _MODELS[model_type].boundary_reduction, f"model_type: {model_type}"
+    text = raw.get("text_config")
+    text_type = text.get("model_type") if isinstance(text, dict) else None
+    if text_type in _MODELS:
+        return _MODELS[text_type].boundary_reduction, f"text_config.model_type: {text_type}"
+    model_class(model_type)  # the checkpoint error naming the supported types
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..fusions import Arrival
+from ..layout import SumGroup
 from ..runtime.ledger import active_observer
 from . import is_plain, is_portable
 from .access import complete_onto, completed, local_rows, residual_on
@@ -238,6 +238,22 @@ def add_to_output(hidden_states, forward_batch: ForwardBatch, extra: torch.Tenso
     return stream.leave(c.value + extra, None, c.update, local)
 
 
+# the owed sums a terminal service completes: its one all-reduce spans the TP group
+_TERMINAL_SUMS = (None, SumGroup.TP, SumGroup.MOE_OUT)
+
+
+def _finalize_in_norm(service, c, stream, rows, local, norm_module):
+    """The service's fused finalize + sum + add + norm where one all-reduce lands the handoff
+    on the residual's own rows (a zero-centered final norm, the residual on local rows, the
+    handoff on as many rows); None where it does not apply or the service declines."""
+    gamma = getattr(norm_module, "gemma_weight", None)
+    if (gamma is None or stream.residual is None or c.owed not in _TERMINAL_SUMS
+            or rows is None or c.rows is None or stream.residual_rows not in (None, local)
+            or rows.count(c.rows) != rows.count(local)):
+        return None
+    return service.finalize(c.value, stream.residual, gamma)
+
+
 def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty: bool = False,
          capture_output=None, handoff_norm=None) -> torch.Tensor:
     """Leave the stack: complete owed work, apply the update, apply the final norm; the
@@ -251,8 +267,10 @@ def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty:
             and skips only the norm kernel.
         capture_output: ``capture(value, owned=False)`` receives the updated residual on
             local rows, always borrowed.
-        handoff_norm: a service whose ``finalize(arrival)`` fuses a terminal finalize
-            handoff with the sum, add and norm (then ``capture_output`` is refused).
+        handoff_norm: a service whose ``finalize(handoff, residual, gamma)`` fuses a
+            terminal finalize handoff with the sum, add and norm where it applies
+            (``fusions/terminal.py``); with it, ``capture_output`` is refused when a
+            handoff arrives.
     """
     stream = _checked(hidden_states, forward_batch)
     observer = active_observer()
@@ -270,9 +288,7 @@ def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty:
             if capture_output is not None:
                 raise RuntimeError("norm() with handoff_norm does not accept capture_output "
                                    "when a handoff arrives")
-            fused = handoff_norm.finalize(Arrival(
-                c.value, c.owed, c.rows, c.update, stream.residual, stream.residual_rows,
-                norm_module, rows))
+            fused = _finalize_in_norm(handoff_norm, c, stream, rows, local, norm_module)
             if fused is not None:
                 out, residual = fused
         if out is None:

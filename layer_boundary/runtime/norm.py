@@ -43,8 +43,15 @@ class GemmaRMSNorm(nn.Module):
 
     def normalize_fp32(self, x32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Normalise an fp32 tensor, scale by ``1 + w`` in fp32, round once to ``out_dtype``."""
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return (x32 * torch.rsqrt(variance + self.eps) * (1.0 + self.weight.float())).to(out_dtype)
+        return gemma_rms_fp32(x32, self.weight, self.eps, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.normalize_fp32(x.float(), x.dtype)
+
+
+def gemma_rms_fp32(x32: torch.Tensor, gemma_weight: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """``GemmaRMSNorm`` of an fp32 tensor with its zero-centered weight ``gemma_weight``: what
+    a fused terminal kernel computes from the ``gemma_weight`` it is handed."""
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return (x32 * torch.rsqrt(variance + eps) * (1.0 + gemma_weight.float())).to(out_dtype)

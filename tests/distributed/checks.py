@@ -67,10 +67,11 @@ def assert_logits_match(run, ref, n_requests: int, tol: float = 1e-5) -> None:
 
 def sums_of_ffn_outputs(ledger, layers: int, step: int) -> dict[int, list]:
     """TP-group sums (all-reduce or reduce-scatter) of each layer's FFN output, by layer:
-    in its own compute, in the next attention's prepare, or (last layer) in the final norm."""
+    in its own compute, in the next attention's prepare, or (last layer) in the final norm
+    (``final_norm.fused``: the terminal service's)."""
     owner = {f"layer{i}.ffn.compute": i for i in range(layers)}
     owner.update({f"layer{i + 1}.attn.prepare": i for i in range(layers - 1)})
-    owner["final_norm"] = layers - 1
+    owner["final_norm"] = owner["final_norm.fused"] = layers - 1  # unfused, or the service's
     out = {i: [] for i in range(layers)}
     for e in ledger:
         if (e.step == step and e.group == "tp" and e.kind in ("all_reduce", "reduce_scatter")

@@ -81,7 +81,9 @@ def test_deferred_finalize_with_shared_experts_matches_world1(ds_dir, tp, dp, ep
             assert r.fused_inputs == 0
         else:
             assert r.fused_inputs > 0
-        assert (r.fused_final_norms > 0) == (fusions == "reference-terminal")
+        # DeepSeek-V3's final norm is an RMSNorm (no gemma_weight for the terminal service):
+        # a terminal handoff reaches it and completes unfused
+        assert r.fused_final_norms == 0
 
 
 @pytest.mark.timeout(240)

@@ -11,19 +11,31 @@ from dataclasses import replace
 import pytest
 from qwen3_next_checkpoints import hf_qwen3_next
 
+from layer_boundary.models import load_config
 from layer_boundary.runner import RunSpec, merge, run_rank
 
-from .checks import assert_logits_match, cli_ok, world1
+from .checks import assert_logits_match, cli_ok, sums_of_ffn_outputs, world1
 from .pool import get_pool
 
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))  # dp=4 leaves a rank idle
 STEPS = 3  # a prefill, then two cached decode steps
 
-# (model, tp, attn_dp, moe_ep, policy, expected row mode of the prefill)
+# (model, tp, attn_dp, moe_ep, policy, expected row mode of the prefill): each model at tp 2
+# and at tp 4 dp 2 in rs, rsv and auto (which chooses per batch: rsv for this skewed prefill),
+# the MoE models with expert parallelism
 CASES = [
+    ("qwen3_next", 2, 1, 1, "ar", "ar"),
     ("qwen3_next", 4, 2, 2, "rs", "rs"),  # attention TP 2 under DP 2, moe_tp 2
-    ("qwen3_next", 4, 2, 4, "auto", "rsv"),  # auto resolves to rs+rsv; pure EP
+    ("qwen3_next", 4, 2, 2, "rsv", "rsv"),
+    ("qwen3_next", 4, 2, 4, "auto", "rsv"),  # pure EP
+    ("qwen3_5", 2, 1, 1, "rs", "rs"),
     ("qwen3_5", 4, 1, 1, "ar", "ar"),  # attention TP 4: one key head per rank
+    ("qwen3_5", 4, 2, 1, "rs", "rs"),
+    ("qwen3_5", 4, 2, 1, "rsv", "rsv"),
+    ("qwen3_5", 4, 2, 1, "auto", "rsv"),
+    ("qwen3_5_moe", 2, 1, 2, "ar", "ar"),
+    ("qwen3_5_moe", 4, 2, 2, "rs", "rs"),
+    ("qwen3_5_moe", 4, 2, 4, "auto", "rsv"),
     ("qwen3_5_moe", 4, 4, 2, "rs+rsv", "rsv"),  # attention DP 4 with an empty DP rank
 ]
 
@@ -78,3 +90,26 @@ def test_run_command_passes_parity(dirs, capsys, restore_logger):
     out = cli_ok(["run", "--model", dirs["qwen3_next"], "--tp", "2", "--max-new-tokens", "2"],
                  capsys)
     assert "parity vs world 1: PASS" in out
+
+
+TERMINAL_CASES = [(2, 1, "ar", True), (4, 1, "ar", True), (4, 2, "rsv", False)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp,dp,policy,fused", TERMINAL_CASES,
+                         ids=[f"tp{t}-dp{d}-{p}" for t, d, p, _ in TERMINAL_CASES])
+def test_terminal_finalize_in_the_final_norm(dirs, tp, dp, policy, fused):
+    """The reference provider installed with terminal_finalize: Qwen3.5-MoE's last MoE hands
+    its finalize to the zero-centered final norm. On ar its service finalizes, all-reduces,
+    adds and norms in one call (the ledger's one sum of that FFN per forward is the service's,
+    at ``final_norm.fused``); where the residual is scattered it is not asked and the norm
+    completes the handoff unfused, by reduce-scatter. Both match world 1 (unfused)."""
+    spec = RunSpec(dirs["qwen3_5_moe"], tp=tp, dp=dp, ep=2, boundary_reduction=policy,
+                   prompts=PROMPTS, max_new_tokens=STEPS, fusions="reference-terminal")
+    layers = load_config(dirs["qwen3_5_moe"]).num_hidden_layers
+    for r in run_matching_world1(spec, policy):
+        for step in range(STEPS):
+            last = sums_of_ffn_outputs(r.ledger, layers, step)[layers - 1]
+            assert last == ([("all_reduce", "final_norm.fused")] if fused
+                            else [("reduce_scatter", "final_norm")]), (r.rank, step, last)
+        assert r.fused_final_norms == (STEPS if fused else 0)

@@ -11,7 +11,7 @@ from toy import HIDDEN, ToyHandoff, ToyLayer, batch, runtime
 from layer_boundary import declare_attn, declare_ffn, make_stages
 from layer_boundary.fusions.reference import ReferenceFusions, fused_finalize_all_reduce_add_norm
 from layer_boundary.residual import batch as residual_batch
-from layer_boundary.runtime.norm import RMSNorm
+from layer_boundary.runtime.norm import GemmaRMSNorm, RMSNorm
 
 
 class Recorder:
@@ -111,18 +111,62 @@ def test_snapshot_of_a_finalize_handoff():
         residual_batch.snapshot(h, fb)
 
 
+def _gemma_norm():
+    norm = GemmaRMSNorm(HIDDEN, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, HIDDEN))
+    return norm
+
+
 def test_handoff_norm_rejects_capture_and_otherwise_finalizes():
     h, fb, fusions = _sparse_stack()
+    service = fusions.handoff_norm(1e-5)
     with pytest.raises(RuntimeError, match="^norm\\(\\) with handoff_norm does not accept "
                                            "capture_output when a handoff arrives$"):
-        residual_batch.norm(h, fb, RMSNorm(HIDDEN), handoff_norm=fusions.handoff_norm(),
+        residual_batch.norm(h, fb, _gemma_norm(), handoff_norm=service,
                             capture_output=lambda value, owned=False: None)
     h, fb, fusions = _sparse_stack()
-    out = residual_batch.norm(h, fb, RMSNorm(HIDDEN), handoff_norm=fusions.handoff_norm())
+    service = fusions.handoff_norm(1e-5)
+    out = residual_batch.norm(h, fb, _gemma_norm(), handoff_norm=service)
     h2, fb2, _ = _sparse_stack()
-    unfused = residual_batch.norm(h2, fb2, RMSNorm(HIDDEN))  # completes the handoff itself
-    assert fusions.service.calls == 1
+    unfused = residual_batch.norm(h2, fb2, _gemma_norm())  # completes the handoff itself
+    assert service.calls == 1
     torch.testing.assert_close(out, unfused, atol=0, rtol=0)
+
+
+def test_handoff_norm_is_asked_only_for_a_zero_centered_norm_and_may_decline():
+    """The fused path reads the final norm's gemma_weight: an RMSNorm final norm completes the
+    handoff unfused without asking the service; a service returning None leaves the handoff
+    to the same unfused completion, untouched."""
+    asked = []
+
+    class Declining:
+        def finalize(self, handoff, residual, gamma):
+            asked.append((handoff, residual.clone(), gamma))
+            return None
+
+    h, fb, fusions = _sparse_stack()
+    service = fusions.handoff_norm(1e-6)
+    plain = residual_batch.norm(h, fb, RMSNorm(HIDDEN), handoff_norm=service)
+    h2, fb2, _ = _sparse_stack()
+    torch.testing.assert_close(plain, residual_batch.norm(h2, fb2, RMSNorm(HIDDEN)),
+                               atol=0, rtol=0)
+    assert service.calls == 0  # not asked: no gemma_weight to read
+
+    h, fb, _ = _sparse_stack()
+    residual = fb.residual_stream.residual.clone()
+    declined = residual_batch.norm(h, fb, _gemma_norm(), handoff_norm=Declining())
+    h2, fb2, _ = _sparse_stack()
+    torch.testing.assert_close(declined, residual_batch.norm(h2, fb2, _gemma_norm()),
+                               atol=0, rtol=0)
+    (handoff, seen, gamma), = asked
+    assert isinstance(handoff, ToyHandoff) and torch.equal(seen, residual)
+    assert gamma is not None
+
+
+def test_handoff_norm_needs_its_stages_built():
+    with pytest.raises(RuntimeError, match="^handoff_norm\\(\\) needs the provider installed"):
+        ReferenceFusions(terminal_finalize=True).handoff_norm()
 
 
 # ------------------------------------------------ candidates meet only what they declare

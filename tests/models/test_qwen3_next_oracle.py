@@ -246,3 +246,29 @@ def test_chunked_form_matches_transformers_over_several_chunks():
                                 beta[0, 0], step)
     assert (got - expected_step[0, 0]).abs().max() < 1e-6
     assert (step - expected_after[0]).abs().max() < 1e-6
+
+
+def test_terminal_finalize_fuses_in_the_zero_centered_final_norm(checkpoint):
+    """Qwen3.5-MoE ends in a MoE before a GemmaRMSNorm final norm: with the reference provider
+    installed on the built model (terminal_finalize=True), the last MoE's finalize reaches the
+    final norm as a handoff and the service finalizes, sums, adds and norms it in one call,
+    bit for bit what the unfused path computes."""
+    from layer_boundary.fusions.reference import ReferenceFusions
+    from layer_boundary.fusions.terminal import TerminalFinalizeNorm
+    from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
+
+    path = checkpoint("qwen3_5_moe")
+    plain, fused = load_model(path, world1()), load_model(path, world1())
+    provider = ReferenceFusions(terminal_finalize=True)
+    service = fused.install_fusion(provider)
+    assert isinstance(service, TerminalFinalizeNorm) and fused.model.handoff_norm is service
+    for prompts in (PROMPTS, [[42]]):
+        outs = []
+        for model in (plain, fused):
+            cache = model.make_kv_cache(len(prompts), 16)
+            batch = ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * len(prompts),
+                                       kv_cache=cache)
+            with torch.no_grad():
+                outs.append(model(batch))
+        assert torch.equal(outs[0], outs[1])
+    assert service.calls == 2

@@ -26,8 +26,9 @@ def test_every_reference_architecture_registers_itself():
 
 
 def test_capabilities_come_from_the_model_class():
-    assert boundary_reduction("auto", "qwen3") == model_class("qwen3").boundary_reduction
-    assert boundary_reduction("ar", "qwen3") == "ar"
+    raw = {"model_type": "qwen3"}
+    assert boundary_reduction("auto", raw) == model_class("qwen3").boundary_reduction
+    assert boundary_reduction("ar", raw) == "ar"
     assert not model_class("nemotron_h").positional_cache
     assert not model_class("deepseek_v4").positional_cache
     assert model_class("qwen3").positional_cache
