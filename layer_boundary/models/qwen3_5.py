@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import CheckpointError
-from .qwen3_next import NO_CP, NO_SP, Qwen3NextConfig, Qwen3NextForCausalLM, check_parallel
+from .qwen3_next import (AUTO, NO_CP, NO_SP, Qwen3NextConfig, Qwen3NextForCausalLM,
+                         check_parallel)
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
 LANGUAGE_MODEL, MODEL = "model.language_model.", "model."
@@ -63,7 +64,7 @@ class Qwen3_5Names:
 
 
 CAPABILITIES = dict(check_parallel=check_parallel, moe_a2a=NO_MOE_LAYERS, context_parallel=NO_CP,
-                    sequence_parallel=NO_SP, boundary_reduction="rs+rsv",
+                    sequence_parallel=NO_SP, boundary_reduction=AUTO,
                     positional_cache=False,  # its recurrent states fold every token in
                     attn_input_scattered=NO_QKV_LATENT)
 

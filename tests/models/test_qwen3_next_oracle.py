@@ -144,16 +144,19 @@ def test_gemma_norm_scales_by_one_plus_weight_in_fp32():
 
 
 def test_plan_labels_each_mixer(checkpoint, capsys, restore_logger):
-    """``layer-boundary plan``: two stages per layer, the DeltaNets labelled gated_deltanet."""
+    """``layer-boundary plan``: two stages per layer, each mixer labelled (gated_deltanet,
+    gated_attention) with its stage kind: the DeltaNet a SCOPED mixer, attention PARTIAL."""
     path = checkpoint("qwen3_next")
     out = cli_ok(["plan", "--model", str(path), "--tp", "4", "--dp", "2", "--boundary-reduction",
                   "rs", "--tokens", "5,3", "--json"], capsys)
     stages = json.loads(out)["stages"]
     assert [s["stage"] for s in stages] == [f"layer{i}.{k}" for i in range(5)
                                             for k in ("attn", "ffn")]
-    mixers = {"linear_attention": "gated_deltanet", "full_attention": None}
+    mixers = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
     assert [s.get("mixer") for s in stages[::2]] == [mixers[t] for t in TINY_NEXT["layer_types"]]
     assert stages[0]["kind"] == "gated_deltanet attention (SCOPED)"
+    assert stages[4]["kind"] == "gated_attention attention (PARTIAL)"
+    assert {s["kind"] for s in stages[1::2]} == {"ffn sparse (SCOPED)", "ffn (SCOPED)"}
 
 
 def base_config(**overrides) -> dict:

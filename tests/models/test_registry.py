@@ -48,3 +48,24 @@ def test_no_shared_module_names_an_architecture(module):
     names = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
              and isinstance(node.value, str)}
     assert not names & set(model_types()), (module, names & set(model_types()))
+
+
+def test_auto_resolves_by_architecture_then_model_type_then_text_config():
+    from layer_boundary.models import auto_policy
+
+    assert auto_policy({"architectures": ["Qwen3NextForCausalLM"], "model_type": "unknown"}) == (
+        model_class("qwen3_next").boundary_reduction, "architectures: Qwen3NextForCausalLM")
+    # an architecture no model declares: the model_type's class
+    assert auto_policy({"architectures": ["SomethingElse"], "model_type": "llama"}) == (
+        model_class("llama").boundary_reduction, "model_type: llama")
+    # a multimodal wrapper nobody serves, around a text model somebody does
+    assert auto_policy({"model_type": "wrapper", "text_config": {"model_type": "qwen3_5_text"}}
+                       ) == (model_class("qwen3_5_text").boundary_reduction,
+                             "text_config.model_type: qwen3_5_text")
+    with pytest.raises(CheckpointError, match="^config.json model_type 'wrapper' is not "
+                                              "supported"):
+        auto_policy({"model_type": "wrapper"})
+    for model_type in model_types():  # every model declares its own architectures
+        cls = model_class(model_type)
+        for name in cls.architectures:
+            assert auto_policy({"architectures": [name]})[1] == f"architectures: {name}"
