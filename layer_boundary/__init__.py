@@ -13,8 +13,8 @@ from .runtime.lazy import lazy_exports
 if TYPE_CHECKING:  # what the names are, for type checkers; imported on first use
     from .contracts import BatchVariant, Owed, ProducerReduction, StageKind
     from .exit import FfnExit, MixerExit
-    from .factories import (StageDeclaration, declare_attn, declare_ffn, make_attn_stage,
-                            make_ffn_stage, make_stages)
+    from .factories import (StageDeclaration, declare_attn, declare_ffn, install_fusion,
+                            make_attn_stage, make_ffn_stage, make_stages)
     from .layout import Layout, SumGroup, TokenAxis
     from .output import HandoffOutput, OutputTransform
     from .residual.stream import OwedOutput, ResidualStream
@@ -39,6 +39,7 @@ _EXPORTS = {
     'make_attn_stage': '.factories',
     'make_ffn_stage': '.factories',
     'make_stages': '.factories',
+    'install_fusion': '.factories',
     'Layout': '.layout',
     'SumGroup': '.layout',
     'TokenAxis': '.layout',
@@ -66,7 +67,8 @@ __all__ = [
     "BatchVariant", "FfnExit", "HandoffOutput", "OutputTransform", "Layout", "MixerExit", "Owed", "OwedOutput",
     "ProducerReduction", "ResidualStream", "StageBoundary", "StageDeclaration", "StageKind",
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
-    "make_ffn_stage", "make_stages", "boundary_guard_filter", "stage_boundaries",
+    "make_ffn_stage", "make_stages", "install_fusion", "boundary_guard_filter",
+    "stage_boundaries",
     "branch_input", "branch_output", "merge_branch", "run_two_batches", "split_batch",
     "LayerStack", "append_stages", "layer_stack", "CpView", "cp_view",
 ]

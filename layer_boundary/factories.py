@@ -314,3 +314,30 @@ def make_ffn_stage(declaration: StageDeclaration, norm, *, following=None, runti
                    name: str | None = None, **options):
     """One independently built FFN stage; its declaration carries its own source."""
     return _make_single(StageKind.FFN, declaration, norm, following, runtime, name, options)
+
+
+def install_fusion(model, provider) -> int:
+    """Install ``provider`` on every stage boundary a built model's layers hold (a decoder
+    layer's ``attn_boundary`` and ``ffn_boundary``, and any other: a branch's stages, a
+    single-stage block's), rebuilding each bound stage's plan once: a plan's fusion choices
+    are made at construction, never per forward. Every stage takes the same provider, as a
+    producer and its consumer must. Call it before the first forward and before
+    ``torch.compile``.
+
+    Args:
+        model: the model (any ``nn.Module``) whose layers hold the boundaries.
+        provider: the fusion provider (``fusions.FusionProvider``).
+
+    Returns how many stages took it.
+    """
+    from .stage import stage_boundaries
+
+    stages = stage_boundaries(model)
+    if not stages:
+        raise ValueError(f"install_fusion found no stage boundary in {type(model).__name__} "
+                         "(a decoder layer's attn_boundary / ffn_boundary)")
+    for boundary in stages:
+        boundary.fusions = provider
+        if boundary.bound:  # an unbound stage builds its plan with it when its stack binds it
+            boundary.bind(boundary.declaration, boundary.following)
+    return len(stages)

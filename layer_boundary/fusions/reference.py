@@ -94,7 +94,7 @@ class ReferenceFusions:
         return (self.defer_all_reduce and decl.kind is StageKind.FFN and not decl.terminal
                 and decl.reduction is ProducerReduction.LOCAL_TAIL)
 
-    def handoff_norm(self, eps: float = 1e-6):
+    def handoff_norm(self, eps: float | None = 1e-6):
         """The terminal service for a final norm of epsilon ``eps`` (None: this provider
         leaves no finalize to the final norm), once its stages are built with it."""
         if self.decline or not self.terminal_finalize:

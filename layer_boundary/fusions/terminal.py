@@ -1,5 +1,4 @@
-"""The fused terminal: a terminal MoE's finalize left to the final norm, and providers
-installed on a model after it is built.
+"""The fused terminal: a terminal MoE's finalize left to the final norm.
 
 A provider whose ``can_defer_finalize`` accepts the terminal layer (the reference one with
 ``terminal_finalize=True``) lets the last MoE return a ``HandoffOutput`` that the final norm
@@ -8,7 +7,9 @@ receives. The model passes the provider's service as
 ``service.finalize(handoff, residual, gamma)``, which runs the finalize, the TP all-reduce,
 the fp32 residual add and the zero-centered norm (``gamma``: the final norm's
 ``gemma_weight``) as one step. ``TerminalFinalizeNorm`` is that step in torch ops: the seam a
-fused GPU kernel fills, with the same arguments.
+fused GPU kernel fills, with the same arguments. ``install_fusion(model, provider)`` (the
+package root) puts a provider on a built model's stages; ``CausalLM.install_fusion`` also
+takes its service for the final norm.
 
 The norm asks the service only where one all-reduce lands the handoff on the residual's own
 rows: a final norm with a ``gemma_weight``, a handoff owing at most the TP sum, a residual on
@@ -31,10 +32,11 @@ SITE = "final_norm.fused"  # the ledger site of the service's all-reduce
 
 
 class TerminalFinalizeNorm:
-    """finalize + all-reduce over ``group`` + residual add + GemmaRMSNorm (epsilon ``eps``),
-    in one call; ``calls`` counts the completions it performed."""
+    """finalize + all-reduce over ``group`` + residual add + GemmaRMSNorm (epsilon ``eps``;
+    None: the final norm has none, and the service declines), in one call; ``calls`` counts
+    the completions it performed."""
 
-    def __init__(self, group, eps: float) -> None:
+    def __init__(self, group, eps: float | None) -> None:
         self.group, self.eps, self.calls = group, eps, 0
 
     def finalize(self, handoff, residual: torch.Tensor, gamma: torch.Tensor | None):
@@ -47,7 +49,7 @@ class TerminalFinalizeNorm:
             residual: the residual stream on the same rows.
             gamma: the final norm's ``gemma_weight`` (None: not a zero-centered norm).
         """
-        if gamma is None:
+        if gamma is None or self.eps is None:
             return None
         value = handoff.complete() if isinstance(handoff, HandoffOutput) else handoff
         value = all_reduce_rows(value, self.group, site=SITE)
@@ -55,30 +57,3 @@ class TerminalFinalizeNorm:
         total = residual.to(dtype=acc) + value.to(dtype=acc)
         self.calls += 1
         return gemma_rms_fp32(total, gamma, self.eps, residual.dtype), total.to(dtype=residual.dtype)
-
-
-def install_fusion(model, provider) -> int:
-    """Install ``provider`` on every stage boundary a built model's layers hold (a decoder
-    layer's ``attn_boundary`` and ``ffn_boundary``, and any other: a branch's stages, a
-    single-stage block's), rebuilding each bound stage's plan once: a plan's fusion choices
-    are made at construction, never per forward. Every stage takes the same provider, as a
-    producer and its consumer must. Call it before the first forward and before
-    ``torch.compile``.
-
-    Args:
-        model: the model (any ``nn.Module``) whose layers hold the boundaries.
-        provider: the fusion provider (``fusions.FusionProvider``).
-
-    Returns how many stages took it.
-    """
-    from ..stage import stage_boundaries
-
-    stages = stage_boundaries(model)
-    if not stages:
-        raise ValueError(f"install_fusion found no stage boundary in {type(model).__name__} "
-                         "(a decoder layer's attn_boundary / ffn_boundary)")
-    for boundary in stages:
-        boundary.fusions = provider
-        if boundary.bound:  # an unbound stage builds its plan with it when its stack binds it
-            boundary.bind(boundary.declaration, boundary.following)
-    return len(stages)

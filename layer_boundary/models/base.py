@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import layer_stack
+from .. import install_fusion, layer_stack
 from ..residual import batch as residual_batch
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.norm import RMSNorm
@@ -42,7 +42,9 @@ class DecoderModel(nn.Module):
         (``fusions.terminal``), if it offers one, for every later forward."""
         service = getattr(fusions, "handoff_norm", None)
         if service is not None and self.stage.last:
-            self.handoff_norm = service(self.norm.eps)
+            # a final norm without an epsilon (mHC's) has no gemma_weight either: the norm
+            # never asks the service there, which declines without an epsilon anyway
+            self.handoff_norm = service(getattr(self.norm, "eps", None))
 
     def forward(self, forward_batch, pp_input=None):
         """The final norm's output on the last stage, the tensors for the next stage on the
@@ -136,7 +138,7 @@ class CausalLM(nn.Module):
                 self.lm_head.tie(self.model.embed_tokens)
 
     def install_fusion(self, provider):
-        """Install a fusion provider on this built model (``fusions.install_fusion``: every
+        """Install a fusion provider on this built model (``install_fusion``: every
         decoder layer's stages, their plans rebuilt once) and take its terminal service, if
         it offers one, for the final norm. Before the first forward.
 
@@ -145,8 +147,6 @@ class CausalLM(nn.Module):
 
         Returns the terminal service (None: the provider offers none).
         """
-        from ..fusions.terminal import install_fusion
-
         install_fusion(self, provider)
         self.model.take_handoff_norm(provider)
         return self.model.handoff_norm
