@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear
-from .mamba2 import DepthwiseConv, ShardedLinear, _param
+from .mamba2 import DepthwiseConv, ShardedLinear, _param, conv_per_request
 
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule default
 
@@ -195,15 +195,10 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv], <= 0
         out = hidden_states.new_empty((tokens, self.v_heads, self.dv), dtype=torch.float32)
-        keep, start = self.kernel - 1, 0
-        for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
-                                   forward_batch.extend_lens):
-            end = start + n
-            past = conv_state[slot] if prefix else conv_state.new_zeros(conv_state.shape[1:])
-            window = torch.cat([past, qkv[start:end]])  # [kernel - 1 + n, C]
-            conv_state[slot] = window[window.shape[0] - keep:]
-            q, k, v = self.conv1d(window).split([self.key_dim, self.key_dim, self.value_dim],
-                                                dim=-1)
+        for slot, prefix, start, end, conv in conv_per_request(self.conv1d, conv_state, qkv,
+                                                               forward_batch):
+            n = end - start
+            q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
             # [n, Hk * dk] -> [n, Hv, dk]: each key head serves `ratio` consecutive value heads
             q = l2norm(q.reshape(n, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
             k = l2norm(k.reshape(n, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
@@ -215,8 +210,6 @@ class GatedDeltaNet(nn.Module):
                 out[start:end], recurrent[slot] = chunk_gated_delta(
                     q, k, v, g[start:end], beta[start:end],
                     initial_state=recurrent[slot] if prefix else None)
-            start = end
-        assert start == tokens
         # transformers rounds the core output to the model dtype before the gated norm
         y = self.norm(out.to(hidden_states.dtype), z)  # [T, Hv, dv]
         return self.out_proj(y.reshape(tokens, self.value_dim))

@@ -74,6 +74,7 @@ class DepthwiseConv(nn.Module):
                  full: int):
         super().__init__()
         channels = sum(size for _, size in ranges)
+        self.kernel = kernel
         self.weight = _param((channels, 1, kernel), dtype, ranges, full)
         self.bias = _param((channels,), dtype, ranges, full) if bias else None
 
@@ -197,6 +198,25 @@ class MambaState:
                                    device=device) for i in layers}
 
 
+def conv_per_request(conv1d, conv_state, x, forward_batch):
+    """Each request's causal depthwise conv over its rows of ``x`` [T, C], continuing from
+    its cached window in ``conv_state`` [slots, kernel - 1, C] (zeros for a fresh prompt)
+    and leaving its last ``kernel - 1`` inputs there. Yields (slot, prefix length, start,
+    end, conv output [end - start, C]) per request, in row order."""
+    keep, start = conv1d.kernel - 1, 0
+    for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
+                               forward_batch.extend_lens):
+        end = start + n
+        past = conv_state[slot] if prefix else conv_state.new_zeros(conv_state.shape[1:])
+        window = torch.cat([past, x[start:end]])  # [kernel - 1 + n, C]
+        conv_state[slot] = window[window.shape[0] - keep:]
+        yield slot, prefix, start, end, conv1d(window)
+        start = end
+    if start != x.shape[0]:
+        raise ValueError(f"the batch's extend_lens cover {start} rows; the mixer got "
+                         f"{x.shape[0]}")
+
+
 class Mamba2Mixer(nn.Module):
     """Nemotron-H's Mamba2 mixer on this attention-DP rank's local rows; ``index`` is its place
     among the Mamba layers (its slot in ``MambaState``)."""
@@ -247,15 +267,10 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))  # [T, h_local]
         y = hidden_states.new_empty((tokens, self.heads, self.head_dim), dtype=torch.float32)
-        keep = self.kernel - 1
-        start = 0
-        for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
-                                   forward_batch.extend_lens):
-            end = start + n
-            past = conv_state[slot] if prefix else conv_state.new_zeros(conv_state.shape[1:])
-            window = torch.cat([past, xbc[start:end]])  # [kernel - 1 + n, C]
-            conv_state[slot] = window[window.shape[0] - keep:]
-            x, B, C = self.conv1d(window).split(
+        for slot, prefix, start, end, conv in conv_per_request(self.conv1d, conv_state, xbc,
+                                                               forward_batch):
+            n = end - start
+            x, B, C = conv.split(
                 [self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
             x = x.reshape(n, self.heads, self.head_dim)
             B = B.reshape(n, self.groups, self.state_size)
@@ -267,7 +282,5 @@ class Mamba2Mixer(nn.Module):
                 y[start:end], ssm_state[slot] = chunk_scan(
                     x, dt[start:end].clamp(min=self.dt_min), A, B, C, self.D, self.chunk_size,
                     initial_state=ssm_state[slot] if prefix else None)
-            start = end
-        assert start == tokens
         y = self.norm(y.view(tokens, self.inner), z)
         return self.out_proj(y.to(hidden_states.dtype))
