@@ -1,8 +1,10 @@
-"""Which model class serves a checkpoint's ``model_type``: each model file registers its own.
+"""Which model class serves a checkpoint's ``model_type``, and which policy its
+``architectures`` get: each model file registers its own.
 
 A model declares itself in its own file, on its class, with ``@register_model``:
 
     @register_model("llama", LlamaConfig,     # config.json's model_type, and its config:
+                    architectures=("LlamaForCausalLM",),  # config.json's, for auto's lookup
                     boundary_reduction="rs+rsv",   # what ``auto`` resolves to
                     positional_cache=True,         # a draft may use it
                     check_parallel=check_parallel, # a topology its config cannot shard over

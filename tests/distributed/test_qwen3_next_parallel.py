@@ -86,10 +86,13 @@ def test_all_to_all_moe_matches_world1(dirs):
 
 
 @pytest.mark.timeout(240)
-def test_run_command_passes_parity(dirs, capsys, restore_logger):
-    out = cli_ok(["run", "--model", dirs["qwen3_next"], "--tp", "2", "--max-new-tokens", "2"],
-                 capsys)
+@pytest.mark.parametrize("model,args", [("qwen3_next", ["--tp", "2"]),
+                                        ("qwen3_5", ["--tp", "2"]),
+                                        ("qwen3_5_moe", ["--tp", "4", "--dp", "2", "--ep", "2"])])
+def test_run_command_passes_parity(dirs, capsys, restore_logger, model, args):
+    out = cli_ok(["run", "--model", dirs[model], *args, "--max-new-tokens", "2"], capsys)
     assert "parity vs world 1: PASS" in out
+    assert "asked auto, by architectures: " in out
 
 
 TERMINAL_CASES = [(2, 1, "ar", True), (4, 1, "ar", True), (4, 2, "rsv", False)]
