@@ -224,11 +224,9 @@ def _asked(value: str, model_dir) -> str:
     return f"auto, by {auto_policy(read_config(model_dir))[1]}"
 
 
-def _check_moe_a2a(args, model_cls, attn_tp: int, model_dir) -> None:
+def _check_moe_a2a(args, model_cls, attn_tp: int, policy: str) -> None:
     """``--moe-a2a-backend`` against the model, the features it does not combine with yet and
-    the policy (one line each, before any rank starts)."""
-    from .models import boundary_reduction
-
+    the resolved ``policy`` (one line each, before any rank starts)."""
     backend = args.moe_a2a_backend
     if backend == "none":
         return
@@ -241,7 +239,7 @@ def _check_moe_a2a(args, model_cls, attn_tp: int, model_dir) -> None:
         (f"--cp {args.cp}", args.cp > 1), ("--sequence-parallel", args.sequence_parallel),
         ("--attn-input-scattered", args.attn_input_scattered), ("--compile", _compiling(args)),
         ("speculative decoding", _speculative(args))))
-    if attn_tp > 1 and boundary_reduction(args.boundary_reduction, model_dir) == "ar":
+    if attn_tp > 1 and policy == "ar":
         raise UsageError(f"{flag} dispatches from rows no other rank holds: with attention TP "
                          f"{attn_tp} those are the scattered rows, and --boundary-reduction ar "
                          "has none (use rs, rsv or rs+rsv, or --dp equal to --tp)")
@@ -257,11 +255,9 @@ def _a2a_note(backend: str) -> str:
     return "" if backend == "none" else f"  MoE {backend} dispatch"
 
 
-def _check_variants(args, model_cls, model_dir) -> None:
+def _check_variants(args, model_cls, policy: str) -> None:
     """The batch-variant options against each other, the features they do not combine with
-    yet, the policy and the model (one line each, before any rank starts)."""
-    from .models import boundary_reduction
-
+    yet, the resolved ``policy`` and the model (one line each, before any rank starts)."""
     features = [name for name, on in ((f"--cp {args.cp}", args.cp > 1),
                                       ("--sequence-parallel", args.sequence_parallel),
                                       ("--attn-input-scattered", args.attn_input_scattered))
@@ -276,7 +272,7 @@ def _check_variants(args, model_cls, model_dir) -> None:
         ("--split-prefill", getattr(args, "split_prefill", 1) > 1),
         ("--compile", args.cp > 1 and _compiling(args)),
         ("speculative decoding", _speculative(args))))
-    if args.cp == 1 and boundary_reduction(args.boundary_reduction, model_dir) == "ar":
+    if args.cp == 1 and policy == "ar":
         raise UsageError(f"{feature} needs a scattered residual: --boundary-reduction ar "
                          "permits no reduce-scatter (use rs, rsv or rs+rsv)")
     from .contracts import BatchVariant
@@ -406,7 +402,7 @@ DEFAULT_PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8))
 def _spec(args):
     from .runtime.parallel import ParallelDims
 
-    from .models import load_config, model_class_of
+    from .models import boundary_reduction, load_config, model_class_of
     from .models.loader import check_fp8_tensors, safetensors_files
     from .models.tiny import builtin_checkpoint
     from .runner import RunSpec
@@ -443,8 +439,9 @@ def _spec(args):
     model_cls = model_class_of(model_dir)
     model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
-    _check_variants(args, model_cls, model_dir)
-    _check_moe_a2a(args, model_cls, dims.attn_tp, model_dir)
+    policy = boundary_reduction(args.boundary_reduction, model_dir)
+    _check_variants(args, model_cls, policy)
+    _check_moe_a2a(args, model_cls, dims.attn_tp, policy)
     if args.tbo and (args.pp > 1 or args.split_prefill > 1 or args.compile
                      or args.compile_backend):
         raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
@@ -698,12 +695,12 @@ def cmd_plan(args) -> int:
     model_cls = model_class_of(model_dir)
     model_cls.check_topology(cfg, dims)
     _check_pipeline(args, cfg, model_cls)
-    _check_variants(args, model_cls, model_dir)
-    _check_moe_a2a(args, model_cls, dims.attn_tp, model_dir)
+    policy = boundary_reduction(args.boundary_reduction, model_dir)
+    _check_variants(args, model_cls, policy)
+    _check_moe_a2a(args, model_cls, dims.attn_tp, policy)
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
-    policy = boundary_reduction(args.boundary_reduction, model_dir)
     cp = dims.attn_cp > 1
     variant = (BatchVariant.CP if cp else BatchVariant.SEQUENCE_PARALLEL if args.sequence_parallel
                else BatchVariant.INPUT_SCATTERED if args.attn_input_scattered

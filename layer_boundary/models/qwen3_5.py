@@ -17,6 +17,7 @@ equal, which is plain partial rotary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .config import CheckpointError
 from .qwen3_next import (AUTO, NO_CP, NO_SP, Qwen3NextConfig, Qwen3NextForCausalLM,
@@ -40,7 +41,12 @@ def text_config(raw: dict) -> dict:
 
 @dataclass(frozen=True)
 class Qwen3_5Config(Qwen3NextConfig):
+    """Qwen3-Next's config read from the text config (nested or not), with the fields the
+    architecture fixes (``FIXED``) whatever config.json says."""
+
     model_type: str = "qwen3_5"
+    # no experts (transformers' Qwen3_5TextConfig has no MoE fields); the split projections
+    FIXED: ClassVar[dict] = dict(num_experts=0, split_projections=True)
 
     @classmethod
     def validate(cls, raw: dict) -> None:
@@ -48,9 +54,7 @@ class Qwen3_5Config(Qwen3NextConfig):
 
     @classmethod
     def from_dict(cls, cfg: dict, **forced) -> "Qwen3_5Config":
-        # no experts (transformers' Qwen3_5TextConfig has no MoE fields)
-        return super().from_dict(text_config(cfg), num_experts=0, split_projections=True,
-                                 **forced)
+        return super().from_dict(text_config(cfg), **cls.FIXED, **forced)
 
 
 class Qwen3_5Names:

@@ -8,26 +8,20 @@ checkpoint, text config in ``text_config``, language model under
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from .qwen3_5 import CAPABILITIES, Qwen3_5Names, text_config
-from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
+from .qwen3_5 import CAPABILITIES, Qwen3_5Config, Qwen3_5Names
+from .qwen3_next import Qwen3NextForCausalLM
 from .registry import register_model
 
 
 @dataclass(frozen=True)
-class Qwen3_5MoeConfig(Qwen3NextConfig):
+class Qwen3_5MoeConfig(Qwen3_5Config):
     model_type: str = "qwen3_5_moe"
-
-    @classmethod
-    def validate(cls, raw: dict) -> None:
-        super().validate(text_config(raw))
-
-    @classmethod
-    def from_dict(cls, cfg: dict, **forced) -> "Qwen3_5MoeConfig":
-        # transformers' Qwen3_5MoeTextConfig has no decoder_sparse_step, mlp_only_layers or
-        # norm_topk_prob: every layer is sparse and its top-k weights renormalised
-        return super().from_dict(text_config(cfg), split_projections=True, decoder_sparse_step=1,
-                                 mlp_only_layers=(), norm_topk_prob=True, **forced)
+    # transformers' Qwen3_5MoeTextConfig has no decoder_sparse_step, mlp_only_layers or
+    # norm_topk_prob: every layer is sparse and its top-k weights renormalised
+    FIXED: ClassVar[dict] = dict(split_projections=True, decoder_sparse_step=1,
+                                 mlp_only_layers=(), norm_topk_prob=True)
 
 
 MOE_CAPABILITIES = dict(CAPABILITIES, moe_a2a=True)
