@@ -95,7 +95,10 @@ def test_run_command_passes_parity(dirs, capsys, restore_logger, model, args):
     assert "asked auto, by architectures: " in out
 
 
-TERMINAL_CASES = [(2, 1, "ar", True), (4, 1, "ar", True), (4, 2, "rsv", False)]
+# (tp, attn_dp, policy, fused): attention DP leaves the handoff on every DP rank's rows (dp 4
+# has an idle DP rank), rs and rsv keep the residual scattered: the norm completes it unfused
+TERMINAL_CASES = [(2, 1, "ar", True), (4, 1, "ar", True), (4, 4, "ar", False),
+                  (4, 2, "rs", False), (4, 2, "rsv", False)]
 
 
 @pytest.mark.timeout(240)
@@ -105,14 +108,16 @@ def test_terminal_finalize_in_the_final_norm(dirs, tp, dp, policy, fused):
     """The reference provider installed with terminal_finalize: Qwen3.5-MoE's last MoE hands
     its finalize to the zero-centered final norm. On ar its service finalizes, all-reduces,
     adds and norms in one call (the ledger's one sum of that FFN per forward is the service's,
-    at ``final_norm.fused``); where the residual is scattered it is not asked and the norm
-    completes the handoff unfused, by reduce-scatter. Both match world 1 (unfused)."""
+    at ``final_norm.fused``); where the residual is scattered, or attention DP would need a
+    slice of the sum, it is not asked and the norm completes the handoff unfused (by
+    reduce-scatter, or all-reduce and slice). All match world 1 (unfused)."""
     spec = RunSpec(dirs["qwen3_5_moe"], tp=tp, dp=dp, ep=2, boundary_reduction=policy,
                    prompts=PROMPTS, max_new_tokens=STEPS, fusions="reference-terminal")
     layers = load_config(dirs["qwen3_5_moe"]).num_hidden_layers
     for r in run_matching_world1(spec, policy):
         for step in range(STEPS):
             last = sums_of_ffn_outputs(r.ledger, layers, step)[layers - 1]
+            unfused = "all_reduce" if policy == "ar" else "reduce_scatter"
             assert last == ([("all_reduce", "final_norm.fused")] if fused
-                            else [("reduce_scatter", "final_norm")]), (r.rank, step, last)
+                            else [(unfused, "final_norm")]), (r.rank, step, last)
         assert r.fused_final_norms == (STEPS if fused else 0)
