@@ -135,9 +135,11 @@ def publish(stream, path: ExitPath, decision: ExitDecision, value, update, rows,
     return stream.handle
 
 
-_FINISH_MISUSE = {"failed": "finish() called after the exit's computation raised",
-                  "new": "finish() called before the exit scope was entered",
-                  "finished": "finish() called twice on one exit"}
+# an exit's states, compared by identity
+NEW, OPEN, COMPUTED, FAILED, FINISHED = "new", "open", "computed", "failed", "finished"
+_FINISH_MISUSE = {FAILED: "finish() called after the exit's computation raised",
+                  NEW: "finish() called before the exit scope was entered",
+                  FINISHED: "finish() called twice on one exit"}
 
 
 class StageExit:
@@ -146,47 +148,44 @@ class StageExit:
     Opening it takes the stage's turn: a second exit() of the same prepare() raises.
     """
 
-    __slots__ = ("_stream", "_path", "_forward_batch", "_stage", "_rows", "_decision",
-                 "_previous", "_state", "_adapter_rows")
+    __slots__ = ("_stream", "_lane", "_forward_batch", "_rows", "_decision", "_previous",
+                 "_state", "_adapter_rows")
 
-    def __init__(self, stream, path: ExitPath, forward_batch, stage, rows,
-                 adapter_rows=None) -> None:
-        """``stage``: the StageBoundary (its update, sites, name and before-the-sum transform);
-        ``rows``: the forward's row facts; ``adapter_rows``: published for the LoRA linears
-        inside the scope."""
-        self._stream, self._path, self._forward_batch = stream, path, forward_batch
-        self._stage, self._rows, self._adapter_rows = stage, rows, adapter_rows
-        self._decision: ExitDecision | None = None
-        self._previous = None
-        self._state = "new"
+    def __init__(self, stream, lane, forward_batch, rows, adapter_rows=None) -> None:
+        """``lane``: the stage's lane of the selected path (``lane.Lane``: its stage, exit
+        path and plain decisions); ``rows``: the forward's row facts; ``adapter_rows``:
+        published for the LoRA linears inside the scope. (``StageBoundary.exit`` sets the
+        same slots itself on its plain path.)"""
+        self._stream, self._lane, self._forward_batch = stream, lane, forward_batch
+        self._rows, self._adapter_rows = rows, adapter_rows
+        self._decision = self._previous = None
+        self._state = NEW
         stream.handle = self
 
     def __enter__(self):
-        if self._state != "new":
+        if self._state is not NEW:
             raise RuntimeError("an exit scope can be entered once")
-        path = self._path
+        path = self._lane.exit
         self._decision = decision = (path.select(self._forward_batch) if path.choices
                                      else path.default)
         flags = decision.flags
-        scope = None if flags.sequence_parallel is None else SequenceParallelScope(
-            flags.sequence_parallel, self._forward_batch.rows)
-        # ``open_scope`` written out (every stage of every forward opens one)
         state = FORWARD_STATE
-        self._previous = (state.flags, state.sequence_parallel, state.adapter_rows)
-        state.flags, state.sequence_parallel, state.adapter_rows = flags, scope, self._adapter_rows
+        self._previous = state.scope
+        state.scope = (flags, None if flags.sequence_parallel is None else SequenceParallelScope(
+            flags.sequence_parallel, self._forward_batch.rows), self._adapter_rows)
         state.open_scopes += 1
         if HOOK.observer is not None:
             observer = active_observer()
             if observer is not None:
-                observer.enter(self._stage._compute_site)
-        self._state = "open"
+                observer.enter(self._lane.stage._compute_site)
+        self._state = OPEN
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        state = FORWARD_STATE  # ``close_scope`` written out
-        state.flags, state.sequence_parallel, state.adapter_rows = self._previous
+        state = FORWARD_STATE
+        state.scope = self._previous
         state.open_scopes -= 1
-        self._state = "computed" if exc_type is None else "failed"
+        self._state = COMPUTED if exc_type is None else FAILED
         return False
 
     @property
@@ -213,39 +212,41 @@ class StageExit:
 
     def finish(self, hidden_states):
         """Record compute's output with the decided owed work; return what to pass on."""
+        stream = self._stream
+        if (self._state is COMPUTED and stream.handle is self and HOOK.observer is None
+                and type(hidden_states) is torch.Tensor and not self._forward_batch.overlap):
+            decision, lane, residual = self._decision, self._lane, stream.residual
+            if decision in lane.plain and (residual is None
+                                           or hidden_states.dtype == residual.dtype):
+                # ``publish`` (and ``stream.leave``) of a plain tensor that stays where
+                # compute left it, with nobody watching, written out: every stage of an
+                # ordinary forward comes here
+                self._state = FINISHED
+                owed, where, declared = decision.leaves
+                stream.contribution = Contribution(hidden_states, owed, lane.update, where,
+                                                   False, declared, False, decision.key)
+                handle = stream.handle = hidden_states if owed is None else OwedOutput(stream)
+                return handle
         misuse = _FINISH_MISUSE.get(self._state)
         if misuse is not None:
             raise RuntimeError(misuse)
-        stream = self._stream
         if stream.handle is not self:
             raise RuntimeError("finish() on an exit whose stream has moved on")
-        stage = self._stage
+        stage = self._lane.stage
         residual = stream.residual
-        plain = type(hidden_states) is torch.Tensor
-        if not plain or (residual is not None and hidden_states.dtype != residual.dtype):
+        if type(hidden_states) is not torch.Tensor or (
+                residual is not None and hidden_states.dtype != residual.dtype):
             # anything but a plain tensor of the residual's dtype: name what is wrong
             if isinstance(hidden_states, HandoffOutput) and not self.defer_moe_finalize:
                 raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
                                    "publish defer_moe_finalize")
             check_output_dtype(stream, hidden_states, stage.name)
-        self._state = "finished"
-        rows, decision = self._rows, self._decision
-        if HOOK.observer is None:  # with nobody watching, no call to ask whether anybody does
-            if (plain and decision.leaves_as_is and stage._transform is None
-                    and not self._path.at_producer and not self._forward_batch.overlap):
-                # ``publish`` (and ``stream.leave``) of a tensor that stays where compute
-                # left it, written out: every stage of an ordinary forward comes here
-                owed, where, declared = decision.leaves
-                stream.contribution = Contribution(hidden_states, owed, stage._update, where,
-                                                   False, declared, False, decision.key)
-                handle = stream.handle = hidden_states if owed is None else OwedOutput(stream)
-                return handle
-            return publish(stream, self._path, decision, hidden_states, stage._update,
-                           rows, self._forward_batch.overlap, stage._transform)
+        self._state = FINISHED
+        rows = self._rows
         observer = active_observer()
         if observer is not None:
             observer.enter(stage._finish_site)
-        handle = publish(stream, self._path, self._decision, hidden_states, stage._update,
+        handle = publish(stream, self._lane.exit, self._decision, hidden_states, stage._update,
                          rows, self._forward_batch.overlap, stage._transform)
         if observer is not None:
             observer.boundary(stage._finish_site, stream, rows)

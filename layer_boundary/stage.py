@@ -8,18 +8,22 @@ import torch
 
 from .construction import build_plan
 from .contracts import BatchVariant, ProducerReduction, StageKind
-from .exit import AttnExit, FfnExit, MixerExit, check_output_dtype, publish
+from .exit import COMPUTED, NEW, AttnExit, FfnExit, MixerExit, check_output_dtype, publish
+from .lane import Lane
 from .residual import LayerResidual, is_portable
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
-from .residual.add_norm import ACCUMULATE, PLAIN_ADD, accumulate_dtype
-from .residual.stream import IN_COMPUTE, NOT_OURS, OwedOutput, START_FIRST, stream_of
+from .residual.add_norm import ACCUMULATE, FP32, PLAIN_ADD, accumulate_dtype
+from .residual.stream import (COMPUTING, IN_COMPUTE, NOT_OURS, START_FIRST, Contribution, OwedOutput,
+                               stream_of)
 from .runtime.args import get_runtime
-from .runtime.context import NO_ADAPTERS
+from .runtime.context import FORWARD_STATE, NO_ADAPTERS
 from .runtime.ledger import HOOK, active_observer
 
 if TYPE_CHECKING:
     from .runtime.forward_batch import ForwardBatch
+
+_new = object.__new__
 
 BRANCH_ENTRY = "a prepared branch must enter through branch_input, not prepare"
 NOT_PLAIN_ADDITION = "post_residual_addition requires a plain residual update"
@@ -66,6 +70,33 @@ def _visible(read, residual):
     return residual if view is None else view(residual)
 
 
+def _plain_input(stream, lane, hidden_states, rows):
+    """The compute input of a plain ``prepare()`` (its checks passed): a plain add of an
+    output owing at most its sum onto a residual on the update rows, then the add+norm read
+    (what a read declaring kind "add_norm" computes), written out, as every stage of an
+    ordinary forward after the first takes it; anything else through the entry's ``run``.
+    The fp32 sum feeds the norm; the residual keeps it rounded."""
+    c = stream.contribution
+    complete = None if c is None else lane.arrivals.get(c.key)
+    # the update rows imply a written residual
+    if (complete is None or c.update is not PLAIN_ADD
+            or stream.residual_rows is not lane.update_rows):
+        return lane.path.entry.run(stream, hidden_states, rows)
+    value = complete.run(rows, c.value) if complete.moves else c.value
+    residual = stream.residual
+    dtype = residual.dtype
+    acc = ACCUMULATE.get(dtype) or accumulate_dtype(dtype)
+    if acc is FP32:  # ``float()`` parses its arguments faster than ``to``
+        total = residual.float() + value.float()
+    else:
+        total = residual.to(dtype=acc) + value.to(dtype=acc)
+    compute_input = lane.norm.normalize_fp32(total, dtype)
+    stream.residual, stream.made_by = total.to(dtype=dtype), PLAIN_ADD
+    stream.contribution, stream.handle = None, IN_COMPUTE
+    move = lane.moving_input
+    return compute_input if move is None else move.run(rows, compute_input)
+
+
 class StageBoundary:
     """One stage's boundary: its own norm, its prebuilt plan, no forward tensors."""
 
@@ -98,7 +129,9 @@ class StageBoundary:
         # the declaration this stage's branch is prepared from (every stage of the branch)
         self.branch_source = branch_source or declaration.prepared_from
         self.declaration, self.following, self.plan = declaration, following, _Unbound(self.name)
-        self._by_key = {}  # the plan's paths by (variant, mode) key, once bound
+        # the plan's lanes by (variant, mode) key, once bound (none for a branch's entry,
+        # which enters through branch_input)
+        self._lanes = {}
         self._update = declaration.residual.update
         self._prepare_site = f"{self.name}.prepare"
         self._compute_site = f"{self.name}.compute"
@@ -120,7 +153,8 @@ class StageBoundary:
         self.declaration, self.following = declaration, following
         self.plan = build_plan(self.name, declaration, self.norm, following, self.runtime,
                                qkv_latent_func=self.qkv_latent_func, fusions=self.fusions)
-        self._by_key = self.plan.by_key
+        self._lanes = {} if self._branch_entry else {
+            key: Lane(self, path) for key, path in self.plan.by_key.items()}
 
     @property
     def bound(self) -> bool:
@@ -220,47 +254,24 @@ class StageBoundary:
 
         Returns the compute input, in the read's format, on the rows compute consumes.
         """
-        if (capture_output is None and captured_last_layer_outputs is None
-                and post_residual_addition is None and not self._branch_entry):
+        state = forward_batch.boundary
+        if (state is not None and capture_output is None and captured_last_layer_outputs is None
+                and post_residual_addition is None):
             # the plain call inside the stack (every stage of a decode step): a producer's
             # output arrives on this batch's own stream with nothing in flight, and no
             # observer watches; anything else takes the full path below (``stream_of``'s
-            # checks name what is wrong)
-            state = forward_batch.boundary
-            stream = None if state is None else state.stream
-            if (stream is not None and stream.handle is not None and stream.pending is None
-                    and HOOK.observer is None and stream.owner is not None
-                    and stream.owner() is forward_batch):
-                if hidden_states is not stream.handle:
-                    raise RuntimeError(NOT_OURS)
-                # ``plan.select`` written out: the facts this forward placed, for its counts,
-                # by this stage's runtime
-                rows, path = state.facts, self._by_key.get(state.path_key)
-                if (path is None or rows is None or state.runtime is not self.runtime
-                        or rows.counts != forward_batch.dp_token_counts):
-                    path, rows = self.plan.select(forward_batch)  # or the misuse, named
-                entry, c, residual = path.entry, stream.contribution, stream.residual
-                complete = None if c is None else entry.plain_arrivals.get(c.key)
-                if (complete is None or c.update is not PLAIN_ADD or residual is None
-                        or stream.residual_rows is not entry.update_rows):
-                    compute_input = entry.run(stream, hidden_states, rows)
-                else:
-                    # a plain add of an output owing at most its sum onto a residual on the
-                    # update rows, and the add+norm read (what a read declaring kind
-                    # "add_norm" computes), written out: every stage of an ordinary forward
-                    # after the first comes here. The fp32 sum feeds the norm; the residual
-                    # keeps it rounded.
-                    value = complete.run(rows, c.value) if complete.moves else c.value
-                    dtype = residual.dtype
-                    acc = ACCUMULATE.get(dtype) or accumulate_dtype(dtype)
-                    total = residual.to(dtype=acc) + value.to(dtype=acc)
-                    compute_input = entry.norm.normalize_fp32(total, dtype)
-                    stream.residual, stream.made_by = total.to(dtype=dtype), PLAIN_ADD
-                    stream.contribution, stream.handle = None, IN_COMPUTE
-                    move = entry.input_move
-                    if move.moves:
-                        compute_input = move.run(rows, compute_input)
-                stream.prepared = (self, compute_input, path, rows)
+            # checks name what is wrong). ``plan.select`` written out: the path of the key
+            # this forward's facts were placed for, by this stage's runtime (a branch's
+            # entry has no fast paths: it enters through branch_input)
+            stream, lane = state.stream, self._lanes.get(state.path_key)
+            if (lane is not None and stream is not None and hidden_states is stream.handle
+                    and stream.pending is None and HOOK.observer is None
+                    and state.runtime is lane.runtime and stream.owner is not None
+                    and stream.owner() is forward_batch
+                    and state.facts.counts == forward_batch.dp_token_counts):
+                rows = state.facts
+                compute_input = _plain_input(stream, lane, hidden_states, rows)
+                stream.prepared = (self, compute_input, lane, rows)
                 return compute_input
         if self._branch_entry:
             raise RuntimeError(BRANCH_ENTRY)
@@ -317,8 +328,9 @@ class StageBoundary:
             _keep(captured_last_layer_outputs,
                   _visible(entry.read, entry.input_move(rows, stream.residual)),
                   entry.input_move.allocates)
-        # what a branch forking here may take, and what this stage's exit() selects again
-        stream.prepared = (self, compute_input, path, rows)
+        # what a branch forking here may take, and the lane this stage's exit() takes
+        stream.prepared = (self, compute_input, self._lanes.get(forward_batch.boundary.path_key),
+                           rows)
         if observer is not None:
             observer.boundary(self._prepare_site, stream, rows)
             observer.enter(self._compute_site)
@@ -334,6 +346,25 @@ class StageBoundary:
         Returns the handle to pass to the next boundary (an ``OwedOutput`` while the sum is
         owed).
         """
+        state = forward_batch.boundary
+        stream = None if state is None else state.stream
+        prepared = None if stream is None else stream.prepared
+        if (prepared is not None and prepared[0] is self and stream.handle is IN_COMPUTE
+                and HOOK.observer is None and type(hidden_states) is torch.Tensor
+                and stream.owner is not None and stream.owner() is forward_batch
+                and not forward_batch.overlap):
+            # right after this stage's prepare() on this batch's stream, with nobody
+            # watching: ``publish`` of a plain tensor that stays where compute left it,
+            # written out (every attention of an ordinary forward comes here)
+            lane, residual = prepared[2], stream.residual
+            decision = None if lane is None else lane.unscoped
+            if decision is not None and (residual is None
+                                         or hidden_states.dtype == residual.dtype):
+                owed, where, declared = decision.leaves
+                stream.contribution = Contribution(hidden_states, owed, lane.update, where,
+                                                   False, declared, False, decision.key)
+                handle = stream.handle = hidden_states if owed is None else OwedOutput(stream)
+                return handle
         if not self._is_partial:
             raise RuntimeError(f"stage {self.name} is {self.declaration.reduction.value}: "
                                "publish its output through exit(), not finish()")
@@ -375,17 +406,84 @@ class StageBoundary:
                 and stream.handle is IN_COMPUTE and stream.owner is not None
                 and stream.owner() is forward_batch):
             # right after this stage's prepare() on this batch's stream: its checks and
-            # its selection stand (nothing can be in flight while a stage computes)
-            path, rows = prepared[2], prepared[3]
-        else:
-            stream = stream_of(forward_batch)
-            if stream.handle is not IN_COMPUTE:
-                raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
-            path, rows = self.plan.select(forward_batch)  # a branch's entry, prepared for it
-        if forward_batch.lora_ids is None:
-            return self._exit_cls(stream, path.exit, forward_batch, self, rows, NO_ADAPTERS)
-        return self._exit_cls(stream, path.exit, forward_batch, self, rows,
+            # its selection stand (nothing can be in flight while a stage computes).
+            # ``StageExit.__init__`` written out
+            _, _, lane, rows = prepared
+            scope = _new(self._exit_cls)
+            scope._stream, scope._lane, scope._forward_batch, scope._rows = (
+                stream, lane, forward_batch, rows)
+            scope._decision = scope._previous = None
+            scope._state = NEW
+            scope._adapter_rows = (NO_ADAPTERS if forward_batch.lora_ids is None
+                                   else self._adapter_rows(forward_batch))
+            stream.handle = scope
+            return scope
+        stream = stream_of(forward_batch)
+        if stream.handle is not IN_COMPUTE:
+            raise RuntimeError(f"exit() on stage {self.name} without its prepare()")
+        path, rows = self.plan.select(forward_batch)  # a branch's entry, prepared for it
+        return self._exit_cls(stream, Lane(self, path), forward_batch, rows,
                               self._adapter_rows(forward_batch))
+
+    def run(self, hidden_states, forward_batch: ForwardBatch, compute, *leading):
+        """The stage whole: ``prepare()`` its input, run ``compute(*leading, input,
+        forward_batch)`` inside its exit scope, and publish the output, in one call. What
+        ``x = stage.prepare(h, fb)``, ``with stage.exit(fb) as output: y = compute(*leading,
+        x, fb)`` and ``output.finish(y)`` do; compute reads the scope's flags through
+        ``get_forward()`` (it is handed no exit object).
+
+        Args:
+            hidden_states: what the last boundary call returned (as ``prepare()``).
+            forward_batch: the forward.
+            compute: the stage's compute, called as ``compute(*leading, input,
+                forward_batch)``; it returns the stage's output (a ``HandoffOutput`` only
+                where the exit publishes ``defer_moe_finalize``).
+            leading: its arguments before the input (an attention's positions).
+
+        Returns what the model passes on, as ``finish()`` does.
+        """
+        state = forward_batch.boundary
+        stream = None if state is None else state.stream
+        lane = None if stream is None else self._lanes.get(state.path_key)
+        if (lane is not None and lane.scoped is not None and hidden_states is stream.handle
+                and stream.pending is None and HOOK.observer is None
+                and forward_batch.lora_ids is None and not forward_batch.overlap
+                and state.runtime is lane.runtime and stream.owner is not None
+                and stream.owner() is forward_batch
+                and state.facts.counts == forward_batch.dp_token_counts):
+            # a plain prepare(), exit() and finish(), written out: prepare()'s checks, and
+            # an exit whose decision needs no choice and no scattered rows, with nobody
+            # watching, no adapter to run and nothing to issue early
+            rows = state.facts
+            x = _plain_input(stream, lane, hidden_states, rows)
+            stream.prepared = (self, x, lane, rows)
+            scope = FORWARD_STATE
+            previous, scope.scope = scope.scope, lane.scope
+            scope.open_scopes += 1
+            stream.handle = COMPUTING
+            try:
+                out = compute(*leading, x, forward_batch)
+            finally:
+                scope.scope = previous
+                scope.open_scopes -= 1
+            if stream.handle is not COMPUTING:
+                raise RuntimeError(f"stage {self.name}'s compute published its output itself "
+                                   "inside run()")
+            residual, decision = stream.residual, lane.scoped
+            if type(out) is torch.Tensor and (residual is None or out.dtype == residual.dtype):
+                owed, where, declared = decision.leaves
+                stream.contribution = Contribution(out, owed, lane.update, where, False,
+                                                   declared, False, decision.key)
+                handle = stream.handle = out if owed is None else OwedOutput(stream)
+                return handle
+            # a handoff, or an output to refuse: as the exit's finish() takes it
+            output = self._exit_cls(stream, lane, forward_batch, rows, NO_ADAPTERS)
+            output._decision, output._state = decision, COMPUTED
+            return output.finish(out)
+        x = self.prepare(hidden_states, forward_batch)
+        with self.exit(forward_batch) as output:
+            out = compute(*leading, x, forward_batch)
+        return output.finish(out)
 
     def _adapter_rows(self, forward_batch: ForwardBatch):
         """Each compute row's LoRA adapter slot, for the adapted linears inside the scope

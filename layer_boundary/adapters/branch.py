@@ -28,7 +28,7 @@ from __future__ import annotations
 from ..exit import StageExit
 from ..residual import is_plain
 from ..residual.access import complete_onto, local_rows
-from ..residual.stream import IN_COMPUTE, ResidualStream, stream_of
+from ..residual.stream import COMPUTING, IN_COMPUTE, ResidualStream, stream_of
 from ..runtime.ledger import active_observer
 from ..stage import StageBoundary
 
@@ -53,7 +53,8 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
     if prepared is None or prepared[0] is not source or prepared[1] is not hidden_states:
         raise RuntimeError(f"branch_input takes the input stage {source.name} prepared in this "
                            "forward")
-    if stream.handle is IN_COMPUTE or isinstance(stream.handle, StageExit):
+    if (stream.handle is IN_COMPUTE or stream.handle is COMPUTING
+            or isinstance(stream.handle, StageExit)):
         raise RuntimeError(f"branch_input: stage {source.name} has not published its output; "
                            "fork after its finish()")
     if stream.contribution is None:

@@ -144,13 +144,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states)
 
     def forward(self, positions, hidden_states, forward_batch):
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
-        # attention computes inside its exit scope: in a sequence-parallel batch the scope
-        # lets its linears gather the scattered input and reduce-scatter the output
-        with self.attn_boundary.exit(forward_batch) as attention:
-            hidden_states = self.attend(positions, hidden_states, forward_batch)
-        hidden_states = attention.finish(hidden_states)
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
-        with self.ffn_boundary.exit(forward_batch) as output:
-            hidden_states = self.feed_forward(hidden_states, forward_batch)
-        return output.finish(hidden_states)
+        # each stage whole (``run``: prepare, compute inside the exit scope, finish): in a
+        # sequence-parallel batch the attention's scope lets its linears gather the
+        # scattered input and reduce-scatter the output
+        hidden_states = self.attn_boundary.run(hidden_states, forward_batch, self.attend,
+                                               positions)
+        return self.ffn_boundary.run(hidden_states, forward_batch, self.feed_forward)

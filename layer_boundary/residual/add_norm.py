@@ -12,6 +12,7 @@ from . import is_plain
 
 # filled once at import and never written again: a memo written during a forward would
 # change what a compiled graph guards on, and recompile it
+FP32 = torch.float32
 ACCUMULATE = {dtype: torch.promote_types(dtype, torch.float32)
               for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 

@@ -85,6 +85,18 @@ class _InCompute:
 IN_COMPUTE = _InCompute()
 
 
+class _Computing:
+    """The handle while ``StageBoundary.compute()`` runs a stage's compute (its own scope)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<stage computing in compute()>"
+
+
+COMPUTING = _Computing()
+
+
 @dataclass(eq=False)
 class ForwardState:
     """The package's per-forward state on ``ForwardBatch.boundary``: one object, typed.

@@ -72,34 +72,40 @@ NO_FLAGS = ForwardFlags()
 
 
 class _ForwardState:
-    __slots__ = ("flags", "open_scopes", "sequence_parallel", "adapter_rows")
+    """What compute sees now: ``scope``, the innermost open exit's (flags, its
+    sequence-parallel scope or None, its rows' adapter slots), swapped whole on entry and
+    restored on leaving; ``open_scopes``, how many are open."""
+
+    __slots__ = ("scope", "open_scopes")
 
     def __init__(self) -> None:
-        self.flags = NO_FLAGS
+        # outside any exit scope: no flags, no scattered rows, and no adapter rows (None:
+        # an adapted linear outside a scope refuses to run; NO_ADAPTERS inside one of a
+        # batch without adapters)
+        self.scope: tuple = OUTSIDE
         self.open_scopes = 0  # exit scopes entered and not yet left
-        self.sequence_parallel: SequenceParallelScope | None = None
-        # the open exit's per-row adapter slots on its compute rows (adapters/lora.py):
-        # NO_ADAPTERS in a batch without adapters, None outside any exit scope
-        self.adapter_rows = None
 
 
-# the flags, scopes and adapter rows compute sees now; exit scopes (exit.py) swap them on
-# entry and restore them on leaving, on every stage of every forward
+OUTSIDE = (NO_FLAGS, None, None)  # (flags, sequence-parallel scope, adapter rows)
+
+# the scope compute sees now; exit scopes (exit.py, stage.py) swap it on entry and restore it
+# on leaving, on every stage of every forward
 FORWARD_STATE = _ForwardState()
 
 
 def get_forward() -> ForwardFlags:
     """Flags of the innermost open exit scope (all False outside one)."""
-    return FORWARD_STATE.flags
+    return FORWARD_STATE.scope[0]
 
 
 def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
     """Install ``flags`` (and the sequence-parallel ``scope`` they open, or None) and return
     the previous pair; for exit scopes only (``opening``: a scope is entered, else left)."""
-    previous = (FORWARD_STATE.flags, FORWARD_STATE.sequence_parallel)
-    FORWARD_STATE.flags, FORWARD_STATE.sequence_parallel = flags, scope
-    FORWARD_STATE.open_scopes += 1 if opening else -1
-    return previous
+    state = FORWARD_STATE
+    previous = state.scope
+    state.scope = (flags, scope, previous[2])
+    state.open_scopes += 1 if opening else -1
+    return previous[0], previous[1]
 
 
 # the adapter rows of a batch whose rows all run the base model
@@ -109,12 +115,12 @@ NO_ADAPTERS = "no adapters"
 def adapter_rows():
     """The open exit's adapter slot per compute row (-1: the base model), NO_ADAPTERS, or
     None outside any exit scope."""
-    return FORWARD_STATE.adapter_rows
+    return FORWARD_STATE.scope[2]
 
 
 def sequence_parallel_scope() -> SequenceParallelScope | None:
     """The open sequence-parallel exit's movements (None outside one)."""
-    return FORWARD_STATE.sequence_parallel
+    return FORWARD_STATE.scope[1]
 
 
 def open_exit_scopes() -> int:
