@@ -20,7 +20,7 @@ LEVELS = {
     "runtime": 0,
     "layout": 1, "contracts": 1, "ops": 1,
     "output": 2, "residual": 2, "fusions": 2,
-    "exit": 3, "prepare": 3, "boundary": 3, "construction": 3,
+    "exit": 3, "prepare": 3, "boundary": 3, "construction": 3, "lane": 3,
     "stage": 4, "stack": 4, "factories": 4, "adapters": 4,
     "": 5,  # the package root: the public surface
     "models": 6,
