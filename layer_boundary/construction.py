@@ -282,7 +282,10 @@ def resolve_input(decl, runtime, layouts: Layouts,
 class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
-    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "by_key", "variants", "_mixer")
+    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "by_key", "variants", "_mixer",
+                 "_placed")
+
+    PLACED_KEPT = 64  # placements kept by DP token counts (the oldest leaves first)
 
     def __init__(self, name: str, declaration, paths: dict, runtime, tables: dict) -> None:
         self.name, self.declaration, self.paths, self.runtime = name, declaration, paths, runtime
@@ -293,6 +296,9 @@ class StagePlan:
         # the same paths keyed by plain strings, which a forward hashes cheaply
         self.by_key = {(variant.value, mode.value): path for (variant, mode), path in paths.items()}
         self.variants = frozenset(variant for variant, _ in paths)
+        # counts -> (variant, tokens, facts, path key) of a forward placed before, outside CP:
+        # the same counts place the same rows and the same mode
+        self._placed: dict = {}
 
     def rows(self, forward_batch) -> RowFacts:
         """This forward's row facts; the first boundary of a forward places them for all."""
@@ -311,6 +317,12 @@ class StagePlan:
                                  "stages this forward already ran (one forward, one "
                                  "BoundaryRuntime)")
             return facts
+        variant = forward_batch.variant
+        placed = self._placed.get(counts)
+        if (placed is not None and placed[0] is variant
+                and placed[1] == forward_batch.num_tokens):
+            state.facts, state.runtime, state.path_key = placed[2], self.runtime, placed[3]
+            return placed[2]
         dims = self.runtime.parallel.dims
         dp_rank = self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
         if len(counts) != dims.attn_dp or counts[dp_rank] != forward_batch.num_tokens:
@@ -318,7 +330,6 @@ class StagePlan:
                 f"ForwardBatch.dp_token_counts {counts} does not describe this rank: it needs "
                 f"one count per attention-DP rank ({dims.attn_dp}), and this DP rank "
                 f"({dp_rank}) holds {forward_batch.num_tokens} tokens")
-        variant = forward_batch.variant
         if variant not in self.variants:
             raise no_path_error(variant)
         lens = parts = None
@@ -332,6 +343,10 @@ class StagePlan:
             raise no_path_error(variant)
         state.facts = facts = table.facts(counts, lens)
         state.runtime, state.path_key = self.runtime, (variant.value, mode.value)
+        if lens is None:
+            if len(self._placed) >= self.PLACED_KEPT:
+                self._placed.pop(next(iter(self._placed)))
+            self._placed[counts] = (variant, forward_batch.num_tokens, facts, state.path_key)
         return facts
 
     def select(self, forward_batch) -> tuple[StagePath, RowFacts]:

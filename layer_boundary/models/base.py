@@ -51,8 +51,7 @@ class DecoderModel(nn.Module):
         others (None after a split-prefill segment that does not end the stage)."""
         fb = forward_batch
         return run_stack(
-            self.stage, self.stack, self.layers, fb,
-            lambda layer, h, mb: layer(mb.positions, h, mb),
+            self.stage, self.stack, self.layers, fb, None,
             embed=lambda: self.embed_tokens(fb.input_ids),
             leave=lambda h, mb: residual_batch.norm(h, mb, self.norm, skip_empty=True,
                                                     handoff_norm=self.handoff_norm),

@@ -89,6 +89,10 @@ class PipelineStage:
         return locate
 
 
+def _call_layer(layer, h, fb):
+    return layer(fb.positions, h, fb)
+
+
 def run_stack(stage: PipelineStage, stack, layers, forward_batch, run_layer, embed, leave,
               pp_input=None, dp_rank: int = 0):
     """One forward over this stage's layers, or over ``forward_batch.layer_segment`` (global
@@ -98,7 +102,8 @@ def run_stack(stage: PipelineStage, stack, layers, forward_batch, run_layer, emb
     Args:
         stage: this pipeline rank's place in the model.
         stack: the ``LayerStack`` the layers were built in (its first stage receives).
-        layers: this rank's layers; ``run_layer(layer, h, fb)`` runs one.
+        layers: this rank's layers; ``run_layer(layer, h, fb)`` runs one (None: the layer
+            is called as ``layer(fb.positions, h, fb)``).
         embed, leave: the stack's input, and ``leave(h, fb)`` its final norm.
         pp_input: what the previous pipeline stage sent (not on the first).
         dp_rank: this rank's attention-DP rank (two-batch overlap splits by it).
@@ -111,7 +116,7 @@ def run_stack(stage: PipelineStage, stack, layers, forward_batch, run_layer, emb
         if stage.count > 1 or fb.layer_segment is not None:
             raise ValueError("two-batch overlap runs the whole stack on one pipeline stage "
                              "(no --pp, no --split-prefill)")
-        return run_two_batches(fb, embed(), dp_rank, layers, run_layer, leave)
+        return run_two_batches(fb, embed(), dp_rank, layers, run_layer or _call_layer, leave)
     start, stop = fb.layer_segment or (lo, hi)
     if not lo <= start < stop <= hi:
         raise ValueError(f"layer segment [{start}, {stop}) is not inside this pipeline stage's "
@@ -135,8 +140,13 @@ def run_stack(stage: PipelineStage, stack, layers, forward_batch, run_layer, emb
             raise RuntimeError(f"layer segment [{start}, {stop}) does not continue the previous "
                                f"segment, which ended at layer {carried[0]}")
         h = carried[1]
-    for i in range(start, stop):
-        h = run_layer(layers[i - lo], h, fb)
+    if run_layer is None:  # each layer called as layer(positions, h, fb), no wrapper
+        positions = fb.positions
+        for i in range(start, stop):
+            h = layers[i - lo](positions, h, fb)
+    else:
+        for i in range(start, stop):
+            h = run_layer(layers[i - lo], h, fb)
     if stop < hi:
         fb.boundary.segment = (stop, h)  # where the next segment resumes, and with what
         return None
