@@ -282,8 +282,8 @@ def resolve_input(decl, runtime, layouts: Layouts,
 class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
-    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "by_key", "variants", "_mixer",
-                 "_placed")
+    __slots__ = ("name", "declaration", "paths", "runtime", "tables", "by_key", "variants",
+                 "_mixer", "_placed")
 
     PLACED_KEPT = 64  # placements kept by DP token counts (the oldest leaves first)
 

@@ -31,8 +31,10 @@ class Lane:
     def __init__(self, stage, path) -> None:
         """``stage``: the StageBoundary; ``path``: one of its plan's ``StagePath``s."""
         entry, exit_path = path.entry, path.exit
-        self.stage, self.path, self.runtime, self.update = stage, path, stage.runtime, stage._update
-        self.arrivals, self.update_rows, self.norm = entry.plain_arrivals, entry.update_rows, entry.norm
+        self.stage, self.path, self.runtime = stage, path, stage.runtime
+        self.update = stage._update
+        self.arrivals, self.update_rows = entry.plain_arrivals, entry.update_rows
+        self.norm = entry.norm
         self.moving_input = entry.input_move if entry.input_move.moves else None
         self.exit = exit_path
         self.plain = () if stage._transform is not None or exit_path.at_producer else tuple(

@@ -14,8 +14,8 @@ from .residual import LayerResidual, is_portable
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.add_norm import ACCUMULATE, FP32, PLAIN_ADD, accumulate_dtype
-from .residual.stream import (COMPUTING, IN_COMPUTE, NOT_OURS, START_FIRST, Contribution, OwedOutput,
-                               stream_of)
+from .residual.stream import (COMPUTING, IN_COMPUTE, NOT_OURS, START_FIRST, Contribution,
+                               OwedOutput, stream_of)
 from .runtime.args import get_runtime
 from .runtime.context import FORWARD_STATE, NO_ADAPTERS
 from .runtime.ledger import HOOK, active_observer
