@@ -20,9 +20,10 @@ class Lane:
     of the normalized input onto the compute rows, None where it moves nothing; ``plain``:
     the exit decisions whose ``finish()`` records a tensor as compute left it (none where the
     stage transforms its output first, or folds its update in at the producer);
-    ``scoped``: the decision ``compute()`` publishes in its own scope (the default where it
-    is plain, with no choice to ask and no scattered rows; else None, and ``compute()`` opens
-    an exit); ``unscoped``: the same for ``finish()`` alone, on a PARTIAL attention.
+    ``scoped``: the decision ``run()`` publishes in its own scope (the default where it is
+    plain, with no choice to ask and no scattered rows; else None, and ``run()`` opens an
+    exit), with ``scope``, what compute sees inside it; ``unscoped``: the same for
+    ``finish()`` alone, on a PARTIAL attention.
     """
 
     __slots__ = ("stage", "path", "runtime", "arrivals", "update_rows", "norm", "moving_input",

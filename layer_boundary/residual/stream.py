@@ -86,12 +86,12 @@ IN_COMPUTE = _InCompute()
 
 
 class _Computing:
-    """The handle while ``StageBoundary.compute()`` runs a stage's compute (its own scope)."""
+    """The handle while ``StageBoundary.run()`` runs a stage's compute in its own scope."""
 
     __slots__ = ()
 
     def __repr__(self) -> str:
-        return "<stage computing in compute()>"
+        return "<stage computing in run()>"
 
 
 COMPUTING = _Computing()
