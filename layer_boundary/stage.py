@@ -445,41 +445,66 @@ class StageBoundary:
         state = forward_batch.boundary
         stream = None if state is None else state.stream
         lane = None if stream is None else self._lanes.get(state.path_key)
-        if (lane is not None and lane.scoped is not None and hidden_states is stream.handle
-                and stream.pending is None and HOOK.observer is None
-                and forward_batch.lora_ids is None and not forward_batch.overlap
-                and state.runtime is lane.runtime and stream.owner is not None
-                and stream.owner() is forward_batch
+        if (lane is not None and hidden_states is stream.handle and stream.pending is None
+                and HOOK.observer is None and state.runtime is lane.runtime
+                and stream.owner is not None and stream.owner() is forward_batch
                 and state.facts.counts == forward_batch.dp_token_counts):
-            # a plain prepare(), exit() and finish(), written out: prepare()'s checks, and
-            # an exit whose decision needs no choice and no scattered rows, with nobody
-            # watching, no adapter to run and nothing to issue early
+            # prepare()'s plain call, written out; then ``_plain_input``'s common case (a
+            # frame fewer per stage): an output owing at most its sum, added onto the
+            # residual on the update rows
             rows = state.facts
-            x = _plain_input(stream, lane, hidden_states, rows)
+            c = stream.contribution
+            complete = None if c is None else lane.arrivals.get(c.key)
+            if (complete is None or c.update is not PLAIN_ADD
+                    or stream.residual_rows is not lane.update_rows):
+                x = lane.path.entry.run(stream, hidden_states, rows)
+            else:
+                value = complete.run(rows, c.value) if complete.moves else c.value
+                residual = stream.residual
+                dtype = residual.dtype
+                if dtype is FP32:
+                    total = residual + value
+                else:
+                    acc = ACCUMULATE.get(dtype) or accumulate_dtype(dtype)
+                    total = residual.to(dtype=acc) + value.to(dtype=acc)
+                x = lane.norm.normalize_fp32(total, dtype)
+                stream.residual, stream.made_by = total.to(dtype=dtype), PLAIN_ADD
+                stream.contribution, stream.handle = None, IN_COMPUTE
+                if lane.moving_input is not None:
+                    x = lane.moving_input.run(rows, x)
             stream.prepared = (self, x, lane, rows)
-            scope = FORWARD_STATE
-            previous, scope.scope = scope.scope, lane.scope
-            scope.open_scopes += 1
-            stream.handle = COMPUTING
-            try:
+        else:  # the stack's first stage, or anything prepare() must check or take whole
+            x = self.prepare(hidden_states, forward_batch)
+            stream = forward_batch.boundary.stream
+            _, _, lane, rows = stream.prepared
+        if (lane is None or lane.scoped is None or HOOK.observer is not None
+                or forward_batch.lora_ids is not None or forward_batch.overlap):
+            with self.exit(forward_batch) as output:
                 out = compute(*leading, x, forward_batch)
-            finally:
-                scope.scope = previous
-                scope.open_scopes -= 1
-            residual, decision = stream.residual, lane.scoped
-            if type(out) is torch.Tensor and (residual is None or out.dtype == residual.dtype):
-                owed, where, declared = decision.leaves
-                stream.contribution = Contribution(out, owed, lane.update, where, False,
-                                                   declared, False, decision.key)
-                handle = stream.handle = out if owed is None else OwedOutput(stream)
-                return handle
-            # a handoff, or an output to refuse: as the exit's finish() takes it
-            output = self._exit_cls(stream, lane, forward_batch, rows, NO_ADAPTERS)
-            output._decision, output._state = decision, COMPUTED
             return output.finish(out)
-        x = self.prepare(hidden_states, forward_batch)
-        with self.exit(forward_batch) as output:
+        # an exit whose decision needs no choice and no scattered rows, with nobody
+        # watching, no adapter to run and nothing to issue early: exit() and finish()
+        # written out
+        scope = FORWARD_STATE
+        previous, scope.scope = scope.scope, lane.scope
+        scope.open_scopes += 1
+        stream.handle = COMPUTING
+        try:
             out = compute(*leading, x, forward_batch)
+        finally:
+            scope.scope = previous
+            scope.open_scopes -= 1
+        residual, decision = stream.residual, lane.scoped
+        if type(out) is torch.Tensor and (residual is None or out.dtype == residual.dtype):
+            owed, where, declared = decision.leaves
+            c = stream.contribution = _new(Contribution)  # ``Contribution()`` without a frame
+            (c.value, c.owed, c.update, c.rows, c.handoff, c.declared, c.completed_declared,
+             c.key) = out, owed, lane.update, where, False, declared, False, decision.key
+            handle = stream.handle = out if owed is None else OwedOutput(stream)
+            return handle
+        # a handoff, or an output to refuse: as the exit's finish() takes it
+        output = self._exit_cls(stream, lane, forward_batch, rows, NO_ADAPTERS)
+        output._decision, output._state = decision, COMPUTED
         return output.finish(out)
 
     def _adapter_rows(self, forward_batch: ForwardBatch):

@@ -97,7 +97,7 @@ class _Computing:
 COMPUTING = _Computing()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ForwardState:
     """The package's per-forward state on ``ForwardBatch.boundary``: one object, typed.
 
