@@ -489,8 +489,8 @@ class StageBoundary:
         previous, scope.scope = scope.scope, lane.scope
         scope.open_scopes += 1
         stream.handle = COMPUTING
-        try:
-            out = compute(*leading, x, forward_batch)
+        try:  # an FFN's compute takes no leading arguments: a call without unpacking
+            out = compute(*leading, x, forward_batch) if leading else compute(x, forward_batch)
         finally:
             scope.scope = previous
             scope.open_scopes -= 1
