@@ -470,6 +470,9 @@ class StageBoundary:
                 x = lane.norm.normalize_fp32(total, dtype)
                 stream.residual, stream.made_by = total.to(dtype=dtype), PLAIN_ADD
                 stream.contribution, stream.handle = None, IN_COMPUTE
+                # the consumed output and the old residual must not stay alive through
+                # compute (a frame's locals would hold them; the allocator reuses their memory)
+                del c, value, residual, total
                 if lane.moving_input is not None:
                     x = lane.moving_input.run(rows, x)
             stream.prepared = (self, x, lane, rows)
