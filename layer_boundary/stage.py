@@ -85,10 +85,10 @@ def _plain_input(stream, lane, hidden_states, rows):
     value = complete.run(rows, c.value) if complete.moves else c.value
     residual = stream.residual
     dtype = residual.dtype
-    acc = ACCUMULATE.get(dtype) or accumulate_dtype(dtype)
-    if acc is FP32:  # ``float()`` parses its arguments faster than ``to``
-        total = residual.float() + value.float()
+    if dtype is FP32:  # the output has the residual's dtype: nothing to widen
+        total = residual + value
     else:
+        acc = ACCUMULATE.get(dtype) or accumulate_dtype(dtype)
         total = residual.to(dtype=acc) + value.to(dtype=acc)
     compute_input = lane.norm.normalize_fp32(total, dtype)
     stream.residual, stream.made_by = total.to(dtype=dtype), PLAIN_ADD
@@ -449,9 +449,8 @@ class StageBoundary:
                 and HOOK.observer is None and state.runtime is lane.runtime
                 and stream.owner is not None and stream.owner() is forward_batch
                 and state.facts.counts == forward_batch.dp_token_counts):
-            # prepare()'s plain call, written out; then ``_plain_input``'s common case (a
-            # frame fewer per stage): an output owing at most its sum, added onto the
-            # residual on the update rows
+            # prepare()'s plain call, then ``_plain_input``'s body, written out (a frame
+            # fewer per stage; keep the two alike)
             rows = state.facts
             c = stream.contribution
             complete = None if c is None else lane.arrivals.get(c.key)
