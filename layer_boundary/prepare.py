@@ -13,10 +13,16 @@ from dataclasses import dataclass, field
 from .fusions import Arrival
 from .layout import Layout
 from .ops import SLICE_DP, Movement
-from .residual import read_kind
+from .residual import is_plain, read_kind
 from .residual.add_norm import PLAIN_ADD, accumulate_dtype
 from .residual.stream import IN_COMPUTE
 from .runtime.quant import QuantizedInput
+
+
+MISDECLARED_UPDATE = ("stage {stage}: its producer's output arrives with a residual update that "
+                      "is not a plain add, but its previous declaration names a plain one (its "
+                      "path may add the residual before the sum); declare previous with the "
+                      "producer's own update and output_transform")
 
 
 class ArrivalPath:
@@ -62,6 +68,9 @@ class EntryPath:
     # rebuilds from its own declaration; None where the producer decides per batch
     declared: object = None
     latent_first: bool = False  # an input-scattered batch: the latent runs before the move
+    # the declared producer's update is a plain add: arrival paths were bound on that (an
+    # add before the sum), so an output arriving with any other update is refused
+    assumes_plain: bool = False
     # the arrivals a plain add+norm input takes with no per-call choice (no finalize handoff,
     # no fusion candidate, no sum before the read, no latent): Contribution.key -> the
     # movement completing it; what a plain prepare() runs without calling ``run``
@@ -77,16 +86,7 @@ class EntryPath:
         """This stage's compute input; the stream holds the updated residual afterwards."""
         c = stream.contribution
         if c is not None:
-            if c.rows is None:  # left before any boundary placed the rows: on local rows
-                c.place(self.local)
-            path = self.arrivals.get(c.key)
-            if path is None:
-                raise RuntimeError(
-                    f"stage {self.stage} cannot complete an output with "
-                    f"{'a sum over ' + c.owed.value if c.owed else 'nothing'} owed on "
-                    f"{c.rows} rows; its previous declaration does not match the producer "
-                    "that ran")
-            x, residual = self._arrive(path, stream, c, rows, extra, fused)
+            x, residual = self._arrive(self.arrival(c), stream, c, rows, extra, fused)
         elif stream.residual is not None:
             residual = self.residual(stream, rows)
             if extra is not None:
@@ -105,6 +105,22 @@ class EntryPath:
                                "holds no residual; pipeline receivers enter through from_pp()")
         stream.write(residual, IN_COMPUTE, self.update_rows)
         return x
+
+    def arrival(self, c) -> ArrivalPath:
+        """The bound path for contribution ``c`` as it actually arrived: its owed sum and
+        rows, and an update the path may treat as it does (checked before anything runs)."""
+        if c.rows is None:  # left before any boundary placed the rows: on local rows
+            c.place(self.local)
+        path = self.arrivals.get(c.key)
+        if path is None:
+            raise RuntimeError(
+                f"stage {self.stage} cannot complete an output with "
+                f"{'a sum over ' + c.owed.value if c.owed else 'nothing'} owed on "
+                f"{c.rows} rows; its previous declaration does not match the producer "
+                "that ran")
+        if self.assumes_plain and not is_plain(c.update):
+            raise RuntimeError(MISDECLARED_UPDATE.format(stage=self.stage))
+        return path
 
     def _arrive(self, path: ArrivalPath, stream, c, rows, extra, fused):
         if fused and extra is None:

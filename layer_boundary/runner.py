@@ -237,7 +237,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
             gen, stats = speculative_generate(
                 checked, draft, [list(p) for p in spec.prompts], spec.max_new_tokens,
                 spec.speculative_steps, parallel=par, dp=par.dims.attn_dp,
-                dp_rank=par.attn_dp_rank, on_step=_set_ledger_step)
+                dp_rank=par.attn_dp_rank, on_step=_set_ledger_step, adapters=adapters)
         else:
             gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
                                   dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,

@@ -10,7 +10,7 @@ from .construction import build_plan
 from .contracts import BatchVariant, ProducerReduction, StageKind
 from .exit import COMPUTED, NEW, AttnExit, FfnExit, MixerExit, check_output_dtype, publish
 from .lane import Lane
-from .residual import LayerResidual, is_portable
+from .residual import LayerResidual, is_plain, is_portable
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.add_norm import ACCUMULATE, FP32, PLAIN_ADD, accumulate_dtype
@@ -309,6 +309,8 @@ class StageBoundary:
             if extra is not None:
                 residual_batch.check_extra_joins(stream, NOT_PLAIN_ADDITION)
             c = stream.contribution
+            if c is not None:  # refused here, before a capture's completion runs a collective
+                entry.arrival(c)
             if c is not None and (capture_output is not None or extra is not None):
                 # complete the owed communication unfused; the read below still adds and norms
                 c = complete_onto(stream, rows, entry.update_rows)
@@ -573,6 +575,9 @@ class StageBoundary:
         stream = stream_of(forward_batch)
         stream.check(hidden_states)
         c = stream.contribution
+        if c is not None and not is_plain(c.update):
+            # refused before the completion below runs a collective and takes the handle
+            raise RuntimeError(residual_batch.SNAPSHOT_NOT_PLAIN)
         if c is not None and not c.declared:
             hidden_states = residual_batch.complete_output(hidden_states, forward_batch)
         return hidden_states, residual_batch.snapshot(hidden_states, forward_batch)

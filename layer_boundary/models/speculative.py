@@ -65,13 +65,18 @@ class _Agreement:
         return bool(all_reduce_rows(x, group).item()) if group.size > 1 else flag
 
 
-def _forward(model, agree, mode, requests, prefix, slots, cache, hidden=False, prev=None):
+def _forward(model, agree, mode, requests, prefix, slots, cache, hidden=False, prev=None,
+             adapters=None):
     """One forward of ``requests`` (new tokens per active request): [T, vocab] logits, and
     with ``hidden`` the final norm's output [T, H] too. ``prev``: a NextN draft's previous
-    hidden state for every token."""
+    hidden state for every token. ``adapters``: each active request's LoRA adapter slot, by
+    its cache slot (None: the base model)."""
     counts = agree.dp_counts(sum(map(len, requests)))
     fb = ForwardBatch.build(mode, requests, prefix, dp_token_counts=counts, req_slots=slots,
                             kv_cache=cache, device=model.device)
+    if adapters is not None:  # each token runs its request's adapter
+        fb.lora_ids = torch.tensor([adapters[j] for j, toks in zip(slots, requests)
+                                    for _ in toks], dtype=torch.long)
     if prev is not None:
         return model(fb, prev)
     if hidden:
@@ -90,12 +95,28 @@ def _ends(requests) -> list[int]:
 @torch.no_grad()
 def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens: int,
                          steps: int, *, parallel, dp: int = 1, dp_rank: int = 0,
-                         on_step=None) -> tuple[Generation, SpeculativeStats]:
+                         on_step=None, adapters=None) -> tuple[Generation, SpeculativeStats]:
+    """The target's greedy tokens (and each step's logits) of this rank's requests, drafted.
+
+    Args:
+        target, draft: the two stacks' models on the same ranks.
+        prompts: every request's prompt ids (request i on DP rank i mod dp).
+        max_new_tokens: tokens to emit per request.
+        steps: draft tokens proposed per round.
+        parallel: the ranks' groups (the agreement collectives run over them).
+        dp, dp_rank: attention DP.
+        on_step: called with the round index before each round.
+        adapters: each request's LoRA adapter slot on the target (-1: the base model), or
+            None. Every target forward runs them, so the output is the adapted target's
+            greedy decoding; the draft proposes with its own weights.
+    """
     if steps < 1:
         raise ValueError(f"--speculative-steps must be at least 1, got {steps}")
     agree = _Agreement(parallel)
     mine = requests_of(dp_rank, dp, len(prompts))
     n = len(mine)
+    # the target's adapter slot of each of this rank's requests, by its cache slot
+    mine_adapters = None if adapters is None else [adapters[i] for i in mine]
     room = max(len(p) for p in prompts) + max_new_tokens + steps + 1
     t_cache, d_cache = target.make_kv_cache(max(1, n), room), draft.make_kv_cache(max(1, n), room)
     context = [list(prompts[i]) for i in mine]
@@ -136,7 +157,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     log_step()
     slots = list(range(n))
     out, hidden = _forward(target, agree, ForwardMode.EXTEND, context, [0] * n, slots, t_cache,
-                           hidden=nextn)
+                           hidden=nextn, adapters=mine_adapters)
     start = 0
     for j, end in enumerate(_ends(context)):
         emitted[j].append(int(out[end].argmax()))
@@ -168,7 +189,8 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
         saved = t_cache.snapshot()
         verify = [seq[j][t_len[j]:] + proposal[j] for j in active]
         out, hidden = _forward(target, agree, ForwardMode.EXTEND, verify,
-                               [t_len[j] for j in active], active, t_cache, hidden=nextn)
+                               [t_len[j] for j in active], active, t_cache, hidden=nextn,
+                               adapters=mine_adapters)
         stats.target_forwards += 1
         stats.request_rounds += len(active)
         start, accepted = 0, {}
@@ -198,7 +220,8 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
             t_cache.restore(saved)
             again = [toks[:len(toks) - steps + accepted[j]] for j, toks in zip(active, verify)]
             _forward(target, agree, ForwardMode.EXTEND, again,
-                     [t_len[j] - len(t) for j, t in zip(active, again)], active, t_cache)
+                     [t_len[j] - len(t) for j, t in zip(active, again)], active, t_cache,
+                     adapters=mine_adapters)
             stats.reruns += 1
     generated = [e[:max_new_tokens] for e in emitted]
     return Generation(mine, generated, [lg[:max_new_tokens] for lg in logits]), stats

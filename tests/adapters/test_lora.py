@@ -91,6 +91,25 @@ CASES = [(2, 1, "ar", 5, {}), (2, 1, "rs", 5, {}), (4, 2, "rsv", 5, {}), (4, 2, 
          (4, 2, "rsv", 1, {}), (2, 1, "rs", 5, {"pp": 2}), (4, 2, "rsv", 5, {"tbo": True})]
 
 
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    from checkpoints import hf_qwen3
+
+    return str(hf_qwen3(tmp_path_factory.mktemp("lora-draft"), seed=7, num_hidden_layers=1))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp,dp,policy", [(1, 1, "ar"), (4, 2, "rsv")])
+def test_a_drafted_run_keeps_each_prompts_adapter(qwen3_dir, adapters, world1, draft_dir, tp,
+                                                   dp, policy):
+    """Speculative decoding verifies with the adapted target: every emitted token and logit
+    is the adapted run's (a draft that dropped the adapters gives the base model's)."""
+    spec = spec_of(qwen3_dir, adapters, tp=tp, dp=dp, boundary_reduction=policy,
+                   draft_model=draft_dir, speculative_steps=2)
+    drafted = merge(get_pool(tp).run(run_rank, spec) if tp > 1 else [run_rank(spec, 1)])
+    assert_logits_match(drafted, world1, len(PROMPTS))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,dp,policy,prompts,options", CASES, ids=[
     f"tp{t}-dp{d}-{p}-{n}" + "".join(f"-{k}" for k in o) for t, d, p, n, o in CASES])
