@@ -13,7 +13,7 @@ from .exit import ExitDecision, ExitPath, OutputPlan
 from .fusions import InputPlan
 from .layout import Layouts, RowMode, SumGroup, sum_group
 from .prepare import ArrivalPath, EntryPath
-from .residual import is_plain, read_kind
+from .residual import ReadKind, is_plain, read_kind
 from .residual.stream import arrival_key
 from .runtime.context import NO_FLAGS, ForwardFlags, SequenceParallelMoves
 
@@ -113,7 +113,7 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
     read = decl.residual.read
     candidates = ()
     if fusions is not None:
-        plan = InputPlan(name, decl.kind.value, mode, layouts, target, compute, parallel)
+        plan = InputPlan(name, decl.kind, mode, layouts, target, compute, parallel)
         offer = fusions.attention_input if decl.kind is StageKind.ATTN else fusions.ffn_input
         candidates = tuple(offer(plan))
     arrivals, producer_keys = {}, []
@@ -165,7 +165,7 @@ def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidat
     # rows (an attention partial: placed in a zero global buffer; an FFN's: already global)
     if (mode is RowMode.AR and not handoff and decl.kind is StageKind.FFN and not table.cp
             and layouts.local != layouts.replicated and declared_plain
-            and read_kind(read) == "add_norm" and not read.before_gather
+            and read_kind(read) is ReadKind.ADD_NORM and not read.before_gather
             and ((owed is SumGroup.ATTN_TP and src == layouts.attention)
                  or (owed in (SumGroup.TP, SumGroup.MOE_OUT) and src == layouts.replicated))):
         sum_before_read = table.lookup(owed, src, layouts.replicated)

@@ -318,6 +318,8 @@ class StagePlan:
                                  "BoundaryRuntime)")
             return facts
         variant = forward_batch.variant
+        # decided once per forward: no adapter runs and no sum is issued early
+        state.plain = forward_batch.lora_ids is None and not forward_batch.overlap
         placed = self._placed.get(counts)
         if (placed is not None and placed[0] is variant
                 and placed[1] == forward_batch.num_tokens):

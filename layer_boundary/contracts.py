@@ -16,7 +16,11 @@ from .layout import Layout, SumGroup
 from .runtime.forward_batch import BatchVariant
 
 __all__ = ["BatchVariant", "ProducerReduction", "StageKind", "Owed", "StageInput",
-           "StageOutput", "StageDecl", "EdgeDecl"]
+           "StageOutput", "StageDecl", "EdgeDecl", "UnsupportedBoundary"]
+
+
+class UnsupportedBoundary(ValueError):
+    """A transition this package has no correct implementation for."""
 
 
 class ProducerReduction(enum.Enum):

@@ -7,19 +7,24 @@ from the producer's ``StageOutput``; an exit only selects one.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import Callable, NamedTuple
 
 from .layout import Layout, SumGroup
 from .ops import Movement
-from .output import HandoffOutput
-from .residual.access import start_completion
-from .residual.batch import fold_stream
-from .residual.stream import Contribution, OwedOutput, arrival_key
-from .runtime.context import FORWARD_STATE, ForwardFlags, SequenceParallelScope
+from .residual.stream import ArrivalKey, arrival_key
+from .runtime.context import ForwardFlags, close_scope, open_scope
 from .runtime.ledger import HOOK, active_observer
+
+
+class Leaves(NamedTuple):
+    """What an output leaves the next boundary: the sum it still owes (None: complete), the
+    rows it is on, and whether that sum is the producer's static contract."""
+
+    owed: SumGroup | None
+    rows: Layout
+    declared: bool
 
 
 @dataclass(frozen=True)
@@ -35,23 +40,20 @@ class ExitDecision:
     # the sum compute runs itself when it completes its output (for plans and ledgers)
     compute_sum: Movement | None = None
 
-    # the Contribution key of a plain (non-handoff) output left by this decision
-    key: tuple = field(init=False, repr=False, compare=False)
-
-    # what a plain (non-handoff) output leaves pending: (owed, its rows, declared)
-    leaves: tuple = field(init=False, repr=False, compare=False)
-    # finish() moves no rows: the output stays on the rows compute left it on
-    leaves_as_is: bool = field(init=False, repr=False, compare=False)
+    # what a plain (non-handoff) output leaves pending: what it owes, on which rows, and
+    # whether that is the producer's declared sum
+    leaves: "Leaves" = field(init=False, repr=False, compare=False)
+    # the arrival key of such an output
+    key: ArrivalKey = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         moved = self.finish_move
-        leaves = ((None, moved.dst, False) if moved is not None
-                  else (self.owed, self.rows, self.declared))
+        leaves = (Leaves(None, moved.dst, False) if moved is not None
+                  else Leaves(self.owed, self.rows, self.declared))
         object.__setattr__(self, "leaves", leaves)
-        object.__setattr__(self, "key", arrival_key(leaves[0], leaves[1], False))
-        object.__setattr__(self, "leaves_as_is", moved is None or not moved.moves)
+        object.__setattr__(self, "key", arrival_key(leaves.owed, leaves.rows, False))
 
-    def arrivals(self) -> tuple[tuple, ...]:
+    def arrivals(self) -> tuple[ArrivalKey, ...]:
         """The Contribution keys an output of this decision arrives with."""
         if self.finish_move is not None:
             return (self.key,)
@@ -101,91 +103,56 @@ class ExitPath:
         return self.default
 
 
-def check_output_dtype(stream, value, stage: str) -> None:
-    """A stage's output in the residual's dtype (a silent promotion or downcast would change
-    every later number)."""
-    residual = stream.residual
-    if (isinstance(value, torch.Tensor) and residual is not None
-            and value.dtype != residual.dtype):
-        raise TypeError(f"stage {stage} returned a {value.dtype} output; the residual stream "
-                        f"holds {residual.dtype}")
+class ExitState(enum.Enum):
+    """Where an exit object is in its one use."""
+
+    NEW = "new"  # made by exit(): holds the stage's turn, its scope not entered yet
+    OPEN = "open"  # compute runs inside its scope
+    COMPUTED = "computed"  # the scope closed normally: finish() next
+    FAILED = "failed"  # compute raised inside the scope
+    FINISHED = "finished"  # finish() published the output
 
 
-def publish(stream, path: ExitPath, decision: ExitDecision, value, update, rows,
-            overlap: bool = False, transform=None):
-    """Record compute's output with ``decision``'s owed work (one of ``path``'s); return what
-    the model passes on. ``overlap`` (a two-batch-overlap microbatch): on a path that issues
-    early, owed work starts now, asynchronously. ``transform``: an ``OutputTransform`` the
-    stage declared ``before_reduce_scatter``, applied to the output as compute returned it."""
-    if transform is not None:
-        value = transform(value)
-    moved = decision.finish_move
-    if moved is None and isinstance(value, HandoffOutput):  # under its own key (computed)
-        stream.leave(value, decision.owed, update, decision.rows, True, decision.declared)
-    else:
-        if moved is not None and moved.moves:
-            value = moved.run(rows, value)
-        owed, where, declared = decision.leaves
-        stream.leave(value, owed, update, where, False, declared, decision.key)
-    if path.at_producer:
-        return fold_stream(stream, rows)
-    c = stream.contribution
-    if overlap and path.issues_early and (c.owed is not None or c.handoff):
-        start_completion(stream, rows)
-    return stream.handle
-
-
-# an exit's states, compared by identity
-NEW, OPEN, COMPUTED, FAILED, FINISHED = "new", "open", "computed", "failed", "finished"
-_FINISH_MISUSE = {FAILED: "finish() called after the exit's computation raised",
-                  NEW: "finish() called before the exit scope was entered",
-                  FINISHED: "finish() called twice on one exit"}
+_FINISH_MISUSE = {ExitState.FAILED: "finish() called after the exit's computation raised",
+                  ExitState.NEW: "finish() called before the exit scope was entered",
+                  ExitState.FINISHED: "finish() called twice on one exit"}
 
 
 class StageExit:
     """Scope around an FFN's or mixer's compute: publishes the decision's flags, restores them.
 
-    Opening it takes the stage's turn: a second exit() of the same prepare() raises.
+    Opening it takes the stage's turn: a second exit() of the same prepare() raises. The
+    decision and the publishing are the stage's bound step's (``step.StageStep``); this
+    object only holds the turn between the scope and ``finish()``.
     """
 
-    __slots__ = ("_stream", "_lane", "_forward_batch", "_rows", "_decision", "_previous",
+    __slots__ = ("_stream", "_step", "_forward_batch", "_facts", "_decision", "_previous",
                  "_state", "_adapter_rows")
 
-    def __init__(self, stream, lane, forward_batch, rows, adapter_rows=None) -> None:
-        """``lane``: the stage's lane of the selected path (``lane.Lane``: its stage, exit
-        path and plain decisions); ``rows``: the forward's row facts; ``adapter_rows``:
-        published for the LoRA linears inside the scope. (``StageBoundary.exit`` sets the
-        same slots itself on its plain path.)"""
-        self._stream, self._lane, self._forward_batch = stream, lane, forward_batch
-        self._rows, self._adapter_rows = rows, adapter_rows
+    def __init__(self, stream, step, forward_batch, facts, adapter_rows) -> None:
+        """``step``: the stage's bound step of the selected path; ``facts``: the forward's
+        row facts; ``adapter_rows``: published for the LoRA linears inside the scope."""
+        self._stream, self._step, self._forward_batch = stream, step, forward_batch
+        self._facts, self._adapter_rows = facts, adapter_rows
         self._decision = self._previous = None
-        self._state = NEW
+        self._state = ExitState.NEW
         stream.handle = self
 
     def __enter__(self):
-        if self._state is not NEW:
+        if self._state is not ExitState.NEW:
             raise RuntimeError("an exit scope can be entered once")
-        path = self._lane.exit
-        self._decision = decision = (path.select(self._forward_batch) if path.choices
-                                     else path.default)
-        flags = decision.flags
-        state = FORWARD_STATE
-        self._previous = state.scope
-        state.scope = (flags, None if flags.sequence_parallel is None else SequenceParallelScope(
-            flags.sequence_parallel, self._forward_batch.rows), self._adapter_rows)
-        state.open_scopes += 1
-        if HOOK.observer is not None:
-            observer = active_observer()
-            if observer is not None:
-                observer.enter(self._lane.stage._compute_site)
-        self._state = OPEN
+        step = self._step
+        self._decision = decision = step.decide(self._forward_batch)
+        self._previous = open_scope(step.scope_of(decision, self._facts, self._adapter_rows))
+        observer = active_observer() if HOOK.observer is not None else None
+        if observer is not None:
+            observer.enter(step.stage.sites.compute)
+        self._state = ExitState.OPEN
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        state = FORWARD_STATE
-        state.scope = self._previous
-        state.open_scopes -= 1
-        self._state = COMPUTED if exc_type is None else FAILED
+        close_scope(self._previous)
+        self._state = ExitState.COMPUTED if exc_type is None else ExitState.FAILED
         return False
 
     @property
@@ -212,44 +179,15 @@ class StageExit:
 
     def finish(self, hidden_states):
         """Record compute's output with the decided owed work; return what to pass on."""
-        stream = self._stream
-        if (self._state is COMPUTED and stream.handle is self and HOOK.observer is None
-                and type(hidden_states) is torch.Tensor and not self._forward_batch.overlap):
-            decision, lane, residual = self._decision, self._lane, stream.residual
-            if decision in lane.plain and (residual is None
-                                           or hidden_states.dtype == residual.dtype):
-                # ``publish`` (and ``stream.leave``) of a plain tensor that stays where
-                # compute left it, with nobody watching, written out: every stage of an
-                # ordinary forward comes here
-                self._state = FINISHED
-                owed, where, declared = decision.leaves
-                stream.contribution = Contribution(hidden_states, owed, lane.update, where,
-                                                   False, declared, False, decision.key)
-                handle = stream.handle = hidden_states if owed is None else OwedOutput(stream)
-                return handle
         misuse = _FINISH_MISUSE.get(self._state)
         if misuse is not None:
             raise RuntimeError(misuse)
+        stream = self._stream
         if stream.handle is not self:
             raise RuntimeError("finish() on an exit whose stream has moved on")
-        stage = self._lane.stage
-        residual = stream.residual
-        if type(hidden_states) is not torch.Tensor or (
-                residual is not None and hidden_states.dtype != residual.dtype):
-            # anything but a plain tensor of the residual's dtype: name what is wrong
-            if isinstance(hidden_states, HandoffOutput) and not self.defer_moe_finalize:
-                raise RuntimeError("compute returned a HandoffOutput, but this exit did not "
-                                   "publish defer_moe_finalize")
-            check_output_dtype(stream, hidden_states, stage.name)
-        self._state = FINISHED
-        rows = self._rows
-        observer = active_observer()
-        if observer is not None:
-            observer.enter(stage._finish_site)
-        handle = publish(stream, self._lane.exit, self._decision, hidden_states, stage._update,
-                         rows, self._forward_batch.overlap, stage._transform)
-        if observer is not None:
-            observer.boundary(stage._finish_site, stream, rows)
+        handle = self._step.publish(stream, hidden_states, self._decision, self._facts,
+                                    self._forward_batch)
+        self._state = ExitState.FINISHED
         return handle
 
 

@@ -2,8 +2,9 @@
 
 Order per call: finish what the producer owes onto the rows the residual update runs on,
 bring the residual there, update and read, then move the read to the rows compute consumes.
-Every movement was resolved from the table (ops.TRANSITIONS) at construction; a call only
-dispatches on what actually arrived.
+Every movement was resolved from the table (ops.TRANSITIONS) at construction, and so was how
+each kind of output that can arrive is taken (its ``ArrivalPath``); a call only dispatches on
+what actually arrived. ``EntryPath.enter`` is the only implementation of entering a stage.
 """
 
 from __future__ import annotations
@@ -12,25 +13,30 @@ from dataclasses import dataclass, field
 
 from .fusions import Arrival
 from .layout import Layout
-from .ops import SLICE_DP, Movement
-from .residual import is_plain, read_kind
+from .ops import Movement
+from .primitives import SLICE_DP
+from .residual import ReadKind, is_plain, read_kind
 from .residual.add_norm import PLAIN_ADD, accumulate_dtype
-from .residual.stream import IN_COMPUTE
+from .residual.stream import ArrivalKey, Turn
 from .runtime.quant import QuantizedInput
-
 
 MISDECLARED_UPDATE = ("stage {stage}: its producer's output arrives with a residual update that "
                       "is not a plain add, but its previous declaration names a plain one (its "
                       "path may add the residual before the sum); declare previous with the "
                       "producer's own update and output_transform")
+NO_RESIDUAL = ("stage {stage} has a previous producer but the stream holds no residual; "
+               "pipeline receivers enter through from_pp()")
 
 
 class ArrivalPath:
-    """How one kind of pending output (owed sum, rows, handoff) reaches this input."""
+    """How one kind of pending output (owed sum, rows, handoff) reaches this input, bound at
+    construction: the movement completing it onto the update rows, the fusion candidates
+    that apply to it (in order), and, under attention DP with a plain update and the add+norm
+    read, the all-reduce that sums it with the residual added on one rank first."""
 
     __slots__ = ("key", "complete", "candidates", "sum_before_read")
 
-    def __init__(self, key: tuple, complete: Movement, candidates: tuple = (),
+    def __init__(self, key: ArrivalKey, complete: Movement, candidates: tuple = (),
                  sum_before_read: Movement | None = None) -> None:
         self.key = key
         self.complete = complete  # the owed sum (or nothing) onto the update rows
@@ -55,7 +61,7 @@ class EntryPath:
     local: Layout  # this DP rank's rows
     update_rows: Layout  # where the update and read run (the residual's layout)
     compute_rows: Layout  # where compute consumes its input
-    arrivals: dict  # Contribution.key -> ArrivalPath
+    arrivals: dict  # ArrivalKey -> ArrivalPath
     producer_keys: tuple  # what the declared producer leaves, for plans
     align: dict  # residual layout key -> movement onto the update rows
     enter_residual: Movement  # the stack's input (local rows) onto the update rows
@@ -71,40 +77,11 @@ class EntryPath:
     # the declared producer's update is a plain add: arrival paths were bound on that (an
     # add before the sum), so an output arriving with any other update is refused
     assumes_plain: bool = False
-    # the arrivals a plain add+norm input takes with no per-call choice (no finalize handoff,
-    # no fusion candidate, no sum before the read, no latent): Contribution.key -> the
-    # movement completing it; what a plain prepare() runs without calling ``run``
-    plain_arrivals: dict = field(init=False, repr=False)
+    # the read's input reaches compute as the read returns it (no latent, no movement)
+    direct: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        plain = read_kind(self.read) == "add_norm" and self.latent is None
-        self.plain_arrivals = {
-            key: path.complete for key, path in self.arrivals.items()
-            if plain and not key[2] and not path.candidates and path.sum_before_read is None}
-
-    def run(self, stream, hidden, rows, *, extra=None, fused: bool = True):
-        """This stage's compute input; the stream holds the updated residual afterwards."""
-        c = stream.contribution
-        if c is not None:
-            x, residual = self._arrive(self.arrival(c), stream, c, rows, extra, fused)
-        elif stream.residual is not None:
-            residual = self.residual(stream, rows)
-            if extra is not None:
-                residual = PLAIN_ADD.apply(residual, self.local_to_update(rows, extra))
-            x, residual = self.read.read(residual, self.norm)
-            x = self._to_compute(rows, x, self.input_move)
-        elif self.stack_entry:
-            # the embedding arrives on local rows: the residual starts there
-            if extra is not None:
-                hidden = PLAIN_ADD.apply(hidden, extra)
-            x, residual = self.read.enter(hidden, self.norm)
-            residual = self.enter_residual(rows, residual)
-            x = self._to_compute(rows, x, self.enter_input)
-        else:
-            raise RuntimeError(f"stage {self.stage} has a previous producer but the stream "
-                               "holds no residual; pipeline receivers enter through from_pp()")
-        stream.write(residual, IN_COMPUTE, self.update_rows)
-        return x
+        self.direct = self.latent is None and not self.input_move.moves
 
     def arrival(self, c) -> ArrivalPath:
         """The bound path for contribution ``c`` as it actually arrived: its owed sum and
@@ -118,33 +95,73 @@ class EntryPath:
                 f"{'a sum over ' + c.owed.value if c.owed else 'nothing'} owed on "
                 f"{c.rows} rows; its previous declaration does not match the producer "
                 "that ran")
-        if self.assumes_plain and not is_plain(c.update):
+        if self.assumes_plain and c.update is not PLAIN_ADD and not is_plain(c.update):
             raise RuntimeError(MISDECLARED_UPDATE.format(stage=self.stage))
         return path
 
-    def _arrive(self, path: ArrivalPath, stream, c, rows, extra, fused):
+    def enter(self, stream, hidden, facts, *, extra=None, fused: bool = True):
+        """This stage's compute input; the stream holds the updated residual afterwards and
+        the turn is the stage's (``Turn.PREPARED``).
+
+        Args:
+            stream: the forward's residual stream, its handle checked by the caller.
+            hidden: what the model passed (the stack's input at stack entry).
+            facts: the forward's row facts.
+            extra: a tensor on local rows added to the residual with the update (plain
+                updates only, checked by the caller).
+            fused: a fusion candidate or the add-before-sum all-reduce may stand in for
+                the completion (False where a capture needs the completed output).
+        """
+        c = stream.contribution
+        if c is not None:
+            path = self.arrivals.get(c.key)
+            if path is None or (self.assumes_plain and c.update is not PLAIN_ADD):
+                path = self.arrival(c)  # places it, or names what does not match
+            x, residual = self._arrive(path, stream, c, facts, extra, fused)
+        elif stream.residual is not None:
+            residual = self.residual(stream, facts)
+            if extra is not None:
+                residual = PLAIN_ADD.apply(residual, self.local_to_update.move(facts, extra))
+            x, residual = self.read.read(residual, self.norm)
+            x = self._to_compute(facts, x, self.input_move)
+        elif self.stack_entry:
+            # the embedding arrives on local rows: the residual starts there
+            if extra is not None:
+                hidden = PLAIN_ADD.apply(hidden, extra)
+            x, residual = self.read.enter(hidden, self.norm)
+            if self.enter_residual.moves:
+                residual = self.enter_residual.move(facts, residual)
+            x = self._to_compute(facts, x, self.enter_input)
+        else:
+            raise RuntimeError(NO_RESIDUAL.format(stage=self.stage))
+        stream.write(residual, Turn.PREPARED, self.update_rows)
+        return x
+
+    def _arrive(self, path: ArrivalPath, stream, c, facts, extra, fused):
         if fused and extra is None:
             if path.candidates:
                 arrival = Arrival(c.value, c.owed, c.rows, c.update, stream.residual,
-                                  stream.residual_rows, self.norm, rows)
+                                  stream.residual_rows, self.norm, facts)
                 for candidate in path.candidates:
                     out = candidate.run(arrival)
                     if out is not None:
                         x, residual = out
-                        return self._to_compute(rows, x, self.input_move), residual
+                        return self._to_compute(facts, x, self.input_move), residual
             if path.sum_before_read is not None and stream.residual is not None:
-                return self._sum_before_read(path.sum_before_read, stream, c.value, rows)
+                return self._sum_before_read(path.sum_before_read, stream, c.value, facts)
         value = c.value.complete() if c.handoff else c.value
         if path.complete.moves:
-            value = path.complete.run(rows, value)
-        residual = self.residual(stream, rows) if stream.residual is not None else None
+            value = path.complete.move(facts, value)
+        residual = stream.residual
+        if residual is not None and stream.residual_rows is not self.update_rows:
+            residual = self.residual(stream, facts)
         if extra is not None:
             acc = accumulate_dtype(value.dtype)
-            value = value.to(acc) + self.local_to_update(rows, extra).to(acc)
+            value = value.to(acc) + self.local_to_update.move(facts, extra).to(acc)
         x, residual = self.read.update_and_read(c.update, residual, value, self.norm)
-        return self._to_compute(rows, x, self.input_move), residual
+        return (x if self.direct else self._to_compute(facts, x, self.input_move)), residual
 
-    def residual(self, stream, rows):
+    def residual(self, stream, facts):
         """The stream's residual on the update rows."""
         src = stream.residual_rows
         if src is self.update_rows:  # already there (the common case: skip the lookup)
@@ -153,38 +170,39 @@ class EntryPath:
         if movement is None:
             raise RuntimeError(f"stage {self.stage} finds the residual on {src} rows, which "
                                f"it cannot bring to its update rows ({self.update_rows})")
-        return movement.run(rows, stream.residual) if movement.moves else stream.residual
+        return movement.move(facts, stream.residual) if movement.moves else stream.residual
 
-    def _to_compute(self, rows, x, move: Movement):
+    def _to_compute(self, facts, x, move: Movement):
         if self.latent is None:
-            return _moved(move, rows, x) if move.moves else x
+            return _moved(move, facts, x) if move.moves else x
         if self.latent_first:
-            return _moved(move, rows, self.latent(x))
-        return self.latent(_moved(move, rows, x))
+            return _moved(move, facts, self.latent(x))
+        return self.latent(_moved(move, facts, x))
 
-    def _sum_before_read(self, movement: Movement, stream, partial, rows):
-        residual = self.residual(stream, rows)
+    def _sum_before_read(self, movement: Movement, stream, partial, facts):
+        residual = self.residual(stream, facts)
         dtype, acc = residual.dtype, accumulate_dtype(residual.dtype)
-        if rows.tp_rank != 0:
+        if facts.tp_rank != 0:
             partial = partial.to(dtype)
         elif movement.src == self.local:  # a plain add may move before the sum, on one rank
             partial = (partial.to(acc) + residual.to(acc)).to(dtype)
         else:  # a global partial: the residual joins this DP rank's segment of it
-            start, end = rows.offset, rows.offset + rows.local
+            start, end = facts.offset, facts.offset + facts.local
             mine = (partial[start:end].to(acc) + residual.to(acc)).to(dtype)
             partial = partial.to(dtype).slice_scatter(mine, 0, start, end)
-        total = movement.run(rows, partial)
+        total = movement.move(facts, partial)
         x, _ = self.read.read(total, self.norm)
         if self.latent is not None:
             x = self.latent(x)
-        return x, SLICE_DP.run(rows, total).clone()
+        return x, SLICE_DP.move(facts, total).clone()
 
     # -- plans
 
     def describe(self) -> str:
         """What this path does to each input its declared producer can leave."""
         kind = read_kind(self.read)
-        read = f"{'add+norm' if kind == 'add_norm' else 'update+read'} on {self.update_rows}"
+        read = (f"{'add+norm' if kind is ReadKind.ADD_NORM else 'update+read'} on "
+                f"{self.update_rows}")
         if self.stack_entry:
             text = f"enter: norm on {self.local}"
             text += self._compute_steps(self.enter_input)
@@ -211,27 +229,27 @@ class EntryPath:
             steps.insert(0 if self.latent_first else len(steps), "qkv_latent_func")
         return "".join(f" -> {step}" for step in steps)
 
-    def expected(self, key, rows, width: int, input_width: int | None = None) -> list:
+    def expected(self, key, facts, width: int, input_width: int | None = None) -> list:
         """The collectives this path runs for an arrival ``key`` (None: a written stream whose
         residual is on the update rows; "enter": stack entry), as [(kind, group, numel)]."""
         input_width = width if input_width is None else input_width
         if key == "enter":
-            return (self.enter_residual.expected(rows, width)
-                    + self.enter_input.expected(rows, input_width))
+            return (self.enter_residual.expected(facts, width)
+                    + self.enter_input.expected(facts, input_width))
         out = []
         if key is not None:
             path = self.arrivals[key]
             if path.sum_before_read is not None:
-                return path.sum_before_read.expected(rows, width)
-            out += path.complete.expected(rows, width)
-        return out + self.input_move.expected(rows, input_width)
+                return path.sum_before_read.expected(facts, width)
+            out += path.complete.expected(facts, width)
+        return out + self.input_move.expected(facts, input_width)
 
 
-def _moved(move: Movement, rows, x):
+def _moved(move: Movement, facts, x):
     """``x`` on ``move``'s target rows; a quantized input moves its values (as bytes) and its
     scales alike."""
     if not move.moves:
         return x
     if isinstance(x, QuantizedInput):
-        return x.map_rows(lambda t: move.run(rows, t))
-    return move.run(rows, x)
+        return x.map_rows(lambda t: move.move(facts, t))
+    return move.move(facts, x)

@@ -18,10 +18,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "layer_boundary"
 # below. Longest prefix wins.
 LEVELS = {
     "runtime": 0,
-    "layout": 1, "contracts": 1, "ops": 1,
+    "layout": 1, "contracts": 1, "ops": 1, "row_facts": 1, "primitives": 1,
     "output": 2, "residual": 2, "fusions": 2,
-    "exit": 3, "prepare": 3, "boundary": 3, "construction": 3, "lane": 3,
-    "stage": 4, "stack": 4, "factories": 4, "adapters": 4,
+    "exit": 3, "prepare": 3, "boundary": 3, "construction": 3, "step": 3,
+    "stage": 4, "capture": 4, "stack": 4, "factories": 4, "adapters": 4,
     "": 5,  # the package root: the public surface
     "models": 6,
     "runner": 7, "bench": 7, "cli": 7, "__main__": 7,
@@ -94,7 +94,7 @@ def test_imports_go_only_downward(module):
 
 def test_the_check_sees_imports():
     """Guards the test above against finding nothing to check."""
-    assert "runtime.collectives" in imports_of("ops", MODULES["ops"])
-    assert "residual.batch" in imports_of("exit", MODULES["exit"])
+    assert "runtime.collectives" in imports_of("primitives", MODULES["primitives"])
+    assert "residual.batch" in imports_of("step", MODULES["step"])
     assert "" in imports_of("models.qwen3", MODULES["models.qwen3"])
     assert level("runtime.linear") == 0 and level("models.qwen3") == 6 and level("") == 5

@@ -40,7 +40,7 @@ def run_table(tp: int, dp: int, mode: str, counts, cp: int = 1, request_lens=Non
             src_rows = src_rows * (group.rank + 1)
             scale = group.size * (group.size + 1) / 2
         with LEDGER.recording() as ledger:
-            got = movement(rows, src_rows.clone())
+            got = movement.move(rows, src_rows.clone())
         want = full[rows.global_indices(movement.dst)] * scale
         recorded = [(e.kind, e.group, e.numel) for e in ledger]
         out.append((movement.name, str(movement.src), str(movement.dst),

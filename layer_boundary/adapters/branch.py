@@ -28,7 +28,7 @@ from __future__ import annotations
 from ..exit import StageExit
 from ..residual import is_plain
 from ..residual.access import complete_onto, local_rows
-from ..residual.stream import COMPUTING, IN_COMPUTE, ResidualStream, stream_of
+from ..residual.stream import ResidualStream, Turn, stream_of
 from ..runtime.ledger import active_observer
 from ..stage import StageBoundary
 
@@ -49,24 +49,23 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
     if entry is None:
         raise RuntimeError(f"no branch was built with prepared_from={source.name}'s declaration "
                            "on its layer stack (or with prepared_from=the stage itself)")
-    prepared = stream.prepared
-    if prepared is None or prepared[0] is not source or prepared[1] is not hidden_states:
+    if stream.stage is not source or stream.prepared_input is not hidden_states:
         raise RuntimeError(f"branch_input takes the input stage {source.name} prepared in this "
                            "forward")
-    if (stream.handle is IN_COMPUTE or stream.handle is COMPUTING
-            or isinstance(stream.handle, StageExit)):
+    if isinstance(stream.handle, (Turn, StageExit)):
         raise RuntimeError(f"branch_input: stage {source.name} has not published its output; "
                            "fork after its finish()")
     if stream.contribution is None:
         raise RuntimeError(f"branch_input: stage {source.name} left no pending output to merge "
                            "the branch into")
-    path, rows = entry.plan.select(forward_batch)
-    x = path.branch_in.run(rows, hidden_states) if path.branch_in.moves else hidden_states
+    path, facts = entry.plan.select(forward_batch)
+    x = path.branch_in.move(facts, hidden_states) if path.branch_in.moves else hidden_states
     branch = ResidualStream(parent=stream)
     branch.owner = stream.owner  # installed on the same forward batch
     branch.residual, branch.residual_rows = stream.residual, stream.residual_rows
     branch.made_by = stream.made_by
-    branch.handle, branch.prepared = IN_COMPUTE, (entry, x, None, None)
+    # the entry's turn: its exit() selects its step
+    branch.handle, branch.stage, branch.prepared_input = Turn.PREPARED, entry, x
     forward_batch.boundary.stream = branch
     return x
 
@@ -116,7 +115,7 @@ def merge_branch(source_output, branch_output_, forward_batch):
     rows = forward_batch.rows
     value = s.value.complete() if s.handoff else s.value
     if s.owed is None:
-        value = value + rows.move(None, b.rows, s.rows)(rows, b.value)
+        value = value + rows.movement(None, b.rows, s.rows).move(rows, b.value)
     else:  # one rank adds it before the sum the source still owes
         value = rows.add_on_one_rank(value, s.rows, b.value)
     main.residual, main.residual_rows = branch.residual, branch.residual_rows
@@ -126,8 +125,8 @@ def merge_branch(source_output, branch_output_, forward_batch):
 
 def _enter(stream, phase: str) -> None:
     observer = active_observer()
-    if observer is not None and stream.prepared is not None:
-        observer.enter(f"{stream.prepared[0].name}.{phase}")
+    if observer is not None and stream.stage is not None:
+        observer.enter(f"{stream.stage.name}.{phase}")
 
 
 def describe_merge(source: StageBoundary, last: StageBoundary, mode) -> dict:

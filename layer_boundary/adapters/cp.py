@@ -35,8 +35,8 @@ class CpView:
     def __init__(self, facts) -> None:
         layouts = facts.layouts
         self.facts = facts
-        self._share = facts.move(None, layouts.local, layouts.attention)
-        self._gather = facts.move(None, layouts.attention, layouts.local)
+        self._share = facts.movement(None, layouts.local, layouts.attention)
+        self._gather = facts.movement(None, layouts.attention, layouts.local)
 
     @property
     def queries(self) -> torch.Tensor:
@@ -45,12 +45,12 @@ class CpView:
 
     def share(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (one row per token of the DP rank) on this share's rows."""
-        return self._share.run(self.facts, x)
+        return self._share.move(self.facts, x)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (one row per token of this share) for every token of the DP rank, in token
         order: every CP rank of the DP rank joins."""
-        return self._gather.run(self.facts, x)
+        return self._gather.move(self.facts, x)
 
 
 def cp_view(forward_batch) -> CpView | None:

@@ -19,6 +19,7 @@ import torch
 
 from ..residual.stream import ForwardState, ResidualStream
 from ..runtime.context import open_exit_scopes
+from ..runtime.forward_batch import TwoBatch
 
 EXIT_ACROSS_YIELD = ("an exit() scope is open across a two-batch-overlap yield point: finish "
                      "the stage's compute inside the scope before the other microbatch runs")
@@ -72,8 +73,9 @@ def split_batch(forward_batch, dp_rank: int = 0, overlap: bool = True) -> list:
             fb, input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
             seq_lens=fb.seq_lens[lo:hi], extend_lens=fb.extend_lens[lo:hi],
             req_slots=fb.req_slots[lo:hi], dp_token_counts=mine, dp_request_lens=theirs,
-            boundary=None, layer_segment=None, tbo=False,
-            overlap=overlap, lora_ids=None if fb.lora_ids is None else fb.lora_ids[t0:t1]))
+            boundary=None, layer_segment=None,
+            two_batch=TwoBatch.MICROBATCH if overlap else TwoBatch.NONE,
+            lora_ids=None if fb.lora_ids is None else fb.lora_ids[t0:t1]))
     return parts
 
 
@@ -97,10 +99,10 @@ def run_two_batches(forward_batch, hidden_states, dp_rank: int, layers, run_laye
     """The stack over two interleaved microbatches: split the stack's input, enter each
     microbatch with its own stream, run every layer on A then B, leave each, merge the outputs
     in request order. ``run_layer(layer, h, fb)``, ``leave(h, fb)`` as the stack's own.
-    ``forward_batch.tbo_synchronous``: the same schedule without asynchronous sums (what the
-    overlap benchmark compares against)."""
+    ``forward_batch.two_batch``: ``TwoBatch.SYNCHRONOUS`` runs the same schedule without
+    asynchronous sums (what the overlap benchmark compares against)."""
     microbatches = split_batch(forward_batch, dp_rank,
-                               overlap=not forward_batch.tbo_synchronous)
+                               overlap=forward_batch.two_batch is TwoBatch.OVERLAPPED)
     n = microbatches[0].num_tokens
     state = {id(mb): h for mb, h in zip(microbatches, (hidden_states[:n], hidden_states[n:]))}
     for mb in microbatches:

@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
+from ..contracts import StageKind
 from ..layout import Layout, Layouts, RowMode, SumGroup
+from ..residual import ReadKind
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class InputPlan:
     """What a provider sees of one stage's input path (one batch variant and row mode)."""
 
     stage: str
-    kind: str  # "attention" | "ffn"
+    kind: StageKind
     mode: RowMode
     layouts: Layouts  # the topology's named layouts
     update_rows: Layout  # where the residual update and read run (the residual's layout)
@@ -61,11 +63,11 @@ class FusedInput:
     target: Layout  # the rows it leaves the residual on
     finalizes: bool = False  # also takes a HandoffOutput
     collective: RowMode = RowMode.AR  # the transport it fuses (all-reduce kernels: AR)
-    read: str = "add_norm"  # the read kind it stands in for
+    read: ReadKind = ReadKind.ADD_NORM  # the read kind it stands in for
     # It applies the update as a plain add: a nonlinear update never reaches it.
 
     def applies(self, owed, source: Layout, handoff: bool, target: Layout, mode: RowMode,
-                update_plain: bool, read_kind: str | None) -> bool:
+                update_plain: bool, read_kind: ReadKind | None) -> bool:
         return (owed in self.completes and source == self.source and target == self.target
                 and (self.finalizes or not handoff) and mode is self.collective
                 and update_plain and read_kind == self.read)

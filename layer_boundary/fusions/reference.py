@@ -28,7 +28,7 @@ def finalize_all_reduce_add_norm(arrival: Arrival):
         value = value.complete()
     rows = arrival.batch_rows
     move = ALL_REDUCE_TP_SLICE_DP if arrival.owed is not None else SLICE_DP
-    value = move.run(rows, value)
+    value = move.move(rows, value)
     acc = accumulate_dtype(arrival.residual.dtype)
     total = arrival.residual.to(acc) + value.to(acc)
     return arrival.norm.normalize_fp32(total, arrival.residual.dtype), total.to(arrival.residual.dtype)

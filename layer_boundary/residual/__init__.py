@@ -8,6 +8,7 @@ declares that it may.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -35,9 +36,9 @@ class StageUpdate(Protocol):
 class StageRead(Protocol):
     # Reads that must run on the source rows before a DP gather.
     before_gather: bool
-    # What fused kernels may stand in for it: "add_norm" for the plain add+norm read. A read
-    # without a kind of its own (a custom one, a subclass that does not re-declare it) is never
-    # replaced by a fusion candidate.
+    # What fused kernels may stand in for it (``ReadKind``; "add_norm" for the plain add+norm
+    # read). A read without a kind of its own (a custom one, a subclass that does not
+    # re-declare it) is never replaced by a fusion candidate.
     kind: str | None
 
     # Optional: ``visible(residual)`` gives what captures see of the residual this read leaves,
@@ -71,9 +72,21 @@ def is_portable(update) -> bool:
     return declared(update, "portable", False) is True
 
 
-def read_kind(read) -> str | None:
-    """The fused-kernel kind ``read`` declares itself (None: a custom read)."""
-    return declared(read, "kind")
+class ReadKind(str, enum.Enum):
+    """What a fused kernel may stand in for a read. A str, so a read that declares
+    ``kind = "add_norm"`` names the same kind."""
+
+    ADD_NORM = "add_norm"  # the plain add+norm read: fp32 sum, rounded residual, norm
+
+
+def read_kind(read) -> ReadKind | None:
+    """The fused-kernel kind ``read`` declares itself (None: a custom read, or a kind this
+    package does not know)."""
+    kind = declared(read, "kind")
+    try:
+        return None if kind is None else ReadKind(kind)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..layout import Layout
 from ..runtime.collectives import issuing_async
-from .stream import Contribution, OwedOutput, ResidualStream
+from .stream import Contribution, OwedOutput, ResidualStream  # noqa: F401 - types
 
 
 def local_rows(rows) -> Layout | None:
@@ -27,7 +27,7 @@ def completed(c: Contribution, rows, target: Layout, value=None):
         value = value.complete()
     if rows is None:  # nothing placed: the value is complete, on local rows
         return value
-    return rows.move(c.owed, c.rows, target)(rows, value)
+    return rows.movement(c.owed, c.rows, target).move(rows, value)
 
 
 def complete_onto(stream: ResidualStream, rows, target: Layout) -> Contribution:
@@ -38,11 +38,9 @@ def complete_onto(stream: ResidualStream, rows, target: Layout) -> Contribution:
         stream.handle = c.value  # already complete there (an opaque handle may have stood in)
         return c
     declared = c.completed_declared or (c.declared and c.owed is not None)
-    done = Contribution(completed(c, rows, target), None, c.update, target,
-                        completed_declared=declared)
-    stream.contribution = done
-    stream.handle = done.value
-    return done
+    stream.leave(completed(c, rows, target), None, c.update, target,
+                 completed_declared=declared)  # the completed value is the handle
+    return stream.contribution
 
 
 def residual_on(stream: ResidualStream, rows, target: Layout):
@@ -50,7 +48,7 @@ def residual_on(stream: ResidualStream, rows, target: Layout):
     if rows is None:  # no boundary has run in this forward: everything is on local rows
         return stream.residual
     src = stream.residual_rows or rows.layouts.local
-    return rows.move(None, src, target)(rows, stream.residual)
+    return rows.movement(None, src, target).move(rows, stream.residual)
 
 
 def start_completion(stream: ResidualStream, rows) -> None:

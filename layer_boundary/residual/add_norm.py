@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import is_plain
+from . import ReadKind, is_plain
 
 # filled once at import and never written again: a memo written during a forward would
 # change what a compiled graph guards on, and recompile it
@@ -25,6 +25,19 @@ def accumulate_dtype(dtype):
     """fp32 for half and single precision; wider types keep their own precision."""
     acc = ACCUMULATE.get(dtype)
     return torch.promote_types(dtype, torch.float32) if acc is None else acc
+
+
+class Fp32Norm:
+    """Adapter for a norm without an fp32 entry point: rounds the fp32 sum, then normalises."""
+
+    def __init__(self, norm) -> None:
+        self.norm = norm
+
+    def __call__(self, x):
+        return self.norm(x)
+
+    def normalize_fp32(self, x32, out_dtype):
+        return self.norm(x32.to(out_dtype))
 
 
 class PlainAdd:
@@ -44,7 +57,7 @@ class PlainAdd:
 
 class AddNormRead:
     before_gather = False
-    kind = "add_norm"
+    kind = ReadKind.ADD_NORM
 
     def enter(self, hidden, norm):
         return norm(hidden), hidden

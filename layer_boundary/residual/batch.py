@@ -305,7 +305,7 @@ def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty:
         skip = skip_empty and residual.shape[0] == 0 and residual.dim() == 2
         out = residual if skip else norm_module(residual)
     def to_local(x):
-        return x if rows is None else rows.move(None, target, local)(rows, x)
+        return x if rows is None else rows.movement(None, target, local).move(rows, x)
 
     out = to_local(out)
     if capture_output is not None:

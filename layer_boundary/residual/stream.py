@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,8 @@ from ..layout import Layout, SumGroup
 NOT_OURS = ("output does not belong to this residual stream; "
             "change layer outputs through boundary accessors")
 START_FIRST = "start the layer stack before entering a stage"
+_new = object.__new__
+
 SHARED_STREAM = ("this residual stream belongs to another forward batch: each two-batch-overlap "
                  "microbatch needs its own stream (ResidualStream.arrive)")
 
@@ -30,33 +33,50 @@ class StreamState(enum.Enum):
     PENDING = "pending"
 
 
-def arrival_key(owed: SumGroup | None, rows: Layout, handoff: bool) -> tuple:
-    """What a consumer's input path dispatches on: plain strings, cheap to hash per call."""
-    return (None if owed is None else owed.value, rows.key, handoff)
+class Turn(enum.Enum):
+    """What a stream's handle is while a stage holds its turn: no layer output, so no tensor
+    the model passes matches it. (Between calls the handle is the object the last call
+    returned; while an ``exit()`` scope holds the turn, that exit object.)"""
+
+    PREPARED = "prepared"  # prepare() returned the compute input; exit() or finish() next
+    COMPUTING = "computing"  # StageBoundary.run() runs compute in its own scope
+
+    def __repr__(self) -> str:
+        return f"<stage turn: {self.value}>"
+
+
+IN_COMPUTE, COMPUTING = Turn.PREPARED, Turn.COMPUTING
+
+
+class ArrivalKey(NamedTuple):
+    """What a consumer's input path dispatches on: what an output still owes (a sum group's
+    value, or None), the rows it is on (a layout's key) and whether it is a finalize handoff.
+    Plain strings and a bool, so a forward hashes it cheaply."""
+
+    owed: str | None
+    rows: str
+    handoff: bool
+
+
+def arrival_key(owed: SumGroup | None, rows: Layout, handoff: bool) -> ArrivalKey:
+    return ArrivalKey(None if owed is None else owed.value, rows.key, handoff)
 
 
 class Contribution:
     """A producer's actual output: its value, the sum it still owes, and its residual update.
 
-    ``value``: a torch.Tensor, or a HandoffOutput for producer-specific finalize work;
-    ``owed``: the SumGroup it still owes (None: complete); ``update``: its StageUpdate;
-    ``rows``: where ``value``'s rows are (None: left before any boundary placed the rows,
-    until ``place``). ``declared``: the owed sum is the producer's static contract (a PARTIAL
-    attention's), not an exit's per-batch decision. ``completed_declared``: an accessor
-    completed the producer's declared sum (which a pipeline receiver would perform again):
-    to_pp() refuses such a contribution. ``key``: what a consumer's input path dispatches on.
+    Made in one place, ``ResidualStream.leave``. ``value``: a torch.Tensor, or a
+    HandoffOutput for producer-specific finalize work; ``owed``: the SumGroup it still owes
+    (None: complete); ``update``: its StageUpdate; ``rows``: where ``value``'s rows are (None:
+    left before any boundary placed the rows, until ``place``). ``declared``: the owed sum is
+    the producer's static contract (a PARTIAL attention's), not an exit's per-batch decision.
+    ``completed_declared``: an accessor completed the producer's declared sum (which a
+    pipeline receiver would perform again): to_pp() refuses such a contribution. ``key``: what
+    a consumer's input path dispatches on (``ArrivalKey``).
     """
 
     __slots__ = ("value", "owed", "update", "rows", "handoff", "declared",
                  "completed_declared", "key")
-
-    def __init__(self, value, owed: SumGroup | None, update, rows: Layout | None,
-                 handoff: bool = False, declared: bool = False,
-                 completed_declared: bool = False, key: tuple | None = None) -> None:
-        self.value, self.owed, self.update, self.rows = value, owed, update, rows
-        self.handoff, self.declared, self.completed_declared = handoff, declared, completed_declared
-        self.key = (key if key is not None else None if rows is None
-                    else arrival_key(owed, rows, handoff))
 
     def place(self, rows: Layout) -> None:
         """The rows of a contribution left before any boundary placed them."""
@@ -75,28 +95,6 @@ class OwedOutput:
         return "OwedOutput(<pass to the next boundary or a residual accessor>)"
 
 
-class _InCompute:
-    """Handle while a stage computes: its prepared input is no layer output."""
-
-    def __repr__(self) -> str:
-        return "<stage computing>"
-
-
-IN_COMPUTE = _InCompute()
-
-
-class _Computing:
-    """The handle while ``StageBoundary.run()`` runs a stage's compute in its own scope."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<stage computing in run()>"
-
-
-COMPUTING = _Computing()
-
-
 @dataclass(eq=False, slots=True)
 class ForwardState:
     """The package's per-forward state on ``ForwardBatch.boundary``: one object, typed.
@@ -107,13 +105,17 @@ class ForwardState:
     ``segment``: between split-prefill segments, (next layer, the handle to resume with);
     ``moved``: per-token facts moved onto a stage's compute rows (``to_compute_rows``), by
     the movement, with the tensor they were moved from;
-    ``microbatches``: a two-batch-overlap forward's two microbatches.
+    ``microbatches``: a two-batch-overlap forward's two microbatches;
+    ``plain``: decided once per forward, where its rows are placed: no LoRA adapter runs
+    and no sum is issued early (two-batch overlap), so a stage's fixed exit opens without
+    an exit object.
     """
 
     stream: "ResidualStream | None" = None
     facts: object = None
     runtime: object = None  # the BoundaryRuntime that placed the facts
     path_key: tuple = ()  # (batch variant, row mode): what the stages' plans select on
+    plain: bool = True
     segment: tuple | None = None
     moved: dict = field(default_factory=dict)
     microbatches: list | None = None
@@ -124,17 +126,18 @@ class ResidualStream:
     its rows, the producer's pending contribution, and the handle the model must pass to the
     next boundary call (a branch's stream forks from its ``parent``)."""
 
-    __slots__ = ("residual", "residual_rows", "contribution", "handle", "prepared", "parent",
-                 "branch_output", "owner", "pending", "made_by")
+    __slots__ = ("residual", "residual_rows", "contribution", "handle", "stage", "step",
+                 "prepared_input", "parent", "branch_output", "owner", "pending", "made_by")
 
     def __init__(self, parent: "ResidualStream | None" = None) -> None:
         self.residual: torch.Tensor | None = None
         self.residual_rows: Layout | None = None
         self.contribution: Contribution | None = None
         self.handle: object = None  # what the model must pass to the next call
-        # (stage, compute input, its path, row facts) of the last prepare(); a branch's
-        # entry has no path selected yet (None, None)
-        self.prepared: tuple | None = None
+        # the stage whose turn it is (its last prepare(), or a branch's entry), the bound
+        # step it prepared on (None: a branch's entry, which selects its own) and the
+        # compute input it returned
+        self.stage = self.step = self.prepared_input = None
         self.parent = parent  # a branch's stream: the stream it forked from
         self.branch_output: object = None  # a branch's output, once branch_output() made it
         self.owner = None  # weakref to the forward batch the stream was started or arrived on
@@ -165,13 +168,23 @@ class ResidualStream:
         if self.handle is None or hidden is not self.handle:
             raise RuntimeError(NOT_OURS)
 
-    def leave(self, value, owed: SumGroup | None, update, rows: Layout, handoff: bool = False,
-              declared: bool = False, key: tuple | None = None) -> object:
-        """Record a producer's output on ``rows``; return what the model passes on (``key``:
-        its arrival key, where the caller has it already)."""
-        self.contribution = Contribution(value, owed, update, rows, handoff, declared, False, key)
-        self.handle = OwedOutput(self) if (owed is not None or handoff) else value
-        return self.handle
+    def leave(self, value, owed: SumGroup | None, update, rows: Layout | None,
+              handoff: bool = False, declared: bool = False, key: ArrivalKey | None = None,
+              completed_declared: bool = False) -> object:
+        """Record a producer's output on ``rows`` (None: not placed yet, local); return what
+        the model passes on. The one place a ``Contribution`` is made.
+
+        Args:
+            value, owed, update, rows, handoff, declared, completed_declared: its fields.
+            key: its arrival key, where the caller bound it already.
+        """
+        c = self.contribution = _new(Contribution)
+        c.value, c.owed, c.update, c.rows, c.handoff = value, owed, update, rows, handoff
+        c.declared, c.completed_declared = declared, completed_declared
+        c.key = (key if key is not None or rows is None
+                 else arrival_key(owed, rows, handoff))
+        handle = self.handle = OwedOutput(self) if (owed is not None or handoff) else value
+        return handle
 
     def write(self, residual: torch.Tensor, handle: object, rows: Layout) -> None:
         """Residual written on ``rows``, nothing pending; ``handle`` is what the model holds next.

@@ -60,12 +60,12 @@ class SequenceParallelScope:
         last = self._last
         if last is not None and last[0] is x:
             return last[1]
-        gathered = self.moves.gather.run(self.facts, x) if self.moves.gather.moves else x
+        gathered = self.moves.gather.move(self.facts, x) if self.moves.gather.moves else x
         self._last = (x, gathered)
         return gathered
 
     def scatter(self, y):
-        return self.moves.scatter.run(self.facts, y)
+        return self.moves.scatter.move(self.facts, y)
 
 
 NO_FLAGS = ForwardFlags()
@@ -98,13 +98,33 @@ def get_forward() -> ForwardFlags:
     return FORWARD_STATE.scope[0]
 
 
-def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
-    """Install ``flags`` (and the sequence-parallel ``scope`` they open, or None) and return
-    the previous pair; for exit scopes only (``opening``: a scope is entered, else left)."""
+def open_scope(scope: tuple) -> tuple:
+    """Enter an exit's compute scope: ``scope`` is (flags, sequence-parallel scope or None,
+    adapter rows); returns the scope it replaces, for ``close_scope``."""
     state = FORWARD_STATE
     previous = state.scope
-    state.scope = (flags, scope, previous[2])
-    state.open_scopes += 1 if opening else -1
+    state.scope = scope
+    state.open_scopes += 1
+    return previous
+
+
+def close_scope(previous: tuple) -> None:
+    """Leave an exit's compute scope, restoring what ``open_scope`` returned."""
+    state = FORWARD_STATE
+    state.scope = previous
+    state.open_scopes -= 1
+
+
+def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
+    """Install ``flags`` (and the sequence-parallel ``scope`` they open, or None), keeping the
+    adapter rows, and return the previous pair (``opening``: a scope is entered, else left);
+    what a test's hand-made scope does."""
+    previous = FORWARD_STATE.scope
+    current = (flags, scope, previous[2])
+    if opening:
+        open_scope(current)
+    else:
+        close_scope(current)
     return previous[0], previous[1]
 
 

@@ -25,6 +25,20 @@ class BatchVariant(enum.Enum):
     SEQUENCE_PARALLEL = "sequence-parallel"
 
 
+class TwoBatch(enum.Enum):
+    """How a forward runs with two-batch overlap (one field for what one mode is)."""
+
+    NONE = "none"  # one batch, every sum where its path runs it
+    OVERLAPPED = "overlapped"  # split into two microbatches whose owed sums start early
+    SYNCHRONOUS = "synchronous"  # split into two microbatches, every sum synchronous (a baseline)
+    MICROBATCH = "microbatch"  # one overlapped microbatch: owed sums start at the finish
+
+    @property
+    def splits(self) -> bool:
+        """The stack runs this batch as two interleaved microbatches."""
+        return self is TwoBatch.OVERLAPPED or self is TwoBatch.SYNCHRONOUS
+
+
 @runtime_checkable
 class BoundaryState(Protocol):
     """What a boundary library keeps on a batch for one forward; the runtime only carries it
@@ -62,11 +76,9 @@ class ForwardBatch:
     # every attention-DP rank's requests' token counts in this forward (what a two-batch
     # overlap split needs to agree on all ranks); None where no split is asked
     dp_request_lens: tuple | None = None
-    tbo: bool = False  # run the stack as two interleaved microbatches
-    # two-batch overlap with every sum synchronous (the baseline the benchmark compares with)
-    tbo_synchronous: bool = False
-    # a two-batch-overlap microbatch: owed sums start at the producer's finish, asynchronously
-    overlap: bool = False
+    # two-batch overlap: none, a batch to split (its sums overlapped, or synchronous: the
+    # baseline the benchmark compares with), or one overlapped microbatch
+    two_batch: TwoBatch = TwoBatch.NONE
     # LoRA: each local token's adapter slot (-1: the base model), [T] int64; None: every
     # token runs the base model (adapters/lora.py publishes it on each stage's compute rows)
     lora_ids: torch.Tensor | None = None
@@ -74,6 +86,34 @@ class ForwardBatch:
     # slots and positions from tensors only, never the per-request tuples above, so a
     # compiled forward's graph depends on the padded row count alone
     token_slots: torch.Tensor | None = None
+
+    @property
+    def tbo(self) -> bool:
+        """Whether the stack runs this batch as two microbatches (``two_batch.splits``);
+        setting it asks for the overlapped split (False: none)."""
+        return self.two_batch.splits
+
+    @tbo.setter
+    def tbo(self, value: bool) -> None:
+        self.two_batch = TwoBatch.OVERLAPPED if value else TwoBatch.NONE
+
+    @property
+    def tbo_synchronous(self) -> bool:
+        """A split whose sums all run synchronously (``TwoBatch.SYNCHRONOUS``)."""
+        return self.two_batch is TwoBatch.SYNCHRONOUS
+
+    @tbo_synchronous.setter
+    def tbo_synchronous(self, value: bool) -> None:
+        if value:
+            self.two_batch = TwoBatch.SYNCHRONOUS
+        elif self.two_batch is TwoBatch.SYNCHRONOUS:
+            self.two_batch = TwoBatch.OVERLAPPED
+
+    @property
+    def overlap(self) -> bool:
+        """An overlapped microbatch: owed sums start at the producer's finish,
+        asynchronously (``TwoBatch.MICROBATCH``)."""
+        return self.two_batch is TwoBatch.MICROBATCH
 
     @property
     def residual_stream(self):
@@ -119,7 +159,8 @@ class ForwardBatch:
         if scratch_slot in self.req_slots:
             raise ValueError(f"scratch slot {scratch_slot} is a request's slot "
                              f"(req_slots {self.req_slots})")
-        if self.variant is BatchVariant.CP or self.tbo or self.layer_segment is not None:
+        if (self.variant is BatchVariant.CP or self.two_batch is not TwoBatch.NONE
+                or self.layer_segment is not None):
             raise ValueError("a CP batch, a two-batch-overlap batch and a split-prefill segment "
                              "are not padded (their splits read the per-request lengths)")
         extra = tokens - mine

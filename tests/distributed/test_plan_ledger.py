@@ -49,8 +49,8 @@ def expected_from_plans(model, rows: RowFacts, hidden: int, vocab: int) -> list[
         owed, src = None, decision.finish_move.dst
     else:
         owed, src = decision.owed, decision.rows
-    out += _site(rows.move(owed, src, residual).expected(rows, hidden)
-                 + rows.move(None, residual, local).expected(rows, hidden), "final_norm")
+    out += _site(rows.movement(owed, src, residual).expected(rows, hidden)
+                 + rows.movement(None, residual, local).expected(rows, hidden), "final_norm")
     if attn_tp.size > 1 and rows.local:
         padded = -(-vocab // attn_tp.size) * attn_tp.size
         out.append(("all_gather", "attn_tp", rows.local * padded, "lm_head"))

@@ -263,7 +263,7 @@ def test_an_extra_is_refused_on_an_mhc_residual_written_or_pending(tp, dp, polic
     """T equal to hc_mult: a [T, D] extra broadcast over [T, N, D] streams would raise
     nothing. The refusal is the same whether or not an output is pending."""
     from layer_boundary.residual.batch import EXTRA_NOT_PLAIN
-    from layer_boundary.stage import NOT_PLAIN_ADDITION
+    from layer_boundary.capture import NOT_PLAIN_ADDITION
 
     ref = run(1, 1, "ar", counts)["out"]
     results = get_pool(tp).run(extras, tp, dp, policy, counts) if tp > 1 else [
