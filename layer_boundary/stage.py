@@ -14,7 +14,7 @@ import torch
 from .construction import build_plan
 from .contracts import BatchVariant, ProducerReduction, StageKind
 from .exit import AttnExit, FfnExit, MixerExit
-from .residual import LayerResidual, is_plain, is_portable
+from .residual import is_plain, is_portable
 from .residual import batch as residual_batch
 from .residual.add_norm import Fp32Norm
 from .residual.stream import NOT_OURS, START_FIRST, OwedOutput, Turn, stream_of
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 BRANCH_ENTRY = "a prepared branch must enter through branch_input, not prepare"
 
-__all__ = ["StageBoundary", "OwedOutput", "START_FIRST", "BRANCH_ENTRY", "LayerResidual",
-           "boundary_guard_filter", "stage_boundaries"]
+__all__ = ["StageBoundary", "OwedOutput", "START_FIRST", "BRANCH_ENTRY", "boundary_guard_filter",
+           "stage_boundaries"]
 
 
 class _Unbound:

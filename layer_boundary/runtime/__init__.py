@@ -23,8 +23,9 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
                          wire_total)
     from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from .norm import GemmaRMSNorm, RMSNorm
-    from .parallel import (Group, Parallel, ParallelDims, RankError, TopologyError, build_parallel,
-                           init_distributed, launched_by_torchrun, spawn, virtual_parallel)
+    from .launch import RankError, init_distributed, launched_by_torchrun, spawn
+    from .parallel import (Group, Parallel, ParallelDims, TopologyError, build_parallel,
+                           virtual_parallel)
 
 # each public name -> its module, imported on first use (PEP 562): the command line reads
 # `defaults` without importing torch
@@ -73,12 +74,12 @@ _EXPORTS = {
     'Group': '.parallel',
     'Parallel': '.parallel',
     'ParallelDims': '.parallel',
-    'RankError': '.parallel',
+    'RankError': '.launch',
     'TopologyError': '.parallel',
     'build_parallel': '.parallel',
-    'init_distributed': '.parallel',
-    'launched_by_torchrun': '.parallel',
-    'spawn': '.parallel',
+    'init_distributed': '.launch',
+    'launched_by_torchrun': '.launch',
+    'spawn': '.launch',
     'virtual_parallel': '.parallel',
 }
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_boundary.runtime.parallel import RankError, spawn
+from layer_boundary.runtime.launch import RankError, spawn
 
 
 def _sum_of_ranks():

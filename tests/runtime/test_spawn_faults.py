@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from layer_boundary.runtime.parallel import HEARTBEAT_S, SILENT_S, RankError, spawn
+from layer_boundary.runtime.launch import HEARTBEAT_S, SILENT_S, RankError, spawn
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -89,7 +89,7 @@ PARENT = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {tests!r})
     from runtime.test_spawn_faults import _report_and_sleep
-    from layer_boundary.runtime.parallel import spawn
+    from layer_boundary.runtime.launch import spawn
     spawn(_report_and_sleep, 2, {pids!r})
 """)
 
@@ -217,9 +217,9 @@ def test_a_rank_stopped_while_starting_ends_the_job(late_start):
 def test_a_stopped_rank_is_found_by_its_silence_where_the_os_cannot_say(monkeypatch, tmp_path):
     """Without the OS's word, silence after its heartbeats began: within silent_s, and within
     60 s of the stop at the default window."""
-    from layer_boundary.runtime import parallel
+    from layer_boundary.runtime import launch
 
-    monkeypatch.setattr(parallel, "process_state", lambda pid: None)
+    monkeypatch.setattr(launch, "process_state", lambda pid: None)
     stamp = tmp_path / "stopped"
     with pytest.raises(RankError, match="^rank 1 stopped responding \\(no heartbeat for 8 s\\)"):
         spawn(_stops_on_rank_1, 2, str(stamp), silent_s=8)
@@ -250,14 +250,14 @@ def test_a_failed_rendezvous_starts_the_job_once_more(monkeypatch):
     loaded machine): no rank ran anything, so the job starts again on a fresh port."""
     import socket
 
-    from layer_boundary.runtime import parallel
+    from layer_boundary.runtime import launch
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     ports = iter([taken.getsockname()[1]])
-    real = parallel.free_port
-    monkeypatch.setattr(parallel, "free_port", lambda: next(ports, None) or real())
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
     try:
         assert spawn(_rank, 2) == [0, 1]
     finally:

@@ -1,0 +1,312 @@
+"""Process start-up: joining ranks (our spawner or torchrun's environment) and watching the
+ranks we spawn, so a rank that dies, stops or falls silent ends the job with its reason.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+JOIN_TIMEOUT_S = 300.0  # the world group: rendezvous of ranks that start at different times
+
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is a torchrun worker (its environment names the rendezvous)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None,
+                     init_method: str | None = None, backend: str = "gloo",
+                     timeout_s: float = 45.0,
+                     join_timeout_s: float | None = None) -> tuple[int, int]:
+    """Initialise torch.distributed once: from torchrun's environment or explicit arguments.
+
+    Args:
+        rank, world_size, init_method: explicit rendezvous (None: torchrun's environment).
+        backend: the torch.distributed backend ("gloo" on CPU, "nccl" on GPUs).
+        timeout_s: bounds every collective of the groups built later (every boundary
+            collective runs on one): a peer silent that long (stopped, dead) ends the job
+            instead of stalling it.
+        join_timeout_s: how long joining the world may take (ranks still importing,
+            loading); at least ``timeout_s``, default ``JOIN_TIMEOUT_S``.
+    """
+    from .parallel import set_collective_timeout  # the topology module re-exports this one
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    set_collective_timeout(timeout_s)
+    if rank is None:
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        init_method = "env://"
+    join = JOIN_TIMEOUT_S if join_timeout_s is None else join_timeout_s
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=max(timeout_s, join)))
+    return rank, world_size
+
+
+class RankError(RuntimeError):
+    """A spawned rank failed; carries the first rank's exception when it can be re-raised."""
+
+
+HEARTBEAT_S = 2.0  # a started rank reports it is alive this often
+SILENT_S = 20.0  # a started rank silent this long (stuck, or stopped where the OS cannot say)
+STOPPED_S = 3.0  # a rank whose process the OS reports stopped (SIGSTOP) this long ends the job
+# Start-up is not silence: a rank imports torch and the package before it can report, which
+# takes minutes on a loaded machine or a network filesystem.
+from .defaults import START_TIMEOUT_S  # noqa: E402 - stated once, where --help reads it
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter as the OS reports it ("T": stopped), None where it cannot."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # "pid (comm) state ...": comm may hold spaces and parentheses
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class _Reporter:
+    """A rank's channel to the spawner: heartbeats from a daemon thread, then its result; one
+    lock, so a beat never interleaves with the result on the pipe."""
+
+    def __init__(self, conn, parent: int) -> None:
+        import threading
+
+        self.conn, self.parent, self.lock = conn, parent, threading.Lock()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def send(self, message) -> None:
+        data = pickle.dumps(message)
+        with self.lock:
+            self.conn.send_bytes(data)
+
+    def _beat(self) -> None:
+        # also the exit when the spawner is gone (whatever killed it): no rank outlives it
+        while True:
+            if os.getppid() != self.parent:
+                os._exit(1)
+            try:
+                self.send(("beat", None))
+            except OSError:
+                os._exit(1)
+            time.sleep(HEARTBEAT_S)
+
+
+def _spawn_entry(rank, world_size, port, fn, args, conn, parent, timeout_s, join_timeout_s):
+    import traceback
+
+    reporter = _Reporter(conn, parent)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
+                         join_timeout_s=join_timeout_s)
+    except Exception as exc:  # nothing ran yet: the spawner may start the job again
+        reporter.send(("rendezvous", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    try:
+        # plain pickle copies tensors by value (a queue's pickler would share file descriptors
+        # that vanish when this process exits)
+        reporter.send(("ok", pickle.dumps(fn(*args))))
+    except Exception as exc:  # report to the parent, which decides what the user sees
+        try:
+            payload = pickle.dumps(exc)
+        except Exception:
+            payload = None
+        reporter.send(("error", (payload, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, timeout_s: float = 600.0,
+          collective_timeout_s: float = 45.0, silent_s: float = SILENT_S,
+          start_timeout_s: float = START_TIMEOUT_S) -> list:
+    """Run ``fn(*args)`` on ``world_size`` local CPU ranks over gloo; return per-rank results.
+
+    Args:
+        fn: a module-level function (the ranks import it by reference).
+        world_size: how many rank processes to start.
+        timeout_s: how long the job may run once every rank has started.
+        collective_timeout_s: how long a collective waits for a silent peer.
+        silent_s: a started rank silent this long ends the job.
+        start_timeout_s: how long a rank may take to start (import, join) before its first
+            heartbeat; start-up is not silence.
+
+    The job ends, and every rank with it, when a rank fails (its peers are not waited for),
+    dies before reporting, is stopped (the OS says so, or it falls silent), or does not start
+    in time; the error names the rank. Ranks exit by themselves when this process is gone.
+    A rendezvous that fails before any rank ran ``fn`` (gloo's loopback mesh, rarely, on a
+    loaded machine) starts the job once more, on a fresh port.
+    """
+    for attempt in range(2):
+        try:
+            return _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
+                               start_timeout_s)
+        except _RendezvousFailed as failed:
+            if attempt:
+                raise RankError(f"rank {failed.rank} could not join the other ranks (twice): "
+                                f"{failed.text}") from None
+
+
+class _RendezvousFailed(Exception):
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(rank, text)
+        self.rank, self.text = rank, text
+
+
+def _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
+                start_timeout_s) -> list:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (parent's end, rank's end)
+    # ranks that started early wait at the rendezvous for the late ones
+    join = max(JOIN_TIMEOUT_S, start_timeout_s)
+    procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, pipes[r][1],
+                                                     os.getpid(), collective_timeout_s, join))
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        for _, theirs in pipes:
+            theirs.close()  # so a dead rank shows up as the end of its pipe here
+        return _Watch(procs, [ours for ours, _ in pipes], timeout_s, silent_s,
+                      start_timeout_s).collect()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        for ours, _ in pipes:
+            ours.close()
+
+
+class _Watch:
+    """The spawner's view of its ranks until each has reported (or the job ends)."""
+
+    def __init__(self, procs, conns, timeout_s: float, silent_s: float,
+                 start_timeout_s: float) -> None:
+        self.procs, self.conns = procs, conns
+        self.timeout_s, self.silent_s, self.start_timeout_s = timeout_s, silent_s, start_timeout_s
+        self.start = time.monotonic()
+        self.beats: dict[int, float] = {}  # rank -> last heartbeat (from its first one on)
+        self.stopped: dict[int, float] = {}  # rank -> when the OS first reported it stopped
+        self.results: dict[int, object] = {}
+        self.errors: list = []
+        self.rendezvous: dict[int, str] = {}  # ranks that could not join, and why
+        self.closed: set[int] = set()  # ranks whose pipe has ended
+
+    def _done(self) -> set[int]:
+        return set(self.results) | {e[0] for e in self.errors}
+
+    def _receive(self, rank: int) -> None:
+        conn = self.conns[rank]
+        try:
+            while conn.poll():
+                status, payload = pickle.loads(conn.recv_bytes())
+                self.beats[rank] = time.monotonic()
+                if status == "ok":
+                    self.results[rank] = pickle.loads(payload)
+                elif status == "error":
+                    self.errors.append((rank, *payload))
+                elif status == "rendezvous":
+                    self.rendezvous[rank] = payload
+        except (EOFError, OSError):
+            self.closed.add(rank)
+
+    def _lost(self, rank: int, now: float) -> str | None:
+        """Why ``rank`` (not yet reported) ends the job now, or None."""
+        p = self.procs[rank]
+        if p.exitcode is not None and rank in self.closed:
+            how = (f"was killed (signal {-p.exitcode})" if p.exitcode < 0
+                   else f"exited with code {p.exitcode}")
+            return f"rank {rank} {how} before reporting"
+        state = process_state(p.pid) if p.pid is not None else None
+        if state in ("T", "t"):
+            since = self.stopped.setdefault(rank, now)
+            if now - since >= STOPPED_S:
+                return (f"rank {rank} stopped responding (its process is stopped, state "
+                        f"{state})")
+        else:
+            self.stopped.pop(rank, None)
+        last = self.beats.get(rank)
+        if last is None:
+            if now - self.start > self.start_timeout_s:
+                return f"rank {rank} did not start within {self.start_timeout_s:.0f} s"
+        elif now - last > self.silent_s:
+            return f"rank {rank} stopped responding (no heartbeat for {self.silent_s:.0f} s)"
+        return None
+
+    def collect(self) -> list:
+        from multiprocessing.connection import wait
+
+        world_size = len(self.procs)
+        first_error = None
+        lost = None
+        started = None  # when the last rank's first heartbeat arrived
+        while len(self._done()) < world_size:
+            waiting = [self.conns[r] for r in range(world_size) if r not in self.closed]
+            sentinels = [p.sentinel for r, p in enumerate(self.procs) if r not in self._done()]
+            ready = wait(waiting + sentinels, timeout=0.5)
+            for rank, conn in enumerate(self.conns):
+                if conn in ready:
+                    self._receive(rank)
+            now = time.monotonic()
+            if self.errors and first_error is None:
+                first_error = now
+            if started is None and len(self.beats) == world_size:
+                started = now
+            for rank in sorted(set(range(world_size)) - self._done()):
+                if rank not in self.closed and self.procs[rank].exitcode is not None:
+                    self._receive(rank)  # whatever it wrote before it ended
+                    if rank in self._done():
+                        continue
+                    self.closed.add(rank)
+                lost = lost or self._lost(rank, now)
+            if self.rendezvous:
+                rank = min(self.rendezvous)
+                raise _RendezvousFailed(rank, self.rendezvous[rank].splitlines()[0])
+            # peers of a failed rank sit in a collective until it times out: do not wait
+            if (lost or (started is not None and now - started > self.timeout_s)
+                    or (first_error and now - first_error > 10)):
+                break
+        return self._outcome(lost)
+
+    def _outcome(self, lost) -> list:
+        world_size = len(self.procs)
+        if self.errors:
+            # a bad input on any rank is the cause (its peers then fail on the dead rank, e.g.
+            # a pipeline stage's send): the same one-line error as in-process; otherwise the
+            # errors in the order they arrived, the first one most likely the cause
+            for rank, exc, text in self.errors:
+                exc = pickle.loads(exc) if exc is not None else None
+                if isinstance(exc, ValueError):
+                    raise exc
+            if lost is None:
+                raise RankError("a rank failed:\n" + "\n".join(f"rank {r}: {t}"
+                                                                for r, _, t in self.errors))
+        if lost is not None:
+            raise RankError(lost + "; the job was stopped")
+        if len(self.results) < world_size:
+            missing = sorted(set(range(world_size)) - set(self.results))
+            raise RankError(f"ranks {missing} did not report within {self.timeout_s:.0f} s "
+                            "of starting; the job was stopped")
+        return [self.results[r] for r in range(world_size)]
