@@ -300,7 +300,7 @@ class StagePlan:
         # the same counts place the same rows and the same mode
         self._placed: dict = {}
 
-    def rows(self, forward_batch) -> RowFacts:
+    def place(self, forward_batch) -> RowFacts:
         """This forward's row facts; the first boundary of a forward places them for all."""
         state = forward_batch.boundary
         if state is None:
@@ -357,7 +357,7 @@ class StagePlan:
         facts = None if state is None else state.facts
         if (facts is None or facts.counts != forward_batch.dp_token_counts
                 or state.runtime is not self.runtime):
-            facts = self.rows(forward_batch)  # places the rows, or names the misuse
+            facts = self.place(forward_batch)  # places the rows, or names the misuse
             state = forward_batch.boundary
         path = self.by_key.get(state.path_key)
         if path is None:

@@ -76,9 +76,9 @@ def sum_group(parallel: Parallel, which: SumGroup) -> Group:
     the MoE output reduction group is the TP group's ranks.
     """
     if which is SumGroup.ATTN_TP:
-        return parallel.attn_tp
+        return parallel.attn_tp_group
     if which in (SumGroup.TP, SumGroup.MOE_OUT):
-        return parallel.tp
+        return parallel.tp_group
     raise ValueError(f"unknown sum group {which!r}")
 
 

@@ -216,7 +216,7 @@ class MovementTable:
             for src in names:
                 for dst in names:
                     movement = resolve(owed, src, dst, mode, layouts,
-                                       alone=parallel.tp.size == 1)
+                                       alone=parallel.tp_group.size == 1)
                     if movement is not None:
                         self._moves[(owed, src.key, dst.key)] = movement
         self._facts: dict[tuple, RowFacts] = {}

@@ -77,14 +77,14 @@ class GatherScatter(Primitive):
     name, allocates = "all_gather{v}(attn_tp)", True
 
     def move(self, facts, x):
-        group = facts.parallel.attn_tp
+        group = facts.parallel.attn_tp_group
         if facts.mode is RowMode.RS:
             return coll.gather_rows(facts.pad(x, facts.chunk), group)[: facts.share]
         return coll.gather_rows_v(x, group, facts.segment_sizes)
 
     def expected(self, facts, width):
         fixed = facts.mode is RowMode.RS
-        return _one("all_gather", facts.parallel.attn_tp,
+        return _one("all_gather", facts.parallel.attn_tp_group,
                     facts.padded_local if fixed else facts.share, width)
 
 
@@ -92,17 +92,17 @@ class GatherDp(Primitive):
     name, allocates = "all_gather_v(attn_dp)", True
 
     def move(self, facts, x):
-        return coll.gather_rows_v(x, facts.parallel.attn_dp, facts.counts)
+        return coll.gather_rows_v(x, facts.parallel.attn_dp_group, facts.counts)
 
     def expected(self, facts, width):
-        return _one("all_gather", facts.parallel.attn_dp, facts.total, width)
+        return _one("all_gather", facts.parallel.attn_dp_group, facts.total, width)
 
 
 class GatherDpScatter(Primitive):
     name, allocates = "all_gather{v}(tp)", True
 
     def move(self, facts, x):
-        group = facts.parallel.tp
+        group = facts.parallel.tp_group
         if facts.mode is RowMode.RS:
             if group.size == 1:
                 return x
@@ -112,7 +112,7 @@ class GatherDpScatter(Primitive):
 
     def expected(self, facts, width):
         fixed = facts.mode is RowMode.RS
-        return _one("all_gather", facts.parallel.tp,
+        return _one("all_gather", facts.parallel.tp_group,
                     facts.padded_total if fixed else facts.total, width)
 
 
@@ -120,17 +120,17 @@ class AllReduceAttnTp(Primitive):
     name = "all_reduce(attn_tp)"
 
     def move(self, facts, x):
-        return coll.all_reduce_rows(x, facts.parallel.attn_tp)
+        return coll.all_reduce_rows(x, facts.parallel.attn_tp_group)
 
     def expected(self, facts, width):
-        return _one("all_reduce", facts.parallel.attn_tp, facts.share, width)
+        return _one("all_reduce", facts.parallel.attn_tp_group, facts.share, width)
 
 
 class ReduceScatterAttnTp(Primitive):
     name = "reduce_scatter{v}(attn_tp)"
 
     def move(self, facts, x):
-        group = facts.parallel.attn_tp
+        group = facts.parallel.attn_tp_group
         if facts.mode is RowMode.RS:
             out = coll.reduce_scatter_rows(facts.pad(x, facts.padded_local), group)
             return out[: facts.scattered]
@@ -138,7 +138,7 @@ class ReduceScatterAttnTp(Primitive):
 
     def expected(self, facts, width):
         fixed = facts.mode is RowMode.RS
-        return _one("reduce_scatter", facts.parallel.attn_tp,
+        return _one("reduce_scatter", facts.parallel.attn_tp_group,
                     facts.padded_local if fixed else facts.share, width)
 
 
@@ -146,41 +146,41 @@ class AllReduceTpDpPlaced(Primitive):
     name, allocates = "all_reduce(tp)", True
 
     def move(self, facts, x):
-        if facts.parallel.tp.size == 1:
+        if facts.parallel.tp_group.size == 1:
             return x
         buffer = x.new_zeros((facts.total, *x.shape[1:]))
         buffer[facts.offset:facts.offset + facts.local] = x
-        return coll.all_reduce_rows(buffer, facts.parallel.tp)
+        return coll.all_reduce_rows(buffer, facts.parallel.tp_group)
 
     def expected(self, facts, width):
-        return _one("all_reduce", facts.parallel.tp, facts.total, width)
+        return _one("all_reduce", facts.parallel.tp_group, facts.total, width)
 
 
 class AllReduceTp(Primitive):
     name = "all_reduce(tp)"
 
     def move(self, facts, x):
-        return coll.all_reduce_rows(x, facts.parallel.tp)
+        return coll.all_reduce_rows(x, facts.parallel.tp_group)
 
     def expected(self, facts, width):
-        return _one("all_reduce", facts.parallel.tp, facts.total, width)
+        return _one("all_reduce", facts.parallel.tp_group, facts.total, width)
 
 
 class AllReduceTpSliceDp(Primitive):
     name = "all_reduce(tp)+slice(dp)"
 
     def move(self, facts, x):
-        return SLICE_DP.move(facts, coll.all_reduce_rows(x, facts.parallel.tp))
+        return SLICE_DP.move(facts, coll.all_reduce_rows(x, facts.parallel.tp_group))
 
     def expected(self, facts, width):
-        return _one("all_reduce", facts.parallel.tp, facts.total, width)
+        return _one("all_reduce", facts.parallel.tp_group, facts.total, width)
 
 
 class ReduceScatterTp(Primitive):
     name = "reduce_scatter{v}(tp)"
 
     def move(self, facts, x):
-        group = facts.parallel.tp
+        group = facts.parallel.tp_group
         if facts.mode is RowMode.RS:
             if group.size == 1:
                 return x
@@ -189,7 +189,7 @@ class ReduceScatterTp(Primitive):
 
     def expected(self, facts, width):
         fixed = facts.mode is RowMode.RS
-        return _one("reduce_scatter", facts.parallel.tp,
+        return _one("reduce_scatter", facts.parallel.tp_group,
                     facts.padded_total if fixed else facts.total, width)
 
 
@@ -219,12 +219,12 @@ class GatherShares(Primitive):
         self.name = f"all_gather_v({group})"
 
     def move(self, facts, x):
-        gathered = coll.gather_rows_v(x, getattr(facts.parallel, self.group),
+        gathered = coll.gather_rows_v(x, getattr(facts.parallel, f"{self.group}_group"),
                                       getattr(facts, self.sizes))
         return _unpermute(gathered, getattr(facts, self.order))
 
     def expected(self, facts, width):
-        return _one("all_gather", getattr(facts.parallel, self.group),
+        return _one("all_gather", getattr(facts.parallel, f"{self.group}_group"),
                     getattr(facts, self.rows), width)
 
     def __repr__(self) -> str:
@@ -262,7 +262,7 @@ class GatherPartsScatter(Primitive):
     name, allocates = "all_gather{v}(tp)", True
 
     def move(self, facts, x):
-        group = facts.parallel.tp
+        group = facts.parallel.tp_group
         if facts.mode is RowMode.RS:
             gathered = coll.gather_rows(facts.pad(x, facts.chunk), group)
             return gathered.index_select(0, facts.pad_pos.to(x.device))
@@ -293,7 +293,7 @@ class ReduceScatterParts(Primitive):
     name = "reduce_scatter{v}(tp)"
 
     def move(self, facts, x):
-        group = facts.parallel.tp
+        group = facts.parallel.tp_group
         if facts.mode is RowMode.RS:  # each global row at its padded place, then fixed blocks
             padded = x.new_zeros((facts.padded_total, *x.shape[1:]))
             padded.index_copy_(0, facts.pad_pos.to(x.device), x)

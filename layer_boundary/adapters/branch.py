@@ -84,8 +84,8 @@ def branch_output(hidden_states, forward_batch):
     if stream.contribution is None:
         raise RuntimeError("branch_output() needs the branch's last output; nothing is pending")
     _enter(stream, "branch_output")
-    rows = forward_batch.rows
-    stream.branch_output = complete_onto(stream, rows, local_rows(rows)).value
+    facts = forward_batch.row_facts
+    stream.branch_output = complete_onto(stream, facts, local_rows(facts)).value
     return stream.branch_output
 
 
@@ -112,12 +112,12 @@ def merge_branch(source_output, branch_output_, forward_batch):
     if not (is_plain(b.update) and is_plain(s.update)):
         raise RuntimeError("merge_branch() requires plain residual updates")
     _enter(branch, "merge")
-    rows = forward_batch.rows
+    facts = forward_batch.row_facts
     value = s.value.complete() if s.handoff else s.value
     if s.owed is None:
-        value = value + rows.movement(None, b.rows, s.rows).move(rows, b.value)
+        value = value + facts.movement(None, b.rows, s.rows).move(facts, b.value)
     else:  # one rank adds it before the sum the source still owes
-        value = rows.add_on_one_rank(value, s.rows, b.value)
+        value = facts.add_on_one_rank(value, s.rows, b.value)
     main.residual, main.residual_rows = branch.residual, branch.residual_rows
     forward_batch.boundary.stream = main
     return main.leave(value, s.owed, s.update, s.rows, declared=s.declared)
@@ -136,11 +136,11 @@ def describe_merge(source: StageBoundary, last: StageBoundary, mode) -> dict:
 
     variant = BatchVariant.ORDINARY
     decision = last.plan.paths[(variant, mode)].exit.default
-    owed, rows = ((None, decision.finish_move.dst) if decision.finish_move is not None
+    owed, facts = ((None, decision.finish_move.dst) if decision.finish_move is not None
                   else (decision.owed, decision.rows))
     table = last.plan.tables[(variant, mode)]
     local = table.layouts.local
-    move = table.lookup(owed, rows, local)
+    move = table.lookup(owed, facts, local)
     source_owes = source.plan.paths[(variant, mode)].exit.default.owed
     joins = (f"added on one attention-TP rank to {source.name}'s output, before its "
              f"{source_owes.value} sum" if source_owes is not None

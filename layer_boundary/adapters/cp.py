@@ -56,7 +56,7 @@ class CpView:
 def cp_view(forward_batch) -> CpView | None:
     """The CP share of this forward (after a boundary placed its rows), or None outside a CP
     batch."""
-    facts = forward_batch.rows
+    facts = forward_batch.row_facts
     if facts is None or not facts.table.cp:
         return None
     return CpView(facts)

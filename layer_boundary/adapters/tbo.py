@@ -121,6 +121,6 @@ def run_two_batches(forward_batch, hidden_states, dp_rank: int, layers, run_laye
     interleave([[op(layer, mb) for layer in layers] + [out(mb)] for mb in microbatches])
     # the batch itself held no stream; its row facts are its first microbatch's (the row mode
     # of the forward, for reports), and each microbatch's rows stay on the microbatch
-    forward_batch.boundary = ForwardState(facts=microbatches[0].rows,
+    forward_batch.boundary = ForwardState(facts=microbatches[0].row_facts,
                                           microbatches=microbatches)
     return torch.cat([state[id(mb)] for mb in microbatches])

@@ -50,7 +50,7 @@ class Arrival:
     residual: object  # tensor | None
     residual_rows: Layout | None
     norm: object
-    batch_rows: object  # ops.RowFacts of the forward
+    facts: object  # the forward's row facts (row_facts.RowFacts)
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,9 +26,9 @@ def finalize_all_reduce_add_norm(arrival: Arrival):
     value = arrival.value
     if not isinstance(value, torch.Tensor):
         value = value.complete()
-    rows = arrival.batch_rows
+    facts = arrival.facts
     move = ALL_REDUCE_TP_SLICE_DP if arrival.owed is not None else SLICE_DP
-    value = move.move(rows, value)
+    value = move.move(facts, value)
     acc = accumulate_dtype(arrival.residual.dtype)
     total = arrival.residual.to(acc) + value.to(acc)
     return arrival.norm.normalize_fp32(total, arrival.residual.dtype), total.to(arrival.residual.dtype)
@@ -103,7 +103,7 @@ class ReferenceFusions:
             raise RuntimeError("handoff_norm() needs the provider installed first (on the "
                                "stages' construction or by install_fusion): its service sums "
                                "over their TP group")
-        self.service = TerminalFinalizeNorm(self._parallel.tp, eps)
+        self.service = TerminalFinalizeNorm(self._parallel.tp_group, eps)
         return self.service
 
     @property

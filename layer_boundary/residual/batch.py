@@ -56,9 +56,9 @@ def check_local_tensor(x, forward_batch, what: str) -> None:
     """Raise unless ``x`` is a tensor with this DP rank's token rows."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a tensor on this DP rank's rows, got {type(x).__name__}")
-    rows = forward_batch.rows
-    if rows is not None and x.shape[0] != rows.local:
-        raise ValueError(f"{what} has {x.shape[0]} rows; this DP rank holds {rows.local} tokens")
+    facts = forward_batch.row_facts
+    if facts is not None and x.shape[0] != facts.local:
+        raise ValueError(f"{what} has {x.shape[0]} rows; this DP rank holds {facts.local} tokens")
 
 
 def complete_output(hidden_states, forward_batch: ForwardBatch):
@@ -74,16 +74,16 @@ def complete_output(hidden_states, forward_batch: ForwardBatch):
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is None:
         return hidden_states
-    rows = forward_batch.rows
-    return complete_onto(stream, rows, local_rows(rows)).value
+    facts = forward_batch.row_facts
+    return complete_onto(stream, facts, local_rows(facts)).value
 
 
-def fold_stream(stream: ResidualStream, rows) -> torch.Tensor:
+def fold_stream(stream: ResidualStream, facts) -> torch.Tensor:
     """Complete the pending contribution and apply its update on local rows; the stream is
     written with that residual, which is also its handle."""
-    local = local_rows(rows)
-    c = complete_onto(stream, rows, local)
-    residual = c.update.apply(residual_on(stream, rows, local), c.value)
+    local = local_rows(facts)
+    c = complete_onto(stream, facts, local)
+    residual = c.update.apply(residual_on(stream, facts, local), c.value)
     stream.write(residual, residual, local)
     return residual
 
@@ -101,7 +101,7 @@ def fold(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is None:
         return hidden_states
-    return fold_stream(stream, forward_batch.rows)
+    return fold_stream(stream, forward_batch.row_facts)
 
 
 def written(hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -117,8 +117,8 @@ def written(hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.T
     """
     stream = stream_of(forward_batch)
     check_local_tensor(hidden_states, forward_batch, "written()'s hidden_states")
-    rows = forward_batch.rows
-    stream.write(hidden_states, hidden_states, None if rows is None else local_rows(rows))
+    facts = forward_batch.row_facts
+    stream.write(hidden_states, hidden_states, None if facts is None else local_rows(facts))
     return hidden_states
 
 
@@ -134,7 +134,7 @@ def take_output(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is not None:
         raise RuntimeError(PENDING_AT_TAKE)
-    out = residual_on(stream, forward_batch.rows, local_rows(forward_batch.rows))
+    out = residual_on(stream, forward_batch.row_facts, local_rows(forward_batch.row_facts))
     release(forward_batch)
     return out
 
@@ -170,8 +170,8 @@ def to_pp(hidden_states, forward_batch: ForwardBatch) -> dict:
     where the model folded or wrote it on local rows.
     """
     stream = _checked(hidden_states, forward_batch)
-    rows = forward_batch.rows
-    if rows is None:
+    facts = forward_batch.row_facts
+    if facts is None:
         raise RuntimeError(UNPLACED_AT_PP)
     c = stream.contribution
     if c is not None and c.completed_declared:
@@ -181,15 +181,15 @@ def to_pp(hidden_states, forward_batch: ForwardBatch) -> dict:
     observer = active_observer()
     if observer is not None:
         observer.enter("to_pp")
-    target = rows.layouts.residual(rows.mode)
+    target = facts.layouts.residual(facts.mode)
     if c is None:
-        out = {"residual": residual_on(stream, rows, target)}
+        out = {"residual": residual_on(stream, facts, target)}
     elif c.declared and c.owed is not None:
         # the partial stays on the producer's output rows; the receiver knows which
-        out = {"residual": residual_on(stream, rows, target), "partial": c.value}
+        out = {"residual": residual_on(stream, facts, target), "partial": c.value}
     else:
-        previous = None if stream.residual is None else residual_on(stream, rows, target)
-        out = {"residual": c.update.apply(previous, completed(c, rows, target))}
+        previous = None if stream.residual is None else residual_on(stream, facts, target)
+        out = {"residual": c.update.apply(previous, completed(c, facts, target))}
     release(forward_batch)
     return out
 
@@ -204,16 +204,16 @@ def snapshot(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
         forward_batch: the batch whose stream holds it.
     """
     stream = _checked(hidden_states, forward_batch)
-    rows = forward_batch.rows
+    facts = forward_batch.row_facts
     c = stream.contribution
     if c is None:
-        out = residual_on(stream, rows, local_rows(rows))
+        out = residual_on(stream, facts, local_rows(facts))
         return out.clone() if out is stream.residual else out
     if not is_plain(c.update) or c.handoff:
         raise RuntimeError(SNAPSHOT_NOT_PLAIN)
-    local = local_rows(rows)
-    value = completed(c, rows, local, value=c.value.clone())
-    return c.update.apply(residual_on(stream, rows, local), value)
+    local = local_rows(facts)
+    value = completed(c, facts, local, value=c.value.clone())
+    return c.update.apply(residual_on(stream, facts, local), value)
 
 
 def add_to_output(hidden_states, forward_batch: ForwardBatch, extra: torch.Tensor):
@@ -230,11 +230,11 @@ def add_to_output(hidden_states, forward_batch: ForwardBatch, extra: torch.Tenso
     stream = _checked(hidden_states, forward_batch)
     check_local_tensor(extra, forward_batch, "add_to_output()'s extra")
     check_extra_joins(stream, EXTRA_NOT_PLAIN)
-    rows = forward_batch.rows
-    local = local_rows(rows)
+    facts = forward_batch.row_facts
+    local = local_rows(facts)
     if stream.contribution is None:
         return stream.leave(extra, None, PLAIN_ADD, local)
-    c = complete_onto(stream, rows, local)
+    c = complete_onto(stream, facts, local)
     return stream.leave(c.value + extra, None, c.update, local)
 
 
@@ -242,14 +242,14 @@ def add_to_output(hidden_states, forward_batch: ForwardBatch, extra: torch.Tenso
 _TERMINAL_SUMS = (None, SumGroup.TP, SumGroup.MOE_OUT)
 
 
-def _finalize_in_norm(service, c, stream, rows, local, norm_module):
+def _finalize_in_norm(service, c, stream, facts, local, norm_module):
     """The service's fused finalize + sum + add + norm where one all-reduce lands the handoff
     on the residual's own rows (a zero-centered final norm, the residual on local rows, the
     handoff on as many rows); None where it does not apply or the service declines."""
     gamma = getattr(norm_module, "gemma_weight", None)
     if (gamma is None or stream.residual is None or c.owed not in _TERMINAL_SUMS
-            or rows is None or c.rows is None or stream.residual_rows not in (None, local)
-            or rows.count(c.rows) != rows.count(local)):
+            or facts is None or c.rows is None or stream.residual_rows not in (None, local)
+            or facts.count(c.rows) != facts.count(local)):
         return None
     return service.finalize(c.value, stream.residual, gamma)
 
@@ -276,24 +276,24 @@ def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty:
     observer = active_observer()
     if observer is not None:
         observer.enter("final_norm")
-    rows = forward_batch.rows
-    local = local_rows(rows)
+    facts = forward_batch.row_facts
+    local = local_rows(facts)
     target = stream.residual_rows or local
     c = stream.contribution
     out = None
     if c is None:
-        residual = residual_on(stream, rows, target)
+        residual = residual_on(stream, facts, target)
     else:
         if handoff_norm is not None and c.handoff and is_plain(c.update):
             if capture_output is not None:
                 raise RuntimeError("norm() with handoff_norm does not accept capture_output "
                                    "when a handoff arrives")
-            fused = _finalize_in_norm(handoff_norm, c, stream, rows, local, norm_module)
+            fused = _finalize_in_norm(handoff_norm, c, stream, facts, local, norm_module)
             if fused is not None:
                 out, residual = fused
         if out is None:
-            value = completed(c, rows, target)
-            previous = None if stream.residual is None else residual_on(stream, rows, target)
+            value = completed(c, facts, target)
+            previous = None if stream.residual is None else residual_on(stream, facts, target)
             if not hasattr(norm_module, "normalize_fp32") or (skip_empty and value.shape[0] == 0):
                 residual = c.update.apply(previous, value)
             else:
@@ -305,13 +305,13 @@ def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty:
         skip = skip_empty and residual.shape[0] == 0 and residual.dim() == 2
         out = residual if skip else norm_module(residual)
     def to_local(x):
-        return x if rows is None else rows.movement(None, target, local).move(rows, x)
+        return x if facts is None else facts.movement(None, target, local).move(facts, x)
 
     out = to_local(out)
     if capture_output is not None:
         capture_output(to_local(residual), owned=False)
-    if observer is not None and rows is not None:
+    if observer is not None and facts is not None:
         stream.write(residual, None, target)
-        observer.boundary("final_norm", stream, rows)
+        observer.boundary("final_norm", stream, facts)
     release(forward_batch)
     return out

@@ -26,7 +26,7 @@ class BatchVariant(enum.Enum):
 
 
 class TwoBatch(enum.Enum):
-    """How a forward runs with two-batch overlap (one field for what one mode is)."""
+    """How a forward runs with two-batch overlap: one field where there were three flags."""
 
     NONE = "none"  # one batch, every sum where its path runs it
     OVERLAPPED = "overlapped"  # split into two microbatches whose owed sums start early
@@ -57,7 +57,7 @@ class ForwardBatch:
     be 0); it is what boundaries use to place rows, so it must agree on all ranks.
     """
 
-    mode: ForwardMode
+    forward_mode: ForwardMode  # prefill/extend or decode (a row mode is ``row_facts.mode``)
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     seq_lens: tuple[int, ...]  # per request: total length after this forward
@@ -121,8 +121,13 @@ class ForwardBatch:
         return None if self.boundary is None else self.boundary.stream
 
     @property
-    def rows(self):
+    def row_facts(self):
         """The row facts this forward's first boundary placed (``boundary.facts``)."""
+        return None if self.boundary is None else self.boundary.facts
+
+    @property
+    def rows(self):
+        """``row_facts``, by its earlier name (deprecated: ``rows`` names layouts)."""
         return None if self.boundary is None else self.boundary.facts
 
     @property
@@ -177,7 +182,7 @@ class ForwardBatch:
             token_slots=slots, boundary=None)
 
     @classmethod
-    def build(cls, mode: ForwardMode, requests: list[list[int]], prefix_lens: list[int],
+    def build(cls, forward_mode: ForwardMode, requests: list[list[int]], prefix_lens: list[int],
               dp_token_counts: tuple[int, ...] | None = None, req_slots=None, kv_cache=None,
               device: torch.device | str = "cpu") -> "ForwardBatch":
         """Batch of ``requests`` (token ids new in this forward) after ``prefix_lens`` cached ones."""
@@ -187,7 +192,7 @@ class ForwardBatch:
         if dp_token_counts is None:
             dp_token_counts = (len(ids),)
         return cls(
-            mode=mode,
+            forward_mode=forward_mode,
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(pos, dtype=torch.long, device=device),
             seq_lens=tuple(p + e for p, e in zip(prefix_lens, extend)),

@@ -26,7 +26,7 @@ class Observer(Protocol):
 
     def collective(self, kind: str, group, numel: int, dtype, site: str | None) -> None: ...
 
-    def boundary(self, site: str, stream, rows) -> None: ...
+    def boundary(self, site: str, stream, facts) -> None: ...
 
 
 class _Hook:
@@ -142,7 +142,7 @@ class Ledger:
             self.entries.append(LedgerEntry(kind, group.name, group.size, numel, dtype,
                                             site or self.site, self.step, wire_numel))
 
-    def boundary(self, site: str, stream, rows) -> None:
+    def boundary(self, site: str, stream, facts) -> None:
         if self.traces is None:
             return
         residual = stream.residual
@@ -150,7 +150,7 @@ class Ledger:
         layout = stream.residual_rows
         self.traces.append(StreamTrace(
             site, self.step, stream.state.value, "" if layout is None else str(layout),
-            None if residual is None else rows.global_indices(layout),
+            None if residual is None else facts.global_indices(layout),
             None if residual is None else residual.detach().clone(),
             None if c is None or c.owed is None else f"sum over {c.owed.value}"))
 

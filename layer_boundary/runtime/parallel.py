@@ -86,66 +86,78 @@ def process_group(key: str):
 
 @dataclass(frozen=True, eq=False)
 class Parallel:
-    """All groups of one topology for this rank (torchtitan's ParallelDims plus its mesh)."""
+    """All groups of one topology for this rank (torchtitan's ParallelDims plus its mesh).
+
+    A degree is an int on ``dims`` (``dims.attn_tp``); its group is a ``Group`` here, named
+    ``*_group`` (``attn_tp_group``), and its rank ``*_rank``.
+    """
 
     dims: ParallelDims
     rank: int
-    tp: Group  # full tensor-parallel group (dense FFN sums)
-    attn_tp: Group  # attention tensor-parallel group inside one attention-DP rank
-    attn_dp: Group  # same attention CP and TP index across attention-DP ranks
+    tp_group: Group  # full tensor-parallel group (dense FFN sums)
+    attn_tp_group: Group  # attention tensor-parallel group inside one attention-DP rank
+    attn_dp_group: Group  # same attention CP and TP index across attention-DP ranks
     # same TP position across pipeline stages, in stage order: a rank's pipeline neighbours
     # are the previous and next members (point-to-point pairs inside this group)
-    pp: Group = field(default=None)
+    pp_group: Group = field(default=None)
     # same attention-DP and TP index across attention-CP ranks: a CP batch's K/V gather
-    attn_cp: Group = field(default=None)
+    attn_cp_group: Group = field(default=None)
     # same attention-TP index across every (DP, CP) rank: a CP batch's row partitions
-    dp_cp: Group = field(default=None)
+    dp_cp_group: Group = field(default=None)
 
     def __post_init__(self) -> None:
-        if self.pp is None:
-            object.__setattr__(self, "pp", _local_group("pp"))
-        if self.attn_cp is None:
-            object.__setattr__(self, "attn_cp", _local_group("attn_cp"))
-        if self.dp_cp is None:  # no CP: the partitions are the DP ranks
-            object.__setattr__(self, "dp_cp", self.attn_dp)
+        if self.pp_group is None:
+            object.__setattr__(self, "pp_group", _local_group("pp"))
+        if self.attn_cp_group is None:
+            object.__setattr__(self, "attn_cp_group", _local_group("attn_cp"))
+        if self.dp_cp_group is None:  # no CP: the partitions are the DP ranks
+            object.__setattr__(self, "dp_cp_group", self.attn_dp_group)
+
+    # the groups by their earlier names (deprecated: ``attn_tp`` is a degree on ``dims``)
+    tp = property(lambda self: self.tp_group)
+    attn_tp = property(lambda self: self.attn_tp_group)
+    attn_dp = property(lambda self: self.attn_dp_group)
+    pp = property(lambda self: self.pp_group)
+    attn_cp = property(lambda self: self.attn_cp_group)
+    dp_cp = property(lambda self: self.dp_cp_group)
 
     @property
     def pp_rank(self) -> int:
-        return self.pp.rank
+        return self.pp_group.rank
 
     @property
     def first_stage(self) -> bool:
-        return self.pp.rank == 0
+        return self.pp_group.rank == 0
 
     @property
     def last_stage(self) -> bool:
-        return self.pp.rank == self.pp.size - 1
+        return self.pp_group.rank == self.pp_group.size - 1
 
     @property
     def tp_rank(self) -> int:
-        return self.tp.rank
+        return self.tp_group.rank
 
     @property
     def attn_tp_rank(self) -> int:
-        return self.attn_tp.rank
+        return self.attn_tp_group.rank
 
     @property
     def moe_ep_rank(self) -> int:
         # ep-major over the TP group: the moe_tp shards of one expert slice are adjacent
-        return self.tp.rank // self.dims.moe_tp
+        return self.tp_group.rank // self.dims.moe_tp
 
     @property
     def moe_tp_rank(self) -> int:
-        return self.tp.rank % self.dims.moe_tp
+        return self.tp_group.rank % self.dims.moe_tp
 
     @property
     def attn_dp_rank(self) -> int:
         # dp-major rank order inside the TP group
-        return self.tp.rank // (self.dims.attn_cp * self.dims.attn_tp)
+        return self.tp_group.rank // (self.dims.attn_cp * self.dims.attn_tp)
 
     @property
     def attn_cp_rank(self) -> int:
-        return self.tp.rank // self.dims.attn_tp % self.dims.attn_cp
+        return self.tp_group.rank // self.dims.attn_tp % self.dims.attn_cp
 
 
 def _local_group(name: str) -> Group:
