@@ -45,6 +45,8 @@ class ExitDecision:
     leaves: "Leaves" = field(init=False, repr=False, compare=False)
     # the arrival key of such an output
     key: ArrivalKey = field(init=False, repr=False, compare=False)
+    # finish() moves its rows (a finish_move that is not the identity)
+    moves_at_finish: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         moved = self.finish_move
@@ -52,6 +54,7 @@ class ExitDecision:
                   else Leaves(self.owed, self.rows, self.declared))
         object.__setattr__(self, "leaves", leaves)
         object.__setattr__(self, "key", arrival_key(leaves.owed, leaves.rows, False))
+        object.__setattr__(self, "moves_at_finish", moved is not None and moved.moves)
 
     def arrivals(self) -> tuple[ArrivalKey, ...]:
         """The Contribution keys an output of this decision arrives with."""

@@ -34,7 +34,7 @@ class ArrivalPath:
     that apply to it (in order), and, under attention DP with a plain update and the add+norm
     read, the all-reduce that sums it with the residual added on one rank first."""
 
-    __slots__ = ("key", "complete", "candidates", "sum_before_read")
+    __slots__ = ("key", "complete", "candidates", "sum_before_read", "chooses")
 
     def __init__(self, key: ArrivalKey, complete: Movement, candidates: tuple = (),
                  sum_before_read: Movement | None = None) -> None:
@@ -44,6 +44,8 @@ class ArrivalPath:
         # attention DP with a plain update and read: add the residual on one attention-TP
         # rank and let a single TP all-reduce sum the partials and gather every DP rank's rows
         self.sum_before_read = sum_before_read
+        # something may stand in for the completion (a candidate, the add before the sum)
+        self.chooses = bool(candidates) or sum_before_read is not None
 
 
 @dataclass(eq=False, slots=True)
@@ -113,12 +115,33 @@ class EntryPath:
                 the completion (False where a capture needs the completed output).
         """
         c = stream.contribution
-        if c is not None:
-            path = self.arrivals.get(c.key)
-            if path is None or (self.assumes_plain and c.update is not PLAIN_ADD):
-                path = self.arrival(c)  # places it, or names what does not match
-            x, residual = self._arrive(path, stream, c, facts, extra, fused)
-        elif stream.residual is not None:
+        if c is None:
+            return self._enter_written(stream, hidden, facts, extra)
+        path = self.arrivals.get(c.key)
+        if path is None or (self.assumes_plain and c.update is not PLAIN_ADD):
+            path = self.arrival(c)  # places it, or names what does not match
+        if path.chooses and fused and extra is None:
+            chosen = self._chosen(path, stream, c, facts)
+            if chosen is not None:
+                x, residual = chosen
+                stream.write(residual, Turn.PREPARED, self.update_rows)
+                return x
+        value = c.value.complete() if c.handoff else c.value
+        if path.complete.moves:
+            value = path.complete.move(facts, value)
+        residual = stream.residual
+        if residual is not None and stream.residual_rows is not self.update_rows:
+            residual = self.residual(stream, facts)
+        if extra is not None:
+            acc = accumulate_dtype(value.dtype)
+            value = value.to(acc) + self.local_to_update.move(facts, extra).to(acc)
+        x, residual = self.read.update_and_read(c.update, residual, value, self.norm)
+        stream.write(residual, Turn.PREPARED, self.update_rows)
+        return x if self.direct else self._to_compute(facts, x, self.input_move)
+
+    def _enter_written(self, stream, hidden, facts, extra):
+        """``enter`` where nothing is pending: a written residual, or the stack's input."""
+        if stream.residual is not None:
             residual = self.residual(stream, facts)
             if extra is not None:
                 residual = PLAIN_ADD.apply(residual, self.local_to_update.move(facts, extra))
@@ -137,29 +160,20 @@ class EntryPath:
         stream.write(residual, Turn.PREPARED, self.update_rows)
         return x
 
-    def _arrive(self, path: ArrivalPath, stream, c, facts, extra, fused):
-        if fused and extra is None:
-            if path.candidates:
-                arrival = Arrival(c.value, c.owed, c.rows, c.update, stream.residual,
-                                  stream.residual_rows, self.norm, facts)
-                for candidate in path.candidates:
-                    out = candidate.run(arrival)
-                    if out is not None:
-                        x, residual = out
-                        return self._to_compute(facts, x, self.input_move), residual
-            if path.sum_before_read is not None and stream.residual is not None:
-                return self._sum_before_read(path.sum_before_read, stream, c.value, facts)
-        value = c.value.complete() if c.handoff else c.value
-        if path.complete.moves:
-            value = path.complete.move(facts, value)
-        residual = stream.residual
-        if residual is not None and stream.residual_rows is not self.update_rows:
-            residual = self.residual(stream, facts)
-        if extra is not None:
-            acc = accumulate_dtype(value.dtype)
-            value = value.to(acc) + self.local_to_update.move(facts, extra).to(acc)
-        x, residual = self.read.update_and_read(c.update, residual, value, self.norm)
-        return (x if self.direct else self._to_compute(facts, x, self.input_move)), residual
+    def _chosen(self, path: ArrivalPath, stream, c, facts):
+        """What stands in for the completion: the first fusion candidate that accepts the
+        arrival, or the add before the sum; None where nothing does."""
+        if path.candidates:
+            arrival = Arrival(c.value, c.owed, c.rows, c.update, stream.residual,
+                              stream.residual_rows, self.norm, facts)
+            for candidate in path.candidates:
+                out = candidate.run(arrival)
+                if out is not None:
+                    x, residual = out
+                    return self._to_compute(facts, x, self.input_move), residual
+        if path.sum_before_read is not None and stream.residual is not None:
+            return self._sum_before_read(path.sum_before_read, stream, c.value, facts)
+        return None
 
     def residual(self, stream, facts):
         """The stream's residual on the update rows."""

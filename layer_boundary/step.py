@@ -46,7 +46,8 @@ class StageStep:
     needs nothing of the forward (no scattered rows) and no adapter runs (else None).
     """
 
-    __slots__ = ("stage", "path", "entry", "exit", "update", "transform", "fixed", "scope")
+    __slots__ = ("stage", "path", "entry", "exit", "update", "transform", "fixed", "scope",
+                 "folds", "issues_early")
 
     def __init__(self, stage, path) -> None:
         """``stage``: the StageBoundary; ``path``: one of its plan's paths."""
@@ -58,6 +59,9 @@ class StageStep:
         # (after the sum it travels in the declaration's update instead)
         self.transform = declaration.transform_first
         out = path.exit
+        # the update folds in at the producer's finish (nothing pending leaves); else a
+        # two-batch-overlap microbatch may issue its owed sum then
+        self.folds, self.issues_early = out.at_producer, out.issues_early
         self.fixed = None if out.choices else out.default
         self.scope = (None if self.fixed is None or self.fixed.flags.sequence_parallel
                       is not None else (self.fixed.flags, None, NO_ADAPTERS))
@@ -120,21 +124,18 @@ class StageStep:
                 observer.enter(self.stage.sites.finish)
         if self.transform is not None:
             value = self.transform(value)
-        moved = decision.finish_move
-        if moved is None and isinstance(value, HandoffOutput):  # under its own key
+        if decision.hands_off and isinstance(value, HandoffOutput):  # under its own key
             handle = stream.leave(value, decision.owed, self.update, decision.rows, True,
                                   decision.declared)
         else:
-            if moved is not None and moved.moves:
-                value = moved.move(facts, value)
+            if decision.moves_at_finish:
+                value = decision.finish_move.move(facts, value)
             leaves = decision.leaves
             handle = stream.leave(value, leaves.owed, self.update, leaves.rows, False,
                                   leaves.declared, decision.key)
-        exit_path = self.exit
-        if exit_path.at_producer:
+        if self.folds:
             handle = fold_stream(stream, facts)
-        elif exit_path.issues_early and not forward_batch.boundary.plain and \
-                forward_batch.overlap:
+        elif self.issues_early and not forward_batch.boundary.plain and forward_batch.overlap:
             c = stream.contribution
             if c.owed is not None or c.handoff:
                 start_completion(stream, facts)
