@@ -99,7 +99,7 @@ class UpdateFacts:
 
     def __repr__(self) -> str:
         said = [c for c in ("plain", "portable", "at_producer") if getattr(self, c)]
-        return f"{self.kind}({', '.join(said) or 'no capabilities'})"
+        return f"{self.kind} [{', '.join(said) or 'no capability declared'}]"
 
 
 def fact_differences(declared: "StageDeclaration", built: "StageDeclaration") -> str:
