@@ -269,6 +269,10 @@ def make_stages(*items, previous: StageDeclaration | None = None,
                 stack=None) -> list:
     """Connect local stages in order; return one independent ``StageBoundary`` per item.
 
+    The spec's assembler, kept for engines and tests that give each sequence its neighbours
+    themselves; the reference models build through a layer stack instead
+    (``append_stages``), which supplies them.
+
     Args:
         *items: ``(declaration, norm[, options])``; options are ``fusions``, and
             ``qkv_latent_func`` for an attention.
@@ -286,7 +290,7 @@ def make_stages(*items, previous: StageDeclaration | None = None,
             are checked against the stages built next to them.
     """
     checked = check_items(items)
-    _check_next_sparse(previous, [decl for decl, _, _ in checked])
+    check_next_sparse(previous, [decl for decl, _, _ in checked])
     stack = open_stack() if stack is None else stack
     if runtime is None and stack is not None:
         runtime = stack.runtime
@@ -326,7 +330,8 @@ def link_branch(source, entry) -> None:
     source.branch = entry
 
 
-def _check_next_sparse(previous: StageDeclaration | None, decls: list) -> None:
+def check_next_sparse(previous: StageDeclaration | None, decls: list,
+                      who: str = "make_stages") -> None:
     """A declaration's ``next_sparse`` describes the FFN after its consumer: where that FFN is
     one of these items, the two must agree (the TBO handoff rows derive from the pair)."""
     producers = [(previous, "previous")] + [(d, f"item {i}") for i, d in enumerate(decls)]
@@ -337,7 +342,7 @@ def _check_next_sparse(previous: StageDeclaration | None, decls: list) -> None:
                     and d.kind is StageKind.FFN), None)
         if nxt is not None and nxt[0].sparse != decl.next_sparse:
             raise ValueError(
-                f"make_stages: {where} declares next_sparse={decl.next_sparse}, but the next "
+                f"{who}: {where} declares next_sparse={decl.next_sparse}, but the next "
                 f"FFN (item {nxt[1]}) is declared sparse={nxt[0].sparse}")
 
 

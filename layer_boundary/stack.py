@@ -47,8 +47,8 @@ import dataclasses
 
 from .construction import UnsupportedBoundary
 from .contracts import ProducerReduction, StageKind
-from .factories import (StageDeclaration, building_into, check_items, fact_differences,
-                        link_branch, open_stack, stage_names)
+from .factories import (StageDeclaration, building_into, check_items, check_next_sparse,
+                        fact_differences, link_branch, open_stack, stage_names)
 from .residual import is_portable
 from .runtime.args import get_runtime
 from .stage import StageBoundary
@@ -196,6 +196,7 @@ class LayerStack:
                 prepared_from=source.declaration if (source is not None and i == 0) else None))
         names = stage_names(name or self.name, [d.kind for d in decls])
         if source is None:
+            check_next_sparse(previous, [d for d, _, _ in checked], "append_stages")
             self._check_entry(names[0], decls[0])
             self._bind_pending(following=detached(decls[0]))
         stages = []

@@ -261,3 +261,15 @@ def test_a_per_layer_transform_is_not_portable_across_a_cut():
     with layer_stack(_pp_runtime(1), previous=declare_attn(output_transform=stateless)) as s:
         append_stages((declare_ffn(), toy_norm(0)), name="layer0")
     assert s.first.declaration.previous.residual.update.portable
+
+
+def test_append_stages_checks_next_sparse_against_the_next_ffn():
+    """The stack supplies the producer, and its ``next_sparse`` must say what the next FFN
+    appended is (the two-batch-overlap handoff rows derive from the pair)."""
+    with layer_stack(runtime()):
+        append_stages((declare_attn(), toy_norm(0)), (declare_ffn(next_sparse=True), toy_norm(1)))
+        with pytest.raises(ValueError, match="^append_stages: previous declares next_sparse=True, "
+                                             "but the next FFN \\(item 1\\) is declared "
+                                             "sparse=False"):
+            append_stages((declare_attn(), toy_norm(2)), (declare_ffn(), toy_norm(3)))
+        append_stages((declare_attn(), toy_norm(2)), (declare_ffn(sparse=True), toy_norm(3)))
