@@ -26,7 +26,6 @@ REQUESTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))
 
 # (pp, tp, dp, policy, the DP rank of each request): DP rank 1 idle under attention DP
 CASES = {
-    "pp2-tp2-ar": (2, 2, 1, "ar", (0, 0, 0)),
     "pp2-tp2-rs": (2, 2, 1, "rs", (0, 0, 0)),
     "pp2-tp2-dp2-rsv": (2, 2, 2, "rsv", (0, 0, 0)),
     "tp4-dp2-ar": (1, 4, 2, "ar", (0, 0, 0)),

@@ -145,3 +145,24 @@ def test_a_partial_stage_whose_compute_sums_is_refused_by_name(model_type):
                                          f"output \\(RowParallelLinear\\), but it computes stage "
                                          f"{stage.name}, which is PARTIAL"):
         check_stage_producers(layers, "model.layers")
+
+
+ASSEMBLERS = ("make_stages", "make_attn_stage", "make_ffn_stage")
+NEIGHBOURS = ("previous", "following", "terminal")
+
+
+def test_model_files_build_through_the_layer_stack():
+    """No model file assembles stages with explicit neighbours: layers append their
+    declarations, and the stack (opened by ``pipeline.pipeline_stack``) supplies them."""
+    offenders = []
+    for path in sorted(MODELS.glob("*.py")):
+        if path.name in DRIVERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _name(node.func)
+            said = [k.arg for k in node.keywords if k.arg in NEIGHBOURS]
+            if name in ASSEMBLERS or (said and name != "layer_stack"):
+                offenders.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)} {said}")
+    assert offenders == []
