@@ -238,8 +238,12 @@ class LayerStack:
         terminal unless the stack has a ``following``)."""
         if self.closed:
             return
-        if self.following is None and (self._pending is not None or self._branch_ends):
-            self._check_exit(self._pending or self._branch_ends[-1])
+        waiting = self._pending or (self._branch_ends[-1] if self._branch_ends else None)
+        line = self.main_line
+        if waiting is not None and self.following is None:
+            self._check_exit(waiting.stage.name)
+        elif waiting is None and line and line[-1].declaration.terminal:  # make_stages said so
+            self._check_exit(line[-1].name)
         self._bind_pending(following=self.following, end=True)
         self.closed = True
 
@@ -277,11 +281,12 @@ class LayerStack:
                 "copy of it would complete the sum, without the producer's own state); cut "
                 "the pipeline after a stage that completes its output")
 
-    def _check_exit(self, pending: _Pending) -> None:
+    def _check_exit(self, name: str) -> None:
+        """The main line's last stage ends the model's stack: never before the last rank."""
         rank, pp = self._pipeline()
         if rank < pp - 1:
             raise UnsupportedBoundary(
-                f"stage {pending.stage.name} would end the model's stack (terminal) on "
+                f"stage {name} would end the model's stack (terminal) on "
                 f"pipeline rank {rank} of {pp}: its consumer is the first stage of pipeline "
                 f"rank {rank + 1}; open this rank's layer_stack with following= that stage's "
                 "declaration")
