@@ -1,13 +1,23 @@
-"""Model declarations, local sequence assembly, and stage factories."""
+"""Model declarations, local sequence assembly, and stage factories.
+
+The layer stack (``stack.py``) builds on these: it imports this module, never the reverse.
+Factories find the stack a model is building through the construction scope kept here
+(``open_stack``), which ``layer_stack`` opens.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from .construction import UnsupportedBoundary
 from .contracts import ProducerReduction, StageKind
 from .output import OutputTransform, TransformedUpdate
-from .residual import LayerResidual, StageRead, StageUpdate, default_layer_residual, is_plain
+from .residual import (LayerResidual, StageRead, StageUpdate, default_layer_residual, is_plain,
+                       is_portable)
+from .stage import StageBoundary, stage_boundaries
 
 ATTN_OPTIONS = frozenset({"qkv_latent_func", "fusions"})
 FFN_OPTIONS = frozenset({"fusions"})
@@ -54,6 +64,68 @@ class StageDeclaration:
         kind = self.kind.value if self.mixer is None else f"{self.mixer} {self.kind.value}"
         text = f"{kind}{sparse} ({self.reduction.value}{sp})"
         return text if is_plain(update) else f"{text} with update {update!r}"
+
+    def facts(self) -> dict:
+        """What this stage does, as a neighbour must describe it: the facts its paths are
+        chosen by. Not its sources (``previous``, ``prepared_from``, ``terminal``), not its
+        read (its own input's business), and not the identity of per-layer objects (a
+        post-norm transform holding its layer's weights): a neighbour's declaration is
+        rebuilt where it is needed, on another pipeline rank too."""
+        transform = self.output_transform
+        return {"kind": self.kind, "reduction": self.reduction, "sparse": self.sparse,
+                "next_sparse": self.next_sparse, "gathers_tp_input": self.gathers_tp_input,
+                "sequence_parallel": self.sequence_parallel, "dispatches": self.dispatches,
+                "output_transform": None if transform is None else transform.order,
+                "update": UpdateFacts.of(self.residual.update)}
+
+
+@dataclass(frozen=True)
+class UpdateFacts:
+    """A residual update as its neighbours may rely on it: what it is (its class, and the
+    class it wraps after an output transform) and the capabilities it declares."""
+
+    kind: str
+    plain: bool
+    portable: bool
+    at_producer: bool
+
+    @classmethod
+    def of(cls, update) -> "UpdateFacts":
+        kind = type(update).__name__
+        if isinstance(update, TransformedUpdate):
+            kind = f"{kind}({type(update.update).__name__})"
+        return cls(kind, is_plain(update), is_portable(update),
+                   bool(getattr(update, "at_producer", False)))
+
+    def __repr__(self) -> str:
+        said = [c for c in ("plain", "portable", "at_producer") if getattr(self, c)]
+        return f"{self.kind} [{', '.join(said) or 'no capability declared'}]"
+
+
+def fact_differences(declared: "StageDeclaration", built: "StageDeclaration") -> str:
+    """The facts in which two declarations of one stage differ, each as declared vs built
+    (empty: they describe the same stage)."""
+    said, real = declared.facts(), built.facts()
+    return "; ".join(f"{name} (declared {said[name]!r}, built {real[name]!r})"
+                     for name in said if said[name] != real[name])
+
+
+_OPEN: ContextVar = ContextVar("layer_boundary_open_stack", default=None)
+
+
+def open_stack():
+    """The layer stack the current construction scope builds into, if any."""
+    return _OPEN.get()
+
+
+@contextlib.contextmanager
+def building_into(stack):
+    """The construction scope of ``stack``: factories called inside join it."""
+    token = _OPEN.set(stack)
+    try:
+        yield stack
+    finally:
+        _OPEN.reset(token)
 
 
 def _layer_residual(update: StageUpdate | None, read: StageRead | None,
@@ -197,6 +269,10 @@ def make_stages(*items, previous: StageDeclaration | None = None,
                 stack=None) -> list:
     """Connect local stages in order; return one independent ``StageBoundary`` per item.
 
+    The spec's assembler, kept for engines and tests that give each sequence its neighbours
+    themselves; the reference models build through a layer stack instead
+    (``append_stages``), which supplies them.
+
     Args:
         *items: ``(declaration, norm[, options])``; options are ``fusions``, and
             ``qkv_latent_func`` for an attention.
@@ -213,11 +289,8 @@ def make_stages(*items, previous: StageDeclaration | None = None,
         stack: the layer stack the stages join (default: the open one, if any); there they
             are checked against the stages built next to them.
     """
-    from .stack import open_stack
-    from .stage import StageBoundary
-
     checked = check_items(items)
-    _check_next_sparse(previous, [decl for decl, _, _ in checked])
+    check_next_sparse(previous, [decl for decl, _, _ in checked])
     stack = open_stack() if stack is None else stack
     if runtime is None and stack is not None:
         runtime = stack.runtime
@@ -250,8 +323,6 @@ def make_stages(*items, previous: StageDeclaration | None = None,
 
 def link_branch(source, entry) -> None:
     """``entry`` (the first stage of a branch) reads ``source``'s prepared input."""
-    from .construction import UnsupportedBoundary
-
     if source.branch is not None:
         raise UnsupportedBoundary(
             f"stage {entry.name}: a second branch prepared from the same declaration "
@@ -259,7 +330,8 @@ def link_branch(source, entry) -> None:
     source.branch = entry
 
 
-def _check_next_sparse(previous: StageDeclaration | None, decls: list) -> None:
+def check_next_sparse(previous: StageDeclaration | None, decls: list,
+                      who: str = "make_stages") -> None:
     """A declaration's ``next_sparse`` describes the FFN after its consumer: where that FFN is
     one of these items, the two must agree (the TBO handoff rows derive from the pair)."""
     producers = [(previous, "previous")] + [(d, f"item {i}") for i, d in enumerate(decls)]
@@ -270,7 +342,7 @@ def _check_next_sparse(previous: StageDeclaration | None, decls: list) -> None:
                     and d.kind is StageKind.FFN), None)
         if nxt is not None and nxt[0].sparse != decl.next_sparse:
             raise ValueError(
-                f"make_stages: {where} declares next_sparse={decl.next_sparse}, but the next "
+                f"{who}: {where} declares next_sparse={decl.next_sparse}, but the next "
                 f"FFN (item {nxt[1]}) is declared sparse={nxt[0].sparse}")
 
 
@@ -284,9 +356,6 @@ def stage_names(prefix: str | None, kinds: list[StageKind]) -> list[str]:
 
 def _make_single(kind: StageKind, decl: StageDeclaration, norm, following, runtime, name,
                  options):
-    from .stack import open_stack
-    from .stage import StageBoundary
-
     _check_item((dataclasses.replace(decl, previous=None, prepared_from=None, terminal=False),
                  norm, options), 0)
     if decl.kind is not kind:
@@ -330,8 +399,6 @@ def install_fusion(model, provider) -> int:
 
     Returns how many stages took it.
     """
-    from .stage import stage_boundaries
-
     stages = stage_boundaries(model)
     if not stages:
         raise ValueError(f"install_fusion found no stage boundary in {type(model).__name__} "

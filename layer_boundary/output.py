@@ -20,7 +20,8 @@ class HandoffOutput:
 
 class OutputTransform:
     """Processing of a stage's contribution before the residual update: ``fn(x)``, acting on
-    each row by itself (a scale, a soft cap), so it may run on whatever rows the value is on.
+    each row by itself (a scale, a soft cap, a post-norm), so it may run on whatever rows the
+    value is on.
 
     ``before_reduce_scatter`` states the order the implementation keeps, and only that:
 
@@ -32,13 +33,38 @@ class OutputTransform:
       before the sum. That is exact only where ``fn`` is linear, which the declaring model
       asserts; it is not a permission to move other work across a reduction, and such a
       stage takes no finalize handoff (its output must be a tensor at the exit).
+
+    ``portable`` states that a copy of the transform built elsewhere (the declaration a
+    pipeline receiver rebuilds for its producer on another rank) computes the same ``fn``: a
+    stateless function (a fixed scale or soft cap) may say so. A transform that holds a
+    layer's own parameters (OLMo-2's post-norm with that layer's weights) is not portable,
+    and may not say it is: a declared partial sum that crosses a pipeline cut is completed by
+    the receiver with its own copy of the update, which does not hold those weights.
     """
 
-    def __init__(self, fn, *, before_reduce_scatter: bool, name: str | None = None) -> None:
+    def __init__(self, fn, *, before_reduce_scatter: bool, name: str | None = None,
+                 portable: bool = False) -> None:
+        """Args:
+            fn: the row-wise function of the contribution.
+            before_reduce_scatter: where it runs (see the class).
+            name: how plans and errors name it (default: ``fn``'s name).
+            portable: a copy of it on another pipeline rank applies it identically (a
+                function without per-layer state; refused for one that holds parameters).
+        """
         if not callable(fn):
             raise TypeError(f"OutputTransform needs a callable, got {type(fn).__name__}")
         self.fn, self.before_reduce_scatter = fn, bool(before_reduce_scatter)
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        if portable and holds_parameters(fn):
+            raise ValueError(f"OutputTransform {self.name}: portable=True, but it holds "
+                             "parameters (a layer's own weights): a copy on another pipeline "
+                             "rank would not hold them; leave portable False")
+        self.portable = bool(portable)
+
+    @property
+    def order(self) -> str:
+        """Where it runs, as neighbours compare it: before or after the sum."""
+        return "before the sum" if self.before_reduce_scatter else "after the sum"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x)
@@ -48,9 +74,23 @@ class OutputTransform:
         return f"OutputTransform({self.name}, {order} the sum)"
 
 
+def holds_parameters(fn) -> bool:
+    """Whether ``fn`` is a module with parameters or buffers, or a method of one."""
+    owner = getattr(fn, "__self__", fn)
+    if not isinstance(owner, torch.nn.Module):
+        return False
+    return any(True for _ in owner.parameters()) or any(True for _ in owner.buffers())
+
+
 class TransformedUpdate:
     """``update`` applied to ``transform(contribution)``: an after-sum ``OutputTransform``
-    carried with the contribution, so every place that completes it applies it once."""
+    carried with the contribution, so every place that completes it applies it once.
+
+    Two of them are equal when they do the same thing as far as any path can tell: the same
+    update, a transform in the same order with the same portability. The transform object
+    itself is per layer (a post-norm holds its layer's weights), and a neighbour's
+    declaration rebuilt on another pipeline rank holds another one.
+    """
 
     plain = False  # declared: the transform is work a fused add+norm would skip
 
@@ -63,19 +103,22 @@ class TransformedUpdate:
 
     @property
     def portable(self) -> bool:
-        # a copy on another pipeline stage applies it identically where the update does
-        # (the transform is the declaring model's function, on both stages)
-        return is_portable(self.update)
+        # a pipeline receiver that completes a declared partial sum applies its own copy:
+        # identical only where the transform says a copy computes the same function
+        return self.transform.portable and is_portable(self.update)
 
     def apply(self, residual, contribution):
         return self.update.apply(residual, self.transform(contribution))
 
-    def __eq__(self, other) -> bool:  # two declarations of one stage name the same update
+    def _facts(self) -> tuple:
+        return self.transform.before_reduce_scatter, self.transform.portable
+
+    def __eq__(self, other) -> bool:
         return (isinstance(other, TransformedUpdate) and other.update == self.update
-                and other.transform == self.transform)
+                and other._facts() == self._facts())
 
     def __hash__(self) -> int:
-        return hash((type(self), self.transform))
+        return hash((type(self), self._facts()))
 
     def __repr__(self) -> str:
         return f"{self.transform!r} then {self.update!r}"

@@ -159,3 +159,117 @@ def test_declare_ffn_accepts_upstreams_next_layer_sparse():
 def test_a_model_s_stack_is_its_pipeline_receiver():
     stack = ToyStack(runtime(), 2).stack
     assert stack.first.name == "layer0.attn" and stack.last.name == "layer1.ffn"
+
+
+# -- neighbours across a pipeline cut, and per-layer transforms
+
+
+def _pp_runtime(rank: int, pp: int = 2) -> BoundaryRuntime:
+    """Pipeline rank ``rank``'s view of a pp-rank topology (plans only, no processes)."""
+    from layer_boundary.runtime import ParallelDims
+    from layer_boundary.runtime.parallel import virtual_parallel
+
+    return BoundaryRuntime(virtual_parallel(ParallelDims(world_size=pp, pp=pp), rank))
+
+
+def test_a_stack_on_a_pipeline_rank_must_know_its_neighbours_there():
+    """A stack that would start the model's stack on a later pipeline rank, or end it on an
+    earlier one, is refused by name before its stage is built; given the neighbours, both
+    ranks' stages say the cut as it is."""
+    with layer_stack(_pp_runtime(1)):
+        with pytest.raises(UnsupportedBoundary, match="^stage layer2.attn would enter the "
+                           "model's stack \\(previous=None\\) on pipeline rank 1 of 2: .* open "
+                           "this rank's layer_stack with previous="):
+            append_stages((declare_attn(), toy_norm(0)), (declare_ffn(), toy_norm(1)),
+                          name="layer2")
+    with pytest.raises(UnsupportedBoundary, match="^stage layer1.ffn would end the model's stack "
+                       "\\(terminal\\) on pipeline rank 0 of 2: .* following="):
+        with layer_stack(_pp_runtime(0)):
+            append_stages((declare_attn(), toy_norm(0)), (declare_ffn(), toy_norm(1)),
+                          name="layer1")
+    with layer_stack(_pp_runtime(0), following=declare_attn()) as sender:
+        append_stages((declare_attn(), toy_norm(0)), (declare_ffn(), toy_norm(1)), name="l0")
+    with layer_stack(_pp_runtime(1), previous=declare_ffn()) as receiver:
+        append_stages((declare_attn(), toy_norm(0)), (declare_ffn(), toy_norm(1)), name="l1")
+    assert not sender.last.declaration.terminal and receiver.last.declaration.terminal
+    assert sender.last.following.facts() == receiver.first.declaration.facts()
+    assert receiver.first.declaration.previous.facts() == sender.last.declaration.facts()
+    with pytest.raises(TypeError, match="layer_stack previous= takes a StageDeclaration"):
+        LayerStack(runtime(), previous=toy_norm(0))
+
+
+def _post_norm(seed: int, **kwargs):
+    """A per-layer post-norm: an after-sum transform holding its own weights."""
+    from layer_boundary import OutputTransform
+
+    return OutputTransform(toy_norm(seed), before_reduce_scatter=False, name=f"post{seed}",
+                           **kwargs)
+
+
+def test_neighbours_compare_what_a_stage_does_not_its_per_layer_transform():
+    """Each layer's post-norm is its own object (its own weights), and a neighbour rebuilt
+    elsewhere holds yet another: the stack accepts a previous whose transform is another
+    object doing the same (after the sum, not portable), and refuses one in the other order
+    or with another update, naming the fact."""
+    from layer_boundary import OutputTransform
+
+    rt = runtime()
+    built = declare_ffn(output_transform=_post_norm(1))
+    said = declare_ffn(output_transform=_post_norm(2))
+    assert built.residual.update == said.residual.update  # TransformedUpdate: what it does
+    assert built.output_transform is not said.output_transform
+    with layer_stack(rt):
+        make_stages((declare_attn(), toy_norm(0)), (built, toy_norm(1)), name="layer0",
+                    runtime=rt)
+        make_stages((declare_attn(), toy_norm(2)), (declare_ffn(), toy_norm(3)),
+                    previous=said, terminal=True, name="layer1", runtime=rt)
+    before = declare_ffn(output_transform=OutputTransform(lambda x: 0.5 * x,
+                                                          before_reduce_scatter=True))
+    update = ("update (declared PlainAdd [plain, portable], built TransformedUpdate(PlainAdd) "
+              "[no capability declared])")
+    for wrong, fact in ((before, f"output_transform (declared 'before the sum', built 'after "
+                                 f"the sum'); {update}"),
+                        (declare_ffn(), f"output_transform (declared None, built 'after the "
+                                        f"sum'); {update}")):
+        with layer_stack(rt):
+            make_stages((declare_attn(), toy_norm(0)), (built, toy_norm(1)), name="layer0",
+                        runtime=rt)
+            with pytest.raises(UnsupportedBoundary) as info:
+                make_stages((declare_attn(), toy_norm(2)), (declare_ffn(), toy_norm(3)),
+                            previous=wrong, terminal=True, name="layer1", runtime=rt)
+        assert str(info.value).endswith(f"they differ in {fact}")
+
+
+def test_a_per_layer_transform_is_not_portable_across_a_cut():
+    """A transform holding parameters cannot claim that a copy on another rank applies it
+    identically; a PARTIAL attention with one, cut right after it, is refused by name on the
+    receiving rank at construction (its copy would complete the sum without the weights). A
+    stateless transform that says it is portable crosses."""
+    from layer_boundary import OutputTransform
+
+    with pytest.raises(ValueError, match="^OutputTransform post1: portable=True, but it holds "
+                                         "parameters"):
+        _post_norm(1, portable=True)
+    assert not declare_attn(output_transform=_post_norm(1)).residual.update.portable
+    with layer_stack(_pp_runtime(1), previous=declare_attn(output_transform=_post_norm(1))):
+        with pytest.raises(UnsupportedBoundary, match="^stage layer0.ffn: its producer on "
+                           "pipeline rank 0 \\(attention \\(PARTIAL\\) with update "
+                           "OutputTransform\\(post1, after the sum\\) then PlainAdd\\(\\)\\) "
+                           "leaves a declared partial sum .* is not portable"):
+            append_stages((declare_ffn(), toy_norm(0)), name="layer0")
+    stateless = OutputTransform(torch.tanh, before_reduce_scatter=False, portable=True)
+    with layer_stack(_pp_runtime(1), previous=declare_attn(output_transform=stateless)) as s:
+        append_stages((declare_ffn(), toy_norm(0)), name="layer0")
+    assert s.first.declaration.previous.residual.update.portable
+
+
+def test_append_stages_checks_next_sparse_against_the_next_ffn():
+    """The stack supplies the producer, and its ``next_sparse`` must say what the next FFN
+    appended is (the two-batch-overlap handoff rows derive from the pair)."""
+    with layer_stack(runtime()):
+        append_stages((declare_attn(), toy_norm(0)), (declare_ffn(next_sparse=True), toy_norm(1)))
+        with pytest.raises(ValueError, match="^append_stages: previous declares next_sparse=True, "
+                                             "but the next FFN \\(item 1\\) is declared "
+                                             "sparse=False"):
+            append_stages((declare_attn(), toy_norm(2)), (declare_ffn(), toy_norm(3)))
+        append_stages((declare_attn(), toy_norm(2)), (declare_ffn(sparse=True), toy_norm(3)))

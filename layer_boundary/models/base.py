@@ -1,17 +1,25 @@
 """The decoder-only skeleton the reference models share: embedding, a stack of layers that
-each own their boundaries, the final norm, a vocab-parallel LM head, and checkpoint loading."""
+each own their boundaries, the final norm, a vocab-parallel LM head, and checkpoint loading.
+
+A layer class (``layer_cls``) provides ``declarations(cfg, index, runtime, layer=None)`` (its
+main-line stage declarations, which it appends to the open layer stack and which the model
+asks for the neighbours on other pipeline ranks) and ``stage_compute()`` (each stage it holds,
+with the name of the module computing it).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .. import install_fusion, layer_stack
+from .. import ProducerReduction, install_fusion
 from ..residual import batch as residual_batch
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..runtime.linear import RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .loader import load_weights
-from .pipeline import PipelineStage, run_stack
+from .moe import FusedMoE
+from .pipeline import PipelineStage, pipeline_stack, run_stack
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -28,9 +36,12 @@ class DecoderModel(nn.Module):
         if self.stage.first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                        runtime.parallel.attn_tp, dtype=dtype)
-        with layer_stack(runtime) as self.stack:  # this pipeline rank's part of the stack
+        # this pipeline rank's part of the stack, knowing its neighbours on the other ranks
+        with pipeline_stack(self.stage, runtime,
+                            lambda i: layer_cls.declarations(cfg, i, runtime)) as self.stack:
             self.layers = nn.ModuleList(layer_cls(cfg, i, runtime, dtype, fusions)
                                         for i in self.stage.layers)
+        check_stage_producers(zip(self.stage.layers, self.layers), "model.layers")
         if self.stage.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.handoff_norm = None
@@ -56,6 +67,38 @@ class DecoderModel(nn.Module):
             leave=lambda h, mb: residual_batch.norm(h, mb, self.norm, skip_empty=True,
                                                     handoff_norm=self.handoff_norm),
             pp_input=pp_input, dp_rank=self.dp_rank)
+
+
+def sums_its_output(module) -> bool:
+    """Whether ``module`` may complete a sum of its own output: a row-parallel linear built
+    to reduce, or a MoE's experts (their output reduction)."""
+    if isinstance(module, RowParallelLinear):
+        return module.reduce_results
+    return isinstance(module, FusedMoE)
+
+
+def check_stage_producers(layers, prefix: str) -> None:
+    """A PARTIAL stage's compute never sums its own output: the boundary owns that sum (an
+    attention's output projection is built with ``reduce_results=False``). A module that
+    would sum it too is refused by name, at construction.
+
+    Args:
+        layers: (global index, layer) pairs; each layer's ``stage_compute()`` names the
+            module computing each of its stages.
+        prefix: the layers' parameter prefix ("model.layers").
+    """
+    for index, layer in layers:
+        for boundary, name in layer.stage_compute():
+            if boundary.declaration.reduction is not ProducerReduction.PARTIAL:
+                continue
+            compute = layer.get_submodule(name)
+            for sub_name, sub in compute.named_modules():
+                if sums_its_output(sub):
+                    where = ".".join(filter(None, (prefix, str(index), name, sub_name)))
+                    raise ValueError(
+                        f"{where} sums its own output ({type(sub).__name__}), but it computes "
+                        f"stage {boundary.name}, which is PARTIAL: the boundary owns that "
+                        "stage's sum; build it without one (reduce_results=False)")
 
 
 class CausalLM(nn.Module):
@@ -122,10 +165,6 @@ class CausalLM(nn.Module):
         self.check_topology(cfg, runtime.parallel.dims)
         self.check_variants(runtime.batch_variants)
         self.check_moe_a2a(runtime.moe_a2a_backend)
-        if runtime.dispatches_moe:  # the layers read it from their config
-            import dataclasses
-
-            cfg = dataclasses.replace(cfg, moe_a2a=True)
         self.config, self.dtype = cfg, dtype
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
                                   self.decoder_layers(cfg))

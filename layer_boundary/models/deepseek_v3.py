@@ -109,9 +109,6 @@ class DeepseekV3Config(CheckedConfig):
     # modules left unquantized; None: an unquantized checkpoint
     fp8_block: tuple | None = None
     fp8_skip: tuple = ()
-    # Engine option, never read from config.json: the MoE layers dispatch their routed
-    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
-    moe_a2a: bool = False
     model_type: str = "deepseek_v3"
 
     fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, **MLA,
@@ -339,12 +336,13 @@ class DeepseekV3MoE(nn.Module):
         super().__init__()
         self.group = runtime.parallel.tp
         self.gate = DeepseekV3Router(cfg)
+        dispatch = runtime.dispatches_moe
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                runtime.parallel, dtype, dispatch=cfg.moe_a2a)
+                                runtime.parallel, dtype, dispatch=dispatch)
         self.tail = cfg.shared_experts_tp1
         # sharded: its partial is summed with the routed experts'; tp1: a replicated tail;
         # beside dispatched experts: whole, on this rank's own rows
-        group = UNSHARDED if self.tail or cfg.moe_a2a else None
+        group = UNSHARDED if self.tail or dispatch else None
         self.shared_experts = DeepseekV3MLP(cfg.hidden_size,
                                             cfg.moe_intermediate_size * cfg.n_shared_experts,
                                             runtime, dtype, reduce_results=False, group=group)
@@ -370,35 +368,41 @@ class DeepseekV3MoE(nn.Module):
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
-    """One decoder layer. ``nextn``: the multi-token-prediction block stored after the stack
-    (index ``num_hidden_layers``), a stack of its own: it enters with ``previous=None`` and is
-    terminal at its own count of one layer; MoE where the model has MoE layers."""
+    """One decoder layer. Index ``num_hidden_layers`` is the multi-token-prediction (NextN)
+    block stored after the stack, built in a stack of its own (it enters it and ends it);
+    MoE where the model has MoE layers."""
 
     def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
-                 fusions=None, nextn: bool = False):
+                 fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = DeepseekV3Attention(cfg, layer_id, runtime, dtype)
-        self.is_moe = (cfg.first_k_dense_replace < cfg.num_hidden_layers if nextn
-                       else cfg.is_moe(layer_id))
+        nextn = layer_id >= cfg.num_hidden_layers
+        self.is_moe = _is_moe(cfg, layer_id)
         if self.is_moe:
             self.mlp = DeepseekV3MoE(cfg, runtime, dtype)
         else:
             self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
-        tail = cfg.shared_experts_tp1 and self.is_moe and not cfg.moe_a2a
-        ffn = (declare_ffn(sparse=self.is_moe, reduction=ProducerReduction.LOCAL_TAIL if tail
-                           else ProducerReduction.SCOPED,
-                           dispatches=self.is_moe and cfg.moe_a2a)
-               if nextn else ffn_declaration(cfg, layer_id))
-        # the qkv latent runs on compute rows (before the gather in input-scattered batches)
+        self.connect(cfg, layer_id, runtime, fusions=fusions,
+                     attn_options={"qkv_latent_func": self.self_attn.prepare_qkv_latent},
+                     name=f"nextn{layer_id}" if nextn else f"layer{layer_id}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """MLA (PARTIAL; its qkv latent runs on compute rows, before the gather in
+        input-scattered batches), then the dense MLP or the MoE."""
+        nextn = index >= cfg.num_hidden_layers
         latent_in = (("self_attn.q_a_proj",) if cfg.q_lora_rank is not None
                      else ("self_attn.q_proj",)) + ("self_attn.kv_a_proj_with_mqa",)
-        self.connect(ffn, runtime, fusions=fusions,
-                     attn=declare_attn(read=None if nextn else quantized_read(cfg, layer_id,
-                                                                               latent_in)),
-                     attn_options={"qkv_latent_func": self.self_attn.prepare_qkv_latent},
-                     previous=None if layer_id == 0 or nextn else ffn_declaration(cfg, layer_id - 1),
-                     terminal=nextn or layer_id == cfg.num_hidden_layers - 1,
-                     name=f"nextn{layer_id}" if nextn else f"layer{layer_id}")
+        attn = declare_attn(read=None if nextn else quantized_read(cfg, index, latent_in))
+        return attn, ffn_declaration(cfg, index, runtime)
+
+
+def _is_moe(cfg: DeepseekV3Config, layer: int) -> bool:
+    """Layer ``layer`` (the NextN block at ``num_hidden_layers``: MoE where the model has MoE
+    layers) holds a MoE."""
+    if layer >= cfg.num_hidden_layers:
+        return cfg.first_k_dense_replace < cfg.num_hidden_layers
+    return cfg.is_moe(layer)
 
 
 def mla_kv_cache(model, layers, attn: DeepseekV3Attention, slots: int, max_len: int):
@@ -409,21 +413,22 @@ def mla_kv_cache(model, layers, attn: DeepseekV3Attention, slots: int, max_len: 
                    device=model.device, v_head_dim=cfg.v_head_dim)
 
 
-def ffn_declaration(cfg: DeepseekV3Config, layer: int):
-    """Layer ``layer``'s FFN declaration; the next layer's ``previous`` is built the same way."""
-    following = layer + 1
-    moe = cfg.is_moe(layer)
+def ffn_declaration(cfg: DeepseekV3Config, layer: int, runtime: BoundaryRuntime):
+    """Layer ``layer``'s FFN declaration (the NextN block's at ``num_hidden_layers``)."""
+    moe, nextn = _is_moe(cfg, layer), layer >= cfg.num_hidden_layers
+    dispatch = moe and runtime.dispatches_moe
     # beside dispatched experts the tail is part of the complete output: nothing follows it
-    tail = cfg.shared_experts_tp1 and moe and not cfg.moe_a2a
+    tail = cfg.shared_experts_tp1 and moe and not dispatch
+    following = layer + 1
     return declare_ffn(sparse=moe,
                        next_sparse=cfg.is_moe(following) if following < cfg.num_hidden_layers
                        else None,
                        # an FP8 checkpoint's dense MLPs read quantized inputs (a MoE's router
                        # reads the unquantized one)
-                       read=None if moe else quantized_read(cfg, layer, ("mlp.gate_proj",
-                                                                         "mlp.up_proj")),
+                       read=None if moe or nextn else quantized_read(
+                           cfg, layer, ("mlp.gate_proj", "mlp.up_proj")),
                        reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED,
-                       dispatches=moe and cfg.moe_a2a)
+                       dispatches=dispatch)
 
 
 NO_SP = ("its MLA latent projections are replicated over attention TP, not column-parallel "

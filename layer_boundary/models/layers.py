@@ -4,6 +4,10 @@ and the decoder layer of an attention stage followed by an FFN stage.
 A model file composes these with its own config; what differs between architectures (a
 per-head q/k norm, the rotary frequencies, biases, whether the output projection reduces) is
 an argument, not a copy.
+
+A layer's stages are declared by one function, ``declarations(cfg, index, runtime)``: the
+layer appends what it returns to the open layer stack, and the model asks it for the layers
+on other pipeline ranks (``pipeline.pipeline_stack``), so neighbours have one source of truth.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cp_view, declare_attn, make_stages
+from .. import append_stages, cp_view
 from ..runtime.args import BoundaryRuntime
 from ..runtime.context import sequence_parallel_scope
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -109,8 +113,10 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """An attention stage (``self_attn`` behind ``attn_boundary``, read through
     ``input_layernorm``) then an FFN stage (``mlp`` behind ``ffn_boundary``, read through
-    ``post_attention_layernorm``). Subclasses build the compute and call ``connect``;
-    ``attend``/``feed_forward`` are the compute calls, overridable."""
+    ``post_attention_layernorm``). Subclasses build the compute, define ``declarations`` and
+    call ``connect``; ``attend``/``feed_forward`` are the compute calls, overridable."""
+
+    attn_compute = "self_attn"  # the module computing the attention stage (its output checks)
 
     def __init__(self, hidden_size: int, eps: float, dtype) -> None:
         super().__init__()
@@ -118,19 +124,36 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
 
-    def connect(self, ffn, runtime: BoundaryRuntime, *, previous, terminal: bool, name: str,
-                fusions=None, attn=None, attn_options=None, following=None) -> None:
-        """Build the layer's two stages: ``attn`` (default ``declare_attn()``; a
-        ``GqaAttention`` honours ``sequence_parallel=True``) read through
-        ``input_layernorm``, ``ffn`` through ``post_attention_layernorm``; ``following``: the
-        next layer's first stage where it is not this layer's ``attn`` again (a hybrid)."""
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """Layer ``index``'s main-line stage declarations, in order: what it appends, and what
+        its neighbours (on this pipeline rank or another) say of it.
+
+        Args:
+            cfg: the model's config.
+            index: the layer's global index.
+            runtime: the ``BoundaryRuntime`` (engine options such as expert dispatch).
+            layer: the layer being built, whose per-layer objects (a hyper-connection, a
+                post-norm) its declarations hold; None for a neighbour's declaration,
+                where such objects never run (a neighbour's read runs on its own rank, and
+                an update holding per-layer state is not portable across a cut).
+        """
+        raise NotImplementedError
+
+    def connect(self, cfg, index: int, runtime: BoundaryRuntime, *, name: str, fusions=None,
+                attn_options=None) -> None:
+        """Append the layer's two stages to the open layer stack: ``declarations``' attention
+        read through ``input_layernorm`` (with ``attn_options``: a ``qkv_latent_func``), its
+        FFN through ``post_attention_layernorm``. The stack supplies both neighbours."""
+        attn, ffn = self.declarations(cfg, index, runtime, layer=self)
         options = {} if fusions is None else {"fusions": fusions}
-        self.attn_boundary, self.ffn_boundary = make_stages(
-            (attn if attn is not None else declare_attn(), self.input_layernorm,
-             {**options, **(attn_options or {})}),
-            (ffn, self.post_attention_layernorm, options),
-            previous=previous, following=following, terminal=terminal, runtime=runtime,
-            name=name)
+        self.attn_boundary, self.ffn_boundary = append_stages(
+            (attn, self.input_layernorm, {**options, **(attn_options or {})}),
+            (ffn, self.post_attention_layernorm, options), name=name)
+
+    def stage_compute(self) -> list:
+        """(stage, compute module name) of each stage this layer holds."""
+        return [(self.attn_boundary, self.attn_compute), (self.ffn_boundary, "mlp")]
 
     def attend(self, positions, hidden_states, forward_batch):
         # no rows on this rank: an empty contribution (in a CP batch the rank still joins

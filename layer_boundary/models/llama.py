@@ -152,10 +152,12 @@ class LlamaDecoderLayer(DecoderLayer):
             inv_freq=cfg.inverse_frequencies())
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype,
                             bias=cfg.mlp_bias)
-        ffn = declare_ffn(sequence_parallel=True)  # the gated MLP's linears move the rows
-        self.connect(ffn, runtime, previous=ffn if layer_id else None,
-                     terminal=layer_id == cfg.num_hidden_layers - 1, name=f"layer{layer_id}",
-                     fusions=fusions, attn=declare_attn(sequence_parallel=True))
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        # the attention's and the gated MLP's linears move the rows in a sequence-parallel batch
+        return declare_attn(sequence_parallel=True), declare_ffn(sequence_parallel=True)
 
 
 @register_model("llama", LlamaConfig, architectures=("LlamaForCausalLM",),

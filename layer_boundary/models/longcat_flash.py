@@ -9,8 +9,8 @@ One decoder layer (transformers' ``LongcatFlashDecoderLayer``; ``num_hidden_laye
     r = x + attn0(in_norm0(x)); h = post_norm0(r); moe = MoE(h)
     r = r + mlp0(h); r = r + attn1(in_norm1(r)); out = r + mlp1(post_norm1(r)) + moe
 
-Boundaries: attention 0 and the MoE are one ``make_stages`` sequence; mlp0, attention 1 and
-mlp1 are a prepared branch (``prepared_from`` the MoE's declaration) that reads the MoE's
+Boundaries: attention 0 and the MoE are the layer's main line on the layer stack; mlp0,
+attention 1 and mlp1 are a prepared branch (``prepared_from`` the MoE's stage) that reads the MoE's
 prepared input through ``branch_input``, runs on its own residual stream and merges back with
 ``merge_branch``: the branch's complete output joins the MoE's pending partial on one
 attention-TP rank, so the next layer's attention input completes both with the MoE's one sum.
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import (branch_input, branch_output, declare_attn, declare_ffn, make_stages,
+from .. import (append_stages, branch_input, branch_output, declare_attn, declare_ffn,
                 merge_branch)
 from ..runtime import BoundaryRuntime, RMSNorm
 from .base import CausalLM
@@ -84,9 +84,6 @@ class LongcatFlashConfig(CheckedConfig):
     rope_theta: float = DEFAULT_ROPE_THETA
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    # Engine option, never read from config.json: the MoE layers dispatch their routed
-    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
-    moe_a2a: bool = False
     model_type: str = "longcat_flash"
 
     fields = {**DECODER, **EXPERTS, **MLA, "zero_expert_num": NON_NEGATIVE_INT,
@@ -238,7 +235,8 @@ class LongcatFlashMoE(nn.Module):
         self.router = LongcatFlashRouter(cfg)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size,
                                 cfg.expert_ffn_hidden_size, runtime.parallel, dtype,
-                                zero_experts=cfg.zero_expert_num, dispatch=cfg.moe_a2a)
+                                zero_experts=cfg.zero_expert_num,
+                                dispatch=runtime.dispatches_moe)
 
     def forward(self, x: torch.Tensor):
         """x: [T, H] (every DP rank's rows): a partial over TP, a finalize handoff or the
@@ -261,24 +259,32 @@ class LongcatFlashDecoderLayer(nn.Module):
                                                      dtype=dtype) for _ in range(2))
         self.post_attention_layernorm = nn.ModuleList(
             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype) for _ in range(2))
-        last = i == cfg.num_layers - 1
-        following = None if last else declare_attn()
         opts = {} if fusions is None else {"fusions": fusions}
         latent = [{"qkv_latent_func": attn.prepare_qkv_latent, **opts} for attn in self.self_attn]
-        self.attn0_boundary, self.moe_boundary = make_stages(
-            (declare_attn(), self.input_layernorm[0], latent[0]),
-            (declare_ffn(sparse=True, dispatches=cfg.moe_a2a), self.post_attention_layernorm[0],
-             opts),
-            # the previous layer's merged output carries its MoE's pending sum
-            previous=None if i == 0 else declare_ffn(sparse=True, dispatches=cfg.moe_a2a),
-            following=following, terminal=last, runtime=runtime, name=f"layer{i}")
-        self.mlp0_boundary, self.attn1_boundary, self.mlp1_boundary = make_stages(
+        attn0, moe = self.declarations(cfg, i, runtime)
+        self.attn0_boundary, self.moe_boundary = append_stages(
+            (attn0, self.input_layernorm[0], latent[0]),
+            (moe, self.post_attention_layernorm[0], opts), name=f"layer{i}")
+        # merged back into the MoE's output before the next layer: the stack binds the
+        # branch's last stage with the MoE's consumer
+        self.mlp0_boundary, self.attn1_boundary, self.mlp1_boundary = append_stages(
             # the entry stage reads the MoE's prepared input: its norm is never applied
             (declare_ffn(), self.post_attention_layernorm[0], opts),
             (declare_attn(), self.input_layernorm[1], latent[1]),
             (declare_ffn(), self.post_attention_layernorm[1], opts),
-            prepared_from=self.moe_boundary.declaration,
-            following=following, terminal=last, runtime=runtime, name=f"layer{i}.branch")
+            prepared_from=self.moe_boundary, name=f"layer{i}.branch")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """The main line: attention 0 (PARTIAL), then the MoE, whose output carries the
+        merged branch into the next layer (so the next layer names the MoE as its producer)."""
+        return declare_attn(), declare_ffn(sparse=True, dispatches=runtime.dispatches_moe)
+
+    def stage_compute(self) -> list:
+        """(stage, compute module name) of each stage this layer holds."""
+        return [(self.attn0_boundary, "self_attn.0"), (self.moe_boundary, "mlp"),
+                (self.mlp0_boundary, "mlps.0"), (self.attn1_boundary, "self_attn.1"),
+                (self.mlp1_boundary, "mlps.1")]
 
     def _attention(self, k: int, latent, positions, forward_batch):
         if latent.shape[0] == 0:  # no rows on this DP rank: an empty contribution

@@ -4,7 +4,8 @@ Every entry of ``layers_block_type`` is one block, ``x + mixer(norm(x))``, and o
 Mamba2 (``linear_attention``) and attention (``full_attention``) are single-stage mixers
 (``declare_attn(reduction=SCOPED, gathers_tp_input=False)``) on this attention-DP rank's local
 rows, the MLP (``mlp``) and the MoE (``moe``) are FFNs (``declare_ffn``) on every DP rank's rows.
-Each block names its real neighbours, so two consecutive mixers or FFNs hand over directly.
+Each block appends its one stage to the layer stack, which gives it its real neighbours, so
+two consecutive mixers or FFNs hand over directly.
 
 Compute is plain PyTorch; parameter names follow the checkpoint (``backbone.`` prefix,
 ``backbone.layers.N.mixer.*``), except q/k/v, stacked into ``qkv_proj``, and the routed experts,
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import ProducerReduction, declare_attn, declare_ffn, make_stages
+from .. import ProducerReduction, append_stages, declare_attn, declare_ffn
 from ..runtime import (BoundaryRuntime, ColumnParallelLinear, RMSNorm,
                        RowParallelLinear)
 from .base import CausalLM
@@ -100,9 +101,6 @@ class NemotronHConfig(CheckedConfig):
     norm_topk_prob: bool = True
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
-    # Engine option, never read from config.json: the MoE layers dispatch their routed
-    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
-    moe_a2a: bool = False
     model_type: str = "nemotron_h"
 
     fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, "layer_norm_epsilon": POSITIVE_NUMBER,
@@ -212,13 +210,13 @@ def check_parallel(cfg: NemotronHConfig, dims) -> None:
                              f"tp={tp}")
 
 
-def block_declaration(cfg: NemotronHConfig, i: int):
+def block_declaration(cfg: NemotronHConfig, i: int, runtime: BoundaryRuntime):
     """Block ``i``'s declaration; its neighbours describe it with this same call."""
     kind = cfg.layers_block_type[i]
     if kind in MIXERS:
         return declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False,
                             mixer="mamba2" if kind == MAMBA else None)
-    return declare_ffn(sparse=kind == MOE, dispatches=kind == MOE and cfg.moe_a2a)
+    return declare_ffn(sparse=kind == MOE, dispatches=kind == MOE and runtime.dispatches_moe)
 
 
 def NemotronHAttention(cfg: NemotronHConfig, index: int, runtime: BoundaryRuntime, dtype):
@@ -254,11 +252,11 @@ class NemotronHMoE(nn.Module):
         self.gate = DeepseekV3Router(cfg)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 runtime.parallel, dtype, gated=False, activation=cfg.mlp_hidden_act,
-                                dispatch=cfg.moe_a2a)
+                                dispatch=runtime.dispatches_moe)
         # beside dispatched experts: whole, on this rank's own rows
         self.shared_experts = NemotronHMLP(cfg, cfg.moe_shared_expert_intermediate_size, runtime,
                                            dtype, reduce_results=False,
-                                           group=UNSHARDED if cfg.moe_a2a else None)
+                                           group=UNSHARDED if runtime.dispatches_moe else None)
 
     def forward(self, x, forward_batch=None):
         """x: [T, H] (every DP rank's rows): a partial over TP, a finalize handoff or the
@@ -286,13 +284,18 @@ class NemotronHBlock(nn.Module):
             self.mixer = NemotronHMLP(cfg, cfg.intermediate_size, runtime, dtype)
         else:
             self.mixer = NemotronHMoE(cfg, runtime, dtype)
-        last = cfg.num_hidden_layers - 1
         options = {} if fusions is None else {"fusions": fusions}
-        (self.boundary,) = make_stages(
-            (block_declaration(cfg, i), self.norm, options),
-            previous=block_declaration(cfg, i - 1) if i > 0 else None,
-            following=block_declaration(cfg, i + 1) if i < last else None,
-            terminal=i == last, runtime=runtime, name=f"layer{i}")
+        (decl,) = self.declarations(cfg, i, runtime)
+        (self.boundary,) = append_stages((decl, self.norm, options), name=f"layer{i}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """The block's one stage (``block_declaration``)."""
+        return (block_declaration(cfg, index, runtime),)
+
+    def stage_compute(self) -> list:
+        """(stage, compute module name) of the block's stage."""
+        return [(self.boundary, "mixer")]
 
     def forward(self, positions, hidden_states, forward_batch):
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)

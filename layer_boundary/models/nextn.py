@@ -8,8 +8,8 @@ output where the target has run that position, else its own previous output):
 
     x = eh_proj(cat(enorm(embed(token)), hnorm(hidden)));  h = norm(block(x));  head(h)
 
-The block is a stack of its own: its boundaries enter with ``previous=None`` and it is
-terminal at its own count (one layer); it runs on the target's ranks and topology with its own
+The block is a stack of its own (``layer_stack``): its first stage enters it and its last
+ends it (one layer); it runs on the target's ranks and topology with its own
 boundary-reduction policy, and shares the target's embedding and LM head.
 """
 
@@ -24,6 +24,7 @@ from torch import nn
 from .. import layer_stack
 from ..residual import batch as residual_batch
 from ..runtime.norm import RMSNorm
+from .base import check_stage_producers
 from .deepseek_v3 import DeepseekV3DecoderLayer, ReplicatedLinear
 from .kv_cache import KVCache
 from .loader import CheckpointError, dequantized, iter_weights, load_weights, read_config
@@ -46,7 +47,8 @@ class DeepseekV3NextN(nn.Module):
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, dtype=dtype)
         with layer_stack(runtime) as self.stack:  # a stack of its own
-            self.block = DeepseekV3DecoderLayer(cfg, self.index, runtime, dtype, nextn=True)
+            self.block = DeepseekV3DecoderLayer(cfg, self.index, runtime, dtype)
+        check_stage_producers([(self.index, self.block)], "model.layers")
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         # the target's, not parameters of this module (the checkpoint repeats them)
         self._target = [target]

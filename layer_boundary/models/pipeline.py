@@ -7,6 +7,11 @@ load. The stack starts on the segment that runs the stage's first layer: with th
 the first stage, from the previous stage's tensors (``from_pp``) on the others; it leaves on
 the segment that runs the stage's last layer: through the final norm on the last stage, as the
 tensors for the next stage (``to_pp``) on the others.
+
+Each rank's layer stack knows its neighbours across the cuts (``pipeline_stack``): the last
+stage of the layer before its first, on the rank before, and the first stage of the layer
+after its last, on the rank after; both come from the same declaration function the layers
+append with, so the two ranks of a cut describe it alike.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .. import run_two_batches
+from .. import layer_stack, run_two_batches
 from ..residual import batch as residual_batch
 
 
@@ -87,6 +92,21 @@ class PipelineStage:
             return name
 
         return locate
+
+
+def pipeline_stack(stage: PipelineStage, runtime, declarations):
+    """This pipeline rank's layer stack (a ``layer_stack``), opened with its real neighbours.
+
+    Args:
+        stage: this rank's place in the model.
+        runtime: the ``BoundaryRuntime`` the stages are built on.
+        declarations: ``declarations(index)``: layer ``index``'s main-line stage declarations
+            in order, as the layer appends them (the layer class's ``declarations``).
+    """
+    lo, hi = stage.layers.start, stage.layers.stop
+    previous = declarations(lo - 1)[-1] if lo > 0 else None
+    following = declarations(hi)[0] if hi < stage.total else None
+    return layer_stack(runtime, previous=previous, following=following)
 
 
 def _call_layer(layer, h, fb):

@@ -103,20 +103,23 @@ class Qwen3DecoderLayer(DecoderLayer):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Qwen3Attention(cfg, layer_id, runtime, dtype)
         self.mlp = self.make_mlp(cfg, layer_id, runtime, dtype)
-        self.connect(self.ffn_declaration(cfg, layer_id), runtime, fusions=fusions,
-                     previous=self.ffn_declaration(cfg, layer_id - 1) if layer_id else None,
-                     terminal=layer_id == cfg.num_hidden_layers - 1, name=f"layer{layer_id}",
-                     attn=declare_attn(sequence_parallel=True, read=quantized_read(
-                         cfg, layer_id, ("self_attn.q_proj", "self_attn.k_proj",
-                                         "self_attn.v_proj"))))
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
 
     def make_mlp(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
         return Qwen3MLP(cfg, runtime, dtype)
 
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """GQA (PARTIAL), then the FFN; both sequence-parallel (their linears move the rows);
+        an FP8 checkpoint's q/k/v read quantized inputs."""
+        attn = declare_attn(sequence_parallel=True, read=quantized_read(
+            cfg, index, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")))
+        return attn, cls.ffn_declaration(cfg, index, runtime)
+
     @staticmethod
-    def ffn_declaration(cfg, layer_id: int):
-        """The FFN declaration of layer ``layer_id`` (also what the next layer names as
-        previous): a gated MLP of column- and row-parallel linears, sequence-parallel."""
+    def ffn_declaration(cfg, layer_id: int, runtime: BoundaryRuntime):
+        """The FFN declaration of layer ``layer_id``: a gated MLP of column- and row-parallel
+        linears, sequence-parallel."""
         return declare_ffn(sequence_parallel=True,
                            read=quantized_read(cfg, layer_id, ("mlp.gate_proj", "mlp.up_proj")))
 

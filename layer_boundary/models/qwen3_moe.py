@@ -24,9 +24,6 @@ class Qwen3MoeConfig(Qwen3Config):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
-    # Engine option, never read from config.json: the MoE layers dispatch their routed
-    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
-    moe_a2a: bool = False
     model_type: str = "qwen3_moe"
 
     fields = {**DECODER, **EXPERTS, "decoder_sparse_step": POSITIVE_INT,
@@ -84,7 +81,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         super().__init__()
         self.gate = Qwen3MoeRouter(cfg, dtype)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                runtime.parallel, dtype, dispatch=cfg.moe_a2a)
+                                runtime.parallel, dtype, dispatch=runtime.dispatches_moe)
 
     def forward(self, x):
         weights, ids = self.gate(x)
@@ -98,7 +95,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         return Qwen3MLP(cfg, runtime, dtype)
 
     @staticmethod
-    def ffn_declaration(cfg: Qwen3MoeConfig, layer_id: int):
+    def ffn_declaration(cfg: Qwen3MoeConfig, layer_id: int, runtime: BoundaryRuntime):
         # the dense layers' gated MLPs are sequence-parallel; the experts are not (in a
         # sequence-parallel batch the boundary gathers their input and reduce-scatters the sum)
         sparse = cfg.is_sparse(layer_id)
@@ -107,7 +104,8 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         read = None if sparse else quantized_read(cfg, layer_id, ("mlp.gate_proj",
                                                                   "mlp.up_proj"))
         return declare_ffn(sparse=sparse, next_sparse=cfg.is_sparse(layer_id + 1),
-                           sequence_parallel=not sparse, dispatches=sparse and cfg.moe_a2a,
+                           sequence_parallel=not sparse,
+                           dispatches=sparse and runtime.dispatches_moe,
                            read=read)
 
 

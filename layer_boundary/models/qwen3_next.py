@@ -116,9 +116,6 @@ class Qwen3NextConfig(CheckedConfig):
     tie_word_embeddings: bool = False
     # the DeltaNet's projections: Qwen3.5's in_proj_qkv/z/b/a, not Qwen3-Next's fused qkvz/ba
     split_projections: bool = False
-    # Engine option, never read from config.json: the MoE layers dispatch their routed
-    # tokens with an all-to-all (set from BoundaryRuntime.moe_a2a_backend at construction)
-    moe_a2a: bool = False
     model_type: str = "qwen3_next"
 
     fields = {**DECODER, **EXPERTS, "num_experts": NON_NEGATIVE_INT,
@@ -214,11 +211,11 @@ def mixer_declaration(cfg: Qwen3NextConfig, layer_id: int):
     return declare_attn(mixer="gated_attention")  # plans name the pattern layer by layer
 
 
-def ffn_declaration(cfg: Qwen3NextConfig, layer_id: int):
-    """Layer ``layer_id``'s FFN stage (also what the next layer names as previous)."""
+def ffn_declaration(cfg: Qwen3NextConfig, layer_id: int, runtime: BoundaryRuntime):
+    """Layer ``layer_id``'s FFN stage: the MoE where the layer is sparse, else the gated MLP."""
     sparse = cfg.is_sparse(layer_id)
     return declare_ffn(sparse=sparse, next_sparse=cfg.is_sparse(layer_id + 1),
-                       dispatches=sparse and cfg.moe_a2a)
+                       dispatches=sparse and runtime.dispatches_moe)
 
 
 class Qwen3NextAttention(nn.Module):
@@ -273,10 +270,10 @@ class Qwen3NextSparseMoe(nn.Module):
         super().__init__()
         self.gate = Qwen3MoeRouter(cfg, dtype)  # softmax top-k, renormalised by norm_topk_prob
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                runtime.parallel, dtype, dispatch=cfg.moe_a2a)
+                                runtime.parallel, dtype, dispatch=runtime.dispatches_moe)
         self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size,
                                       runtime, dtype, reduce_results=False,
-                                      group=UNSHARDED if cfg.moe_a2a else None)
+                                      group=UNSHARDED if runtime.dispatches_moe else None)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype)
         self.shared_expert_gate.requires_grad_(False)
 
@@ -309,12 +306,14 @@ class Qwen3NextDecoderLayer(DecoderLayer):
             self.mlp = Qwen3NextSparseMoe(cfg, runtime, dtype)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
-        last = layer_id == cfg.num_hidden_layers - 1
-        self.connect(ffn_declaration(cfg, layer_id), runtime, fusions=fusions,
-                     previous=ffn_declaration(cfg, layer_id - 1) if layer_id else None,
-                     following=None if last else mixer_declaration(cfg, layer_id + 1),
-                     terminal=last, name=f"layer{layer_id}",
-                     attn=mixer_declaration(cfg, layer_id))
+        self.attn_compute = "linear_attn" if self.kind == LINEAR else "self_attn"
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """The layer's mixer (the DeltaNet SCOPED, or the gated attention PARTIAL), then its
+        FFN; the stack gives each its real neighbours (a mixer may follow a mixer's layer)."""
+        return mixer_declaration(cfg, index), ffn_declaration(cfg, index, runtime)
 
     def attend(self, positions, hidden_states, forward_batch):
         if self.kind == FULL:

@@ -1,0 +1,56 @@
+"""Every reference model's config from its tiny transformers config (no weights), and the
+model built on virtual ranks on the meta device, as ``layer-boundary plan`` builds it: for tests
+of what construction alone decides."""
+
+from __future__ import annotations
+
+import torch
+from checkpoints import TINY, TINY_MOE
+from ds4_checkpoints import TINY_DS4
+from ds_checkpoints import TINY_DS
+from lc_checkpoints import TINY_LC
+from nh_checkpoints import TINY_NH
+from qwen3_next_checkpoints import TINY_35, TINY_35_MOE, TINY_NEXT
+
+from layer_boundary.models.registry import model_class
+from layer_boundary.runtime import BoundaryRuntime, ParallelDims
+from layer_boundary.runtime.parallel import virtual_parallel
+
+# model_type -> (transformers config class, its fields): the cuts fall between every kind of
+# neighbour (dense and sparse FFNs, a mixer before an FFN, a branch's merged output)
+CONFIGS = {
+    "qwen3": ("Qwen3Config", dict(TINY, num_hidden_layers=4)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(TINY_MOE, num_hidden_layers=4, mlp_only_layers=[0, 2])),
+    "llama": ("LlamaConfig", dict(TINY, num_hidden_layers=4)),
+    "deepseek_v3": ("DeepseekV3Config", dict(TINY_DS, num_hidden_layers=4,
+                                             first_k_dense_replace=2)),
+    "deepseek_v4": ("DeepseekV4Config", dict(TINY_DS4, num_hidden_layers=4,
+                                             layer_types=["sliding_attention"] * 4,
+                                             mlp_layer_types=["hash_moe", "moe"] * 2)),
+    "longcat_flash": ("LongcatFlashConfig", dict(TINY_LC, num_layers=4)),
+    "nemotron_h": ("NemotronHConfig", TINY_NH),  # 8 blocks: pp 2 cuts after the attention
+    "qwen3_next": ("Qwen3NextConfig", TINY_NEXT),
+    "qwen3_5_text": ("Qwen3_5TextConfig", TINY_35),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", TINY_35_MOE),
+}
+
+
+def config(model_type: str):
+    import transformers
+
+    cls_name, fields = CONFIGS[model_type]
+    raw = getattr(transformers, cls_name)(**fields).to_dict()
+    model_cls = model_class(raw["model_type"])
+    model_cls.config_class.validate(raw)
+    return model_cls, model_cls.config_class.from_dict(raw)
+
+
+def build(model_cls, cfg, tp: int, pp: int) -> list:
+    """Each pipeline rank's model, as its first rank builds it."""
+    dims = ParallelDims(world_size=pp * tp, tp=tp, pp=pp)
+    models = []
+    for stage in range(pp):
+        runtime = BoundaryRuntime(virtual_parallel(dims, stage * tp), boundary_reduction="rs+rsv")
+        with torch.device("meta"):  # boundaries are built at construction; no weights needed
+            models.append(model_cls(cfg, runtime))
+    return models
