@@ -37,7 +37,7 @@ def checkpoint(path: Path) -> Path:
 
 def attention_gathers(model_dir: Path, tokens: int, scattered: bool) -> dict:
     from layer_boundary.runner import RunSpec, merge
-    from layer_boundary.runtime.parallel import spawn
+    from layer_boundary.runtime.launch import spawn
 
     from layer_boundary.cli import _rank_entry
 

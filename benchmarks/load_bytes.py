@@ -53,7 +53,7 @@ def load_rank(model_dir: str, tp: int, lazy: bool) -> dict:
 
 
 if __name__ == "__main__":
-    from layer_boundary.runtime.parallel import spawn
+    from layer_boundary.runtime.launch import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(checkpoint(Path(tmp) / "qwen3_1024x8"))

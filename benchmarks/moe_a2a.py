@@ -36,7 +36,7 @@ def checkpoint(path: Path) -> Path:
 def moe_bytes(model_dir: Path, tokens: int, backend: str) -> dict:
     from layer_boundary.cli import _rank_entry
     from layer_boundary.runner import RunSpec, merge
-    from layer_boundary.runtime.parallel import spawn
+    from layer_boundary.runtime.launch import spawn
 
     prompts = tuple(tuple((31 * r + 7 * t + 3) % CONFIG["vocab_size"] for t in range(tokens))
                     for r in range(4))

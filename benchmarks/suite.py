@@ -58,7 +58,7 @@ def overhead_rows(quick: bool):
 
 def load_row(quick: bool):
     import load_bytes
-    from layer_boundary.runtime.parallel import spawn
+    from layer_boundary.runtime.launch import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         if quick:

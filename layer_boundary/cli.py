@@ -679,7 +679,7 @@ def cmd_plan(args) -> int:
     from .construction import select_mode
     from .contracts import BatchVariant
     from .layout import RowMode
-    from .ops import RowFacts, table_rows
+    from .ops import row_facts, table_rows
     from .models import boundary_reduction, load_config, model_class_of
     from .models.tiny import builtin_checkpoint
     from .runner import handoff_contract, plan_rows
@@ -720,7 +720,7 @@ def cmd_plan(args) -> int:
     runtime = runtimes[0]
     # a CP plan takes each DP rank's tokens as one request (the CP mapping cuts requests)
     lens = tuple((c,) if c else () for c in counts) if cp else None
-    parts = RowFacts(RowMode.AR, counts, runtime.parallel, request_lens=lens).parts
+    parts = row_facts(RowMode.AR, counts, runtime.parallel, lens).parts
     try:
         mode, reason = select_mode(runtime, counts, parts, cp, variant)
     except ValueError as exc:
@@ -734,7 +734,7 @@ def cmd_plan(args) -> int:
     def rows_per_rank(mode, counts):
         out = []
         for rank in range(dims.tp):
-            rows = RowFacts(mode, counts, virtual_parallel(dims, rank), request_lens=lens)
+            rows = row_facts(mode, counts, virtual_parallel(dims, rank), lens)
             out.append({"rank": rank, "dp_rank": rows.dp_rank, "local": rows.local,
                         **({"cp_rank": rows.parallel.attn_cp_rank, "attention": rows.share}
                            if cp else {}),
@@ -812,7 +812,7 @@ def _rank_entry(spec):
 def cmd_run(args) -> int:
     from .runtime.parallel import TopologyError
 
-    from .runtime.parallel import init_distributed, launched_by_torchrun, spawn
+    from .runtime.launch import init_distributed, launched_by_torchrun, spawn
     from .runner import run_rank
 
     timeout = args.collective_timeout or (
@@ -927,7 +927,8 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     from .construction import UnsupportedBoundary
     from .models.loader import CheckpointError
-    from .runtime.parallel import RankError, TopologyError
+    from .runtime.parallel import TopologyError
+    from .runtime.launch import RankError
 
     try:
         if args.command == "run":

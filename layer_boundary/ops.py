@@ -264,3 +264,11 @@ def movement_table(parallel: Parallel, mode: RowMode, cp: bool = False) -> Movem
 def table_rows(parallel: Parallel, mode: RowMode, cp: bool = False) -> list[dict]:
     """The resolved table as printable rows (for ``plan`` and tests)."""
     return movement_table(parallel, mode, cp).rows()
+
+
+def row_facts(mode: RowMode, counts: tuple[int, ...], parallel: Parallel,
+              request_lens=None) -> RowFacts:
+    """The row facts of a forward with these DP token counts (and, in a CP batch, every DP
+    rank's request lengths) in row mode ``mode``, from its topology's movement table."""
+    lens = None if request_lens is None else tuple(tuple(per) for per in request_lens)
+    return movement_table(parallel, mode, cp=lens is not None).facts(tuple(counts), lens)

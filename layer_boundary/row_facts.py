@@ -9,16 +9,11 @@ slices (the first ranks take the remainder).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .contracts import UnsupportedBoundary
 from .layout import Layout, RowMode, SumGroup
 from .runtime.parallel import Parallel
-
-if TYPE_CHECKING:
-    from .ops import Movement, MovementTable
 
 
 def split_rows(n: int, parts: int) -> tuple[int, ...]:
@@ -76,16 +71,13 @@ class RowFacts:
     """
 
     def __init__(self, mode: RowMode, counts: tuple[int, ...], parallel: Parallel,
-                 table: "MovementTable | None" = None, request_lens=None) -> None:
+                 table, request_lens=None) -> None:
+        """Built by ``MovementTable.facts`` (``ops.row_facts`` for a mode and counts)."""
         dims = parallel.dims
         if len(counts) != dims.attn_dp:
             raise ValueError(f"the batch has {len(counts)} DP token counts but attn_dp is "
                              f"{dims.attn_dp}")
         self.mode, self.counts, self.parallel = mode, tuple(counts), parallel
-        if table is None:
-            from .ops import movement_table  # the table builds facts: it imports this module
-
-            table = movement_table(parallel, mode, cp=request_lens is not None)
         self.table = table
         self.layouts = self.table.layouts
         a, d = dims.attn_tp, parallel.attn_dp_rank
@@ -136,8 +128,9 @@ class RowFacts:
                                           for s in per_dp for i in s], dtype=torch.long)
         self.share_global = self.cp_index + self.offset  # this share's global rows
 
-    def movement(self, owed: SumGroup | None, src: Layout, dst: Layout) -> "Movement":
-        """The prebuilt movement for (owed, src, dst) in this forward's mode."""
+    def movement(self, owed: SumGroup | None, src: Layout, dst: Layout):
+        """The prebuilt ``ops.Movement`` for (owed, src, dst) in this forward's mode (from
+        ``table``, the ``ops.MovementTable`` that built these facts)."""
         return self.table.lookup(owed, src, dst)
 
     def count(self, layout: Layout) -> int:

@@ -16,7 +16,7 @@ from distributed.pool import get_pool
 from toy import cp_case_id
 
 from layer_boundary.layout import RowMode, SumGroup, sum_group
-from layer_boundary.ops import RowFacts, movement_table
+from layer_boundary.ops import movement_table, row_facts
 from layer_boundary.runtime import LEDGER, ParallelDims, build_parallel
 
 WIDTH = 3
@@ -26,7 +26,7 @@ def run_table(tp: int, dp: int, mode: str, counts, cp: int = 1, request_lens=Non
     par = build_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, attn_dp=dp,
                                       attn_cp=cp))
     mode = RowMode(mode)
-    rows = RowFacts(mode, counts, par, request_lens=request_lens)
+    rows = row_facts(mode, counts, par, request_lens)
     total = sum(counts)
     full = torch.arange(total * WIDTH, dtype=torch.float64).view(total, WIDTH) + 1
     out = []

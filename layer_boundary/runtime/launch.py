@@ -14,6 +14,14 @@ import torch
 import torch.distributed as dist
 
 JOIN_TIMEOUT_S = 300.0  # the world group: rendezvous of ranks that start at different times
+# how long a collective may wait for a peer before the job ends (an inference collective takes
+# milliseconds; a silent peer is a stopped or dead rank): set by init_distributed
+_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=45)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """What bounds every collective of the groups built from now on."""
+    return _COLLECTIVE_TIMEOUT
 
 
 
@@ -45,11 +53,10 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
         join_timeout_s: how long joining the world may take (ranks still importing,
             loading); at least ``timeout_s``, default ``JOIN_TIMEOUT_S``.
     """
-    from .parallel import set_collective_timeout  # the topology module re-exports this one
-
+    global _COLLECTIVE_TIMEOUT
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    set_collective_timeout(timeout_s)
+    _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     if rank is None:
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])

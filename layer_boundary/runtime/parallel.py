@@ -10,10 +10,11 @@ group in the same order, once, here; nothing else in the package creates groups.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
+from .launch import collective_timeout
 
 
 class TopologyError(ValueError):
@@ -164,16 +165,14 @@ def _local_group(name: str) -> Group:
     return Group(name=name, ranks=(0,), rank=0, pg=None)
 
 
-# how long a collective may wait for a peer before the job ends (an inference collective takes
-# milliseconds; a silent peer is a stopped or dead rank): set by init_distributed
-_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=45)
 
 
 def _new_groups(name: str, all_ranks: list[list[int]], rank: int) -> Group:
     """Create every group of one kind (all ranks call this in the same order); keep ours."""
     mine = None
     for ranks in all_ranks:
-        pg = dist.new_group(ranks, timeout=_COLLECTIVE_TIMEOUT) if len(ranks) > 1 else None
+        pg = (dist.new_group(ranks, timeout=collective_timeout()) if len(ranks) > 1
+              else None)
         if rank in ranks:
             mine = Group(name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=pg)
             if pg is not None:
@@ -241,16 +240,3 @@ def virtual_parallel(dims: ParallelDims, rank: int = 0) -> Parallel:
     layout = group_layout(dims)
     names = ("tp", "attn_tp", "attn_dp", "pp") + (_CP_GROUPS if dims.attn_cp > 1 else ())
     return Parallel(dims, rank, *(mine(n, layout[n]) for n in names))
-
-
-def set_collective_timeout(seconds: float) -> None:
-    """Bound every collective of the groups built from now on (``init_distributed`` sets it
-    before any group exists)."""
-    global _COLLECTIVE_TIMEOUT
-    _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=seconds)
-
-
-# process start-up, where it was before it had a module of its own
-from .launch import (HEARTBEAT_S, JOIN_TIMEOUT_S, SILENT_S, STOPPED_S,  # noqa: E402,F401
-                     RankError, free_port, init_distributed, launched_by_torchrun,
-                     process_state, spawn)

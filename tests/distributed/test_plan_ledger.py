@@ -15,7 +15,7 @@ from layer_boundary.contracts import BatchVariant
 from layer_boundary.construction import select_mode
 from layer_boundary.models import load_model
 from layer_boundary.models.generate import greedy_generate, requests_of
-from layer_boundary.ops import RowFacts
+from layer_boundary.ops import row_facts
 from layer_boundary.runner import RunSpec, make_runtime
 from layer_boundary.runtime import LEDGER
 
@@ -29,7 +29,7 @@ def _site(entries, site):
     return [(kind, group, numel, site) for kind, group, numel in entries]
 
 
-def expected_from_plans(model, rows: RowFacts, hidden: int, vocab: int) -> list[tuple]:
+def expected_from_plans(model, rows, hidden: int, vocab: int) -> list[tuple]:
     attn_tp = rows.parallel.attn_tp
     out = []
     if attn_tp.size > 1 and rows.local:
@@ -75,7 +75,7 @@ def compare(spec: RunSpec) -> list:
                            for i in requests_of(d, spec.dp, len(prompts)))
                        for d in range(spec.dp))
         mode, _ = select_mode(runtime, counts)
-        rows = RowFacts(mode, counts, par)
+        rows = row_facts(mode, counts, par)
         got = [(e.kind, e.group, e.numel, e.site) for e in entries if e.step == step]
         out.append((step, mode.value, got,
                     expected_from_plans(model, rows, cfg.hidden_size, cfg.vocab_size)))

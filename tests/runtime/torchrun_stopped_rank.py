@@ -8,7 +8,8 @@ import time
 import torch.distributed as dist
 
 from layer_boundary.cli import TORCHRUN_COLLECTIVE_TIMEOUT_S
-from layer_boundary.runtime.parallel import build_parallel, init_distributed, ParallelDims
+from layer_boundary.runtime.parallel import build_parallel, ParallelDims
+from layer_boundary.runtime.launch import init_distributed
 
 rank, world = init_distributed(timeout_s=TORCHRUN_COLLECTIVE_TIMEOUT_S)
 par = build_parallel(ParallelDims(world_size=world, tp=world))
