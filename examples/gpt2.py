@@ -145,7 +145,7 @@ class GPT2Attention(nn.Module):
 
     def __init__(self, cfg: GPT2Config, layer_id: int, runtime: BoundaryRuntime, dtype):
         super().__init__()
-        group = runtime.parallel.attn_tp
+        group = runtime.parallel.attn_tp_group
         self.layer_id, self.head_dim = layer_id, cfg.head_dim
         self.c_attn = FusedQKV(cfg, group, dtype)
         self.c_proj = conv1d(RowParallelLinear(cfg.n_embd, cfg.n_embd, group, bias=True,
@@ -173,7 +173,7 @@ class GPT2MLP(nn.Module):
 
     def __init__(self, cfg: GPT2Config, runtime: BoundaryRuntime, dtype):
         super().__init__()
-        group = runtime.parallel.tp
+        group = runtime.parallel.tp_group
         self.c_fc = conv1d(ColumnParallelLinear(cfg.n_embd, cfg.n_inner, group, bias=True,
                                                 dtype=dtype, name="c_fc"))
         self.c_proj = conv1d(RowParallelLinear(cfg.n_inner, cfg.n_embd, group, bias=True,
@@ -224,7 +224,7 @@ class GPT2Model(nn.Module):
     def __init__(self, cfg: GPT2Config, runtime: BoundaryRuntime, dtype):
         super().__init__()
         par = runtime.parallel
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, par.attn_tp, dtype=dtype)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, par.attn_tp_group, dtype=dtype)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd, dtype=dtype)  # replicated
         self.wpe.weight.requires_grad_(False)
         # inside a layer stack each layer's ``previous`` is checked against the stage built
@@ -251,7 +251,7 @@ class GPT2LMHeadModel(nn.Module):
         check_parallel(cfg, runtime.parallel.dims)
         self.config, self.dtype = cfg, dtype
         self.transformer = GPT2Model(cfg, runtime, dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.n_embd, runtime.parallel.attn_tp,
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.n_embd, runtime.parallel.attn_tp_group,
                                       dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.transformer.wte)

@@ -242,7 +242,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
             gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
                                   dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
                                   on_step=_set_ledger_step,
-                                  pp=par.pp if par.dims.pp > 1 else None,
+                                  pp=par.pp_group if par.dims.pp > 1 else None,
                                   split_prefill=spec.split_prefill, tbo=spec.tbo,
                                   variants=forward_variants(spec), adapters=adapters,
                                   bucket=token_bucket if pads else None)

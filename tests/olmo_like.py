@@ -123,7 +123,7 @@ class OlmoAttention(nn.Module):
 
     def __init__(self, cfg: OlmoConfig, runtime, dtype) -> None:
         super().__init__()
-        group, d = runtime.parallel.attn_tp, cfg.head_dim
+        group, d = runtime.parallel.attn_tp_group, cfg.head_dim
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = d
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, heads, kv_heads, group, dtype=dtype)
@@ -202,7 +202,7 @@ class OlmoLike(nn.Module):
 
     def __init__(self, cfg: OlmoConfig, runtime, dtype=torch.float32) -> None:
         super().__init__()
-        group = runtime.parallel.attn_tp
+        group = runtime.parallel.attn_tp_group
         self.stage = stage = PipelineStage.of(runtime, cfg.num_hidden_layers)
         if stage.first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group,

@@ -103,7 +103,7 @@ def mixer_stack(tp: int, allreduce_fusion: bool = True) -> dict:
             (decl, norm), previous=PATTERN[i - 1] if i else None,
             following=PATTERN[i + 1] if i + 1 < len(PATTERN) else None,
             terminal=i == len(PATTERN) - 1, runtime=rt, name=f"s{i}")
-        linear = RowParallelLinear(2 * HIDDEN, HIDDEN, rt.parallel.tp)
+        linear = RowParallelLinear(2 * HIDDEN, HIDDEN, rt.parallel.tp_group)
         linear.weight_loader(linear.weight, _weight(i))
         stages.append(stage)
         linears.append(linear)

@@ -52,8 +52,8 @@ def run(tp: int, dp: int, policy: str, counts, variant: str = "sequence-parallel
              else declare_ffn(sequence_parallel=k == "ffn") for k in KINDS]
     stages = make_stages(*((d, toy_norm(10 + i)) for i, d in enumerate(decls)), terminal=True,
                          runtime=rt, name="s")
-    compute = [LinearPair(par.attn_tp, 100 + i, False) if k == "attn"
-               else LinearPair(par.tp, 100 + i, True) if k == "ffn" else ToyFfn(par, 100 + i)
+    compute = [LinearPair(par.attn_tp_group, 100 + i, False) if k == "attn"
+               else LinearPair(par.tp_group, 100 + i, True) if k == "ffn" else ToyFfn(par, 100 + i)
                for i, k in enumerate(KINDS)]
     b = DpBatch(counts, rt)
     b.fb.variant = BatchVariant(variant)
@@ -162,7 +162,7 @@ def misuse(case: str) -> str:
             attn.finish(x, b.fb)
         elif case == "wrong_group":  # an attention's scope, a linear over the whole TP group
             with attn.exit(b.fb):
-                LinearPair(rt.parallel.tp, 0, False)(x)
+                LinearPair(rt.parallel.tp_group, 0, False)(x)
     except (RuntimeError, ValueError) as exc:
         return str(exc)
     return "no error"

@@ -35,7 +35,7 @@ class DecoderModel(nn.Module):
         self.dp_rank = runtime.parallel.attn_dp_rank
         if self.stage.first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                       runtime.parallel.attn_tp, dtype=dtype)
+                                                       runtime.parallel.attn_tp_group, dtype=dtype)
         # this pipeline rank's part of the stack, knowing its neighbours on the other ranks
         with pipeline_stack(self.stage, runtime,
                             lambda i: layer_cls.declarations(cfg, i, runtime)) as self.stack:
@@ -171,7 +171,7 @@ class CausalLM(nn.Module):
         self.stage = self.model.stage
         if self.stage.last:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
-                                          runtime.parallel.attn_tp, dtype=dtype)
+                                          runtime.parallel.attn_tp_group, dtype=dtype)
             if self.ties_head() and self.stage.first:
                 self.lm_head.tie(self.model.embed_tokens)
 

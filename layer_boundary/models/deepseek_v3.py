@@ -218,7 +218,7 @@ class DeepseekV3Attention(nn.Module):
 
     def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
         super().__init__()
-        group = runtime.parallel.attn_tp
+        group = runtime.parallel.attn_tp_group
         self.layer_id, self.cfg = layer_id, cfg
         self.num_heads = cfg.num_attention_heads // group.size  # local heads
         bias = cfg.attention_bias
@@ -334,7 +334,7 @@ class DeepseekV3Router(nn.Module):
 class DeepseekV3MoE(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype):
         super().__init__()
-        self.group = runtime.parallel.tp
+        self.group = runtime.parallel.tp_group
         self.gate = DeepseekV3Router(cfg)
         dispatch = runtime.dispatches_moe
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,

@@ -76,7 +76,7 @@ class DeepseekV4Attention(nn.Module):
 
     def __init__(self, cfg: DeepseekV4Config, layer_id: int, runtime: BoundaryRuntime, dtype):
         super().__init__()
-        group = runtime.parallel.attn_tp
+        group = runtime.parallel.attn_tp_group
         self.layer_id, self.cfg = layer_id, cfg
         self.num_heads = cfg.num_attention_heads // group.size  # local heads
         self.groups = cfg.o_groups // group.size  # local output groups

@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg, index: int, runtime, dtype):
         super().__init__()
-        group = runtime.parallel.attn_tp
+        group = runtime.parallel.attn_tp_group
         tp, rank = group.size, group.rank
         K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim

@@ -46,7 +46,7 @@ class GqaAttention(nn.Module):
                  qk_norm_eps: float | None = None, inv_freq: torch.Tensor | None = None,
                  partial: bool = True) -> None:
         super().__init__()
-        group = runtime.parallel.attn_tp
+        group = runtime.parallel.attn_tp_group
         self.index, self.head_dim = index, head_dim
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, group,
                                           bias=bias, dtype=dtype)
@@ -97,7 +97,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, runtime: BoundaryRuntime,
                  dtype, *, bias: bool = False, reduce_results: bool = True, group=None) -> None:
         super().__init__()
-        group = group if group is not None else runtime.parallel.tp
+        group = group if group is not None else runtime.parallel.tp_group
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, group, bias=bias,
                                               dtype=dtype, name="gate_proj")
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, group, bias=bias,

@@ -223,7 +223,7 @@ class Mamba2Mixer(nn.Module):
 
     def __init__(self, cfg, index: int, runtime, dtype):
         super().__init__()
-        group = runtime.parallel.attn_tp
+        group = runtime.parallel.attn_tp_group
         tp, rank = group.size, group.rank
         heads, p, g, s = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
         local_groups, ranks_per_group = group_split(g, heads, tp)

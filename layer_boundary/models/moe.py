@@ -99,12 +99,12 @@ class FusedMoE(nn.Module):
         if intermediate_size % dims.moe_tp:
             raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by "
                              f"moe_tp={dims.moe_tp}")
-        self.group = parallel.tp
+        self.group = parallel.tp_group
         self.num_experts, self.identity_experts = num_experts, zero_experts
         self.dispatch, self.moe_ep, self.moe_tp = dispatch, dims.moe_ep, dims.moe_tp
         # gathered: only TP rank 0 carries the identity experts' rows into the group's partial
         # sum; dispatched: every rank, for its own rows (its output is complete)
-        self.zero_experts = zero_experts if dispatch or parallel.tp.rank == 0 else 0
+        self.zero_experts = zero_experts if dispatch or parallel.tp_group.rank == 0 else 0
         self.local = num_experts // dims.moe_ep
         self.first = parallel.moe_ep_rank * self.local
         self.shard = intermediate_size // dims.moe_tp

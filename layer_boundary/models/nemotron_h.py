@@ -232,7 +232,7 @@ class NemotronHMLP(nn.Module):
     def __init__(self, cfg: NemotronHConfig, intermediate_size: int, runtime: BoundaryRuntime,
                  dtype, reduce_results: bool = True, group=None):
         super().__init__()
-        group = group if group is not None else runtime.parallel.tp
+        group = group if group is not None else runtime.parallel.tp_group
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, intermediate_size, group,
                                             bias=cfg.mlp_bias, dtype=dtype, name="up_proj")
         self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, group,

@@ -224,7 +224,7 @@ class Qwen3NextAttention(nn.Module):
 
     def __init__(self, cfg: Qwen3NextConfig, index: int, runtime: BoundaryRuntime, dtype):
         super().__init__()
-        group = runtime.parallel.attn_tp
+        group = runtime.parallel.attn_tp_group
         heads, d = cfg.num_attention_heads, cfg.head_dim
         self.index, self.head_dim, self.rotary_dim = index, d, cfg.rotary_dim
         # q_proj's rows are [q_h | gate_h] per head: as 2 * heads "heads" of head_dim they

@@ -54,13 +54,13 @@ class _Agreement:
 
     def dp_counts(self, tokens: int) -> tuple[int, ...]:
         self._site()
-        group = self.parallel.attn_dp
+        group = self.parallel.attn_dp_group
         mine = torch.tensor([tokens], dtype=torch.long)
         return tuple(gather_rows(mine, group).tolist()) if group.size > 1 else (tokens,)
 
     def any(self, flag: bool) -> bool:
         self._site()
-        group = self.parallel.tp
+        group = self.parallel.tp_group
         x = torch.tensor([int(flag)], dtype=torch.long)
         return bool(all_reduce_rows(x, group).item()) if group.size > 1 else flag
 

@@ -114,13 +114,6 @@ class Parallel:
         if self.dp_cp_group is None:  # no CP: the partitions are the DP ranks
             object.__setattr__(self, "dp_cp_group", self.attn_dp_group)
 
-    # the groups by their earlier names (deprecated: ``attn_tp`` is a degree on ``dims``)
-    tp = property(lambda self: self.tp_group)
-    attn_tp = property(lambda self: self.attn_tp_group)
-    attn_dp = property(lambda self: self.attn_dp_group)
-    pp = property(lambda self: self.pp_group)
-    attn_cp = property(lambda self: self.attn_cp_group)
-    dp_cp = property(lambda self: self.dp_cp_group)
 
     @property
     def pp_rank(self) -> int:

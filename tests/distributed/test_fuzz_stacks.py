@@ -43,7 +43,7 @@ class Mixer:
     exit's flags (its sum left to the boundary when they say so)."""
 
     def __init__(self, par, seed):
-        self.down = RowParallelLinear(2 * HIDDEN, HIDDEN, par.attn_tp)
+        self.down = RowParallelLinear(2 * HIDDEN, HIDDEN, par.attn_tp_group)
         full = torch.randn(HIDDEN, 2 * HIDDEN, generator=torch.Generator().manual_seed(seed))
         self.down.weight_loader(self.down.weight, 0.3 * full)
 

@@ -51,9 +51,9 @@ def forward(path: str, pp: int, tp: int, dp: int, policy: str, placement) -> dic
                    for k in range(dp))
     fb = ForwardBatch.build(ForwardMode.EXTEND, mine, [0] * len(mine), dp_token_counts=counts)
     with torch.no_grad():
-        out = model(fb, None if par.first_stage else recv_from_prev_stage(par.pp))
+        out = model(fb, None if par.first_stage else recv_from_prev_stage(par.pp_group))
     if not par.last_stage:
-        send_to_next_stage(out, par.pp)
+        send_to_next_stage(out, par.pp_group)
         out = None
     return {"logits": out, "requests": [j for j, owner in enumerate(placement) if owner == d],
             "mode": fb.rows.mode.value, "released": fb.residual_stream is None,

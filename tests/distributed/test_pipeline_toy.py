@@ -79,10 +79,10 @@ def run(tp: int, dp: int, policy: str, counts, cut: tuple[int, str], misuse: boo
                 if before == "written":
                     h = residual_batch.written(h.clone(), fb)
             LEDGER.enter("pp_send")
-            send_to_next_stage(residual_batch.to_pp(h, fb), par.pp)
+            send_to_next_stage(residual_batch.to_pp(h, fb), par.pp_group)
         else:
             LEDGER.enter("pp_recv")
-            tensors = recv_from_prev_stage(par.pp)
+            tensors = recv_from_prev_stage(par.pp_group)
             if where == "attn":
                 h = layers[k].ffn_half(layers[k].ffn.from_pp(tensors, fb), fb)
                 rest = layers[k + 1:]
@@ -99,7 +99,7 @@ def run(tp: int, dp: int, policy: str, counts, cut: tuple[int, str], misuse: boo
             "p2p": [(e.kind, e.group, e.numel, e.site) for e in ledger
                     if e.kind in ("send", "recv")],
             "sums": [(e.kind, e.group, e.site) for e in ledger if e.kind in SUMS],
-            "residual_rows": residual_rows, "local": rows.local, "attn_tp": par.attn_tp.size}
+            "residual_rows": residual_rows, "local": rows.local, "attn_tp": par.attn_tp_group.size}
 
 
 CASES = [(1, 1, "ar", (5,)), (2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (2, 2, "rsv", (3, 0)),

@@ -30,7 +30,7 @@ def _site(entries, site):
 
 
 def expected_from_plans(model, rows, hidden: int, vocab: int) -> list[tuple]:
-    attn_tp = rows.parallel.attn_tp
+    attn_tp = rows.parallel.attn_tp_group
     out = []
     if attn_tp.size > 1 and rows.local:
         out.append(("all_reduce", "attn_tp", rows.local * hidden, "embed"))

@@ -61,7 +61,7 @@ def _expected_elements(ids_all, counts, rank: int, ep: int, moe_tp: int) -> dict
 def dispatch_case(tp: int, ep: int, counts, zero: int = 0, bad_rank: int | None = None,
                   bad_id: int = E):
     par = build_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=tp, moe_ep=ep))
-    rank = par.tp.rank
+    rank = par.tp_group.rank
     x_all, ids_all, w_all = _routing(counts, zero)
     start = sum(counts[:rank])
     mine = slice(start, start + counts[rank])

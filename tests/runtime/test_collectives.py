@@ -28,7 +28,7 @@ def _inputs(world, shape, seed):
 
 def _group(kwargs, name):
     n = dist.get_world_size()
-    return getattr(build_parallel(ParallelDims(world_size=n, **kwargs)), name)
+    return getattr(build_parallel(ParallelDims(world_size=n, **kwargs)), f"{name}_group")
 
 
 def _all_reduce(kwargs, name, xs, transpose):
@@ -108,8 +108,8 @@ def test_no_rows_anywhere_skip_the_collective_but_keep_the_shapes(world, kwargs,
 def _size1_in_world(x):
     par = build_parallel(ParallelDims(world_size=dist.get_world_size(), tp=4, attn_dp=4))
     with LEDGER.recording() as entries:
-        same = all_reduce_rows(x, par.attn_tp) is x and gather_last_dim(x, par.attn_tp) is x
-    return par.attn_tp.size, same, len(entries)
+        same = all_reduce_rows(x, par.attn_tp_group) is x and gather_last_dim(x, par.attn_tp_group) is x
+    return par.attn_tp_group.size, same, len(entries)
 
 
 def test_size1_group_inside_a_world_returns_the_input_itself():

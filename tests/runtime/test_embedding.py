@@ -29,7 +29,7 @@ def _data(seed):
 
 def _vocab_parallel(embed, head, ids, hidden, tie):
     n = dist.get_world_size()
-    group = build_parallel(ParallelDims(world_size=n, tp=n)).tp
+    group = build_parallel(ParallelDims(world_size=n, tp=n)).tp_group
     emb = VocabParallelEmbedding(VOCAB, HIDDEN, group, dtype=embed.dtype)
     emb.weight.weight_loader(emb.weight, embed)
     lm = ParallelLMHead(VOCAB, HIDDEN, group, dtype=embed.dtype)
@@ -74,7 +74,7 @@ def test_vocab_parallel_matches_dense(tp, tie):
 
 
 def _vocab_parallel_local(embed, head, ids, hidden):
-    group = build_parallel(ParallelDims()).tp
+    group = build_parallel(ParallelDims()).tp_group
     emb = VocabParallelEmbedding(VOCAB, HIDDEN, group, dtype=embed.dtype)
     emb.weight.weight_loader(emb.weight, embed)
     lm = ParallelLMHead(VOCAB, HIDDEN, group, dtype=embed.dtype)
@@ -92,7 +92,7 @@ def test_world1_matches_dense():
 
 
 def test_loader_rejects_a_weight_of_the_wrong_vocab():
-    group = build_parallel(ParallelDims()).tp
+    group = build_parallel(ParallelDims()).tp_group
     emb = VocabParallelEmbedding(VOCAB, HIDDEN, group)
     for wrong in ((VOCAB + 1, HIDDEN), (VOCAB, HIDDEN + 1)):
         with pytest.raises(RuntimeError, match=f"expected the full shape \\({VOCAB}, {HIDDEN}\\)"):

@@ -34,7 +34,7 @@ def _as_tuple(e):
 def _collectives(kwargs, group_name, dtype, shape):
     n = dist.get_world_size()
     par = build_parallel(ParallelDims(world_size=n, **kwargs))
-    group = getattr(par, group_name)
+    group = getattr(par, f"{group_name}_group")
     x = torch.ones(shape, dtype=dtype)
     before = len(LEDGER.entries)
     all_reduce_rows(x.clone(), group)  # not recording: nothing may be kept
@@ -236,13 +236,13 @@ def uneven_gather_and_reduce_scatter():
 
     par = build_parallel(ParallelDims(world_size=4, tp=4))
     sizes = (1, 3, 0, 2)
-    x = torch.ones(sizes[par.tp.rank], 5)
+    x = torch.ones(sizes[par.tp_group.rank], 5)
     recorder = Recorder()
     with LEDGER.recording() as entries:
-        gathered = gather_rows_v(x, par.tp, sizes)
-        reduce_scatter_rows(torch.ones(8, 5), par.tp)
+        gathered = gather_rows_v(x, par.tp_group, sizes)
+        reduce_scatter_rows(torch.ones(8, 5), par.tp_group)
         with observing(recorder):  # it takes the protocol's five arguments only
-            gather_rows_v(x, par.tp, sizes)
+            gather_rows_v(x, par.tp_group, sizes)
     return list(entries), gathered.shape[0], recorder.events
 
 

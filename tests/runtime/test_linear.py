@@ -28,7 +28,7 @@ def _tensors(seed, *shapes):
 
 def _group():
     n = dist.get_world_size()
-    return build_parallel(ParallelDims(world_size=n, tp=n)).tp
+    return build_parallel(ParallelDims(world_size=n, tp=n)).tp_group
 
 
 def _entries(entries):

@@ -118,12 +118,12 @@ def test_world1_needs_no_distributed_and_ops_short_circuit():
     par = build_parallel(ParallelDims())
     assert build_parallel(ParallelDims()) is par  # cached per dims
     assert par.rank == 0 and par.tp_rank == 0 and par.attn_tp_rank == 0 and par.attn_dp_rank == 0
-    for group in (par.tp, par.attn_tp, par.attn_dp, par.pp):
+    for group in (par.tp_group, par.attn_tp_group, par.attn_dp_group, par.pp_group):
         assert group.size == 1 and group.ranks == (0,) and group.rank == 0 and group.pg is None
     x = torch.randn(3, 4)
     with LEDGER.recording() as entries:
-        assert all_reduce_rows(x, par.tp) is x
-        assert gather_last_dim(x, par.attn_tp) is x
+        assert all_reduce_rows(x, par.tp_group) is x
+        assert gather_last_dim(x, par.attn_tp_group) is x
     assert entries == []
 
 
@@ -154,7 +154,7 @@ def _layout(kwargs):
     par = build_parallel(ParallelDims(world_size=dist.get_world_size(), **kwargs))
     out = {"rank": par.rank, "tp_rank": par.tp_rank, "attn_tp_rank": par.attn_tp_rank,
            "attn_dp_rank": par.attn_dp_rank, "groups": {}}
-    for group in (par.tp, par.attn_tp, par.attn_dp, par.pp):
+    for group in (par.tp_group, par.attn_tp_group, par.attn_dp_group, par.pp_group):
         value = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)
         if group.size > 1:
             dist.all_reduce(value, group=group.pg)

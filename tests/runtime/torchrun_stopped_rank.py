@@ -20,7 +20,7 @@ if rank == 1:
         f.write(str(time.time()))
     os.kill(os.getpid(), signal.SIGSTOP)
 try:
-    dist.barrier(group=par.tp.pg)  # a subgroup's collective: it times out too
+    dist.barrier(group=par.tp_group.pg)  # a subgroup's collective: it times out too
 finally:
     with open(os.environ["PIDS"] + ".gave_up", "w") as f:
         f.write(str(time.time()))
