@@ -134,7 +134,8 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
     align = {rows.key: table.lookup(None, rows, target)
              for rows in (edge.residual_src, local, target)}
     return EntryPath(
-        name, mode, read, norm, latent=qkv_latent_func, stack_entry=decl.previous is None,
+        stage=name, mode=mode, read=read, norm=norm, latent=qkv_latent_func,
+        stack_entry=decl.previous is None,
         local=local, update_rows=target, compute_rows=compute, arrivals=arrivals,
         producer_keys=tuple(dict.fromkeys(producer_keys)), align=align,
         enter_residual=table.lookup(None, local, target),

@@ -27,26 +27,27 @@ class Leaves(NamedTuple):
     declared: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ExitDecision:
+    """One way an exit may complete its output: the flags compute sees, what the next
+    boundary still owes and on which rows. (What a plain publish reads comes first.)"""
+
+    # what a plain (non-handoff) output leaves pending: what it owes, on which rows, and
+    # whether that is the producer's declared sum, and the arrival key of such an output
+    leaves: "Leaves" = field(init=False, repr=False, compare=False)
+    key: ArrivalKey = field(init=False, repr=False, compare=False)
+    hands_off: bool = field(default=False, kw_only=True)  # compute may return a HandoffOutput
+    # finish() moves its rows (a finish_move that is not the identity)
+    moves_at_finish: bool = field(init=False, repr=False, compare=False)
     flags: ForwardFlags
     owed: SumGroup | None  # what the consumer must still finish
     rows: Layout  # where compute's output rows are
     label: str
-    hands_off: bool = False  # compute may return a HandoffOutput
     declared: bool = False  # the owed sum is the producer's static contract
     # a complete output moves to the rows the layer hands on at finish()
     finish_move: Movement | None = None
     # the sum compute runs itself when it completes its output (for plans and ledgers)
     compute_sum: Movement | None = None
-
-    # what a plain (non-handoff) output leaves pending: what it owes, on which rows, and
-    # whether that is the producer's declared sum
-    leaves: "Leaves" = field(init=False, repr=False, compare=False)
-    # the arrival key of such an output
-    key: ArrivalKey = field(init=False, repr=False, compare=False)
-    # finish() moves its rows (a finish_move that is not the identity)
-    moves_at_finish: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         moved = self.finish_move

@@ -40,7 +40,7 @@ from .row_facts import (BatchRows, RowFacts, chunk_rows, cp_share_sizes,  # noqa
 from .runtime.parallel import Parallel
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Movement:
     """One resolved row of the table: how a value reaches ``dst`` from ``src`` in one mode."""
 

@@ -34,7 +34,7 @@ class ArrivalPath:
     that apply to it (in order), and, under attention DP with a plain update and the add+norm
     read, the all-reduce that sums it with the residual added on one rank first."""
 
-    __slots__ = ("key", "complete", "candidates", "sum_before_read", "chooses")
+    __slots__ = ("chooses", "moves", "complete", "key", "candidates", "sum_before_read")
 
     def __init__(self, key: ArrivalKey, complete: Movement, candidates: tuple = (),
                  sum_before_read: Movement | None = None) -> None:
@@ -46,29 +46,36 @@ class ArrivalPath:
         self.sum_before_read = sum_before_read
         # something may stand in for the completion (a candidate, the add before the sum)
         self.chooses = bool(candidates) or sum_before_read is not None
+        self.moves = complete.moves  # the completion runs a movement
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, kw_only=True)
 class EntryPath:
-    """A consumer's prebuilt input path for one batch variant and row mode."""
+    """A consumer's prebuilt input path for one batch variant and row mode. (The fields a
+    plain entry reads come first: a stage's turn touches few cache lines of it.)"""
 
-    stage: str
-    mode: object  # RowMode
+    arrivals: dict  # ArrivalKey -> ArrivalPath
+    # the declared producer's update is a plain add: arrival paths were bound on that (an
+    # add before the sum), so an output arriving with any other update is refused
+    assumes_plain: bool = False
+    update_rows: Layout  # where the update and read run (the residual's layout)
     read: object  # the stage's StageRead
     norm: object
+    # the read's input reaches compute as the read returns it (no latent, no movement)
+    direct: bool = field(init=False, repr=False)
+    input_move: Movement  # update rows -> compute rows
+    stage: str
+    mode: object  # RowMode
     # an attention's qkv_latent_func: run before the input's gather in an input-scattered
     # batch (only the latent moves), on the gathered compute rows otherwise
     latent: object
     stack_entry: bool  # no producer: the stack's input enters here
     local: Layout  # this DP rank's rows
-    update_rows: Layout  # where the update and read run (the residual's layout)
     compute_rows: Layout  # where compute consumes its input
-    arrivals: dict  # ArrivalKey -> ArrivalPath
     producer_keys: tuple  # what the declared producer leaves, for plans
     align: dict  # residual layout key -> movement onto the update rows
     enter_residual: Movement  # the stack's input (local rows) onto the update rows
     enter_input: Movement  # local rows -> compute rows
-    input_move: Movement  # update rows -> compute rows
     local_to_update: Movement  # a model-side tensor onto the update rows
     capture_move: Movement  # update rows -> local rows (for captures)
     residual_src: Layout  # where the producer leaves the residual
@@ -76,11 +83,6 @@ class EntryPath:
     # rebuilds from its own declaration; None where the producer decides per batch
     declared: object = None
     latent_first: bool = False  # an input-scattered batch: the latent runs before the move
-    # the declared producer's update is a plain add: arrival paths were bound on that (an
-    # add before the sum), so an output arriving with any other update is refused
-    assumes_plain: bool = False
-    # the read's input reaches compute as the read returns it (no latent, no movement)
-    direct: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.direct = self.latent is None and not self.input_move.moves
@@ -127,7 +129,7 @@ class EntryPath:
                 stream.write(residual, Turn.PREPARED, self.update_rows)
                 return x
         value = c.value.complete() if c.handoff else c.value
-        if path.complete.moves:
+        if path.moves:
             value = path.complete.move(facts, value)
         residual = stream.residual
         if residual is not None and stream.residual_rows is not self.update_rows:

@@ -48,6 +48,8 @@ class PlainAdd:
     def apply(self, residual, contribution):
         if residual is None:
             return contribution
+        if residual.dtype is FP32 and contribution.dtype is FP32:  # no casts
+            return residual + contribution
         acc = accumulate_dtype(residual.dtype)
         return (residual.to(dtype=acc) + contribution.to(dtype=acc)).to(dtype=residual.dtype)
 
@@ -70,9 +72,13 @@ class AddNormRead:
             return norm(contribution), contribution
         if update is not PLAIN_ADD and not is_plain(update):
             return self.read(update.apply(residual, contribution), norm)
-        acc = ACCUMULATE.get(residual.dtype) or accumulate_dtype(residual.dtype)
+        dtype = residual.dtype
+        if dtype is FP32 and contribution.dtype is FP32:  # the sum is fp32 already: no casts
+            total = residual + contribution
+            return norm.normalize_fp32(total, dtype), total
+        acc = ACCUMULATE.get(dtype) or accumulate_dtype(dtype)
         total = residual.to(dtype=acc) + contribution.to(dtype=acc)
-        return norm.normalize_fp32(total, residual.dtype), total.to(dtype=residual.dtype)
+        return norm.normalize_fp32(total, dtype), total.to(dtype=dtype)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
