@@ -72,7 +72,7 @@ def _summary_of_value(value) -> str:
 
 def cli_reference() -> str:
     os.environ["COLUMNS"] = HELP_WIDTH  # argparse wraps to the terminal: a fixed width
-    from layer_boundary.cli import build_parser
+    from layer_boundary.engine.args import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")

@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240

@@ -13,7 +13,7 @@ from llama_checkpoints import hf_mistral
 from nh_checkpoints import hf_nemotron_h
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 from layer_boundary.ops import cp_share_sizes
 
 

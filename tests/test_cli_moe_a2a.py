@@ -11,7 +11,7 @@ import pytest
 from checkpoints import hf_qwen3_moe
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 
 
 def _one_line_error(err: str) -> str:

@@ -12,7 +12,7 @@ from ds_checkpoints import hf_deepseek_v3
 from nh_checkpoints import hf_nemotron_h
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 
 
 def _one_line_error(err: str) -> str:

@@ -2,7 +2,9 @@
 
 The host runtime stands below the library and imports nothing from it; ``residual/`` never
 imports the stage layer; models use the public surface (the package root, the runtime,
-``residual.batch`` and the residual protocols), never internals such as ``ops`` or ``output``.
+``residual.batch`` and the residual protocols), never internals such as ``ops`` or ``output``;
+the engine (``engine/``: runner, command line, bench, generation drivers) stands on top, and
+nothing of the core imports it (only ``python -m layer_boundary`` delegates to its CLI).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ LEVELS = {
     "stage": 4, "stack": 4, "factories": 4, "adapters": 4,
     "": 5,  # the package root: the public surface
     "models": 6,
-    "runner": 7, "bench": 7, "cli": 7, "__main__": 7,
+    "engine": 7,
+    "__main__": 8,  # ``python -m layer_boundary``: the engine's command line
 }
 MODEL_SURFACE = ("", "runtime", "residual", "residual.batch", "residual.mhc", "residual.quant",
                  "models")
@@ -90,6 +93,30 @@ def test_imports_go_only_downward(module):
         if module.startswith("models"):
             assert target in MODEL_SURFACE or target.startswith(("runtime.", "models.")), \
                 f"model module {module} imports the internal {target}"
+        if not _in_engine(module) and module != "__main__":
+            assert not _in_engine(target), f"core module {module or 'layer_boundary'} " \
+                                           f"imports the engine's {target}"
+
+
+def _in_engine(module: str) -> bool:
+    return module == "engine" or module.startswith("engine.")
+
+
+def test_the_engine_is_a_subpackage_at_the_top():
+    """What plays the engine lives in ``engine/``; the package root holds none of it."""
+    engine = {m for m in MODULES if _in_engine(m)}
+    assert {"engine.runner", "engine.cli", "engine.bench", "engine.generate",
+            "engine.speculative"} <= engine
+    assert not {"runner", "cli", "bench", "models.generate", "models.speculative"} & set(MODULES)
+    assert max(level(m) for m in MODULES if m != "__main__") == level("engine.cli")
+    assert imports_of("__main__", MODULES["__main__"]) == {"engine.cli"}
+
+
+def test_no_engine_module_exceeds_500_lines():
+    """The engine is split by job (arguments, each command, the report, the checks, ...)."""
+    for module, path in MODULES.items():
+        if _in_engine(module):
+            assert len(path.read_text().splitlines()) <= 500, module
 
 
 def test_the_check_sees_imports():
@@ -98,3 +125,5 @@ def test_the_check_sees_imports():
     assert "residual.batch" in imports_of("exit", MODULES["exit"])
     assert "" in imports_of("models.qwen3", MODULES["models.qwen3"])
     assert level("runtime.linear") == 0 and level("models.qwen3") == 6 and level("") == 5
+    assert "models.pipeline" in imports_of("models.base", MODULES["models.base"])
+    assert "engine.generate" in imports_of("engine.runner", MODULES["engine.runner"])

@@ -18,8 +18,8 @@ from distributed.checks import assert_logits_match, cli_ok
 from distributed.pool import get_pool
 from oracle import TOL, hf_cached_decode
 
-from layer_boundary.cli import main
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.cli import main
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2), (4, 4, 1), (60, 2, 7))
 CHOICE = ("a", "b", "none", "a", "b")

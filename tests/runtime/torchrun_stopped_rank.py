@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from layer_boundary.cli import TORCHRUN_COLLECTIVE_TIMEOUT_S
+from layer_boundary.engine.run_command import TORCHRUN_COLLECTIVE_TIMEOUT_S
 from layer_boundary.runtime.parallel import build_parallel, init_distributed, ParallelDims
 
 rank, world = init_distributed(timeout_s=TORCHRUN_COLLECTIVE_TIMEOUT_S)

@@ -7,22 +7,22 @@ The command line and the multi-rank tests both use this, so what the tests prove
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import boundary_guard_filter, stage_boundaries
-from .adapters.branch import describe_merge
-from .layout import RowMode
-from .models import boundary_reduction, load_model
-from .models.generate import Generation, greedy_generate, takes_padded_batches
-from .models.speculative import speculative_generate
-from .contracts import BatchVariant
-from .runtime.args import BoundaryRuntime
-from .runtime.forward_batch import token_bucket
-from .runtime.ledger import LEDGER, LedgerEntry
-from .runtime.parallel import ParallelDims, build_parallel
-from .runtime.shards import ReadBytes
+from ..contracts import BatchVariant
+from ..layout import RowMode
+from ..models import Checkpoint, load_model, open_checkpoint
+from ..runtime.args import BoundaryRuntime
+from ..runtime.forward_batch import token_bucket
+from ..runtime.ledger import LEDGER, LedgerEntry
+from ..runtime.parallel import ParallelDims, build_parallel
+from ..runtime.shards import ReadBytes
+from .compiled import COMPILE_BACKENDS, compile_forward, compiled_graphs
+from .describe import plan_rows
+from .generate import Generation, greedy_generate, takes_padded_batches
+from .speculative import speculative_generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,6 +65,10 @@ class RunSpec:
     speculative_algorithm: str | None = None  # None | "draft" (draft_model) | "nextn"
     speculative_steps: int = 3  # draft tokens proposed per round
     speculative_boundary_reduction: str = "auto"  # the draft's own policy (its architecture's)
+    # model_dir's and draft_model's config.json, read once (``with_checkpoints``) and carried
+    # to every rank, so no rank reads them again
+    checkpoint: Checkpoint | None = field(default=None, compare=False, repr=False)
+    draft_checkpoint: Checkpoint | None = field(default=None, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -101,8 +105,23 @@ class RankResult:
     compiled_graphs: int = 0  # graphs torch.compile built for this rank's forwards
 
 
+def with_checkpoints(spec: RunSpec) -> RunSpec:
+    """``spec`` with its checkpoints' config.json read (each once; those already read are
+    kept): what every rank of the run is handed."""
+    checkpoint = spec.checkpoint or open_checkpoint(spec.model_dir)
+    draft = spec.draft_checkpoint
+    if draft is None and spec.draft_model is not None:
+        draft = open_checkpoint(spec.draft_model)
+    if checkpoint is spec.checkpoint and draft is spec.draft_checkpoint:
+        return spec
+    return replace(spec, checkpoint=checkpoint, draft_checkpoint=draft)
+
+
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
-    policy = boundary_reduction(spec.boundary_reduction, spec.model_dir)
+    """The target stack's runtime of ``spec``: its topology's groups, its policy resolved for
+    its checkpoint, the batch variants its forwards run."""
+    spec = with_checkpoints(spec)
+    policy = spec.checkpoint.boundary_reduction(spec.boundary_reduction)
     return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
                            pp_layers=spec.pp_layers, batch_variants=tuple(
@@ -121,63 +140,6 @@ def forward_variants(spec: RunSpec) -> tuple:
         return BatchVariant.INPUT_SCATTERED, BatchVariant.INPUT_SCATTERED
     return BatchVariant.ORDINARY, BatchVariant.ORDINARY
 
-
-def plan_rows(model, mode: RowMode = RowMode.AR, variant=None) -> list[dict]:
-    """One row per stage: what its prepare and exit do in row mode ``mode`` (in batch
-    ``variant``; default: the one the plans serve first, ordinary or CP)."""
-    boundaries = stage_boundaries(model)
-    rows = []
-    for i, boundary in enumerate(boundaries):
-        rows.append(boundary.plan.describe(mode, variant))
-        source = boundary.branch_source
-        ends_branch = source is not None and (i + 1 == len(boundaries)
-                                              or boundaries[i + 1].branch_source is not source)
-        if ends_branch:  # the branch's way back into the stack
-            origin = next(b for b in boundaries if b.declaration is source)
-            rows.append(describe_merge(origin, boundary, mode))
-    return rows
-
-
-def handoff_contract(receiver, mode: RowMode) -> str:
-    """What crosses into pipeline stage ``receiver`` (a model), as its first boundary's own
-    declaration rebuilds it in row mode ``mode``."""
-    from .contracts import BatchVariant
-
-    first = receiver.stack.first
-    entry = first.plan.path(mode).entry
-    text = (f"to_pp() completes per-batch work and applies the update; {first.name}.from_pp() "
-            f"takes the residual on {entry.residual_src}")
-    if entry.declared is not None:
-        text += (f" and the partial output with its {entry.declared.owed.value} sum owed on "
-                 f"{entry.declared.rows}")
-    return text
-
-
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-# one graph per token bucket: a doubling per graph reaches 16 x 2^31 rows before the limit
-RECOMPILE_LIMIT = 32
-
-
-def compile_forward(model, backend: str, padded: bool):
-    """``model``'s forward under ``torch.compile(fullgraph=True)``.
-
-    ``padded``: each forward is padded to its token bucket (``greedy_generate(bucket=)``), so
-    shapes are static and a graph is one bucket's; automatic dynamic shapes would only trace
-    the boundary's per-batch Python over symbolic sizes. Otherwise (a cache that cannot serve
-    padded batches) dynamo's defaults apply, and a new request pattern is a new graph. The
-    recompile limit admits one graph per bucket."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               RECOMPILE_LIMIT)
-    return torch.compile(model, fullgraph=True, backend=backend,
-                         dynamic=False if padded else None,
-                         options={"guard_filter_fn": boundary_guard_filter(model)})
-
-
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process (``torch._dynamo`` counters)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 class _ForwardCheck:
@@ -199,18 +161,24 @@ class _ForwardCheck:
 
 
 def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
-    """This rank's part of ``spec``: build, load, generate, with the ledger recording."""
+    """This rank's part of ``spec``: build, load, generate, with the ledger recording.
+
+    Args:
+        spec: the run (each rank of it gets the same one).
+        world_size: the process group's size where it is not ``spec``'s (a test's pool).
+    """
+    spec = with_checkpoints(spec)
     runtime = make_runtime(spec, world_size)
     par = runtime.parallel
     provider = make_fusions(spec.fusions)
     read = ReadBytes()
-    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype],
+    model = load_model(spec.checkpoint, runtime, dtype=DTYPES[spec.dtype],
                        options=spec.model_options, read=read)
     if provider is not None:  # installed on the built model, as an engine installs a backend's
         model.install_fusion(provider)
     adapters = None
     if spec.lora:
-        from .adapters.lora import attach_lora, lora_slots
+        from ..adapters.lora import attach_lora, lora_slots
 
         names = list(attach_lora(model, spec.lora))
         adapters = lora_slots(names, spec.prompt_lora or ("none",) * len(spec.prompts))
@@ -269,24 +237,23 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
     """The draft stack on the target's ranks and topology, with its own boundary-reduction
     policy (``auto`` resolved for the draft's own architecture): a draft checkpoint, or the
     target's own NextN layer."""
-    from .models import load_config, model_class_of
-
+    spec = with_checkpoints(spec)
     if spec.speculative_algorithm == "nextn":
-        from .models.nextn import load_nextn
+        from ..models.nextn import load_nextn
 
         # the target's own NextN layer: the target checkpoint's architecture
-        policy = boundary_reduction(spec.speculative_boundary_reduction, spec.model_dir)
+        policy = spec.checkpoint.boundary_reduction(spec.speculative_boundary_reduction)
         runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                                   allreduce_fusion=spec.allreduce_fusion,
                                   rs_padding=spec.rs_padding)
         return load_nextn(spec.model_dir, runtime, target, dtype=DTYPES[spec.dtype])
-    draft_cls = model_class_of(spec.draft_model)
-    target_cfg, draft_cfg = load_config(spec.model_dir), load_config(spec.draft_model)
-    check_draft(target_cfg, draft_cfg, draft_cls, target_runtime.parallel.dims)
-    policy = boundary_reduction(spec.speculative_boundary_reduction, spec.draft_model)
+    draft = spec.draft_checkpoint
+    check_draft(spec.checkpoint.config, draft.config, draft.model_class,
+                target_runtime.parallel.dims)
+    policy = draft.boundary_reduction(spec.speculative_boundary_reduction)
     runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                               allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
-    return load_model(spec.draft_model, runtime, dtype=DTYPES[spec.dtype])
+    return load_model(draft, runtime, dtype=DTYPES[spec.dtype])
 
 
 def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:
@@ -309,7 +276,7 @@ def make_fusions(name: str | None):
     """The fusion provider a run spec names (reference providers run on CPU)."""
     if name is None:
         return None
-    from .fusions.reference import ReferenceFusions
+    from ..fusions.reference import ReferenceFusions
 
     options = {"reference": {}, "reference-terminal": {"terminal_finalize": True},
                "decline": {"decline": True}}
@@ -347,60 +314,3 @@ def speculative_summary(results: list[RankResult]) -> dict | None:
             "target_forwards": max(h["target_forwards"] for h in heads),
             "reruns": max(h["reruns"] for h in heads)}
 
-
-# fp32 parity: logits within this much per unit of the reference's logit scale (the largest
-# |logit|, at least 1): summation order alone moves a logit by a few ulps of the sums behind
-# it, which grow with the scale, so a fixed absolute bound would fail legitimate large-logit
-# checkpoints; a real divergence (a wrong shard, a missing sum) moves logits by a fraction of
-# the scale itself, orders of magnitude above this
-FP32_RELATIVE_TOLERANCE = 1e-5
-
-
-def _all_finite(gen: Generation) -> bool:
-    return all(bool(torch.isfinite(x).all()) for steps in gen.logits for x in steps)
-
-
-def parity(run: Generation, reference: Generation) -> dict:
-    """Tokens, the largest logit difference (NaN if any logit is not finite), which side has
-    non-finite logits, the reference's logit scale and the fp32 tolerance it implies."""
-    finite = {"run": _all_finite(run), "reference": _all_finite(reference)}
-    diffs = [float((a.float() - b.float()).abs().max())
-             for la, lb in zip(run.logits, reference.logits) for a, b in zip(la, lb)]
-    scale = max((float(x.float().abs().max()) for steps in reference.logits for x in steps
-                 if x.numel() and bool(torch.isfinite(x).all())), default=0.0)
-    worst = float("nan") if not all(finite.values()) else max(diffs, default=0.0)
-    return {"tokens_match": run.generated == reference.generated, "max_abs_diff": worst,
-            "non_finite": [side for side, ok in finite.items() if not ok],
-            "logit_scale": scale,
-            "tolerance": FP32_RELATIVE_TOLERANCE * max(1.0, scale)}
-
-
-def verdict_ok(verdict: dict, dtype: str, run: Generation, reference: Generation):
-    """(PASS or not, how it was judged). Non-finite logits on either side always fail."""
-    if verdict["non_finite"]:
-        return False, f"non-finite logits in the {' and the '.join(verdict['non_finite'])}"
-    if dtype == "float32":
-        ok = verdict["tokens_match"] and verdict["max_abs_diff"] <= verdict["tolerance"]
-        return ok, (f"tolerance {verdict['tolerance']:.2g} = {FP32_RELATIVE_TOLERANCE:.0e} x "
-                    f"logit scale {max(1.0, verdict['logit_scale']):.3g}")
-    # bf16: greedy tokens may part at near-ties; the prefill logits are the check
-    ok, worst = bf16_prefill_within_bound(run, reference)
-    return ok, f"bf16: prefill within {worst:.3g} of the logit scale, bound {BF16_PREFILL_BOUND}"
-
-
-# bf16 runs: prefill logits stay within this fraction of the reference's largest logit
-# (measured: up to about 0.027 on the tiny models, multi-rank bf16 against fp32 world 1);
-# greedy tokens may part at near-ties, after which decode logits are not comparable.
-BF16_PREFILL_BOUND = 2.0 ** -4
-
-
-def bf16_prefill_within_bound(run: Generation, reference: Generation) -> tuple[bool, float]:
-    """(whether every request's prefill logits are within the bf16 bound, the worst ratio)."""
-    worst = 0.0
-    for la, lb in zip(run.logits, reference.logits):
-        scale = float(lb[0].float().abs().max()) or 1.0
-        ratio = float((la[0].float() - lb[0].float()).abs().max()) / scale
-        if ratio != ratio or ratio == float("inf"):  # a NaN or infinite logit: never within
-            return False, float("nan")
-        worst = max(worst, ratio)
-    return worst <= BF16_PREFILL_BOUND, worst
