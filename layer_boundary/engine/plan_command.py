@@ -7,7 +7,7 @@ import json
 import logging
 
 from .args import UsageError, tp_dp
-from .checks import check_moe_a2a, check_pipeline, check_variants
+from .checks import check_pipeline
 from .logs import setup_logging
 from .report import a2a_note, asked, plan_table
 
@@ -37,39 +37,36 @@ def cmd_plan(args) -> int:
     from ..models import open_checkpoint
     from ..models.tiny import builtin_checkpoint
     from ..ops import RowFacts, table_rows
-    from ..runtime.args import BoundaryRuntime
-    from ..runtime.parallel import ParallelDims, virtual_parallel
+    from ..runtime.parallel import virtual_parallel
     from .describe import handoff_contract, plan_rows
+    from .features import check_spec
+    from .runner import RunSpec, forward_variants, runtime_of
 
     setup_logging(0)
     args.tp, args.dp = tp_dp(args)
     model_dir = args.model or str(builtin_checkpoint())
     checkpoint = open_checkpoint(model_dir)
     cfg, model_cls = checkpoint.config, checkpoint.model_class
-    dims = ParallelDims(world_size=args.pp * args.tp, tp=args.tp, pp=args.pp, attn_dp=args.dp,
-                        attn_cp=args.cp, moe_ep=args.ep)
-    model_cls.check_topology(cfg, dims)
-    check_pipeline(args, cfg, model_cls)
+    spec = RunSpec(model_dir, checkpoint=checkpoint, tp=args.tp, dp=args.dp, ep=args.ep,
+                   cp=args.cp, pp=args.pp, pp_layers=args.pp_layers,
+                   sequence_parallel=args.sequence_parallel,
+                   attn_input_scattered=args.attn_input_scattered,
+                   moe_a2a_backend=args.moe_a2a_backend, tbo=args.tbo,
+                   boundary_reduction=args.boundary_reduction,
+                   allreduce_fusion=not args.no_allreduce_fusion,
+                   rs_padding=not args.no_rs_padding)
+    dims = spec.dims()  # names bad factors
+    check_spec(spec)  # the combination table, as run asks it
+    check_pipeline(args, checkpoint)
     policy = checkpoint.boundary_reduction(args.boundary_reduction)
-    check_variants(args, model_cls, policy)
-    check_moe_a2a(args, model_cls, dims.attn_tp, policy)
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
     cp = dims.attn_cp > 1
-    variant = (BatchVariant.CP if cp else BatchVariant.SEQUENCE_PARALLEL if args.sequence_parallel
-               else BatchVariant.INPUT_SCATTERED if args.attn_input_scattered
-               else BatchVariant.ORDINARY)
-    variants = (variant,) if cp else tuple(dict.fromkeys((BatchVariant.ORDINARY, variant)))
+    variant = forward_variants(spec)[0]
     runtimes, models = [], []
     for stage in range(dims.pp):  # each pipeline stage as its first rank builds it
-        runtimes.append(BoundaryRuntime(virtual_parallel(dims, stage * dims.tp),
-                                        boundary_reduction=policy,
-                                        allreduce_fusion=not args.no_allreduce_fusion,
-                                        rs_padding=not args.no_rs_padding,
-                                        pp_layers=args.pp_layers, batch_variants=variants,
-                                        moe_a2a_backend=args.moe_a2a_backend,
-                                        choose_by_bytes=args.boundary_reduction == "auto"))
+        runtimes.append(runtime_of(spec, virtual_parallel(dims, stage * dims.tp)))
         with torch.device("meta"):  # boundaries are built at construction; no weights needed
             models.append(model_cls(cfg, runtimes[-1]))
     runtime = runtimes[0]

@@ -66,6 +66,8 @@ def report(args, spec, results, reference) -> int:
                         for i, g in zip(run.request_ids, run.generated)],
             "parity": verdict, "collectives": collectives,
             **({"speculative": speculative} if speculative else {}),
+            **({"fusion_provider": spec.fusions, "fused_inputs": rank0.fused_inputs,
+                "fused_final_norms": rank0.fused_final_norms} if spec.fusions else {}),
             **({"cp": spec.cp} if spec.cp > 1 else {}),
             **({"moe_a2a_backend": spec.moe_a2a_backend}
                if spec.moe_a2a_backend != "none" else {}),
@@ -94,6 +96,9 @@ def report(args, spec, results, reference) -> int:
                  "per request, %d verification forwards, %d reruns", spec.speculative_steps,
                  speculative["acceptance_rate"], speculative["tokens_per_target_forward"],
                  speculative["target_forwards"], speculative["reruns"])
+    if spec.fusions:
+        log.info("fusion provider %s on rank 0: %d inputs and %d final norms completed fused",
+                 spec.fusions, rank0.fused_inputs, rank0.fused_final_norms)
     if verdict is None:
         log.info("parity: not checked")
     else:
@@ -160,6 +165,8 @@ def _modes_on(spec) -> str:
         words.append(f"speculative ({source}, {spec.speculative_steps} steps)")
     if spec.lora:
         words.append(f"LoRA {', '.join(name for name, _ in spec.lora)}")
+    if spec.fusions:
+        words.append(f"fusion provider {spec.fusions}")
     return "".join(f"  {w}" for w in words)
 
 

@@ -8,7 +8,7 @@ import contextlib
 import logging
 
 from .args import UsageError, tp_dp
-from .checks import check_lengths, check_lora, check_moe_a2a, check_pipeline, check_variants
+from .checks import check_lengths, check_lora, check_pipeline
 from .logs import setup_logging
 
 log = logging.getLogger("layer_boundary")
@@ -43,12 +43,14 @@ DEFAULT_PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8))
 
 def spec_from_args(args):
     """The ``RunSpec`` of ``run``'s arguments, every check made: a bad argument, checkpoint or
-    combination is a ``UsageError`` (or the checkpoint's, topology's own error) here, before
-    any rank starts. Each checkpoint's config.json is read once, into the spec."""
+    combination is a one-line error here (a ``UsageError``, or the checkpoint's, topology's or
+    combination table's own), before any rank starts. Each checkpoint's config.json is read
+    once, into the spec."""
     from ..models import open_checkpoint
     from ..models.loader import check_fp8_tensors, safetensors_files
     from ..models.tiny import builtin_checkpoint
     from ..runtime.parallel import ParallelDims
+    from .features import check_spec
     from .runner import RunSpec
 
     model_dir = args.model or str(builtin_checkpoint())
@@ -56,9 +58,6 @@ def spec_from_args(args):
     cfg = checkpoint.config
     safetensors_files(model_dir)  # a missing weights file is a one-line error before any rank
     check_fp8_tensors(model_dir, getattr(cfg, "fp8_block", None))  # headers only
-    if getattr(cfg, "fp8_block", None) and args.sequence_parallel:
-        raise UsageError("--sequence-parallel does not combine with an FP8 checkpoint's "
-                         "quantized reads yet")
     prompts = _prompts(args, model_dir) or tuple(
         tuple(t % cfg.vocab_size for t in p) for p in DEFAULT_PROMPTS)
     for i, p in enumerate(prompts):
@@ -74,51 +73,20 @@ def spec_from_args(args):
         if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent,
                                                                            os.W_OK):
             raise UsageError(f"--logits-out {args.logits_out}: cannot write a file there")
-    experts = getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0)
-    if args.ep > 1 and not experts:
-        raise UsageError(f"--ep {args.ep} splits MoE experts over ranks; the {cfg.model_type} "
-                         f"checkpoint {model_dir} has none")
     tp, dp = tp_dp(args)
-    dims = ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp,
-                        attn_cp=args.cp, moe_ep=args.ep)  # names bad factors
-    model_cls = checkpoint.model_class
-    model_cls.check_topology(cfg, dims)
-    check_pipeline(args, cfg, model_cls)
-    policy = checkpoint.boundary_reduction(args.boundary_reduction)
-    check_variants(args, model_cls, policy)
-    check_moe_a2a(args, model_cls, dims.attn_tp, policy)
-    if args.tbo and (args.pp > 1 or args.split_prefill > 1 or args.compile
-                     or args.compile_backend):
-        raise UsageError("--tbo runs the whole stack eagerly on one pipeline stage: it does "
-                         "not combine with --pp, --split-prefill or --compile yet")
+    ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp, attn_cp=args.cp,
+                 moe_ep=args.ep)  # names bad factors
     algorithm = args.speculative_algorithm or ("draft" if args.draft_model else None)
     draft = None
-    if algorithm is not None:
-        from .runner import check_draft
-
-        if args.tbo or args.pp > 1 or args.split_prefill > 1:
-            raise UsageError("speculative decoding does not combine with --tbo, --pp or "
-                             "--split-prefill yet")
-        if algorithm == "draft":
-            if args.draft_model is None:
-                raise UsageError("--speculative-algorithm draft needs --draft-model")
-            safetensors_files(args.draft_model)
-            draft = open_checkpoint(args.draft_model)
-            check_draft(cfg, draft.config, draft.model_class, dims)
-        elif args.draft_model is not None:
-            raise UsageError("--speculative-algorithm nextn drafts with the target's own NextN "
-                             "layer: drop --draft-model")
-        elif not model_cls.nextn_layers(cfg):
-            raise UsageError(f"--speculative-algorithm nextn needs a checkpoint with its own "
-                             f"NextN layer (config.json num_nextn_predict_layers > 0); "
-                             f"{model_dir} ({cfg.model_type}) has none")
-    lora, prompt_lora = check_lora(args, prompts, cfg, model_cls, dims)
-    return RunSpec(model_dir=str(model_dir), checkpoint=checkpoint, draft_checkpoint=draft,
+    if args.draft_model is not None and algorithm == "draft":
+        safetensors_files(args.draft_model)
+        draft = open_checkpoint(args.draft_model)
+    spec = RunSpec(model_dir=str(model_dir), checkpoint=checkpoint, draft_checkpoint=draft,
                    tp=tp, dp=dp, ep=args.ep, cp=args.cp,
                    sequence_parallel=args.sequence_parallel,
                    attn_input_scattered=args.attn_input_scattered,
-                   moe_a2a_backend=args.moe_a2a_backend, lora=lora, prompt_lora=prompt_lora,
-                   pp=args.pp,
+                   moe_a2a_backend=args.moe_a2a_backend, lora=tuple(args.lora or ()),
+                   prompt_lora=tuple(args.prompt_lora or ()), pp=args.pp,
                    pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
                    draft_model=args.draft_model, speculative_algorithm=algorithm,
                    speculative_steps=args.speculative_steps,
@@ -126,8 +94,12 @@ def spec_from_args(args):
                    boundary_reduction=args.boundary_reduction, dtype=args.dtype,
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
-                   rs_padding=not args.no_rs_padding,
+                   rs_padding=not args.no_rs_padding, fusions=args.fusion_provider,
                    compile=args.compile_backend or ("inductor" if args.compile else None))
+    check_spec(spec)  # the combination table: what run_rank asks first, asked here first
+    check_pipeline(args, checkpoint)
+    check_lora(spec)
+    return spec
 
 
 def rank_entry(spec):

@@ -19,8 +19,9 @@ from ..runtime.forward_batch import token_bucket
 from ..runtime.ledger import LEDGER, LedgerEntry
 from ..runtime.parallel import ParallelDims, build_parallel
 from ..runtime.shards import ReadBytes
-from .compiled import COMPILE_BACKENDS, compile_forward, compiled_graphs
+from .compiled import compile_forward, compiled_graphs
 from .describe import plan_rows
+from .features import check_draft, check_spec  # noqa: F401 - check_draft: the public name
 from .generate import Generation, greedy_generate, takes_padded_batches
 from .speculative import speculative_generate
 
@@ -103,14 +104,18 @@ class RankResult:
     speculative: dict | None = None  # proposed/accepted/target_forwards/emitted/reruns
     load_bytes: int = 0  # what this rank read from the checkpoint (its shard)
     compiled_graphs: int = 0  # graphs torch.compile built for this rank's forwards
+    calls: list = field(default_factory=list)  # ForwardRecord of each call of the target
 
 
 def with_checkpoints(spec: RunSpec) -> RunSpec:
     """``spec`` with its checkpoints' config.json read (each once; those already read are
     kept): what every rank of the run is handed."""
-    checkpoint = spec.checkpoint or open_checkpoint(spec.model_dir)
-    draft = spec.draft_checkpoint
-    if draft is None and spec.draft_model is not None:
+    checkpoint, draft = spec.checkpoint, spec.draft_checkpoint
+    if checkpoint is None or checkpoint.folder != str(spec.model_dir):  # none, or another's
+        checkpoint = open_checkpoint(spec.model_dir)
+    if spec.draft_model is None:
+        draft = None
+    elif draft is None or draft.folder != str(spec.draft_model):
         draft = open_checkpoint(spec.draft_model)
     if checkpoint is spec.checkpoint and draft is spec.draft_checkpoint:
         return spec
@@ -120,14 +125,26 @@ def with_checkpoints(spec: RunSpec) -> RunSpec:
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
     """The target stack's runtime of ``spec``: its topology's groups, its policy resolved for
     its checkpoint, the batch variants its forwards run."""
+    return runtime_of(spec, build_parallel(spec.dims(world_size)))
+
+
+def runtime_of(spec: RunSpec, parallel) -> BoundaryRuntime:
+    """``spec``'s target runtime on ``parallel`` (its groups, or a virtual topology's)."""
     spec = with_checkpoints(spec)
     policy = spec.checkpoint.boundary_reduction(spec.boundary_reduction)
-    return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
+    return BoundaryRuntime(parallel, boundary_reduction=policy,
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
-                           pp_layers=spec.pp_layers, batch_variants=tuple(
-                               dict.fromkeys(forward_variants(spec))),
+                           pp_layers=spec.pp_layers, batch_variants=runtime_variants(spec),
                            moe_a2a_backend=spec.moe_a2a_backend,
                            choose_by_bytes=spec.boundary_reduction == "auto")
+
+
+def runtime_variants(spec: RunSpec) -> tuple:
+    """Every batch variant ``spec`` asks for (what its runtime declares, so the runtime's own
+    check sees them all), those its forwards run first."""
+    asked = ((BatchVariant.SEQUENCE_PARALLEL,) * spec.sequence_parallel
+             + (BatchVariant.INPUT_SCATTERED,) * spec.attn_input_scattered)
+    return tuple(dict.fromkeys(forward_variants(spec) + asked))
 
 
 def forward_variants(spec: RunSpec) -> tuple:
@@ -141,18 +158,29 @@ def forward_variants(spec: RunSpec) -> tuple:
     return BatchVariant.ORDINARY, BatchVariant.ORDINARY
 
 
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One call of the target model: the batch it ran (what a run can show it turned on)."""
+
+    variant: BatchVariant
+    tbo: bool  # as two interleaved microbatches
+    segment: tuple | None  # the split prefill's layer range, or None: the stage's layers
+
 
 class _ForwardCheck:
-    """Wraps the model to record each forward's row mode and whether it released its stream;
-    ``forward`` is the model itself or its compiled form."""
+    """Wraps the model to record each call's batch, each forward's row mode and whether it
+    released its stream; ``forward`` is the model itself or its compiled form."""
 
     def __init__(self, model, forward) -> None:
         self.model, self.forward, self.released, self.modes = model, forward, True, []
+        self.calls: list[ForwardRecord] = []
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, forward_batch, pp_input=None, **kwargs):
+        self.calls.append(ForwardRecord(forward_batch.variant, bool(forward_batch.tbo),
+                                        forward_batch.layer_segment))
         out = self.forward(forward_batch, pp_input, **kwargs)
         if out is not None:  # the stage's last segment of this forward
             self.released &= forward_batch.residual_stream is None
@@ -166,8 +194,12 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     Args:
         spec: the run (each rank of it gets the same one).
         world_size: the process group's size where it is not ``spec``'s (a test's pool).
+
+    A spec the library does not run is refused first (``check_spec``: a one-line
+    ``ValueError``), before any group, model or collective.
     """
     spec = with_checkpoints(spec)
+    check_spec(spec)
     runtime = make_runtime(spec, world_size)
     par = runtime.parallel
     provider = make_fusions(spec.fusions)
@@ -187,12 +219,6 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     # verification builds its own batches, unpadded)
     pads = spec.compile is not None and not spec.speculative and takes_padded_batches(model)
     if spec.compile is not None:
-        if spec.pp > 1:
-            raise ValueError("--compile runs one stage's whole forward as one graph: it does "
-                             "not support --pp > 1 yet")
-        if spec.compile not in COMPILE_BACKENDS:
-            raise ValueError(f"compile backend {spec.compile!r} is not one of "
-                             f"{', '.join(COMPILE_BACKENDS)}")
         torch._dynamo.reset()  # one model per run: no earlier run's graphs count to its limits
         forward = compile_forward(model, spec.compile, padded=pads)
         graphs_before = compiled_graphs()
@@ -205,7 +231,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
             gen, stats = speculative_generate(
                 checked, draft, [list(p) for p in spec.prompts], spec.max_new_tokens,
                 spec.speculative_steps, parallel=par, dp=par.dims.attn_dp,
-                dp_rank=par.attn_dp_rank, on_step=_set_ledger_step, adapters=adapters)
+                dp_rank=par.attn_dp_rank, on_step=_set_ledger_step, adapters=adapters,
+                variants=forward_variants(spec))
         else:
             gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
                                   dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
@@ -227,6 +254,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     if spec.compile is not None:
         result.compiled_graphs = compiled_graphs() - graphs_before
     result.layers = tuple(model.stage.layers)
+    result.calls = checked.calls
     if provider is not None:
         result.fused_inputs = provider.accepted
         result.fused_final_norms = 0 if provider.service is None else provider.service.calls
@@ -248,28 +276,10 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
                                   rs_padding=spec.rs_padding)
         return load_nextn(spec.model_dir, runtime, target, dtype=DTYPES[spec.dtype])
     draft = spec.draft_checkpoint
-    check_draft(spec.checkpoint.config, draft.config, draft.model_class,
-                target_runtime.parallel.dims)
     policy = draft.boundary_reduction(spec.speculative_boundary_reduction)
     runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                               allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
     return load_model(draft, runtime, dtype=DTYPES[spec.dtype])
-
-
-def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:
-    """A draft must share the target's vocabulary and shard over the same topology; its cache
-    must be positional (rejected draft tokens are overwritten, never folded in: what its model
-    class declares, ``positional_cache``)."""
-    if draft_cfg.vocab_size != target_cfg.vocab_size:
-        raise ValueError(f"draft vocab_size={draft_cfg.vocab_size} differs from the target's "
-                         f"vocab_size={target_cfg.vocab_size}")
-    draft_cls.check_topology(draft_cfg, dims)
-    if not draft_cls.positional_cache:
-        raise ValueError(f"a {draft_cls.model_type} draft keeps state that folds every token in "
-                         "(Mamba states, a sliding-window ring): drafts need a positional KV "
-                         "cache")
-    if dims.pp > 1:
-        raise ValueError("speculative decoding does not support --pp > 1 yet")
 
 
 def make_fusions(name: str | None):
@@ -279,7 +289,7 @@ def make_fusions(name: str | None):
     from ..fusions.reference import ReferenceFusions
 
     options = {"reference": {}, "reference-terminal": {"terminal_finalize": True},
-               "decline": {"decline": True}}
+               "decline": {"decline": True}}  # FUSION_PROVIDERS
     if name not in options:
         raise ValueError(f"unknown fusion provider {name!r} (known: {', '.join(options)})")
     return ReferenceFusions(**options[name])

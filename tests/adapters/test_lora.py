@@ -169,7 +169,8 @@ def foreign_adapter(tmp_path_factory, adapters) -> str:
     ("foreign", "LoRA adapter a targets model.layers.0.self_attn.x_proj, which the qwen3 model "
                 "has no parallel linear for"),
     ("missing", "LoRA adapter /nonexistent: no adapter_config.json"),
-    ("sp", "--lora does not combine with --sequence-parallel yet")])
+    ("sp", "--sequence-parallel does not combine with --lora yet (BatchVariant.SEQUENCE_PARALLEL, "
+           "attach_lora)")])
 def test_bad_adapter_input_is_a_one_line_error(qwen3_dir, adapters, foreign_adapter, case,
                                                message, capsys, restore_logger):
     lora = {"foreign": f"a={foreign_adapter}", "missing": "a=/nonexistent"}.get(
