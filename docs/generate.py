@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
-SURFACE = ("layer_boundary", "layer_boundary.residual.batch", "layer_boundary.runtime")
+SURFACE = ("layer_boundary", "layer_boundary.residual.batch", "layer_boundary.runtime",
+           "layer_boundary.capabilities")
 HELP_WIDTH = "96"
 
 

@@ -157,8 +157,6 @@ class Setup:
         draft_config: the draft's parsed config.
         nextn: drafting with the target's own NextN layers.
         folder: the target checkpoint's folder, as messages name it.
-        whole_run: the setup is a whole run's (its target model, as the engine knows it), not
-            one model or runtime being built (a dense draft on an EP topology, say).
     """
 
     features: frozenset
@@ -170,20 +168,17 @@ class Setup:
     draft_config: object = None
     nextn: bool = False
     folder: str | None = None
-    whole_run: bool = False
 
 
 @dataclass(frozen=True)
 class Rule:
     """What ``feature`` (None: every run) needs of the model, the draft or the layout:
     ``refusal(setup)`` is the one-line message where the setup lacks it, else None (also
-    where the facts it reads are not known yet). A ``whole_run`` rule is asked of a whole
-    run's setup only."""
+    where the facts it reads are not known yet)."""
 
     feature: Feature | None
     needs: str
     refusal: Callable[[Setup], str | None]
-    whole_run: bool = False
 
 
 def _declared(capability: str, what: str, detail: Callable[[Setup], str] = lambda s: ""):
@@ -206,17 +201,6 @@ def _sharding(setup: Setup) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
-
-
-def _experts(setup: Setup) -> str | None:
-    cfg, dims = setup.config, setup.dims
-    if cfg is None or dims is None or dims.moe_ep == 1:
-        return None
-    if getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0):
-        return None
-    where = f" {setup.folder}" if setup.folder else ""
-    return (f"--ep {dims.moe_ep} (ParallelDims.moe_ep) splits MoE experts over ranks; the "
-            f"{setup.model.model_type} checkpoint{where} has none")
 
 
 def _nextn_layers(setup: Setup) -> str | None:
@@ -284,7 +268,6 @@ def _dispatch_rows(setup: Setup) -> str | None:
 
 MODEL_RULES: tuple[Rule, ...] = (
     Rule(None, "the model's config shards over the topology (its check_parallel)", _sharding),
-    Rule(None, "the target has routed experts where --ep > 1", _experts, whole_run=True),
     Rule(Feature.CP, "the model declares context_parallel",
          _declared("context_parallel", "context parallelism",
                    lambda s: f" (attn_cp={s.dims.attn_cp})" if s.dims else "")),
@@ -326,8 +309,6 @@ def refusals(setup: Setup) -> list[str]:
     out = [rule.message() for rule in PAIRS
            if rule.first in setup.features and rule.second in setup.features]
     for rule in MODEL_RULES + LAYOUT_RULES:
-        if rule.whole_run and not setup.whole_run:
-            continue
         if rule.feature is None or rule.feature in setup.features:
             message = rule.refusal(setup)
             if message is not None:
@@ -381,3 +362,8 @@ def check_model(model_cls, config, runtime, features=()) -> None:
         on.add(Feature.FP8)
     check(Setup(frozenset(on), model_cls, config, runtime.parallel.dims,
                 runtime.boundary_reduction))
+
+
+__all__ = ["CapabilityError", "Feature", "LAYOUT_RULES", "MODEL_RULES", "PAIRS", "PairRule",
+           "Rule", "Setup", "check", "check_model", "check_runtime", "pair_rule", "refusals",
+           "runtime_features"]

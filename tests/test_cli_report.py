@@ -126,3 +126,15 @@ def test_bench_prints_the_spread_and_warns_within_noise(capsys, monkeypatch):
     assert out.splitlines()[0].startswith("timing 3 paired decode steps (hidden 64")
     assert "  boundary     min " in out and "  hand_written min " in out
     assert "warning: the overhead is within the noise" in out
+
+
+@pytest.mark.timeout(120)
+def test_a_fusion_provider_is_installed_on_every_rank_and_reported(qwen3_dir, capsys):
+    """``--fusion-provider``: under ar each rank's deferred FFN all-reduce is completed by the
+    provider's fused add+norm candidate, and the numbers stay world 1's."""
+    report = json.loads(cli_ok(["run", "--model", str(qwen3_dir), "--tp", "2", "--dp", "1",
+                                "--boundary-reduction", "ar", "--max-new-tokens", "2",
+                                "--fusion-provider", "reference", "--json"], capsys))
+    assert report["fusion_provider"] == "reference" and report["fused_inputs"] > 0
+    assert report["parity"]["tokens_match"]
+    assert report["parity"]["max_abs_diff"] <= report["parity"]["tolerance"]

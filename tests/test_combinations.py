@@ -27,9 +27,10 @@ from distributed.pool import get_pool
 
 from layer_boundary.capabilities import CapabilityError, Feature, pair_rule
 from layer_boundary.engine.args import UsageError, build_parser
+from layer_boundary.engine.features import check_spec
 from layer_boundary.engine.parity import parity
 from layer_boundary.engine.run_command import spec_from_args
-from layer_boundary.engine.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank, with_checkpoints
 from layer_boundary.runtime.forward_batch import BatchVariant
 from layer_boundary.runtime.ledger import LEDGER
 
@@ -40,7 +41,8 @@ TESTS = Path(__file__).resolve().parent
 # dynamic FP8 activations round alike at world 1 and on 2 ranks (a sum order can move an
 # activation across a rounding boundary: tests/models/test_fp8.py says the same of its own)
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2), (35, 8), (9, 7, 9, 3, 2))
-STEPS = 2
+STEPS = 2  # a prefill and a decode step; a compiled run without a draft stops at the prefill
+# (each new batch shape is a graph to trace, and the prefill already shows both features on)
 # what the library can see while it builds (the rest is the driver's: run_rank sees it)
 BUILT = {F.CP, F.SEQUENCE_PARALLEL, F.INPUT_SCATTERED, F.MOE_A2A, F.PIPELINE, F.LORA, F.FP8,
          F.COMPILE}
@@ -137,11 +139,12 @@ def case(pair, dirs) -> tuple[list[str], RunSpec]:
         flags += [x for choice in kw["prompt_lora"] for x in ("--prompt-lora", choice)]
     if F.FUSIONS in on:
         kw["fusions"], flags = "reference", flags + ["--fusion-provider", "reference"]
+    steps = 1 if F.COMPILE in on and F.SPECULATIVE not in on else STEPS
     flags = ["run", "--model", path, "--tp", str(tp), "--dp", str(dp),
-             "--boundary-reduction", policy, "--max-new-tokens", str(STEPS), *flags]
+             "--boundary-reduction", policy, "--max-new-tokens", str(steps), *flags]
     flags += [x for p in PROMPTS for x in ("--prompt-ids", ",".join(map(str, p)))]
     return flags, RunSpec(path, tp=tp, dp=dp, cp=cp, ep=ep, pp=pp, boundary_reduction=policy,
-                          prompts=PROMPTS, max_new_tokens=STEPS, **kw)
+                          prompts=PROMPTS, max_new_tokens=steps, **kw)
 
 
 def verdict(call) -> str | None:
@@ -159,7 +162,7 @@ def construction_verdict(spec: RunSpec) -> str | None:
     tensors: no weights): the runtime, the model, its adapters, its compiled form."""
     from layer_boundary.adapters.lora import attach_lora
     from layer_boundary.engine.compiled import compile_forward
-    from layer_boundary.engine.runner import runtime_of, with_checkpoints
+    from layer_boundary.engine.runner import runtime_of
     from layer_boundary.runtime.parallel import virtual_parallel
 
     spec = with_checkpoints(spec)
@@ -182,12 +185,14 @@ def test_the_command_line_and_the_library_agree(pair, dirs, restore_logger):
     rule = pair_rule(*pair)
     expected = None if rule is None else rule.message()
     cli = verdict(lambda: spec_from_args(build_parser().parse_args(flags)))
-    # run_rank in this process: a refusal comes before any group is built (a spec of 2 or
-    # more ranks would need them), any model loaded or any collective recorded
-    with LEDGER.recording() as entries:
-        library = verdict(lambda: run_rank(spec)) if rule else None
+    if rule is None:  # what run_rank asks first (test_each_supported_pair_runs runs it)
+        library = verdict(lambda: check_spec(with_checkpoints(spec)))
+    else:  # run_rank in this process: refused before any group is built (a spec of 2 or
+        # more ranks would need them), any model loaded or any collective recorded
+        with LEDGER.recording() as entries:
+            library = verdict(lambda: run_rank(spec))
+        assert not entries
     assert cli == library == expected, (cli, library)
-    assert not entries
     if set(pair) <= BUILT:
         assert construction_verdict(spec) == expected
     else:  # the driver's feature: construction cannot see it, run_rank refused it above

@@ -12,6 +12,7 @@ from ..runtime.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the names are, for type checkers; imported on first use
     from .cli import main
+    from .features import check_spec
     from .generate import Generation, greedy_generate
     from .parity import parity, verdict_ok
     from .runner import RankResult, RunSpec, merge, run_rank
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
 
 _EXPORTS = {
     'main': '.cli',
+    'check_spec': '.features',
     'Generation': '.generate',
     'greedy_generate': '.generate',
     'parity': '.parity',

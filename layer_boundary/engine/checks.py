@@ -39,6 +39,16 @@ def check_lora(spec) -> None:
         raise UsageError(str(exc)) from None
 
 
+def check_ep(args, checkpoint) -> None:
+    """``--ep`` on a checkpoint without routed experts: the library runs it (there is nothing
+    to split), so it is no combination rule, but the flag does nothing here and is refused as
+    a usage error."""
+    cfg = checkpoint.config
+    if args.ep > 1 and not (getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0)):
+        raise UsageError(f"--ep {args.ep} splits MoE experts over ranks; the "
+                         f"{checkpoint.model_type} checkpoint {checkpoint.folder} has none")
+
+
 def check_lengths(checkpoint, prompts, max_new_tokens: int) -> None:
     """Prompts and generations that fit the checkpoint's positions (config.json's
     max_position_embeddings, read from the ``Checkpoint``)."""

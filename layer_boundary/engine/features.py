@@ -36,8 +36,7 @@ def setup_of(spec) -> Setup:
                  target.boundary_reduction(spec.boundary_reduction),
                  draft=None if draft is None else draft.model_class,
                  draft_config=None if draft is None else draft.config,
-                 nextn=spec.speculative_algorithm == "nextn", folder=spec.model_dir,
-                 whole_run=True)
+                 nextn=spec.speculative_algorithm == "nextn", folder=spec.model_dir)
 
 
 def check_spec(spec) -> None:

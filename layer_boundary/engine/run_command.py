@@ -8,7 +8,7 @@ import contextlib
 import logging
 
 from .args import UsageError, tp_dp
-from .checks import check_lengths, check_lora, check_pipeline
+from .checks import check_ep, check_lengths, check_lora, check_pipeline
 from .logs import setup_logging
 
 log = logging.getLogger("layer_boundary")
@@ -73,6 +73,7 @@ def spec_from_args(args):
         if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent,
                                                                            os.W_OK):
             raise UsageError(f"--logits-out {args.logits_out}: cannot write a file there")
+    check_ep(args, checkpoint)
     tp, dp = tp_dp(args)
     ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp, attn_cp=args.cp,
                  moe_ep=args.ep)  # names bad factors
