@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "DP rank's tokens taken as one-token requests)")
     _pipeline_args(plan)
 
-    bench = sub.add_parser("bench", formatter_class=_HelpFormatter, help="boundary overhead against a hand-written decoder")
+    bench = sub.add_parser("bench", formatter_class=_HelpFormatter,
+                           help="boundary overhead against a hand-written decoder")
     bench.add_argument("--hidden", type=_positive, default=256,
                        help="the benchmark model's hidden size (a multiple of 8)")
     bench.add_argument("--layers", type=_positive, default=8, help="its decoder layers")
@@ -228,7 +229,8 @@ def _token_counts(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--tokens {text!r} must be comma-separated integers") from None
+        raise argparse.ArgumentTypeError(
+            f"--tokens {text!r} must be comma-separated integers") from None
     if min(counts) < 0:
         raise argparse.ArgumentTypeError(f"--tokens {text!r} has a negative count")
     return counts

@@ -25,7 +25,8 @@ from .pipeline import PipelineLink
 class Generation:
     request_ids: list[int]  # indices of this rank's requests in the global prompt list
     generated: list[list[int]]
-    logits: list[list[torch.Tensor]]  # per request, per step: [vocab] fp32 logits of its last position
+    # per request, per step: [vocab] fp32 logits of its last position
+    logits: list[list[torch.Tensor]]
 
 
 def requests_of(dp_rank: int, dp: int, n: int) -> list[int]:

@@ -118,8 +118,9 @@ def cmd_plan(args) -> int:
     log.info("layer-boundary plan: %s  tp=%d dp=%d cp=%d attn_tp=%d  boundary_reduction=%s "
              "(asked %s)%s", model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp, policy,
              asked(args.boundary_reduction, checkpoint), a2a_note(args.moe_a2a_backend))
+    article = "an" if variant.value[0] in "aeiou" else "a"
     log.info("tokens per DP rank %s -> row mode %s (%s)%s", list(counts), mode.value, reason,
-             "" if variant is BatchVariant.ORDINARY else f", {'an' if variant.value[0] in 'aeiou' else 'a'} {variant.value} batch")
+             "" if variant is BatchVariant.ORDINARY else f", {article} {variant.value} batch")
     if cp:
         log.info("CP batch: each DP rank's tokens as one request, cut in %d chunks; CP rank r "
                  "attends chunks r and %d-r", 2 * dims.attn_cp, 2 * dims.attn_cp - 1)

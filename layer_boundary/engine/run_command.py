@@ -148,8 +148,8 @@ def cmd_run(args) -> int:
     spec = spec_from_args(args)
     if spec.tbo and not args.json:  # spawned gloo ranks on this machine's shared cores
         log.info("note: --tbo on gloo ranks that share CPU cores runs slower than the plain "
-                 "forward (docs/features.md, Two-batch overlap); it proves the overlapped schedule's "
-                 "numbers, not a speed-up here")
+                 "forward (docs/features.md, Two-batch overlap); it proves the overlapped "
+                 "schedule's numbers, not a speed-up here")
     world = spec.world_size
     if world > 1 and not args.json:  # before the wait: how many processes this starts
         log.info("starting %d rank processes (%stp %d)", world,
