@@ -36,15 +36,15 @@ def checkpoint(path: Path) -> Path:
 
 
 def attention_gathers(model_dir: Path, tokens: int, scattered: bool) -> dict:
-    from layer_boundary.runner import RunSpec, merge
+    from layer_boundary.engine.runner import RunSpec, merge
     from layer_boundary.runtime.launch import spawn
 
-    from layer_boundary.cli import _rank_entry
+    from layer_boundary.engine.run_command import rank_entry
 
     prompt = tuple((7 * t + 3) % SMALL_REST["vocab_size"] for t in range(tokens))
     spec = RunSpec(str(model_dir), tp=2, boundary_reduction="rs", prompts=(prompt,),
                    max_new_tokens=1, attn_input_scattered=scattered)
-    results = spawn(_rank_entry, 2, spec)
+    results = spawn(rank_entry, 2, spec)
     gathers = [e for e in results[0].ledger if e.step == 0 and e.kind == "all_gather"
                and ".attn" in e.site and e.site.endswith("prepare")]
     rows = -(-tokens // 2) * 2  # rs pads the rows to whole attention-TP chunks

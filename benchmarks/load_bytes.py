@@ -35,7 +35,7 @@ def _peak_mb() -> float:
 def load_rank(model_dir: str, tp: int, lazy: bool) -> dict:
     from layer_boundary.models import load_config, model_class_of
     from layer_boundary.models.loader import iter_weights
-    from layer_boundary.runner import RunSpec, make_runtime
+    from layer_boundary.engine.runner import RunSpec, make_runtime
     from layer_boundary.runtime.shards import ReadBytes
 
     runtime = make_runtime(RunSpec(model_dir, tp=tp))

@@ -34,15 +34,15 @@ def checkpoint(path: Path) -> Path:
 
 
 def moe_bytes(model_dir: Path, tokens: int, backend: str) -> dict:
-    from layer_boundary.cli import _rank_entry
-    from layer_boundary.runner import RunSpec, merge
+    from layer_boundary.engine.run_command import rank_entry
+    from layer_boundary.engine.runner import RunSpec, merge
     from layer_boundary.runtime.launch import spawn
 
     prompts = tuple(tuple((31 * r + 7 * t + 3) % CONFIG["vocab_size"] for t in range(tokens))
                     for r in range(4))
     spec = RunSpec(str(model_dir), tp=4, dp=4, ep=4, prompts=prompts, max_new_tokens=1,
                    moe_a2a_backend=backend)
-    results = spawn(_rank_entry, 4, spec)
+    results = spawn(rank_entry, 4, spec)
     sites = ("layer0.ffn.prepare", "layer0.ffn.compute", "layer1.attn.prepare")
     moe = [e for e in results[0].ledger if e.step == 0 and e.site in sites]
     return {"generation": merge(results), "bytes": sum(e.bytes for e in moe),

@@ -11,7 +11,7 @@ fullgraph), where the boundary's Python is gone.
 import json
 import sys
 
-from layer_boundary.bench import overhead
+from layer_boundary.engine.bench import overhead
 
 if __name__ == "__main__":
     compiled = "--eager-only" not in sys.argv

@@ -34,7 +34,7 @@ def _median_ratio(fn, runs: int, **kwargs) -> dict:
 
 
 def overhead_rows(quick: bool):
-    from layer_boundary.bench import overhead, overhead_tp
+    from layer_boundary.engine.bench import overhead, overhead_tp
 
     runs = 1 if quick else 5
     small = dict(hidden=64, layers=2, requests=1, prefix=4, repeats=1) if quick else None
@@ -77,7 +77,7 @@ SKEWED = (tuple(range(1, 30)), (5,), (7, 8), (9,))  # DP rank 0 holds most rows
 
 
 def path_bytes_row(ranks=None):
-    from layer_boundary.bench import path_bytes
+    from layer_boundary.engine.bench import path_bytes
     from layer_boundary.models.tiny import write_tiny_qwen3
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +86,7 @@ def path_bytes_row(ranks=None):
 
 
 def tbo_rows(quick: bool):
-    from layer_boundary.bench import tbo_overlap
+    from layer_boundary.engine.bench import tbo_overlap
 
     for tokens in ((64,) if quick else (128, 384)):
         row = tbo_overlap(tokens=tokens, repeats=1 if quick else 10,

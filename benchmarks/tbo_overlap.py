@@ -11,7 +11,7 @@ TBO is slower than not using it, as on this machine); ``ratio`` is overlapped / 
 import json
 import sys
 
-from layer_boundary.bench import tbo_overlap
+from layer_boundary.engine.bench import tbo_overlap
 
 if __name__ == "__main__":
     for tokens in (128, 384):

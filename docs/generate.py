@@ -1,5 +1,6 @@
-"""The generated parts of docs/: the API reference of the public surface (from docstrings)
-and the command-line reference (from the parser's own help).
+"""The generated parts of docs/: the API reference of the public surface (from docstrings),
+the command-line reference (from the parser's own help) and the table of which features
+combine (from ``layer_boundary.capabilities``).
 
     python docs/generate.py          # rewrite the generated blocks in place
     python docs/generate.py --check  # exit 1, naming the file, where a block is stale
@@ -17,7 +18,8 @@ import sys
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
-SURFACE = ("layer_boundary", "layer_boundary.residual.batch", "layer_boundary.runtime")
+SURFACE = ("layer_boundary", "layer_boundary.residual.batch", "layer_boundary.runtime",
+           "layer_boundary.capabilities")
 HELP_WIDTH = "96"
 
 
@@ -72,7 +74,7 @@ def _summary_of_value(value) -> str:
 
 def cli_reference() -> str:
     os.environ["COLUMNS"] = HELP_WIDTH  # argparse wraps to the terminal: a fixed width
-    from layer_boundary.cli import build_parser
+    from layer_boundary.engine.args import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -82,7 +84,34 @@ def cli_reference() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-BLOCKS = {"api.md": ("api", api_reference), "cli.md": ("cli", cli_reference)}
+def combinations_reference() -> str:
+    """The table of which features combine (``layer_boundary.capabilities``): the pair matrix,
+    each refused pair with why, and what each feature needs of the model and the layout."""
+    from layer_boundary.capabilities import LAYOUT_RULES, MODEL_RULES, PAIRS, Feature, pair_rule
+
+    features = list(Feature)
+    number = {rule: i + 1 for i, rule in enumerate(PAIRS)}
+    out = ["| | " + " | ".join(f.short for f in features) + " |",
+           "| --- |" + " :---: |" * len(features)]
+    for a in features:
+        cells = []
+        for b in features:
+            rule = None if a is b else pair_rule(a, b)
+            cells.append("" if a is b else "yes" if rule is None else f"no ({number[rule]})")
+        out.append(f"| **{a.short}** | " + " | ".join(cells) + " |")
+    out += ["", "Refused pairs (each message as the command line and the library give it):", ""]
+    out += [f"{number[r]}. {r.message()}" for r in PAIRS]
+    out += ["", "The features (column, command line, library):", ""]
+    out += [f"- **{f.short}** {f.value}: `{f.flag}`, `{f.field}`" for f in features]
+    out += ["", "What a feature needs of the model, its draft and the layout (checked with the "
+            "pairs):", ""]
+    out += [f"- {'every run' if r.feature is None else f'**{r.feature.short}**'}: {r.needs}"
+            for r in MODEL_RULES + LAYOUT_RULES]
+    return "\n".join(out) + "\n"
+
+
+BLOCKS = {"api.md": ("api", api_reference), "cli.md": ("cli", cli_reference),
+          "combinations.md": ("combinations", combinations_reference)}
 MARK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 
 

@@ -325,7 +325,7 @@ def run_rank(path: str, prompts, steps: int, *, tp: int = 1, dp: int = 1,
     requests, tokens and per-step logits, each forward's row mode, whether every stream was
     released, this rank's heads, and the collectives it ran (kind, group, site). World size is
     ``tp``; torch.distributed is initialised where it exceeds 1."""
-    from layer_boundary.models.generate import greedy_generate
+    from layer_boundary.engine.generate import greedy_generate
     from layer_boundary.runtime.ledger import LEDGER
     from layer_boundary.runtime.parallel import ParallelDims, build_parallel
 

@@ -1,5 +1,7 @@
+"""``python -m layer_boundary``: the engine's command line (``layer-boundary``)."""
+
 import sys
 
-from .cli import main
+from .engine.cli import main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.models.generate import greedy_generate
+from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
 from layer_boundary.runtime.parallel import ParallelDims, build_parallel

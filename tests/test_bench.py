@@ -3,8 +3,8 @@ boundary-integrated decoder's logits (the benchmark asserts it), so this runs it
 and checks the report; no timing is asserted."""
 
 from distributed.checks import cli_ok
-from layer_boundary.bench import overhead
-from layer_boundary.cli import main
+from layer_boundary.engine.bench import overhead
+from layer_boundary.engine.cli import main
 
 
 def test_overhead_benchmark_runs_the_same_math_both_ways():

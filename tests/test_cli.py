@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240
@@ -518,8 +518,7 @@ def test_plan_shows_each_pipeline_stage_and_its_handoff(capsys, restore_logger):
     (["--pp", "2", "--pp-layers", "3,0"], "--pp-layers 3,0: every stage needs at least one layer"),
     (["--pp", "3", "--pp-layers", "2,1"], "--pp-layers 2,1 gives 2 stages; pp=3"),
     (["--pp-layers", "2,1"], "--pp-layers 2,1 needs --pp 2"),
-    (["--pp", "2", "--compile"], "--compile does not support --pp > 1 yet"),
-])
+])  # --pp against the other features: tests/test_combinations.py
 def test_bad_pipeline_options_are_one_line_errors(args, message, capsys, restore_logger):
     assert main(["run", "--tp", "1", "--dp", "1", *args]) == 2
     assert _one_line_error(capsys.readouterr().err).endswith(message)
@@ -566,12 +565,7 @@ def test_plan_shows_both_microbatches(capsys, restore_logger):
     assert [r["local"] for r in b["ranks"]] == [2, 2, 0, 0] and b["mode"] == plan["mode"]
 
 
-@pytest.mark.parametrize("args", [["--pp", "2"], ["--split-prefill", "2"], ["--compile"]])
-def test_tbo_with_what_it_does_not_combine_with_is_a_one_line_error(args, capsys,
-                                                                    restore_logger):
-    assert main(["run", "--tbo", "--tp", "1", "--dp", "1", *args]) == 2
-    assert "--tbo runs the whole stack eagerly on one pipeline stage" in _one_line_error(
-        capsys.readouterr().err)
+# --tbo against the other features: tests/test_combinations.py walks every pair
 
 
 # ------------------------------------------------------------------ input refused up front

@@ -1,6 +1,6 @@
 """``--cp`` on ``plan`` and ``run``: the CP rows per rank, and the refusals (a model whose
-state cannot be cut over CP ranks, the features CP does not combine with yet, bad factors),
-each a one-line error before any rank starts."""
+state cannot be cut over CP ranks, bad factors), each a one-line error before any rank starts
+(the features CP does not combine with: ``tests/test_combinations.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from llama_checkpoints import hf_mistral
 from nh_checkpoints import hf_nemotron_h
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 from layer_boundary.ops import cp_share_sizes
 
 
@@ -67,16 +67,12 @@ def test_a_model_that_cannot_run_cp_is_refused_by_name(refusing_models, model, w
     assert f"{model} cannot run context parallelism (attn_cp=2): " in line and why in line
 
 
+# CP against every other feature: tests/test_combinations.py walks every pair
 @pytest.mark.parametrize("args,message", [
-    (["--tbo"], "--cp 2 does not combine with --tbo yet"),
-    (["--pp", "2"], "--cp 2 does not combine with --pp yet"),
-    (["--split-prefill", "2"], "--cp 2 does not combine with --split-prefill yet"),
-    (["--compile"], "--cp 2 does not combine with --compile yet"),
-    (["--speculative-algorithm", "nextn"], "--cp 2 does not combine with speculative decoding"),
     (["--tp", "4", "--dp", "4"], "tp 4 is not divisible by attn_dp 4 x attn_cp 2"),
     (["--tp", "3"], "tp 3 is not divisible by attn_dp 1 x attn_cp 2")])
-def test_cp_with_what_it_does_not_combine_with_is_a_one_line_error(args, message, capsys,
-                                                                   restore_logger):
+def test_cp_on_a_topology_it_does_not_divide_is_a_one_line_error(args, message, capsys,
+                                                                  restore_logger):
     base = ["run", "--cp", "2"] + ([] if "--tp" in args else ["--tp", "2"])
     assert main([*base, *args]) == 2
     assert message in _one_line_error(capsys.readouterr().err)

@@ -1,7 +1,7 @@
 """``--moe-a2a-backend`` on ``plan`` and ``run``: the MoE stage's rows and its dispatch as
 ``plan`` shows them, and the refusals (a dense model, uneven experts, the ar policy where the
-attention rows are replicated, what it does not combine with yet), each a one-line error
-before any rank starts."""
+attention rows are replicated), each a one-line error before any rank starts (what it does not
+combine with: ``tests/test_combinations.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from checkpoints import hf_qwen3_moe
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 
 
 def _one_line_error(err: str) -> str:
@@ -56,11 +56,8 @@ def six_experts(tmp_path_factory) -> str:
     ("uneven", ["--tp", "4", "--dp", "4", "--ep", "4"], "num_experts=6 is not divisible by ep=4"),
     ("ar", ["--tp", "4", "--dp", "2", "--ep", "4", "--boundary-reduction", "ar"],
      "--moe-a2a-backend all_to_all dispatches from rows no other rank holds: with attention TP "
-     "2 those are the scattered rows, and --boundary-reduction ar has none"),
-    ("sp", ["--tp", "2", "--sequence-parallel"],
-     "--moe-a2a-backend all_to_all does not combine with --sequence-parallel yet"),
-    ("cp", ["--tp", "2", "--dp", "1", "--cp", "2"],
-     "--moe-a2a-backend all_to_all does not combine with --cp 2 yet")])
+     "2 those are the scattered rows, and --boundary-reduction ar "
+     "(BoundaryRuntime.boundary_reduction) has none")])
 def test_what_the_backend_cannot_run_is_a_one_line_error(qwen3_moe_dir, six_experts, command,
                                                          case, args, message, capsys,
                                                          restore_logger):
@@ -71,12 +68,4 @@ def test_what_the_backend_cannot_run_is_a_one_line_error(qwen3_moe_dir, six_expe
     assert message in _one_line_error(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--compile"], "--moe-a2a-backend all_to_all does not combine with --compile yet"),
-    (["--speculative-algorithm", "nextn"],
-     "--moe-a2a-backend all_to_all does not combine with speculative decoding yet")])
-def test_run_refuses_what_the_backend_does_not_combine_with(qwen3_moe_dir, args, message, capsys,
-                                                            restore_logger):
-    assert main(["run", "--model", str(qwen3_moe_dir), "--tp", "2", "--moe-a2a-backend",
-                 "all_to_all", *args]) == 2
-    assert message in _one_line_error(capsys.readouterr().err)
+# the backend against every other feature: tests/test_combinations.py walks every pair

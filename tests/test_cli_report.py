@@ -13,14 +13,14 @@ import sys
 import pytest
 from distributed.checks import cli_ok
 
-from layer_boundary.cli import build_parser
+from layer_boundary.engine.args import build_parser
 
 
 def test_help_and_version_import_no_torch():
     """``layer-boundary --help`` and ``run --help`` parse before anything heavy loads (the
     package root and the runtime export lazily)."""
     for argv in (["--help"], ["run", "--help"], ["plan", "--help"], ["--version"]):
-        code = ("import sys\nfrom layer_boundary.cli import main\n"
+        code = ("import sys\nfrom layer_boundary.engine.cli import main\n"
                 f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
                 "print([m for m in sys.modules if m == 'torch' or m.startswith('torch.')])")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -86,10 +86,14 @@ def test_a_nemotron_h_plan_labels_its_mamba2_mixers(tmp_path, capsys):
 
 @pytest.mark.timeout(120)
 def test_the_header_names_the_modes_on_and_later_steps_say_they_repeat(capsys):
-    out = cli_ok(["run", "--tp", "2", "--tbo", "--max-new-tokens", "4"], capsys)
+    out = cli_ok(["run", "--tp", "2", "--tbo", "--max-new-tokens", "4", "--fusion-provider",
+                  "reference"], capsys)
     header = next(line for line in out.splitlines() if line.startswith("layer-boundary run:"))
-    assert header.endswith("two-batch overlap")
+    assert header.endswith("two-batch overlap  fusion provider reference")
     assert "  steps 2-3 repeat step 1" in out
+    # under ar each rank's owed FFN all-reduce is completed by the provider's fused candidate
+    fused = re.search(r"fusion provider reference on rank 0: (\d+) inputs", out)
+    assert fused and int(fused.group(1)) > 0 and "parity vs world 1: PASS" in out
     out = cli_ok(["run", "--tp", "2", "--max-new-tokens", "3"], capsys)
     assert "  step 2 repeats step 1" in out
     # all-reduces only (auto runs ar without attention DP): gloo moves the logical bytes
@@ -105,7 +109,7 @@ def test_the_header_names_the_modes_on_and_later_steps_say_they_repeat(capsys):
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_does_not_start_in_time_names_the_option_that_widens_the_window(capsys):
-    from layer_boundary.cli import main
+    from layer_boundary.engine.cli import main
 
     assert main(["run", "--tp", "2", "--start-timeout", "0.01", "--no-reference"]) == 1
     err = capsys.readouterr().err
@@ -116,7 +120,7 @@ def test_a_rank_that_does_not_start_in_time_names_the_option_that_widens_the_win
 def test_bench_prints_the_spread_and_warns_within_noise(capsys, monkeypatch):
     """The spread of the timed forwards, and the warning when the overhead is inside the
     hand-written forward's own noise (forced here: a noise figure larger than any overhead)."""
-    import layer_boundary.bench as bench
+    import layer_boundary.engine.bench as bench
 
     real = bench.overhead_with_noise
     monkeypatch.setattr(bench, "overhead_with_noise",

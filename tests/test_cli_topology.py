@@ -8,13 +8,14 @@ import json
 import pytest
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import _spec, build_parser
+from layer_boundary.engine.args import build_parser
+from layer_boundary.engine.run_command import spec_from_args
 
 
 @pytest.mark.parametrize("flags", [[], ["--tp", "2"], ["--tp", "4"], ["--dp", "4"],
                                    ["--tp", "4", "--dp", "2"], ["--tp", "2", "--pp", "2"]])
 def test_plan_and_run_report_the_same_topology(flags, capsys, restore_logger):
-    spec = _spec(build_parser().parse_args(["run", *flags]))
+    spec = spec_from_args(build_parser().parse_args(["run", *flags]))
     plan = json.loads(cli_ok(["plan", *flags, "--json"], capsys))
     assert (plan["tp"], plan["dp"], plan.get("pp", 1)) == (spec.tp, spec.dp, spec.pp), flags
 
@@ -25,7 +26,7 @@ def test_run_says_how_many_processes_it_starts(capsys, restore_logger):
 
 
 def test_the_plan_explains_its_notation(capsys, restore_logger):
-    from layer_boundary.cli import PLAN_LEGEND
+    from layer_boundary.engine.plan_command import PLAN_LEGEND
 
     out = cli_ok(["plan", "--tp", "4", "--dp", "2"], capsys)
     lines = out.splitlines()

@@ -1,7 +1,7 @@
 """``--sequence-parallel`` and ``--attn-input-scattered`` on ``plan`` and ``run``: the
 variant's paths as ``plan`` shows them, and the refusals (a model whose compute cannot honour
-the variant, the ar policy, the features they do not combine with yet), each a one-line
-error before any rank starts."""
+the variant, the ar policy), each a one-line error before any rank starts (the features they
+do not combine with: ``tests/test_combinations.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ds_checkpoints import hf_deepseek_v3
 from nh_checkpoints import hf_nemotron_h
 
 from distributed.checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 
 
 def _one_line_error(err: str) -> str:
@@ -82,22 +82,12 @@ def test_a_model_that_cannot_run_the_variant_is_refused_by_name(qwen3_dir, model
     assert why in _one_line_error(capsys.readouterr().err)
 
 
+# the variants against every other feature: tests/test_combinations.py walks every pair
 @pytest.mark.parametrize("args,message", [
     (["--sequence-parallel", "--boundary-reduction", "ar"],
-     "--sequence-parallel needs a scattered residual: --boundary-reduction ar permits no "
-     "reduce-scatter"),
-    (["--sequence-parallel", "--attn-input-scattered"],
-     "--sequence-parallel does not combine with --attn-input-scattered yet"),
-    (["--sequence-parallel", "--cp", "2"], "--cp 2 does not combine with --sequence-parallel yet"),
-    (["--sequence-parallel", "--pp", "2"], "--sequence-parallel does not combine with --pp yet"),
-    (["--sequence-parallel", "--tbo"], "--sequence-parallel does not combine with --tbo yet"),
-    (["--attn-input-scattered", "--split-prefill", "2"],
-     "--attn-input-scattered does not combine with --split-prefill yet"),
-    (["--attn-input-scattered", "--speculative-algorithm", "nextn"],
-     "--attn-input-scattered does not combine with speculative decoding yet")])
-def test_a_variant_with_what_it_does_not_combine_with_is_a_one_line_error(models, args, message,
-                                                                          capsys, restore_logger):
-    model = models["deepseek_v3"] if "--attn-input-scattered" in args else None
-    base = ["run", "--tp", "2", "--dp", "1"] + (["--model", model] if model else [])
-    assert main([*base, *args]) == 2
+     "--sequence-parallel needs a scattered residual: --boundary-reduction ar "
+     "(BoundaryRuntime.boundary_reduction) permits no reduce-scatter (use rs, rsv or rs+rsv)")])
+def test_a_variant_with_the_ar_policy_is_a_one_line_error(args, message, capsys,
+                                                          restore_logger):
+    assert main(["run", "--tp", "2", "--dp", "1", *args]) == 2
     assert message in _one_line_error(capsys.readouterr().err)

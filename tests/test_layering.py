@@ -1,8 +1,11 @@
 """The package imports only downward (checked on the source, so CI enforces it).
 
-The host runtime stands below the library and imports nothing from it; ``residual/`` never
+The host runtime stands below the library and imports nothing from it but the table of
+combination rules (``capabilities``), which imports only the runtime; ``residual/`` never
 imports the stage layer; models use the public surface (the package root, the runtime,
-``residual.batch`` and the residual protocols), never internals such as ``ops`` or ``output``.
+``residual.batch`` and the residual protocols), never internals such as ``ops`` or ``output``;
+the engine (``engine/``: runner, command line, bench, generation drivers) stands on top, and
+nothing of the core imports it (only ``python -m layer_boundary`` delegates to its CLI).
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "layer_boundary"
 # below. Longest prefix wins.
 LEVELS = {
     "runtime": 0,
+    "capabilities": 0,  # the one table of combination rules: the runtime asks it too
     "layout": 1, "contracts": 1, "ops": 1, "row_facts": 1, "primitives": 1,
     "output": 2, "residual": 2, "fusions": 2,
     "exit": 3, "prepare": 3, "boundary": 3, "construction": 3, "step": 3,
     "stage": 4, "capture": 4, "stack": 4, "factories": 4, "adapters": 4,
     "": 5,  # the package root: the public surface
     "models": 6,
-    "runner": 7, "bench": 7, "cli": 7, "__main__": 7,
+    "engine": 7,
+    "__main__": 8,  # ``python -m layer_boundary``: the engine's command line
 }
 MODEL_SURFACE = ("", "runtime", "residual", "residual.batch", "residual.mhc", "residual.quant",
-                 "models")
+                 "models", "capabilities")
 
 
 def level(module: str) -> int:
@@ -83,13 +88,40 @@ def test_imports_go_only_downward(module):
     for target in imports_of(module, MODULES[module]):
         assert level(target) <= mine, f"{module or 'layer_boundary'} (level {mine}) imports " \
                                       f"{target or 'layer_boundary'} (level {level(target)})"
-        if module.startswith("runtime"):
-            assert target.startswith("runtime"), f"runtime module {module} imports {target}"
+        if module.startswith("runtime"):  # below the library; the rules table is beside it
+            assert target.startswith("runtime") or target == "capabilities", \
+                f"runtime module {module} imports {target}"
+        if module == "capabilities":
+            assert target.startswith("runtime."), f"capabilities imports {target}"
         if module.startswith("residual"):
             assert level(target) <= 2, f"{module} imports {target}"
         if module.startswith("models"):
             assert target in MODEL_SURFACE or target.startswith(("runtime.", "models.")), \
                 f"model module {module} imports the internal {target}"
+        if not _in_engine(module) and module != "__main__":
+            assert not _in_engine(target), f"core module {module or 'layer_boundary'} " \
+                                           f"imports the engine's {target}"
+
+
+def _in_engine(module: str) -> bool:
+    return module == "engine" or module.startswith("engine.")
+
+
+def test_the_engine_is_a_subpackage_at_the_top():
+    """What plays the engine lives in ``engine/``; the package root holds none of it."""
+    engine = {m for m in MODULES if _in_engine(m)}
+    assert {"engine.runner", "engine.cli", "engine.bench", "engine.generate",
+            "engine.speculative"} <= engine
+    assert not {"runner", "cli", "bench", "models.generate", "models.speculative"} & set(MODULES)
+    assert max(level(m) for m in MODULES if m != "__main__") == level("engine.cli")
+    assert imports_of("__main__", MODULES["__main__"]) == {"engine.cli"}
+
+
+def test_no_engine_module_exceeds_500_lines():
+    """The engine is split by job (arguments, each command, the report, the checks, ...)."""
+    for module, path in MODULES.items():
+        if _in_engine(module):
+            assert len(path.read_text().splitlines()) <= 500, module
 
 
 def test_the_check_sees_imports():
@@ -98,6 +130,8 @@ def test_the_check_sees_imports():
     assert "residual.batch" in imports_of("step", MODULES["step"])
     assert "" in imports_of("models.qwen3", MODULES["models.qwen3"])
     assert level("runtime.linear") == 0 and level("models.qwen3") == 6 and level("") == 5
+    assert "models.pipeline" in imports_of("models.base", MODULES["models.base"])
+    assert "engine.generate" in imports_of("engine.runner", MODULES["engine.runner"])
 
 
 def test_no_two_modules_import_each_other():

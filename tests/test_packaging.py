@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import layer_boundary
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

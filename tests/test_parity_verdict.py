@@ -10,8 +10,9 @@ import pytest
 import torch
 from distributed.pool import get_pool
 
-from layer_boundary.models.generate import Generation
-from layer_boundary.runner import RunSpec, merge, parity, run_rank, verdict_ok
+from layer_boundary.engine.generate import Generation
+from layer_boundary.engine.parity import parity, verdict_ok
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 NAN = float("nan")
 
@@ -91,7 +92,7 @@ def corrupted_rank_run(spec: RunSpec, rank: int, scale: float = 0.01):
     """run_rank with one rank's shard of one weight perturbed (``scale`` of its values' size)."""
     import torch.distributed as dist
 
-    import layer_boundary.runner as runner
+    import layer_boundary.engine.runner as runner
 
     load = runner.load_model
 

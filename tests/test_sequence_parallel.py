@@ -16,7 +16,6 @@ from distributed.pool import get_pool
 from toy import HIDDEN, DpBatch, ToyFfn, runtime, seeded, toy_norm
 
 from layer_boundary import declare_attn, declare_ffn, make_stages
-from layer_boundary.construction import UnsupportedBoundary
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.runtime import (LEDGER, BatchVariant, ColumnParallelLinear,
                                     RowParallelLinear)
@@ -184,10 +183,12 @@ def test_sequence_parallel_misuse_is_named(case, message):
 
 
 def test_sequence_parallel_needs_a_reduce_scatter_policy():
-    with pytest.raises(UnsupportedBoundary, match="a sequence-parallel batch keeps its residual "
-                                                  "scattered over attention TP, and "
-                                                  "boundary_reduction=ar permits no "
-                                                  "reduce-scatter"):
+    """Refused by the runtime itself (the table of combination rules), before any stage."""
+    from layer_boundary.capabilities import CapabilityError
+
+    with pytest.raises(CapabilityError, match="^--sequence-parallel needs a scattered residual: "
+                                              r"--boundary-reduction ar \(BoundaryRuntime."
+                                              r"boundary_reduction\) permits no reduce-scatter"):
         sp_stack_on_virtual_ranks("ar")
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..capabilities import Feature, check_model
 from ..runtime.context import NO_ADAPTERS, adapter_rows
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -150,7 +151,12 @@ def attach_lora(model, adapters) -> dict[str, int]:
         adapters: (name, folder) pairs; slot i of ``ForwardBatch.lora_ids`` is adapter i.
 
     Returns {name: slot}.
+
+    Refuses (``capabilities.CapabilityError``) a model whose runtime serves batches the
+    adapters do not run in, before any adapter is read.
     """
+    if getattr(model, "stack", None) is not None and getattr(model, "config", None) is not None:
+        check_model(type(model), model.config, model.stack.runtime, (Feature.LORA,))
     names = [name for name, _ in adapters]
     if len(set(names)) != len(names):
         raise LoraError(f"LoRA adapter names must differ, got {names}")

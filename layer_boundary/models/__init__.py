@@ -1,5 +1,6 @@
 """Reference model integrations: each model file registers its class for a ``model_type``
-(``registry.py``); this module reads checkpoints through that registry."""
+(``registry.py``); this module reads checkpoints through that registry, each config.json once
+(``open_checkpoint``: a ``Checkpoint`` the callers hand along)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,20 @@ from pathlib import Path
 import torch
 
 from ..runtime.args import resolve_boundary_reduction
+from .checkpoint import Checkpoint, open_checkpoint  # noqa: F401
 from .config import CheckpointError, read_config  # noqa: F401
 from .loader import dequantized, iter_weights
 from .registry import auto_policy, model_class, model_types, register_model  # noqa: F401
 
 
 def model_class_of(path) -> type:
-    """The model class serving the checkpoint at ``path``."""
-    return model_class(read_config(path).get("model_type"))
-
-
-def _load_config(path):
-    """(config, model class) from one read of config.json, its fields checked first."""
-    raw = read_config(path)
-    model_cls = model_class(raw.get("model_type"))
-    model_cls.config_class.validate(raw)
-    return model_cls.config_class.from_dict(raw), model_cls
+    """The model class serving the checkpoint at ``path`` (a folder or a ``Checkpoint``)."""
+    return open_checkpoint(path).model_class
 
 
 def load_config(path):
-    return _load_config(path)[0]
+    """The parsed config of the checkpoint at ``path`` (a folder or a ``Checkpoint``)."""
+    return open_checkpoint(path).config
 
 
 def boundary_reduction(value: str, checkpoint) -> str:
@@ -37,17 +32,19 @@ def boundary_reduction(value: str, checkpoint) -> str:
 
     Args:
         value: ar | rs | rsv | rs+rsv | auto.
-        checkpoint: the checkpoint folder, or its config.json as a dict.
+        checkpoint: a ``Checkpoint``, the checkpoint folder, or its config.json as a dict.
     """
-    raw = checkpoint if isinstance(checkpoint, dict) else read_config(checkpoint)
-    return resolve_boundary_reduction(value, auto_policy(raw)[0])
+    if isinstance(checkpoint, dict):
+        return resolve_boundary_reduction(value, auto_policy(checkpoint)[0])
+    return open_checkpoint(checkpoint).boundary_reduction(value)
 
 
 def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), read=None):
     """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard.
 
     Args:
-        path: a Hugging Face checkpoint folder (config.json + safetensors).
+        path: a Hugging Face checkpoint folder (config.json + safetensors), or its
+            ``Checkpoint`` (config.json is then not read again).
         runtime: the ``BoundaryRuntime`` to build its stages on.
         dtype: the parameters' dtype.
         fusions: a fusion provider for every stage.
@@ -58,8 +55,8 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
     """
     import dataclasses
 
-    path = Path(path)
-    cfg, model_cls = _load_config(path)
+    checkpoint = open_checkpoint(path)
+    cfg, model_cls, path = checkpoint.config, checkpoint.model_class, Path(checkpoint.folder)
     kwargs = {} if fusions is None else {"fusions": fusions}
     try:
         cfg = dataclasses.replace(cfg, **dict(options))

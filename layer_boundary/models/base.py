@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import ProducerReduction, install_fusion
+from ..capabilities import check_model
 from ..residual import batch as residual_batch
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.linear import RowParallelLinear
@@ -115,7 +116,7 @@ class CausalLM(nn.Module):
     - ``check_parallel(cfg, dims)``: a topology its config cannot be sharded over;
     - ``context_parallel``: True where its attention runs on a CP share, or why it cannot;
     - ``sequence_parallel``, ``attn_input_scattered``: likewise, for sequence-parallel and
-      input-scattered batches (``check_variants``);
+      input-scattered batches (``capabilities.py`` holds what each feature needs of them);
     - ``nextn_layers(cfg)``: NextN/MTP layers the checkpoint carries for drafting;
     - ``checkpoint_name(name)``: its parameter name for an on-disk tensor.
     """
@@ -130,41 +131,9 @@ class CausalLM(nn.Module):
     def nextn_layers(cfg) -> int:
         return 0
 
-    @classmethod
-    def check_topology(cls, cfg, dims) -> None:
-        """``check_parallel``, and a CP topology only where the model runs CP batches."""
-        if dims.attn_cp > 1 and cls.context_parallel_refusal is not None:
-            raise ValueError(f"{cls.model_type} cannot run context parallelism (attn_cp="
-                             f"{dims.attn_cp}): {cls.context_parallel_refusal}")
-        cls.check_parallel(cfg, dims)
-
-    @classmethod
-    def check_variants(cls, variants) -> None:
-        """The batch variants a runtime will run, where the model's compute cannot: its
-        declared reason, as ``--sequence-parallel`` and ``--attn-input-scattered`` report."""
-        from ..runtime.forward_batch import BatchVariant
-
-        for variant, refusal, feature in (
-                (BatchVariant.SEQUENCE_PARALLEL, cls.sequence_parallel_refusal,
-                 "sequence parallelism"),
-                (BatchVariant.INPUT_SCATTERED, cls.attn_input_scattered_refusal,
-                 "input-scattered attention")):
-            if variant in variants and refusal is not None:
-                raise ValueError(f"{cls.model_type} cannot run {feature}: {refusal}")
-
-    @classmethod
-    def check_moe_a2a(cls, backend: str) -> None:
-        """A runtime whose MoEs dispatch (``moe_a2a_backend``), where the model cannot: its
-        declared reason, as ``--moe-a2a-backend`` reports."""
-        if backend != "none" and cls.moe_a2a_refusal is not None:
-            raise ValueError(f"{cls.model_type} cannot run moe_a2a_backend={backend}: "
-                             f"{cls.moe_a2a_refusal}")
-
     def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
         super().__init__()
-        self.check_topology(cfg, runtime.parallel.dims)
-        self.check_variants(runtime.batch_variants)
-        self.check_moe_a2a(runtime.moe_a2a_backend)
+        check_model(type(self), cfg, runtime)  # what it declares against the runtime's features
         self.config, self.dtype = cfg, dtype
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
                                   self.decoder_layers(cfg))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..capabilities import check_runtime
 from .defaults import BOUNDARY_REDUCTIONS  # noqa: F401 - the choices, stated once there
 from .forward_batch import BatchVariant
 from .parallel import Parallel
@@ -64,6 +65,7 @@ class BoundaryRuntime:
             raise ValueError(
                 "BoundaryRuntime.boundary_reduction must be resolved (ar, rs, rsv or rs+rsv), "
                 f"got {self.boundary_reduction!r}; call resolve_boundary_reduction() first")
+        check_runtime(self)  # its features against each other, its layout and its policy
 
     @property
     def dispatches_moe(self) -> bool:

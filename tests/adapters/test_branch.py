@@ -222,7 +222,7 @@ def test_branch_takes_input_scattered_rows():
 
 def test_plan_shows_both_branches_and_the_merge():
     from layer_boundary.layout import RowMode
-    from layer_boundary.runner import plan_rows
+    from layer_boundary.engine.describe import plan_rows
 
     rt = runtime(1)
     with layer_stack(rt):

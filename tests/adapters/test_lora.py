@@ -18,8 +18,8 @@ from distributed.checks import assert_logits_match, cli_ok
 from distributed.pool import get_pool
 from oracle import TOL, hf_cached_decode
 
-from layer_boundary.cli import main
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.cli import main
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2), (4, 4, 1), (60, 2, 7))
 CHOICE = ("a", "b", "none", "a", "b")
@@ -169,7 +169,8 @@ def foreign_adapter(tmp_path_factory, adapters) -> str:
     ("foreign", "LoRA adapter a targets model.layers.0.self_attn.x_proj, which the qwen3 model "
                 "has no parallel linear for"),
     ("missing", "LoRA adapter /nonexistent: no adapter_config.json"),
-    ("sp", "--lora does not combine with --sequence-parallel yet")])
+    ("sp", "--sequence-parallel does not combine with --lora yet (BatchVariant.SEQUENCE_PARALLEL, "
+           "attach_lora)")])
 def test_bad_adapter_input_is_a_one_line_error(qwen3_dir, adapters, foreign_adapter, case,
                                                message, capsys, restore_logger):
     lora = {"foreign": f"a={foreign_adapter}", "missing": "a=/nonexistent"}.get(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .pool import get_pool
 
@@ -28,7 +28,7 @@ def cli(args, capsys) -> tuple[int, str]:
     import logging
     import sys
 
-    from layer_boundary.cli import main
+    from layer_boundary.engine.cli import main
 
     log = logging.getLogger("layer_boundary")
     saved = log.handlers[:], log.propagate, log.level
@@ -45,7 +45,7 @@ def cli(args, capsys) -> tuple[int, str]:
 def cli_ok(args, capsys) -> str:
     """``layer-boundary`` in this process, which must succeed; returns what it printed. A
     failure shows the command, its exit code and everything it wrote."""
-    from layer_boundary.cli import main
+    from layer_boundary.engine.cli import main
 
     code = main(list(args))
     captured = capsys.readouterr()

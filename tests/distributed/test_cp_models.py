@@ -12,8 +12,8 @@ from llama_checkpoints import hf_llama
 
 from layer_boundary.models import load_config
 from layer_boundary.ops import cp_share_sizes
-from layer_boundary.runner import RunSpec, run_rank
-from layer_boundary.runner import merge as merge_ranks
+from layer_boundary.engine.runner import RunSpec, run_rank
+from layer_boundary.engine.runner import merge as merge_ranks
 
 from .checks import assert_logits_match, cli_ok, world1
 from .pool import get_pool

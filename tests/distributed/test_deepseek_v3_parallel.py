@@ -11,7 +11,7 @@ import pytest
 from ds_checkpoints import hf_deepseek_v3
 
 from layer_boundary.models import load_config
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, sums_of_ffn_outputs, world1
 from .pool import get_pool

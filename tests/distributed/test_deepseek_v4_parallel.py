@@ -13,7 +13,7 @@ import pytest
 import torch
 from ds4_checkpoints import TINY_DS4, hf_deepseek_v4
 
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, cli, run_matching_world1, world1
 from .pool import get_pool

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from llama_checkpoints import WINDOW, hf_llama, hf_mistral
 
-from layer_boundary.runner import RunSpec
+from layer_boundary.engine.runner import RunSpec
 
 from .checks import cli_ok, run_matching_world1
 

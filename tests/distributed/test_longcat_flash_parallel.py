@@ -11,7 +11,7 @@ import json
 import pytest
 from lc_checkpoints import TINY_LC, hf_longcat_flash
 
-from layer_boundary.runner import RunSpec
+from layer_boundary.engine.runner import RunSpec
 
 from .checks import cli, run_matching_world1
 

@@ -19,7 +19,7 @@ from ds_checkpoints import hf_deepseek_v3
 from lc_checkpoints import hf_longcat_flash
 from nh_checkpoints import hf_nemotron_h
 
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, cli_ok, world1
 from .pool import get_pool

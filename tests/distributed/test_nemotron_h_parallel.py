@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from nh_checkpoints import TINY_NH, hf_nemotron_h
 
-from layer_boundary.runner import RunSpec
+from layer_boundary.engine.runner import RunSpec
 
 from .checks import cli, run_matching_world1
 

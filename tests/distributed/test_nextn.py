@@ -12,7 +12,7 @@ from ds_checkpoints import hf_deepseek_v3, hf_deepseek_v3_reference
 from layer_boundary import stage_boundaries
 from layer_boundary.models import load_model
 from layer_boundary.models.nextn import add_nextn_layer, load_nextn
-from layer_boundary.runner import RunSpec, merge, run_rank, speculative_summary
+from layer_boundary.engine.runner import RunSpec, merge, run_rank, speculative_summary
 from layer_boundary.runtime import BoundaryRuntime, ParallelDims, build_parallel
 
 from .checks import assert_logits_match, world1

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from ds4_checkpoints import TINY_DS4
 
-from layer_boundary.models.generate import requests_of
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.generate import requests_of
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, world1
 from .models import MODELS, PROMPTS, STEPS, transformers_prefill

@@ -14,9 +14,9 @@ from layer_boundary import stage_boundaries
 from layer_boundary.contracts import BatchVariant
 from layer_boundary.construction import select_mode
 from layer_boundary.models import load_model
-from layer_boundary.models.generate import greedy_generate, requests_of
+from layer_boundary.engine.generate import greedy_generate, requests_of
+from layer_boundary.engine.runner import RunSpec, make_runtime
 from layer_boundary.ops import row_facts
-from layer_boundary.runner import RunSpec, make_runtime
 from layer_boundary.runtime import LEDGER
 
 from .pool import get_pool

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from layer_boundary.runner import (BF16_PREFILL_BOUND, RunSpec, bf16_prefill_within_bound, merge,
+from layer_boundary.engine.parity import BF16_PREFILL_BOUND, bf16_prefill_within_bound
+from layer_boundary.engine.runner import (RunSpec, merge,
                                    run_rank)
 
 from .pool import get_pool

@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from layer_boundary.models.generate import requests_of
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.generate import requests_of
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match
 from .pool import get_pool

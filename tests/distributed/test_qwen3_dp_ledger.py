@@ -8,9 +8,9 @@ import json
 import pytest
 
 from .checks import cli_ok
-from layer_boundary.cli import main
+from layer_boundary.engine.cli import main
 from layer_boundary.models import load_config
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match
 from .pool import get_pool

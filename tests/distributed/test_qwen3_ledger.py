@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from layer_boundary.models import load_config
-from layer_boundary.runner import RunSpec, run_rank
+from layer_boundary.engine.runner import RunSpec, run_rank
 
 from .pool import get_pool
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from layer_boundary.models import load_config
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, sums_of_ffn_outputs
 from .pool import get_pool

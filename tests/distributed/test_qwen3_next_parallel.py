@@ -12,7 +12,7 @@ import pytest
 from qwen3_next_checkpoints import hf_qwen3_next
 
 from layer_boundary.models import load_config
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, cli_ok, sums_of_ffn_outputs, world1
 from .pool import get_pool

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from checkpoints import hf_qwen3
 
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match
 from .pool import get_pool

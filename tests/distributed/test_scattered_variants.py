@@ -16,7 +16,7 @@ from lc_checkpoints import hf_longcat_flash
 from llama_checkpoints import hf_llama
 
 from layer_boundary.models import load_config
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, cli_ok, world1
 from .pool import get_pool

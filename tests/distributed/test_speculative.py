@@ -13,7 +13,7 @@ import pytest
 import torch
 from checkpoints import hf_qwen3
 
-from layer_boundary.runner import RunSpec, merge, speculative_summary
+from layer_boundary.engine.runner import RunSpec, merge, speculative_summary
 
 from .checks import assert_logits_match, world1
 from .models import MODELS, PROMPTS, transformers_prefill
@@ -34,7 +34,7 @@ def draft_dir(tmp_path_factory):
 
 
 def run(spec: RunSpec):
-    from layer_boundary.runner import run_rank
+    from layer_boundary.engine.runner import run_rank
 
     results = get_pool(spec.world_size).run(run_rank, spec)
     return results, merge(results)
@@ -101,7 +101,7 @@ def test_bad_drafts_are_refused(model_dirs, draft_dir, tmp_path, capsys):
         assert code == 2  # a one-line error before any rank starts
     # the errors themselves (cli() returns stdout; the one-line error goes to stderr)
     from layer_boundary.models import load_config, model_class_of
-    from layer_boundary.runner import check_draft
+    from layer_boundary.engine.runner import check_draft
     from layer_boundary.runtime import ParallelDims
 
     for draft, dims, message in (

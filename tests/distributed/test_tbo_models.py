@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from layer_boundary.adapters.tbo import split_counts
-from layer_boundary.models.generate import requests_of
-from layer_boundary.runner import RunSpec, merge
+from layer_boundary.engine.generate import requests_of
+from layer_boundary.engine.runner import RunSpec, merge
 
 from .checks import run_matching_world1
 from .models import MODELS, PROMPTS, STEPS, transformers_prefill

@@ -15,7 +15,7 @@ from distributed.pool import get_pool
 
 import engine_loop
 from layer_boundary.models import load_model
-from layer_boundary.models.generate import greedy_generate
+from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.runtime import BoundaryRuntime, ParallelDims, build_parallel
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "engine_loop.py"

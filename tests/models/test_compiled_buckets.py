@@ -19,8 +19,8 @@ from checkpoints import hf_qwen3
 from torch._dynamo.utils import counters
 
 from layer_boundary.models import load_model
-from layer_boundary.models.generate import takes_padded_batches
-from layer_boundary.runner import compile_forward
+from layer_boundary.engine.generate import takes_padded_batches
+from layer_boundary.engine.compiled import compile_forward
 from layer_boundary.runtime import ForwardBatch, ForwardMode, token_bucket
 from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.parallel import ParallelDims, build_parallel

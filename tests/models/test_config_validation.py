@@ -54,7 +54,7 @@ def test_an_index_whose_weight_map_is_not_an_object(dirs, tmp_path):
 
 def test_an_unwritable_logits_out_is_refused_before_the_run(dirs, tmp_path, capsys,
                                                             restore_logger):
-    from layer_boundary.cli import main
+    from layer_boundary.engine.cli import main
 
     code = main(["run", "--model", str(dirs["qwen3"]), "--tp", "1", "--dp", "1",
                  "--logits-out", str(tmp_path / "missing" / "logits.safetensors")])

@@ -9,7 +9,7 @@ from ds_checkpoints import TINY_DS, hf_deepseek_v3, hf_deepseek_v3_reference
 
 from layer_boundary.models import load_model
 from layer_boundary.models.deepseek_v3 import DeepseekV3Config, check_parallel
-from layer_boundary.models.generate import greedy_generate
+from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.models.loader import CheckpointError
 from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode

@@ -23,8 +23,8 @@ from ds_checkpoints import hf_deepseek_v3
 from fp8_checkpoints import dequantized_oracle, fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
-from layer_boundary.cli import main
-from layer_boundary.runner import RunSpec, merge, run_rank
+from layer_boundary.engine.cli import main
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))
 BLOCK = (16, 16)

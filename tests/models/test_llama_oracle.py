@@ -15,8 +15,8 @@ from llama_checkpoints import (LLAMA3_ROPE, WINDOW, hf_llama, hf_llama_reference
 
 from layer_boundary.models import load_config, load_model, model_class
 from layer_boundary.models.config import CheckpointError
-from layer_boundary.models.generate import greedy_generate
-from layer_boundary.runner import check_draft
+from layer_boundary.engine.generate import greedy_generate
+from layer_boundary.engine.runner import check_draft
 from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.parallel import ParallelDims, build_parallel
 

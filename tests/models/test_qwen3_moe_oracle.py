@@ -8,7 +8,7 @@ from checkpoints import hf_qwen3_moe, hf_reference_moe
 from test_qwen3_oracle import world1
 
 from layer_boundary.models import load_model
-from layer_boundary.models.generate import greedy_generate
+from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.models.qwen3_moe import Qwen3MoeRouter
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [50, 3, 17, 88, 2, 61, 33]]

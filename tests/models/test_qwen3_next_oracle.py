@@ -18,7 +18,7 @@ from oracle import TOL, hf_cached_decode, prefill, world1
 
 from distributed.checks import cli_ok
 from layer_boundary.models import load_model
-from layer_boundary.models.generate import greedy_generate
+from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.models.loader import CheckpointError
 from layer_boundary.models.qwen3_5 import Qwen3_5Config
 from layer_boundary.models.qwen3_next import Qwen3NextConfig, check_parallel

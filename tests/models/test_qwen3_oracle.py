@@ -7,7 +7,7 @@ import torch
 from checkpoints import hf_qwen3, hf_reference
 
 from layer_boundary.models import load_model
-from layer_boundary.models.generate import greedy_generate
+from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.models.tiny import write_tiny_qwen3
 from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.parallel import ParallelDims, build_parallel

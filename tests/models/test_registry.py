@@ -40,8 +40,11 @@ def test_an_unknown_model_type_names_the_supported_ones():
         model_class("gpt_neo")
 
 
-@pytest.mark.parametrize("module", ["cli.py", "runner.py", "models/loader.py",
-                                    "models/__init__.py", "runtime/args.py"])
+@pytest.mark.parametrize("module", [
+    *sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "engine").glob("*.py")
+            if p.name != "bench.py"),  # the bench times one architecture on purpose
+    "models/loader.py", "models/__init__.py", "models/checkpoint.py", "runtime/args.py",
+    "capabilities.py"])
 def test_no_shared_module_names_an_architecture(module):
     """Adding a model touches its own file: the shared modules hold no model_type string."""
     tree = ast.parse((PACKAGE / module).read_text())

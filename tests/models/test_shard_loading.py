@@ -12,7 +12,7 @@ from distributed.pool import get_pool
 from ds_checkpoints import hf_deepseek_v3
 
 from layer_boundary.models import load_model
-from layer_boundary.runner import make_runtime, RunSpec
+from layer_boundary.engine.runner import make_runtime, RunSpec
 from layer_boundary.runtime.shards import ReadBytes
 
 

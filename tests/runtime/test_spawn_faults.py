@@ -125,7 +125,7 @@ def test_a_stopped_rank_under_torchrun_ends_the_job(tmp_path):
     the peer, then torchrun stops the group, stopped rank included (after its own grace
     period for a rank that does not answer SIGTERM), leaving no process. What this package
     controls is the detection: the peer gives up within the collective timeout of the stop."""
-    from layer_boundary.cli import TORCHRUN_COLLECTIVE_TIMEOUT_S
+    from layer_boundary.engine.run_command import TORCHRUN_COLLECTIVE_TIMEOUT_S
 
     pids = str(tmp_path / "pid")
     for _ in range(3):  # a free port can be taken before torchrun binds it (a parallel suite)
@@ -235,7 +235,7 @@ def _rank():
 def test_run_passes_with_every_rank_starting_30_s_late(late_start, capsys, restore_logger):
     """`layer-boundary run --tp 2` on the built-in checkpoint, each rank 30 s late (more than
     the 20 s silence window)."""
-    from layer_boundary.cli import main
+    from layer_boundary.engine.cli import main
 
     late_start(30)
     code = main(["run", "--tp", "2", "--max-new-tokens", "2"])

@@ -7,9 +7,9 @@ import time
 
 import torch.distributed as dist
 
-from layer_boundary.cli import TORCHRUN_COLLECTIVE_TIMEOUT_S
-from layer_boundary.runtime.parallel import build_parallel, ParallelDims
+from layer_boundary.engine.run_command import TORCHRUN_COLLECTIVE_TIMEOUT_S
 from layer_boundary.runtime.launch import init_distributed
+from layer_boundary.runtime.parallel import ParallelDims, build_parallel
 
 rank, world = init_distributed(timeout_s=TORCHRUN_COLLECTIVE_TIMEOUT_S)
 par = build_parallel(ParallelDims(world_size=world, tp=world))

@@ -7,22 +7,23 @@ The command line and the multi-rank tests both use this, so what the tests prove
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import boundary_guard_filter, stage_boundaries
-from .adapters.branch import describe_merge
-from .layout import RowMode
-from .models import boundary_reduction, load_model
-from .models.generate import Generation, greedy_generate, takes_padded_batches
-from .models.speculative import speculative_generate
-from .contracts import BatchVariant
-from .runtime.args import BoundaryRuntime
-from .runtime.forward_batch import token_bucket
-from .runtime.ledger import LEDGER, LedgerEntry
-from .runtime.parallel import ParallelDims, build_parallel
-from .runtime.shards import ReadBytes
+from ..contracts import BatchVariant
+from ..layout import RowMode
+from ..models import Checkpoint, load_model, open_checkpoint
+from ..runtime.args import BoundaryRuntime
+from ..runtime.forward_batch import token_bucket
+from ..runtime.ledger import LEDGER, LedgerEntry
+from ..runtime.parallel import ParallelDims, build_parallel
+from ..runtime.shards import ReadBytes
+from .compiled import compile_forward, compiled_graphs
+from .describe import plan_rows
+from .features import check_draft, check_spec  # noqa: F401 - check_draft: the public name
+from .generate import Generation, greedy_generate, takes_padded_batches
+from .speculative import speculative_generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,6 +66,10 @@ class RunSpec:
     speculative_algorithm: str | None = None  # None | "draft" (draft_model) | "nextn"
     speculative_steps: int = 3  # draft tokens proposed per round
     speculative_boundary_reduction: str = "auto"  # the draft's own policy (its architecture's)
+    # model_dir's and draft_model's config.json, read once (``with_checkpoints``) and carried
+    # to every rank, so no rank reads them again
+    checkpoint: Checkpoint | None = field(default=None, compare=False, repr=False)
+    draft_checkpoint: Checkpoint | None = field(default=None, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -99,16 +104,47 @@ class RankResult:
     speculative: dict | None = None  # proposed/accepted/target_forwards/emitted/reruns
     load_bytes: int = 0  # what this rank read from the checkpoint (its shard)
     compiled_graphs: int = 0  # graphs torch.compile built for this rank's forwards
+    calls: list = field(default_factory=list)  # ForwardRecord of each call of the target
+
+
+def with_checkpoints(spec: RunSpec) -> RunSpec:
+    """``spec`` with its checkpoints' config.json read (each once; those already read are
+    kept): what every rank of the run is handed."""
+    checkpoint, draft = spec.checkpoint, spec.draft_checkpoint
+    if checkpoint is None or checkpoint.folder != str(spec.model_dir):  # none, or another's
+        checkpoint = open_checkpoint(spec.model_dir)
+    if spec.draft_model is None:
+        draft = None
+    elif draft is None or draft.folder != str(spec.draft_model):
+        draft = open_checkpoint(spec.draft_model)
+    if checkpoint is spec.checkpoint and draft is spec.draft_checkpoint:
+        return spec
+    return replace(spec, checkpoint=checkpoint, draft_checkpoint=draft)
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
-    policy = boundary_reduction(spec.boundary_reduction, spec.model_dir)
-    return BoundaryRuntime(build_parallel(spec.dims(world_size)), boundary_reduction=policy,
+    """The target stack's runtime of ``spec``: its topology's groups, its policy resolved for
+    its checkpoint, the batch variants its forwards run."""
+    return runtime_of(spec, build_parallel(spec.dims(world_size)))
+
+
+def runtime_of(spec: RunSpec, parallel) -> BoundaryRuntime:
+    """``spec``'s target runtime on ``parallel`` (its groups, or a virtual topology's)."""
+    spec = with_checkpoints(spec)
+    policy = spec.checkpoint.boundary_reduction(spec.boundary_reduction)
+    return BoundaryRuntime(parallel, boundary_reduction=policy,
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
-                           pp_layers=spec.pp_layers, batch_variants=tuple(
-                               dict.fromkeys(forward_variants(spec))),
+                           pp_layers=spec.pp_layers, batch_variants=runtime_variants(spec),
                            moe_a2a_backend=spec.moe_a2a_backend,
                            choose_by_bytes=spec.boundary_reduction == "auto")
+
+
+def runtime_variants(spec: RunSpec) -> tuple:
+    """Every batch variant ``spec`` asks for (what its runtime declares, so the runtime's own
+    check sees them all), those its forwards run first."""
+    asked = ((BatchVariant.SEQUENCE_PARALLEL,) * spec.sequence_parallel
+             + (BatchVariant.INPUT_SCATTERED,) * spec.attn_input_scattered)
+    return tuple(dict.fromkeys(forward_variants(spec) + asked))
 
 
 def forward_variants(spec: RunSpec) -> tuple:
@@ -122,75 +158,29 @@ def forward_variants(spec: RunSpec) -> tuple:
     return BatchVariant.ORDINARY, BatchVariant.ORDINARY
 
 
-def plan_rows(model, mode: RowMode = RowMode.AR, variant=None) -> list[dict]:
-    """One row per stage: what its prepare and exit do in row mode ``mode`` (in batch
-    ``variant``; default: the one the plans serve first, ordinary or CP)."""
-    boundaries = stage_boundaries(model)
-    rows = []
-    for i, boundary in enumerate(boundaries):
-        rows.append(boundary.plan.describe(mode, variant))
-        source = boundary.branch_source
-        ends_branch = source is not None and (i + 1 == len(boundaries)
-                                              or boundaries[i + 1].branch_source is not source)
-        if ends_branch:  # the branch's way back into the stack
-            origin = next(b for b in boundaries if b.declaration is source)
-            rows.append(describe_merge(origin, boundary, mode))
-    return rows
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One call of the target model: the batch it ran (what a run can show it turned on)."""
 
-
-def handoff_contract(receiver, mode: RowMode) -> str:
-    """What crosses into pipeline stage ``receiver`` (a model), as its first boundary's own
-    declaration rebuilds it in row mode ``mode``."""
-    from .contracts import BatchVariant
-
-    first = receiver.stack.first
-    entry = first.plan.path(mode).entry
-    text = (f"to_pp() completes per-batch work and applies the update; {first.name}.from_pp() "
-            f"takes the residual on {entry.residual_src}")
-    if entry.declared is not None:
-        text += (f" and the partial output with its {entry.declared.owed.value} sum owed on "
-                 f"{entry.declared.rows}")
-    return text
-
-
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-# one graph per token bucket: a doubling per graph reaches 16 x 2^31 rows before the limit
-RECOMPILE_LIMIT = 32
-
-
-def compile_forward(model, backend: str, padded: bool):
-    """``model``'s forward under ``torch.compile(fullgraph=True)``.
-
-    ``padded``: each forward is padded to its token bucket (``greedy_generate(bucket=)``), so
-    shapes are static and a graph is one bucket's; automatic dynamic shapes would only trace
-    the boundary's per-batch Python over symbolic sizes. Otherwise (a cache that cannot serve
-    padded batches) dynamo's defaults apply, and a new request pattern is a new graph. The
-    recompile limit admits one graph per bucket."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               RECOMPILE_LIMIT)
-    return torch.compile(model, fullgraph=True, backend=backend,
-                         dynamic=False if padded else None,
-                         options={"guard_filter_fn": boundary_guard_filter(model)})
-
-
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process (``torch._dynamo`` counters)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
+    variant: BatchVariant
+    tbo: bool  # as two interleaved microbatches
+    segment: tuple | None  # the split prefill's layer range, or None: the stage's layers
 
 
 class _ForwardCheck:
-    """Wraps the model to record each forward's row mode and whether it released its stream;
-    ``forward`` is the model itself or its compiled form."""
+    """Wraps the model to record each call's batch, each forward's row mode and whether it
+    released its stream; ``forward`` is the model itself or its compiled form."""
 
     def __init__(self, model, forward) -> None:
         self.model, self.forward, self.released, self.modes = model, forward, True, []
+        self.calls: list[ForwardRecord] = []
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, forward_batch, pp_input=None, **kwargs):
+        self.calls.append(ForwardRecord(forward_batch.variant, bool(forward_batch.tbo),
+                                        forward_batch.layer_segment))
         out = self.forward(forward_batch, pp_input, **kwargs)
         if out is not None:  # the stage's last segment of this forward
             self.released &= forward_batch.residual_stream is None
@@ -199,18 +189,28 @@ class _ForwardCheck:
 
 
 def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
-    """This rank's part of ``spec``: build, load, generate, with the ledger recording."""
+    """This rank's part of ``spec``: build, load, generate, with the ledger recording.
+
+    Args:
+        spec: the run (each rank of it gets the same one).
+        world_size: the process group's size where it is not ``spec``'s (a test's pool).
+
+    A spec the library does not run is refused first (``check_spec``: a one-line
+    ``ValueError``), before any group, model or collective.
+    """
+    spec = with_checkpoints(spec)
+    check_spec(spec)
     runtime = make_runtime(spec, world_size)
     par = runtime.parallel
     provider = make_fusions(spec.fusions)
     read = ReadBytes()
-    model = load_model(spec.model_dir, runtime, dtype=DTYPES[spec.dtype],
+    model = load_model(spec.checkpoint, runtime, dtype=DTYPES[spec.dtype],
                        options=spec.model_options, read=read)
     if provider is not None:  # installed on the built model, as an engine installs a backend's
         model.install_fusion(provider)
     adapters = None
     if spec.lora:
-        from .adapters.lora import attach_lora, lora_slots
+        from ..adapters.lora import attach_lora, lora_slots
 
         names = list(attach_lora(model, spec.lora))
         adapters = lora_slots(names, spec.prompt_lora or ("none",) * len(spec.prompts))
@@ -219,12 +219,6 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     # verification builds its own batches, unpadded)
     pads = spec.compile is not None and not spec.speculative and takes_padded_batches(model)
     if spec.compile is not None:
-        if spec.pp > 1:
-            raise ValueError("--compile runs one stage's whole forward as one graph: it does "
-                             "not support --pp > 1 yet")
-        if spec.compile not in COMPILE_BACKENDS:
-            raise ValueError(f"compile backend {spec.compile!r} is not one of "
-                             f"{', '.join(COMPILE_BACKENDS)}")
         torch._dynamo.reset()  # one model per run: no earlier run's graphs count to its limits
         forward = compile_forward(model, spec.compile, padded=pads)
         graphs_before = compiled_graphs()
@@ -237,7 +231,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
             gen, stats = speculative_generate(
                 checked, draft, [list(p) for p in spec.prompts], spec.max_new_tokens,
                 spec.speculative_steps, parallel=par, dp=par.dims.attn_dp,
-                dp_rank=par.attn_dp_rank, on_step=_set_ledger_step, adapters=adapters)
+                dp_rank=par.attn_dp_rank, on_step=_set_ledger_step, adapters=adapters,
+                variants=forward_variants(spec))
         else:
             gen = greedy_generate(checked, [list(p) for p in spec.prompts], spec.max_new_tokens,
                                   dp=par.dims.attn_dp, dp_rank=par.attn_dp_rank,
@@ -259,6 +254,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     if spec.compile is not None:
         result.compiled_graphs = compiled_graphs() - graphs_before
     result.layers = tuple(model.stage.layers)
+    result.calls = checked.calls
     if provider is not None:
         result.fused_inputs = provider.accepted
         result.fused_final_norms = 0 if provider.service is None else provider.service.calls
@@ -269,50 +265,31 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
     """The draft stack on the target's ranks and topology, with its own boundary-reduction
     policy (``auto`` resolved for the draft's own architecture): a draft checkpoint, or the
     target's own NextN layer."""
-    from .models import load_config, model_class_of
-
+    spec = with_checkpoints(spec)
     if spec.speculative_algorithm == "nextn":
-        from .models.nextn import load_nextn
+        from ..models.nextn import load_nextn
 
         # the target's own NextN layer: the target checkpoint's architecture
-        policy = boundary_reduction(spec.speculative_boundary_reduction, spec.model_dir)
+        policy = spec.checkpoint.boundary_reduction(spec.speculative_boundary_reduction)
         runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                                   allreduce_fusion=spec.allreduce_fusion,
                                   rs_padding=spec.rs_padding)
         return load_nextn(spec.model_dir, runtime, target, dtype=DTYPES[spec.dtype])
-    draft_cls = model_class_of(spec.draft_model)
-    target_cfg, draft_cfg = load_config(spec.model_dir), load_config(spec.draft_model)
-    check_draft(target_cfg, draft_cfg, draft_cls, target_runtime.parallel.dims)
-    policy = boundary_reduction(spec.speculative_boundary_reduction, spec.draft_model)
+    draft = spec.draft_checkpoint
+    policy = draft.boundary_reduction(spec.speculative_boundary_reduction)
     runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                               allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
-    return load_model(spec.draft_model, runtime, dtype=DTYPES[spec.dtype])
-
-
-def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:
-    """A draft must share the target's vocabulary and shard over the same topology; its cache
-    must be positional (rejected draft tokens are overwritten, never folded in: what its model
-    class declares, ``positional_cache``)."""
-    if draft_cfg.vocab_size != target_cfg.vocab_size:
-        raise ValueError(f"draft vocab_size={draft_cfg.vocab_size} differs from the target's "
-                         f"vocab_size={target_cfg.vocab_size}")
-    draft_cls.check_topology(draft_cfg, dims)
-    if not draft_cls.positional_cache:
-        raise ValueError(f"a {draft_cls.model_type} draft keeps state that folds every token in "
-                         "(Mamba states, a sliding-window ring): drafts need a positional KV "
-                         "cache")
-    if dims.pp > 1:
-        raise ValueError("speculative decoding does not support --pp > 1 yet")
+    return load_model(draft, runtime, dtype=DTYPES[spec.dtype])
 
 
 def make_fusions(name: str | None):
     """The fusion provider a run spec names (reference providers run on CPU)."""
     if name is None:
         return None
-    from .fusions.reference import ReferenceFusions
+    from ..fusions.reference import ReferenceFusions
 
     options = {"reference": {}, "reference-terminal": {"terminal_finalize": True},
-               "decline": {"decline": True}}
+               "decline": {"decline": True}}  # FUSION_PROVIDERS
     if name not in options:
         raise ValueError(f"unknown fusion provider {name!r} (known: {', '.join(options)})")
     return ReferenceFusions(**options[name])
@@ -347,60 +324,3 @@ def speculative_summary(results: list[RankResult]) -> dict | None:
             "target_forwards": max(h["target_forwards"] for h in heads),
             "reruns": max(h["reruns"] for h in heads)}
 
-
-# fp32 parity: logits within this much per unit of the reference's logit scale (the largest
-# |logit|, at least 1): summation order alone moves a logit by a few ulps of the sums behind
-# it, which grow with the scale, so a fixed absolute bound would fail legitimate large-logit
-# checkpoints; a real divergence (a wrong shard, a missing sum) moves logits by a fraction of
-# the scale itself, orders of magnitude above this
-FP32_RELATIVE_TOLERANCE = 1e-5
-
-
-def _all_finite(gen: Generation) -> bool:
-    return all(bool(torch.isfinite(x).all()) for steps in gen.logits for x in steps)
-
-
-def parity(run: Generation, reference: Generation) -> dict:
-    """Tokens, the largest logit difference (NaN if any logit is not finite), which side has
-    non-finite logits, the reference's logit scale and the fp32 tolerance it implies."""
-    finite = {"run": _all_finite(run), "reference": _all_finite(reference)}
-    diffs = [float((a.float() - b.float()).abs().max())
-             for la, lb in zip(run.logits, reference.logits) for a, b in zip(la, lb)]
-    scale = max((float(x.float().abs().max()) for steps in reference.logits for x in steps
-                 if x.numel() and bool(torch.isfinite(x).all())), default=0.0)
-    worst = float("nan") if not all(finite.values()) else max(diffs, default=0.0)
-    return {"tokens_match": run.generated == reference.generated, "max_abs_diff": worst,
-            "non_finite": [side for side, ok in finite.items() if not ok],
-            "logit_scale": scale,
-            "tolerance": FP32_RELATIVE_TOLERANCE * max(1.0, scale)}
-
-
-def verdict_ok(verdict: dict, dtype: str, run: Generation, reference: Generation):
-    """(PASS or not, how it was judged). Non-finite logits on either side always fail."""
-    if verdict["non_finite"]:
-        return False, f"non-finite logits in the {' and the '.join(verdict['non_finite'])}"
-    if dtype == "float32":
-        ok = verdict["tokens_match"] and verdict["max_abs_diff"] <= verdict["tolerance"]
-        return ok, (f"tolerance {verdict['tolerance']:.2g} = {FP32_RELATIVE_TOLERANCE:.0e} x "
-                    f"logit scale {max(1.0, verdict['logit_scale']):.3g}")
-    # bf16: greedy tokens may part at near-ties; the prefill logits are the check
-    ok, worst = bf16_prefill_within_bound(run, reference)
-    return ok, f"bf16: prefill within {worst:.3g} of the logit scale, bound {BF16_PREFILL_BOUND}"
-
-
-# bf16 runs: prefill logits stay within this fraction of the reference's largest logit
-# (measured: up to about 0.027 on the tiny models, multi-rank bf16 against fp32 world 1);
-# greedy tokens may part at near-ties, after which decode logits are not comparable.
-BF16_PREFILL_BOUND = 2.0 ** -4
-
-
-def bf16_prefill_within_bound(run: Generation, reference: Generation) -> tuple[bool, float]:
-    """(whether every request's prefill logits are within the bf16 bound, the worst ratio)."""
-    worst = 0.0
-    for la, lb in zip(run.logits, reference.logits):
-        scale = float(lb[0].float().abs().max()) or 1.0
-        ratio = float((la[0].float() - lb[0].float()).abs().max()) / scale
-        if ratio != ratio or ratio == float("inf"):  # a NaN or infinite logit: never within
-            return False, float("nan")
-        worst = max(worst, ratio)
-    return worst <= BF16_PREFILL_BOUND, worst

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.collectives import all_reduce_rows, gather_rows
-from ..runtime.forward_batch import ForwardBatch, ForwardMode
+from ..runtime.forward_batch import BatchVariant, ForwardBatch, ForwardMode
 from ..runtime.ledger import active_observer
 from .generate import Generation, requests_of
 
@@ -66,14 +66,15 @@ class _Agreement:
 
 
 def _forward(model, agree, mode, requests, prefix, slots, cache, hidden=False, prev=None,
-             adapters=None):
+             adapters=None, variant=BatchVariant.ORDINARY):
     """One forward of ``requests`` (new tokens per active request): [T, vocab] logits, and
     with ``hidden`` the final norm's output [T, H] too. ``prev``: a NextN draft's previous
     hidden state for every token. ``adapters``: each active request's LoRA adapter slot, by
-    its cache slot (None: the base model)."""
+    its cache slot (None: the base model). ``variant``: the batch variant it runs as."""
     counts = agree.dp_counts(sum(map(len, requests)))
     fb = ForwardBatch.build(mode, requests, prefix, dp_token_counts=counts, req_slots=slots,
                             kv_cache=cache, device=model.device)
+    fb.variant = variant
     if adapters is not None:  # each token runs its request's adapter
         fb.lora_ids = torch.tensor([adapters[j] for j, toks in zip(slots, requests)
                                     for _ in toks], dtype=torch.long)
@@ -95,7 +96,9 @@ def _ends(requests) -> list[int]:
 @torch.no_grad()
 def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens: int,
                          steps: int, *, parallel, dp: int = 1, dp_rank: int = 0,
-                         on_step=None, adapters=None) -> tuple[Generation, SpeculativeStats]:
+                         on_step=None, adapters=None,
+                         variants: tuple = (BatchVariant.ORDINARY, BatchVariant.ORDINARY)
+                         ) -> tuple[Generation, SpeculativeStats]:
     """The target's greedy tokens (and each step's logits) of this rank's requests, drafted.
 
     Args:
@@ -109,6 +112,9 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
         adapters: each request's LoRA adapter slot on the target (-1: the base model), or
             None. Every target forward runs them, so the output is the adapted target's
             greedy decoding; the draft proposes with its own weights.
+        variants: the batch variant of the target's prefill and of its later forwards (a
+            sequence-parallel prefill, input-scattered forwards); the draft's forwards are
+            ordinary (its runtime serves those).
     """
     if steps < 1:
         raise ValueError(f"--speculative-steps must be at least 1, got {steps}")
@@ -157,7 +163,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     log_step()
     slots = list(range(n))
     out, hidden = _forward(target, agree, ForwardMode.EXTEND, context, [0] * n, slots, t_cache,
-                           hidden=nextn, adapters=mine_adapters)
+                           hidden=nextn, adapters=mine_adapters, variant=variants[0])
     start = 0
     for j, end in enumerate(_ends(context)):
         emitted[j].append(int(out[end].argmax()))
@@ -190,7 +196,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
         verify = [seq[j][t_len[j]:] + proposal[j] for j in active]
         out, hidden = _forward(target, agree, ForwardMode.EXTEND, verify,
                                [t_len[j] for j in active], active, t_cache, hidden=nextn,
-                               adapters=mine_adapters)
+                               adapters=mine_adapters, variant=variants[1])
         stats.target_forwards += 1
         stats.request_rounds += len(active)
         start, accepted = 0, {}
@@ -221,7 +227,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
             again = [toks[:len(toks) - steps + accepted[j]] for j, toks in zip(active, verify)]
             _forward(target, agree, ForwardMode.EXTEND, again,
                      [t_len[j] - len(t) for j, t in zip(active, again)], active, t_cache,
-                     adapters=mine_adapters)
+                     adapters=mine_adapters, variant=variants[1])
             stats.reruns += 1
     generated = [e[:max_new_tokens] for e in emitted]
     return Generation(mine, generated, [lg[:max_new_tokens] for lg in logits]), stats

@@ -10,12 +10,12 @@ import time
 
 import torch
 
-from . import boundary_guard_filter
-from .models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from .runtime.args import BoundaryRuntime
-from .runtime.collectives import all_reduce_rows
-from .runtime.forward_batch import ForwardBatch, ForwardMode
-from .runtime.parallel import ParallelDims, build_parallel
+from .. import boundary_guard_filter
+from ..models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from ..runtime.args import BoundaryRuntime
+from ..runtime.collectives import all_reduce_rows
+from ..runtime.forward_batch import ForwardBatch, ForwardMode
+from ..runtime.parallel import ParallelDims, build_parallel
 
 
 BENCH_HEADS = 8  # attention heads of the overhead benchmark's model
@@ -84,7 +84,7 @@ def overhead_tp(tp: int, hidden: int = 256, layers: int = 8, requests: int = 16,
         boundary_reduction: the boundary's policy (as ``--boundary-reduction``); ``rs+rsv``
             chooses per batch (``auto``'s choice), which takes ``ar`` where it moves fewer rows.
     """
-    from .runtime.launch import spawn
+    from ..runtime.launch import spawn
 
     return spawn(_overhead_rank, tp, hidden, layers, requests, prefix, repeats, compile,
                  boundary_reduction, tp)[0]
@@ -159,7 +159,7 @@ def _moe_rank(hidden: int, layers: int, tokens: int, repeats: int) -> dict:
     forward with synchronous collectives, and with its sums in flight across microbatches."""
     import torch.distributed as dist
 
-    from .models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from ..models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     dims = ParallelDims(world_size=4, tp=4, attn_dp=2, moe_ep=2)
     runtime = BoundaryRuntime(build_parallel(dims), boundary_reduction="rs+rsv")
@@ -209,7 +209,7 @@ def tbo_overlap(hidden: int = 512, layers: int = 4, tokens: int = 384, repeats: 
     ``tbo_vs_plain`` (the overlapped two-batch forward against the plain one: what a user of
     ``--tbo`` gets) and ``ratio`` (the overlapped forward against the same schedule with every
     collective synchronous: how much communication the overlap hides)."""
-    from .runtime.launch import spawn
+    from ..runtime.launch import spawn
 
     result = spawn(_moe_rank, 4, hidden, layers, tokens, repeats)[0]
     result.update(hidden=hidden, layers=layers, tokens=tokens,
@@ -242,7 +242,7 @@ def path_bytes(model_dir: str, prompts: tuple, tp: int = 4, dp: int = 2, ranks=N
             (default: freshly spawned processes; a test passes its pool).
     """
     from .runner import RunSpec
-    from .runtime.launch import spawn
+    from ..runtime.launch import spawn
 
     ranks = ranks or (lambda fn, spec: spawn(fn, tp, spec))
     out = {}

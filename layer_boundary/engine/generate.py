@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from ..residual import declared
-from ..runtime.collectives import (broadcast_from_last_stage, recv_from_prev_stage,
-                                   send_to_next_stage)
 from ..runtime.forward_batch import BatchVariant, ForwardBatch, ForwardMode
+from .pipeline import PipelineLink
 
 
 @dataclass
 class Generation:
     request_ids: list[int]  # indices of this rank's requests in the global prompt list
     generated: list[list[int]]
-    logits: list[list[torch.Tensor]]  # per request, per step: [vocab] fp32 logits of its last position
+    # per request, per step: [vocab] fp32 logits of its last position
+    logits: list[list[torch.Tensor]]
 
 
 def requests_of(dp_rank: int, dp: int, n: int) -> list[int]:
@@ -95,6 +95,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         for r in range(dp))
     generated = [[] for _ in mine]
     logits_out = [[] for _ in mine]
+    stage = getattr(model, "stage", None)
+    link = PipelineLink.of(model, pp)
     for step in range(max_new_tokens):
         if on_step is not None:
             on_step(step)
@@ -108,10 +110,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         if adapters is not None:  # each token runs its request's adapter
             batch.lora_ids = torch.tensor(
                 [adapters[i] for i, t in zip(mine, new_tokens) for _ in t], dtype=torch.long)
-        stage = getattr(model, "stage", None)
-        first = stage is None or stage.first
-        last = stage is None or stage.last
-        pp_input = None if first else recv_from_prev_stage(pp, site="pp_recv")
+        pp_input = link.receive()
         parts = split_prefill if step == 0 and stage is not None else 1
         run = batch
         if pad and parts == 1:
@@ -119,8 +118,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         for segment in (segments(stage.layers, parts) if parts > 1 else [None]):
             run.layer_segment = segment
             out = model(run, pp_input) if stage is not None else model(run)
-        if not last:
-            send_to_next_stage(out, pp, site="pp_send")
+        if not link.last:
+            link.send(out)
             tokens = torch.zeros(len(mine), dtype=torch.long)
         else:
             ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
@@ -129,8 +128,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
             if keep_logits:
                 for j in range(len(mine)):
                     logits_out[j].append(picked[j].clone())
-        if pp is not None:  # every stage builds the next step from the last stage's tokens
-            tokens = broadcast_from_last_stage(tokens, pp, site="pp_tokens")
+        tokens = link.share_tokens(tokens)  # every stage builds the next step from them
         for j, token in enumerate(tokens.tolist()):
             generated[j].append(token)
         prefix = [p + len(t) for p, t in zip(prefix, new_tokens)]

@@ -1,0 +1,244 @@
+"""The command line's arguments: the parser of ``layer-boundary run | plan | bench`` and the
+readers of its values. Only what parsing needs is imported here, so ``--help`` and
+``--version`` answer before torch loads."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..runtime.defaults import BOUNDARY_REDUCTIONS, START_TIMEOUT_S
+
+
+class UsageError(ValueError):
+    """A bad command-line argument."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of seconds")
+    return value
+
+
+def _prompt_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids {text!r} must be comma-separated integers") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} needs non-negative token ids")
+    return ids
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help states its default, unless the text already says it (a default
+    derived from other flags is written out there) or the option is a switch."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="layer-boundary", description="Stage boundaries for parallel transformer inference: "
+        "run a checkpoint on CPU ranks and check it against one rank (run), print the "
+        "boundary paths a batch takes (plan), or time the boundary against a hand-written "
+        "forward (bench).",
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"layer-boundary {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", formatter_class=_HelpFormatter,
+                         help="generate on parallel CPU ranks and check parity with world 1")
+    _topology_args(run)
+    _variant_args(run)
+    _policy_arg(run)
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                     help="the dtype weights and activations run in")
+    run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
+                     help='token ids of one prompt, e.g. "1,2,3" (repeatable)')
+    run.add_argument("--prompt", action="append", default=None,
+                     help="a text prompt (repeatable; needs tokenizer.json in the checkpoint)")
+    run.add_argument("--lora", type=_lora_arg, action="append", default=None,
+                     metavar="NAME=DIR", help="load a PEFT LoRA adapter folder under NAME "
+                                              "(repeatable)")
+    run.add_argument("--prompt-lora", action="append", default=None, metavar="NAME|none",
+                     help="the adapter of one prompt, given once per prompt in prompt order "
+                          "(none: the base model; default: every prompt on the base model)")
+    run.add_argument("--max-new-tokens", type=_positive, default=4,
+                     help="tokens generated per prompt, the prefill's included")
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--logits-out", help="write per-prompt, per-step logits (safetensors)")
+    run.add_argument("--no-reference", action="store_true", help="skip the world-1 parity run")
+    run.add_argument("--no-allreduce-fusion", action="store_true",
+                     help="complete every FFN all-reduce in compute instead of deferring it")
+    run.add_argument("--no-rs-padding", action="store_true",
+                     help="forbid padding rows for fixed-size reduce-scatter (rs falls back)")
+    run.add_argument("--compile", action="store_true",
+                     help="run each rank's forward under torch.compile(fullgraph=True) "
+                          "(inductor); parity is checked against eager world 1")
+    run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
+                     default=None, help="the torch.compile backend (implies --compile)")
+    run.add_argument("--fusion-provider", choices=("reference", "reference-terminal", "decline"),
+                     default=None, help="install a CPU reference fusion provider on every "
+                                        "rank's model: reference (fused all-reduce + add + "
+                                        "norm candidates), reference-terminal (also the "
+                                        "final norm's terminal service), decline (asked, "
+                                        "declines every candidate)")
+    _pipeline_args(run)
+    run.add_argument("--split-prefill", type=_positive, default=1,
+                     help="run each stage's prefill in this many layer-range segments")
+    run.add_argument("--collective-timeout", type=_positive_seconds, default=None,
+                     metavar="SECONDS",
+                     help="how long a collective waits for a silent peer before the job ends "
+                          "(default 45 s; 15 s under torchrun; 900 s with --compile)")
+    run.add_argument("--start-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                     help="how long a rank may take to start (import, load, join) before the "
+                          f"job ends naming it; start-up is not silence (default "
+                          f"{START_TIMEOUT_S:.0f} s)")
+    run.add_argument("--tbo", action="store_true",
+                     help="two-batch overlap: each forward as two interleaved microbatches")
+    run.add_argument("--draft-model", default=None,
+                     help="speculative decoding: a draft checkpoint with the target's vocabulary")
+    run.add_argument("--speculative-algorithm", choices=("draft", "nextn"), default=None,
+                     help="draft: --draft-model proposes; nextn: the target DeepSeek-V3's own "
+                          "NextN/MTP layer proposes (default: draft with --draft-model)")
+    run.add_argument("--speculative-steps", type=_positive, default=3,
+                     help="draft tokens proposed per verification forward")
+    run.add_argument("--speculative-boundary-reduction", choices=BOUNDARY_REDUCTIONS,
+                     default="auto", help="the draft stack's own boundary-reduction policy")
+
+    plan = sub.add_parser("plan", formatter_class=_HelpFormatter,
+                          help="print the per-stage boundary paths for a batch shape")
+    _topology_args(plan)  # the same flags as run's: plan shows the topology run would run
+    _variant_args(plan)
+    _policy_arg(plan)
+    plan.add_argument("--tokens", type=_token_counts, default=None,
+                      help='tokens per attention-DP rank, e.g. "5,0,3,1" (default: 4 per rank)')
+    plan.add_argument("--no-allreduce-fusion", action="store_true",
+                      help="plan every FFN all-reduce completed in compute, as run")
+    plan.add_argument("--no-rs-padding", action="store_true",
+                      help="forbid padding rows for fixed-size reduce-scatter, as run")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--tbo", action="store_true",
+                      help="also show the rows of both two-batch-overlap microbatches (each "
+                           "DP rank's tokens taken as one-token requests)")
+    _pipeline_args(plan)
+
+    bench = sub.add_parser("bench", formatter_class=_HelpFormatter,
+                           help="boundary overhead against a hand-written decoder")
+    bench.add_argument("--hidden", type=_positive, default=256,
+                       help="the benchmark model's hidden size (a multiple of 8)")
+    bench.add_argument("--layers", type=_positive, default=8, help="its decoder layers")
+    bench.add_argument("--requests", type=_positive, default=16,
+                       help="requests in the decode step")
+    bench.add_argument("--repeats", type=_positive, default=30,
+                       help="timed forwards of each kind, interleaved")
+    bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
+                       help="run both forwards under torch.compile(fullgraph=True)")
+    return parser
+
+
+def _topology_args(parser) -> None:
+    parser.add_argument("--model",
+                        help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
+    parser.add_argument("--tp", type=_positive, default=None,
+                        help="tensor-parallel size (default 4)")
+    parser.add_argument("--dp", type=_positive, default=None,
+                        help="attention data-parallel size, dividing tp (default 2 with the "
+                             "default tp, else 1); prompt i runs on DP rank i mod dp")
+    parser.add_argument("--ep", type=_positive, default=1,
+                        help="expert parallelism of MoE layers over the TP ranks (dividing tp)")
+    parser.add_argument("--cp", type=_positive, default=1,
+                        help="attention context parallelism: each DP rank's tokens split over "
+                             "this many ranks of its attention group (dp x cp divides tp)")
+
+
+def _policy_arg(parser) -> None:
+    parser.add_argument("--boundary-reduction", choices=BOUNDARY_REDUCTIONS, default="auto",
+                        help="which row modes the boundaries may use: ar (all-reduce only), rs, "
+                             "rsv, rs+rsv, or auto (the architecture's policy, chosen per batch "
+                             "by rows moved)")
+
+
+def _variant_args(parser) -> None:
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="prefill as a sequence-parallel batch: residual and norms on "
+                             "token slices, rows moved inside the column- and row-parallel "
+                             "linears (decode runs ordinary batches)")
+    parser.add_argument("--attn-input-scattered", action="store_true",
+                        help="input-scattered attention (MLA models): the qkv latent runs on "
+                             "the scattered rows and only the latent is gathered")
+    parser.add_argument("--moe-a2a-backend", choices=("none", "all_to_all"), default="none",
+                        help="how MoE layers reach their experts: none (default: the boundary "
+                             "gathers every DP rank's rows) or all_to_all (the MoE stays on "
+                             "the attention rows and dispatches each routed token)")
+
+
+def compiling(args) -> bool:
+    return bool(getattr(args, "compile", False) or getattr(args, "compile_backend", None))
+
+
+def speculative(args) -> bool:
+    return bool(getattr(args, "draft_model", None) or getattr(args, "speculative_algorithm", None))
+
+
+def tp_dp(args) -> tuple[int, int]:
+    """The topology ``run`` and ``plan`` derive from the same flags: the default job is tp=4
+    dp=2; an explicit --tp alone means pure tensor parallelism."""
+    return args.tp or 4, args.dp or (1 if args.tp else 2)
+
+
+def _pipeline_args(parser) -> None:
+    parser.add_argument("--pp", type=_positive, default=1,
+                        help="pipeline stages (world = pp x tp, stage-major ranks)")
+    parser.add_argument("--pp-layers", type=_layer_counts, default=None,
+                        help='layers per stage, e.g. "3,2,2" (default: an even split, the '
+                             "remainder on the first stages)")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--pp-layers {text!r} must be comma-separated integers") from None
+    return counts
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tokens {text!r} must be comma-separated integers") from None
+    if min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"--tokens {text!r} has a negative count")
+    return counts
+
+
+def _lora_arg(text: str) -> tuple[str, str]:
+    name, sep, folder = text.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"--lora {text!r} must be NAME=DIR")
+    return name, folder
+

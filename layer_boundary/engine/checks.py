@@ -1,0 +1,77 @@
+"""What ``run`` and ``plan`` check of their arguments beyond the table of combination rules
+(``engine.features.check_spec``, which both ask too): the adapters against the prompts and the
+model, the pipeline split and the prompt lengths, each a one-line ``UsageError`` before any
+rank starts."""
+
+from __future__ import annotations
+
+from .args import UsageError
+
+
+def check_lora(spec) -> None:
+    """``--lora`` and ``--prompt-lora`` against each other, the prompts and the model: each
+    adapter is attached to a weightless copy of rank 0's model, built as the run builds it.
+
+    Args:
+        spec: the run, its combination already checked.
+    """
+    import torch
+
+    from ..adapters.lora import LoraError, attach_lora, lora_slots
+    from ..runtime.parallel import virtual_parallel
+    from .runner import runtime_of
+
+    adapters, chosen = spec.lora, spec.prompt_lora
+    if not adapters:
+        if chosen:
+            raise UsageError("--prompt-lora needs adapters: load them with --lora NAME=DIR")
+        return
+    if chosen and len(chosen) != len(spec.prompts):
+        raise UsageError(f"--prompt-lora is given {len(chosen)} times for {len(spec.prompts)} "
+                         "prompts: give it once per prompt, in prompt order")
+    try:
+        lora_slots([name for name, _ in adapters], chosen)
+        runtime = runtime_of(spec, virtual_parallel(spec.dims()))
+        with torch.device("meta"):  # the targets and shards checked, no weights materialized
+            model = spec.checkpoint.model_class(spec.checkpoint.config, runtime)
+            attach_lora(model, adapters)
+    except LoraError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def check_ep(args, checkpoint) -> None:
+    """``--ep`` on a checkpoint without routed experts: the library runs it (there is nothing
+    to split), so it is no combination rule, but the flag does nothing here and is refused as
+    a usage error."""
+    cfg = checkpoint.config
+    if args.ep > 1 and not (getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0)):
+        raise UsageError(f"--ep {args.ep} splits MoE experts over ranks; the "
+                         f"{checkpoint.model_type} checkpoint {checkpoint.folder} has none")
+
+
+def check_lengths(checkpoint, prompts, max_new_tokens: int) -> None:
+    """Prompts and generations that fit the checkpoint's positions (config.json's
+    max_position_embeddings, read from the ``Checkpoint``)."""
+    limit = checkpoint.raw.get("max_position_embeddings")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return
+    for i, p in enumerate(prompts):
+        if len(p) > limit:
+            raise UsageError(f"prompt {i} has {len(p)} tokens; the checkpoint's "
+                             f"max_position_embeddings is {limit}")
+    longest = max(map(len, prompts))
+    if longest + max_new_tokens > limit:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} after a {longest}-token prompt "
+                         f"needs {longest + max_new_tokens} positions; the checkpoint's "
+                         f"max_position_embeddings is {limit}")
+
+
+def check_pipeline(args, checkpoint) -> None:
+    """Bad --pp / --pp-layers against the model's layers, before any rank starts."""
+    from ..models.pipeline import split_layers
+
+    if args.pp_layers is not None and args.pp == 1 and len(args.pp_layers) != 1:
+        raise UsageError(f"--pp-layers {','.join(map(str, args.pp_layers))} needs --pp "
+                         f"{len(args.pp_layers)}")
+    split_layers(checkpoint.model_class.decoder_layers(checkpoint.config), args.pp,
+                 args.pp_layers)

@@ -1,0 +1,103 @@
+"""``layer-boundary run | plan | bench``: the command's entry point.
+
+``run`` spawns its own CPU ranks (gloo on loopback), or joins the ranks ``torchrun`` started;
+``plan`` builds on a virtual topology; ``bench`` times the boundary. Bad input ends in one
+line on stderr (exit 2), a failed rank in one line too (exit 1). Only rank 0 reports, through
+logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+# only what parsing needs: a command imports torch and the package when it runs, so --help
+# and --version answer before torch loads
+from .args import UsageError, build_parser
+from .logs import setup_logging
+
+log = logging.getLogger("layer_boundary")
+
+
+def main(argv=None) -> int:
+    """The ``layer-boundary`` command (``argv`` None: the process's own arguments, and the
+    process ends after it: multiprocessing's resource tracker, which spawned ranks start, is
+    stopped and reaped first, so nothing of the run outlives it in its process group)."""
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:
+            _stop_resource_tracker()
+
+
+def _stop_resource_tracker() -> None:
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # CPython's own
+    if stop is not None:
+        try:
+            stop()
+        except (OSError, ChildProcessError):  # already gone
+            pass
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    from ..construction import UnsupportedBoundary
+    from ..models.loader import CheckpointError
+    from ..runtime.parallel import TopologyError
+    from ..runtime.launch import RankError
+
+    try:
+        if args.command == "run":
+            from .run_command import cmd_run
+
+            return cmd_run(args)
+        if args.command == "plan":
+            from .plan_command import cmd_plan
+
+            return cmd_plan(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+    except (CheckpointError, TopologyError, UnsupportedBoundary, UsageError, ValueError) as exc:
+        print(f"layer-boundary: error: {exc}", file=sys.stderr)
+        return 2
+    except RankError as exc:  # a rank crashed, died or fell silent: the job is over
+        hint = (" (a rank that imports or loads slowly: --start-timeout SECONDS widens the "
+                "start-up window)" if "did not start within" in str(exc) else "")
+        print(f"layer-boundary: error: {exc}{hint}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench(args) -> int:
+    """``layer-boundary bench``: one paired timing of the boundary against a hand-written
+    decoder."""
+    from .bench import BENCH_HEADS, overhead_with_noise
+
+    if args.hidden % BENCH_HEADS:
+        raise UsageError(f"--hidden {args.hidden} must be a multiple of {BENCH_HEADS}, "
+                         "the benchmark model's attention heads")
+    setup_logging(0)
+    log.info("timing %d paired decode steps (hidden %d, %d layers, %d requests%s) ...",
+             args.repeats, args.hidden, args.layers, args.requests,
+             f", compiling with {args.compile} first" if args.compile else "")
+    result = overhead_with_noise(args.hidden, args.layers, args.requests,
+                                 repeats=args.repeats, compile=args.compile)
+    log.info("decode step, world 1, hidden %d, %d layers, %d requests%s: boundary %.3f "
+             "ms, hand-written %.3f ms, overhead %+.1f%% (%.1f us per stage)",
+             result["hidden"], result["layers"], result["requests"],
+             f", compiled ({args.compile})" if args.compile else ", eager",
+             result["boundary_ms"], result["hand_written_ms"], 100 * result["overhead"],
+             result["per_stage_us"])
+    for kind, (low, mid, high) in result["spread_ms"].items():
+        log.info("  %-12s min %.3f / median %.3f / max %.3f ms", kind, low, mid, high)
+    if abs(result["overhead"]) <= result["noise"]:
+        log.info("warning: the overhead is within the noise (the hand-written forward's "
+                 "interquartile range is %.1f%% of its median): raise --repeats or run "
+                 "on an idle machine", 100 * result["noise"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

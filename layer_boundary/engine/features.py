@@ -1,0 +1,83 @@
+"""A run spec against the table of combination rules (``layer_boundary.capabilities``): the
+features it turns on, the facts the rules read, and the check ``run_rank`` and the command
+line both make before anything is built, loaded or sent."""
+
+from __future__ import annotations
+
+from ..capabilities import CapabilityError, Feature, Setup, check
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+FUSION_PROVIDERS = ("reference", "reference-terminal", "decline")
+SPECULATIVE_ALGORITHMS = ("draft", "nextn")
+
+
+def features_of(spec) -> frozenset:
+    """The features ``spec`` (a ``RunSpec`` with its checkpoints read) turns on."""
+    on = {Feature.CP: spec.cp > 1,
+          Feature.SEQUENCE_PARALLEL: spec.sequence_parallel,
+          Feature.INPUT_SCATTERED: spec.attn_input_scattered,
+          Feature.MOE_A2A: spec.moe_a2a_backend != "none",
+          Feature.PIPELINE: spec.pp > 1,
+          Feature.TBO: spec.tbo,
+          Feature.SPLIT_PREFILL: spec.split_prefill > 1,
+          Feature.COMPILE: spec.compile is not None,
+          Feature.SPECULATIVE: spec.speculative,
+          Feature.LORA: bool(spec.lora),
+          Feature.FP8: bool(getattr(spec.checkpoint.config, "fp8_block", None)),
+          Feature.FUSIONS: spec.fusions is not None}
+    return frozenset(f for f, yes in on.items() if yes)
+
+
+def setup_of(spec) -> Setup:
+    """What the rules read of ``spec``: its features, model, topology, resolved policy and
+    draft."""
+    target, draft = spec.checkpoint, spec.draft_checkpoint
+    return Setup(features_of(spec), target.model_class, target.config, spec.dims(),
+                 target.boundary_reduction(spec.boundary_reduction),
+                 draft=None if draft is None else draft.model_class,
+                 draft_config=None if draft is None else draft.config,
+                 nextn=spec.speculative_algorithm == "nextn", folder=spec.model_dir)
+
+
+def check_spec(spec) -> None:
+    """Refuse ``spec`` (a ``RunSpec`` with its checkpoints read) by name if its options are
+    malformed or the library does not run its combination (``capabilities.CapabilityError``):
+    one line, before any rank builds, loads or sends anything.
+
+    Args:
+        spec: the run.
+    """
+    if spec.compile is not None and spec.compile not in COMPILE_BACKENDS:
+        raise ValueError(f"compile backend {spec.compile!r} is not one of "
+                         f"{', '.join(COMPILE_BACKENDS)}")
+    if spec.fusions is not None and spec.fusions not in FUSION_PROVIDERS:
+        raise ValueError(f"unknown fusion provider {spec.fusions!r} (known: "
+                         f"{', '.join(FUSION_PROVIDERS)})")
+    algorithm = spec.speculative_algorithm
+    if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
+        raise ValueError(f"speculative_algorithm {algorithm!r} is not one of "
+                         f"{', '.join(SPECULATIVE_ALGORITHMS)}")
+    if algorithm == "draft" and spec.draft_model is None:
+        raise ValueError("--speculative-algorithm draft needs --draft-model")
+    if algorithm == "nextn" and spec.draft_model is not None:
+        raise ValueError("--speculative-algorithm nextn drafts with the target's own NextN "
+                         "layer: drop --draft-model")
+    if spec.speculative and spec.speculative_steps < 1:
+        raise ValueError(f"--speculative-steps must be at least 1, got {spec.speculative_steps}")
+    check(setup_of(spec))
+
+
+def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:
+    """A draft checkpoint against its target: the target's vocabulary, a topology it shards
+    over, a positional KV cache (the draft rules of ``capabilities.MODEL_RULES``).
+
+    Args:
+        target_cfg, draft_cfg: the two parsed configs.
+        draft_cls: the draft's model class.
+        dims: the ``ParallelDims`` both run on.
+    """
+    check(Setup(frozenset({Feature.SPECULATIVE}), config=target_cfg, dims=dims,
+                draft=draft_cls, draft_config=draft_cfg))
+
+
+__all__ = ["CapabilityError", "check_draft", "check_spec", "features_of", "setup_of"]

@@ -1,0 +1,187 @@
+"""``run``'s report: the generated tokens, the parity verdict, each stage's boundary paths and
+the collectives per forward (``--json``: one object). Only rank 0 reports, through logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+log = logging.getLogger("layer_boundary")
+
+
+def asked(value: str, checkpoint) -> str:
+    """The policy asked for, as the run and plan headers show it: ``auto`` with what chose
+    its policy (the ``Checkpoint``'s ``architectures`` entry, ``model_type`` or
+    ``text_config``)."""
+    if value != "auto":
+        return value
+    return f"auto, by {checkpoint.auto_policy()[1]}"
+
+
+def a2a_note(backend: str) -> str:
+    return "" if backend == "none" else f"  MoE {backend} dispatch"
+
+
+def _texts(args, spec, run) -> dict | None:
+    """With ``--prompt``: each request's prompt and completion decoded by the checkpoint's
+    tokenizer (request index -> (prompt text, completion text)); else None."""
+    if not args.prompt:
+        return None
+    from .run_command import tokenizer
+
+    tok = tokenizer(spec.model_dir)
+    return {i: (tok.decode(list(spec.prompts[i])), tok.decode(g))
+            for i, g in zip(run.request_ids, run.generated)}
+
+
+
+def report(args, spec, results, reference) -> int:
+    """Log the run's report from every rank's result (``reference``: the world-1 run, or None
+    when parity is not checked); the exit status (1: parity failed)."""
+    from ..runtime.ledger import summarize
+    from .parity import parity, verdict_ok
+    from .runner import forward_variants, merge, speculative_summary
+
+    run = merge(results)
+    speculative = speculative_summary(results)
+    rank0 = results[0]
+    verdict = parity(run, reference) if reference is not None else None
+    collectives = summarize(rank0.ledger)
+    if args.logits_out:
+        from safetensors.torch import save_file
+
+        save_file({f"prompt{i}.step{j}": logit.float().contiguous()
+                   for i, steps in zip(run.request_ids, run.logits)
+                   for j, logit in enumerate(steps)}, args.logits_out)
+    ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
+    texts = _texts(args, spec, run)
+    if args.json:
+        log.info(json.dumps({
+            "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
+            "boundary_reduction": rank0.resolved_reduction,
+            "dtype": spec.dtype,
+            "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g,
+                         **({"prompt_text": texts[i][0], "generated_text": texts[i][1]}
+                            if texts else {})}
+                        for i, g in zip(run.request_ids, run.generated)],
+            "parity": verdict, "collectives": collectives,
+            **({"speculative": speculative} if speculative else {}),
+            **({"fusion_provider": spec.fusions, "fused_inputs": rank0.fused_inputs,
+                "fused_final_norms": rank0.fused_final_norms} if spec.fusions else {}),
+            **({"cp": spec.cp} if spec.cp > 1 else {}),
+            **({"moe_a2a_backend": spec.moe_a2a_backend}
+               if spec.moe_a2a_backend != "none" else {}),
+            **({"variants": [v.value for v in forward_variants(spec)]}
+               if forward_variants(spec)[0].value != "ordinary" else {}),
+            **({"compile": spec.compile, "compiled_graphs": rank0.compiled_graphs}
+               if spec.compile else {})}))
+        return 0 if ok else 1
+    log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
+             "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
+             spec.dp, f"cp={spec.cp} " if spec.cp > 1 else "", spec.ep,
+             rank0.resolved_reduction, asked(spec.boundary_reduction, spec.checkpoint),
+             spec.dtype,
+             ("  sequence-parallel prefill" if spec.sequence_parallel else
+              "  input-scattered attention" if spec.attn_input_scattered else "")
+             + a2a_note(spec.moe_a2a_backend) + _modes_on(spec)
+             + (f"  compiled ({spec.compile}, fullgraph) into {rank0.compiled_graphs} "
+                f"graph{'s' * (rank0.compiled_graphs != 1)} on rank 0" if spec.compile else ""))
+    for i, g in zip(run.request_ids, run.generated):
+        adapter = f" (LoRA {spec.prompt_lora[i]})" if spec.prompt_lora else ""
+        log.info("prompt %d %s%s -> generated %s", i, list(spec.prompts[i]), adapter, g)
+        if texts:
+            log.info("  text: %r -> %r", *texts[i])
+    if speculative:
+        log.info("speculative (%d draft steps): acceptance %.2f, %.2f tokens per target forward "
+                 "per request, %d verification forwards, %d reruns", spec.speculative_steps,
+                 speculative["acceptance_rate"], speculative["tokens_per_target_forward"],
+                 speculative["target_forwards"], speculative["reruns"])
+    if spec.fusions:
+        log.info("fusion provider %s on rank 0: %d inputs and %d final norms completed fused",
+                 spec.fusions, rank0.fused_inputs, rank0.fused_final_norms)
+    if verdict is None:
+        log.info("parity: not checked")
+    else:
+        log.info("parity vs world 1: %s (tokens %s, max |logit diff| %.3g, %s)",
+                 "PASS" if ok else "FAIL", "match" if verdict["tokens_match"] else "DIFFER",
+                 verdict["max_abs_diff"], how)
+    log.info("\nboundary paths (per stage; row mode per forward: %s):",
+             ", ".join(f"step {i} {m}" for i, m in enumerate(rank0.modes)))
+    for head in (r for r in results if r.rank % spec.tp == 0):  # one rank per pipeline stage
+        if spec.pp > 1:
+            log.info("pipeline stage %d (ranks %d-%d): layers %d-%d", head.pp_rank, head.rank,
+                     head.rank + spec.tp - 1, head.layers[0], head.layers[-1])
+        plan_table(head.plan)
+    if spec.compile:
+        log.info("\ncollectives: not observed (a compiled forward runs no Python to report "
+                 "from; run without --compile for the ledger)")
+        return 0 if ok else 1
+    log.info("\ncollectives per forward on rank 0 (count x kind, bytes; step 0 = prefill):")
+    lines = {}  # step -> its per-site lines
+    for step in sorted({e.step for e in rank0.ledger}):
+        per_site: dict[str, list] = {}
+        for e in rank0.ledger:
+            if e.step == step:
+                per_site.setdefault(e.site, []).append(e)
+        lines[step] = [f"    {site:<22} " + ", ".join(
+            f"{v['count']}x {k} {v['bytes']} B" for k, v in summarize(entries).items())
+            for site, entries in per_site.items()]
+    steps = sorted(lines)
+    for step in steps[:2]:
+        log.info("  step %d:", step)
+        for line in lines[step]:
+            log.info("%s", line)
+    if len(steps) > 2:  # decode steps past the first: say whether they repeat it
+        same = [s for s in steps[2:] if lines[s] == lines[steps[1]]]
+        other = [s for s in steps[2:] if s not in same]
+        if same:
+            log.info("  step%s %s repeat%s step %d", "s" * (len(same) > 1), _span(same),
+                     "" if len(same) > 1 else "s", steps[1])
+        for step in other:
+            log.info("  step %d:", step)
+            for line in lines[step]:
+                log.info("%s", line)
+    log.info("\ncollectives over the run: %s", ", ".join(
+        f"{k}: {v['count']} ({v['bytes']} B)" for k, v in collectives.items()) or "none")
+    if rank0.ledger:  # the figures above are the logical (ring) bytes
+        from ..runtime.ledger import wire_total
+
+        log.info("on gloo's wire (its reduce-scatter is an all-reduce, its variable gather is "
+                 "padded to the widest rank): %d B, against %d B logical",
+                 wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
+    return 0 if ok else 1
+
+
+def _modes_on(spec) -> str:
+    """The header's words for the run's other modes that are on."""
+    words = []
+    if spec.tbo:
+        words.append("two-batch overlap")
+    if spec.split_prefill > 1:
+        words.append(f"prefill in {spec.split_prefill} segments")
+    if spec.speculative:
+        source = ("its NextN layer" if spec.speculative_algorithm == "nextn"
+                  else f"draft {spec.draft_model}")
+        words.append(f"speculative ({source}, {spec.speculative_steps} steps)")
+    if spec.lora:
+        words.append(f"LoRA {', '.join(name for name, _ in spec.lora)}")
+    if spec.fusions:
+        words.append(f"fusion provider {spec.fusions}")
+    return "".join(f"  {w}" for w in words)
+
+
+def _span(steps: list[int]) -> str:
+    """``2-3`` for consecutive steps, else ``2, 4``."""
+    if steps == list(range(steps[0], steps[-1] + 1)) and len(steps) > 1:
+        return f"{steps[0]}-{steps[-1]}"
+    return ", ".join(map(str, steps))
+
+
+def plan_table(rows) -> None:
+    labels = [r["stage"] + (f" ({r['mixer']})" if "mixer" in r else "") for r in rows]
+    names = max(map(len, labels))
+    width = max(len(r["entry"]) for r in rows)
+    log.info("  %-*s %-*s  %s", names, "stage", width, "prepare", "exit")
+    for label, row in zip(labels, rows):
+        log.info("  %-*s %-*s  %s", names, label, width, row["entry"], row["exit"])
+

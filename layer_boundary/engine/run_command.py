@@ -1,0 +1,208 @@
+"""``layer-boundary run``: the run spec built from the arguments (every check before any
+rank starts), the ranks started (spawned on this machine, or joined under torchrun), the
+world-1 reference, and the report."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from .args import UsageError, tp_dp
+from .checks import check_ep, check_lengths, check_lora, check_pipeline
+from .logs import setup_logging
+
+log = logging.getLogger("layer_boundary")
+
+
+def tokenizer(model_dir):
+    """The checkpoint's ``tokenizer.json`` (what ``--prompt`` encodes with and the report
+    decodes with), or the one-line error naming what is missing."""
+    from pathlib import Path
+
+    tok_file = Path(model_dir) / "tokenizer.json"
+    if not tok_file.is_file():
+        raise UsageError(f"--prompt needs {tok_file}; pass --prompt-ids instead")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("--prompt needs the 'tokenizers' package (pip install "
+                         "'layer_boundary[tokenizer]'); or pass --prompt-ids") from None
+    return Tokenizer.from_file(str(tok_file))
+
+
+def _prompts(args, model_dir) -> tuple[tuple[int, ...], ...]:
+    prompts = list(args.prompt_ids or [])
+    if args.prompt:
+        tok = tokenizer(model_dir)
+        prompts += [tuple(tok.encode(text).ids) for text in args.prompt]
+    return tuple(prompts)
+
+
+DEFAULT_PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 99, 123, 7, 8))
+
+
+def spec_from_args(args):
+    """The ``RunSpec`` of ``run``'s arguments, every check made: a bad argument, checkpoint or
+    combination is a one-line error here (a ``UsageError``, or the checkpoint's, topology's or
+    combination table's own), before any rank starts. Each checkpoint's config.json is read
+    once, into the spec."""
+    from ..models import open_checkpoint
+    from ..models.loader import check_fp8_tensors, safetensors_files
+    from ..models.tiny import builtin_checkpoint
+    from ..runtime.parallel import ParallelDims
+    from .features import check_spec
+    from .runner import RunSpec
+
+    model_dir = args.model or str(builtin_checkpoint())
+    checkpoint = open_checkpoint(model_dir)
+    cfg = checkpoint.config
+    safetensors_files(model_dir)  # a missing weights file is a one-line error before any rank
+    check_fp8_tensors(model_dir, getattr(cfg, "fp8_block", None))  # headers only
+    prompts = _prompts(args, model_dir) or tuple(
+        tuple(t % cfg.vocab_size for t in p) for p in DEFAULT_PROMPTS)
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if t >= cfg.vocab_size]
+        if bad:
+            raise UsageError(f"prompt {i} has token ids {bad} outside vocab_size={cfg.vocab_size}")
+    check_lengths(checkpoint, prompts, args.max_new_tokens)
+    if args.logits_out:  # refused now, not after the whole run
+        import os
+        from pathlib import Path
+
+        target = Path(args.logits_out).resolve()
+        if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent,
+                                                                           os.W_OK):
+            raise UsageError(f"--logits-out {args.logits_out}: cannot write a file there")
+    check_ep(args, checkpoint)
+    tp, dp = tp_dp(args)
+    ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp, attn_cp=args.cp,
+                 moe_ep=args.ep)  # names bad factors
+    algorithm = args.speculative_algorithm or ("draft" if args.draft_model else None)
+    draft = None
+    if args.draft_model is not None and algorithm == "draft":
+        safetensors_files(args.draft_model)
+        draft = open_checkpoint(args.draft_model)
+    spec = RunSpec(model_dir=str(model_dir), checkpoint=checkpoint, draft_checkpoint=draft,
+                   tp=tp, dp=dp, ep=args.ep, cp=args.cp,
+                   sequence_parallel=args.sequence_parallel,
+                   attn_input_scattered=args.attn_input_scattered,
+                   moe_a2a_backend=args.moe_a2a_backend, lora=tuple(args.lora or ()),
+                   prompt_lora=tuple(args.prompt_lora or ()), pp=args.pp,
+                   pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
+                   draft_model=args.draft_model, speculative_algorithm=algorithm,
+                   speculative_steps=args.speculative_steps,
+                   speculative_boundary_reduction=args.speculative_boundary_reduction,
+                   boundary_reduction=args.boundary_reduction, dtype=args.dtype,
+                   prompts=prompts, max_new_tokens=args.max_new_tokens,
+                   allreduce_fusion=not args.no_allreduce_fusion,
+                   rs_padding=not args.no_rs_padding, fusions=args.fusion_provider,
+                   compile=args.compile_backend or ("inductor" if args.compile else None))
+    check_spec(spec)  # the combination table: what run_rank asks first, asked here first
+    check_pipeline(args, checkpoint)
+    check_lora(spec)
+    return spec
+
+
+def rank_entry(spec):
+    """One spawned rank's job: ``run_rank(spec)`` from a fixed seed."""
+    import torch
+
+    from .runner import run_rank
+
+    torch.manual_seed(0)
+    return run_rank(spec)
+
+
+def cmd_run(args) -> int:
+    """``layer-boundary run``: the exit status (0: parity passed or not checked)."""
+    from ..runtime.parallel import TopologyError
+    from ..runtime.launch import init_distributed, launched_by_torchrun, spawn
+    from .report import report
+    from .runner import run_rank
+
+    timeout = args.collective_timeout or (
+        COMPILE_COLLECTIVE_TIMEOUT_S if (args.compile or args.compile_backend) else None)
+    if launched_by_torchrun():
+        # no spawner watches these ranks: a silent peer is found by the collective timeout,
+        # and torchrun then needs about half a minute to stop the group
+        rank, world = init_distributed(timeout_s=timeout or TORCHRUN_COLLECTIVE_TIMEOUT_S,
+                                       join_timeout_s=args.start_timeout)
+        setup_logging(rank)
+        if args.tp is None:
+            args.tp = world // args.pp
+        spec = spec_from_args(args)
+        if spec.world_size != world:
+            raise TopologyError(f"--pp {spec.pp} x --tp {spec.tp} != torchrun world size {world}")
+        import torch.distributed as dist
+
+        result = run_rank(spec, world)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        code = 0
+        if rank == 0:
+            reference = None if args.no_reference else reference_run(spec)
+            code = report(args, spec, gathered, reference)
+        dist.barrier()
+        dist.destroy_process_group()
+        return code
+    setup_logging(0)
+    spec = spec_from_args(args)
+    if spec.tbo and not args.json:  # spawned gloo ranks on this machine's shared cores
+        log.info("note: --tbo on gloo ranks that share CPU cores runs slower than the plain "
+                 "forward (docs/features.md, Two-batch overlap); it proves the overlapped "
+                 "schedule's numbers, not a speed-up here")
+    world = spec.world_size
+    if world > 1 and not args.json:  # before the wait: how many processes this starts
+        log.info("starting %d rank processes (%stp %d)", world,
+                 f"pp {spec.pp} x " if spec.pp > 1 else "", spec.tp)
+        log.info("each loads its shard of %s%s", spec.model_dir,
+                 f", then compiles its forward with {spec.compile} (the first forward of each "
+                 "token bucket; minutes with cold caches)" if spec.compile else "")
+    with _stop_on_sigterm():
+        options = {"collective_timeout_s": timeout} if timeout else {}
+        if args.start_timeout:
+            options["start_timeout_s"] = args.start_timeout
+        results = [run_rank(spec)] if world == 1 else spawn(rank_entry, world, spec, **options)
+    # world 1 needs no reference of itself, unless it ran compiled or in segments
+    own = (world == 1 and spec.compile is None and spec.split_prefill == 1 and not spec.tbo
+           and not spec.speculative)
+    reference = None if args.no_reference or own else reference_run(spec)
+    return report(args, spec, results, reference)
+
+
+# a compiling rank may reach its first collective minutes after a peer (cold inductor caches)
+COMPILE_COLLECTIVE_TIMEOUT_S = 900.0
+TORCHRUN_COLLECTIVE_TIMEOUT_S = 15.0
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm():
+    """SIGTERM ends the job like Ctrl-C: the spawner stops every rank on its way out."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def reference_run(spec):
+    """The same requests on one rank, in this process (size-1 groups need no torch.distributed)."""
+    from dataclasses import replace
+
+    from .runner import merge, run_rank
+
+    return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, pp_layers=None,
+                               split_prefill=1, tbo=False, draft_model=None,
+                               draft_checkpoint=None, speculative_algorithm=None, compile=None),
+                       world_size=1)])
+

@@ -1,0 +1,54 @@
+"""A checkpoint folder with its config.json read once: the raw dict, the parsed config and
+the model class serving it, handed along instead of the folder so nothing reads it again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..runtime.args import resolve_boundary_reduction
+from . import config as config_json
+from .registry import auto_policy, model_class
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """One Hugging Face checkpoint folder, its config.json read and checked once.
+
+    Args:
+        folder: the checkpoint folder (config.json + safetensors).
+        raw: config.json as read.
+        config: the model's config, parsed from ``raw`` after its fields were checked.
+        model_class: the class serving ``raw``'s ``model_type``.
+    """
+
+    folder: str
+    raw: dict
+    config: object
+    model_class: type
+
+    @property
+    def model_type(self) -> str:
+        return self.model_class.model_type
+
+    def auto_policy(self) -> tuple[str, str]:
+        """What ``--boundary-reduction auto`` resolves to, and what decided it
+        (``registry.auto_policy``)."""
+        return auto_policy(self.raw)
+
+    def boundary_reduction(self, value: str) -> str:
+        """``value`` (ar | rs | rsv | rs+rsv | auto) resolved for this checkpoint."""
+        return resolve_boundary_reduction(value, self.auto_policy()[0])
+
+
+def open_checkpoint(path) -> Checkpoint:
+    """The checkpoint at ``path``: config.json read once, its fields checked, then parsed.
+
+    Args:
+        path: the checkpoint folder, or a ``Checkpoint`` (returned as it is).
+    """
+    if isinstance(path, Checkpoint):
+        return path
+    raw = config_json.read_config(path)  # the one read of config.json
+    cls = model_class(raw.get("model_type"))
+    cls.config_class.validate(raw)
+    return Checkpoint(str(path), raw, cls.config_class.from_dict(raw), cls)
