@@ -20,6 +20,8 @@ from .residual.add_norm import PLAIN_ADD, accumulate_dtype
 from .residual.stream import ArrivalKey, Turn
 from .runtime.quant import QuantizedInput
 
+PREPARED = Turn.PREPARED  # what an entered stream's handle is (a module constant: no lookup)
+
 MISDECLARED_UPDATE = ("stage {stage}: its producer's output arrives with a residual update that "
                       "is not a plain add, but its previous declaration names a plain one (its "
                       "path may add the residual before the sum); declare previous with the "
@@ -126,7 +128,7 @@ class EntryPath:
             chosen = self._chosen(path, stream, c, facts)
             if chosen is not None:
                 x, residual = chosen
-                stream.write(residual, Turn.PREPARED, self.update_rows)
+                stream.write(residual, PREPARED, self.update_rows)
                 return x
         value = c.value.complete() if c.handoff else c.value
         if path.moves:
@@ -138,7 +140,7 @@ class EntryPath:
             acc = accumulate_dtype(value.dtype)
             value = value.to(acc) + self.local_to_update.move(facts, extra).to(acc)
         x, residual = self.read.update_and_read(c.update, residual, value, self.norm)
-        stream.write(residual, Turn.PREPARED, self.update_rows)
+        stream.write(residual, PREPARED, self.update_rows)
         return x if self.direct else self._to_compute(facts, x, self.input_move)
 
     def _enter_written(self, stream, hidden, facts, extra):
@@ -159,7 +161,7 @@ class EntryPath:
             x = self._to_compute(facts, x, self.enter_input)
         else:
             raise RuntimeError(NO_RESIDUAL.format(stage=self.stage))
-        stream.write(residual, Turn.PREPARED, self.update_rows)
+        stream.write(residual, PREPARED, self.update_rows)
         return x
 
     def _chosen(self, path: ArrivalPath, stream, c, facts):

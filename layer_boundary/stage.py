@@ -17,9 +17,9 @@ from .exit import AttnExit, FfnExit, MixerExit
 from .residual import is_plain, is_portable
 from .residual import batch as residual_batch
 from .residual.add_norm import Fp32Norm
-from .residual.stream import NOT_OURS, START_FIRST, OwedOutput, Turn, stream_of
+from .residual.stream import COMPUTING, NOT_OURS, START_FIRST, OwedOutput, Turn, stream_of
 from .runtime.args import get_runtime
-from .runtime.context import NO_ADAPTERS, close_scope, open_scope
+from .runtime.context import FORWARD_STATE, NO_ADAPTERS
 from .runtime.ledger import HOOK, active_observer
 from .step import Sites, StageStep
 
@@ -268,12 +268,18 @@ class StageBoundary:
             return output.finish(out)
         x = step.entry.enter(stream, hidden_states, facts)
         stream.stage, stream.step, stream.prepared_input = self, step, x
-        previous = open_scope(scope)
-        stream.handle = Turn.COMPUTING
+        # the step's prebuilt scope, swapped in and out here (``runtime.context.open_scope``
+        # and ``close_scope`` for an exit object): two calls per stage measured about a point
+        # of the eager decode overhead (benchmarks/suite.py)
+        state = FORWARD_STATE
+        previous, state.scope = state.scope, scope
+        state.open_scopes += 1
+        stream.handle = COMPUTING
         try:
             out = compute(*leading, x, forward_batch)
         finally:
-            close_scope(previous)
+            state.scope = previous
+            state.open_scopes -= 1
         return step.publish(stream, out, step.fixed, facts, forward_batch)
 
     def _adapter_rows(self, forward_batch: ForwardBatch):

@@ -25,6 +25,8 @@ from .residual.batch import fold_stream
 from .runtime.context import NO_ADAPTERS, SequenceParallelScope
 from .runtime.ledger import HOOK, active_observer
 
+Tensor = torch.Tensor  # a module global: ``torch.Tensor`` is a lookup in torch's large namespace
+
 
 class Sites(NamedTuple):
     """How the ledger and traces name a stage's three calls."""
@@ -114,8 +116,8 @@ class StageStep:
                 asynchronously, where the exit allows it).
         """
         residual = stream.residual
-        if type(value) is not torch.Tensor or (residual is not None
-                                               and value.dtype is not residual.dtype):
+        if type(value) is not Tensor or (residual is not None
+                                         and value.dtype is not residual.dtype):
             self.check_output(stream, value, decision)
         observer = HOOK.observer
         if observer is not None:

@@ -242,3 +242,18 @@ def _lora_arg(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"--lora {text!r} must be NAME=DIR")
     return name, folder
 
+
+def tokenizer(model_dir):
+    """The checkpoint's ``tokenizer.json`` (what ``--prompt`` encodes with and the report
+    decodes with), or the one-line error naming what is missing."""
+    from pathlib import Path
+
+    tok_file = Path(model_dir) / "tokenizer.json"
+    if not tok_file.is_file():
+        raise UsageError(f"--prompt needs {tok_file}; pass --prompt-ids instead")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("--prompt needs the 'tokenizers' package (pip install "
+                         "'layer_boundary[tokenizer]'); or pass --prompt-ids") from None
+    return Tokenizer.from_file(str(tok_file))

@@ -27,7 +27,7 @@ def _texts(args, spec, run) -> dict | None:
     tokenizer (request index -> (prompt text, completion text)); else None."""
     if not args.prompt:
         return None
-    from .run_command import tokenizer
+    from .args import tokenizer
 
     tok = tokenizer(spec.model_dir)
     return {i: (tok.decode(list(spec.prompts[i])), tok.decode(g))

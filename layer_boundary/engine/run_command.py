@@ -7,27 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from .args import UsageError, tp_dp
+from .args import UsageError, tokenizer, tp_dp
 from .checks import check_ep, check_lengths, check_lora, check_pipeline
 from .logs import setup_logging
 
 log = logging.getLogger("layer_boundary")
-
-
-def tokenizer(model_dir):
-    """The checkpoint's ``tokenizer.json`` (what ``--prompt`` encodes with and the report
-    decodes with), or the one-line error naming what is missing."""
-    from pathlib import Path
-
-    tok_file = Path(model_dir) / "tokenizer.json"
-    if not tok_file.is_file():
-        raise UsageError(f"--prompt needs {tok_file}; pass --prompt-ids instead")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("--prompt needs the 'tokenizers' package (pip install "
-                         "'layer_boundary[tokenizer]'); or pass --prompt-ids") from None
-    return Tokenizer.from_file(str(tok_file))
 
 
 def _prompts(args, model_dir) -> tuple[tuple[int, ...], ...]:
