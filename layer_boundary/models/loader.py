@@ -17,12 +17,14 @@ from .config import (CheckpointError, check_divisible, check_unquantized_silu,  
 
 
 def safetensors_files(path) -> list[Path]:
+    """The checkpoint's safetensors files (its index's, or every ``*.safetensors``), each
+    checked to be a regular file (a symlink to one counts; a device, FIFO or folder does not)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text()).get("weight_map", {})
-        except (json.JSONDecodeError, AttributeError):
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError, RecursionError):
             raise CheckpointError(f"{index} is not a JSON object") from None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) for f in weight_map.values()):
@@ -34,9 +36,38 @@ def safetensors_files(path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{path} holds no *.safetensors weights (pickle checkpoints are not loaded)")
     for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{f} is listed in the index but missing" if index.is_file()
+                                  else f"{f} is a broken symlink")
         if not f.is_file():
-            raise CheckpointError(f"{f} is listed in the index but missing")
+            raise CheckpointError(f"{f} is not a regular file (a folder, device or FIFO); "
+                                  "safetensors weights must be files")
     return files
+
+
+def _open(f: Path):
+    """``safe_open`` with safetensors' own errors (a truncated file, a lying or huge header)
+    turned into a ``CheckpointError`` naming the file."""
+    try:
+        return safe_open(str(f), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{f} is not a readable safetensors file: {exc}") from None
+
+
+def header_facts(path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, safetensors dtype such as "F32" or "F8_E4M3")} from the
+    checkpoint's headers alone (no tensor data read)."""
+    facts = {}
+    for f in safetensors_files(path):
+        with _open(f) as handle:
+            for name in handle.keys():
+                try:
+                    part = handle.get_slice(name)
+                    facts[name] = (tuple(part.get_shape()), part.get_dtype())
+                except Exception as exc:
+                    raise CheckpointError(f"{f} is not a readable safetensors file: tensor "
+                                          f"{name}: {exc}") from None
+    return facts
 
 
 def iter_weights(path, lazy: bool = False, read: ReadBytes | None = None):
@@ -49,11 +80,7 @@ def iter_weights(path, lazy: bool = False, read: ReadBytes | None = None):
         read: counts the bytes the slices read.
     """
     for f in safetensors_files(path):
-        try:
-            handle = safe_open(str(f), framework="pt")
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"{f} is not a readable safetensors file: {exc}") from None
-        with handle:
+        with _open(f) as handle:
             for name in handle.keys():
                 if lazy:
                     yield name, CheckpointSlice(name, handle.get_slice(name), read)
@@ -105,14 +132,9 @@ def dequantized(weights, block: tuple[int, int] | None):
 def check_fp8_tensors(path, block: tuple[int, int] | None) -> None:
     """What ``dequantized()`` would refuse, from the safetensors headers alone (shapes and
     dtypes, no tensor data): run before any rank loads."""
-    shapes, fp8 = {}, set()
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                part = handle.get_slice(name)
-                shapes[name] = tuple(part.get_shape())
-                if part.get_dtype() == "F8_E4M3":
-                    fp8.add(name)
+    facts = header_facts(path)
+    shapes = {name: shape for name, (shape, _) in facts.items()}
+    fp8 = {name for name, (_, dtype) in facts.items() if dtype == "F8_E4M3"}
     scales = {n[:-len(_SCALE)] for n in shapes if n.endswith(_SCALE)}
     for name in sorted(fp8 | {s + _SCALE for s in scales}):
         if block is None:
