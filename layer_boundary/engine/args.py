@@ -23,14 +23,31 @@ def _positive(text: str) -> int:
     return value
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of seconds")
-    return value
+# the longest wait either timeout takes: past it a timedelta overflows, and a job that waits
+# a week on a silent peer has not been watched
+LONGEST_WAIT_S = 7 * 24 * 3600.0
+
+
+def _seconds(low: float, why: str = ""):
+    """A number of seconds in [``low``, a week]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not value > 0 or value > LONGEST_WAIT_S:
+            raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds, at "
+                                             f"most {LONGEST_WAIT_S:.0f} (a week)")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} must be at least {low:g} s{why}")
+        return value
+    return parse
+
+
+_positive_seconds = _seconds(0.0)
+# a collective on a busy machine can wait longer than this for a healthy peer; gloo then fails
+# every rank at once
+_collective_seconds = _seconds(1.0, " (shorter waits end healthy jobs on a busy machine)")
 
 
 def _prompt_ids(text: str) -> tuple[int, ...]:
@@ -107,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_args(run)
     run.add_argument("--split-prefill", type=_positive, default=1,
                      help="run each stage's prefill in this many layer-range segments")
-    run.add_argument("--collective-timeout", type=_positive_seconds, default=None,
+    run.add_argument("--collective-timeout", type=_collective_seconds, default=None,
                      metavar="SECONDS",
                      help="how long a collective waits for a silent peer before the job ends "
                           "(default 45 s; 15 s under torchrun; 900 s with --compile)")

@@ -75,3 +75,43 @@ def check_pipeline(args, checkpoint) -> None:
                          f"{len(args.pp_layers)}")
     split_layers(checkpoint.model_class.decoder_layers(checkpoint.config), args.pp,
                  args.pp_layers)
+
+
+def job_memory(spec, reference: bool = True):
+    """``spec``'s memory on this machine (``models.estimate``): each pipeline stage's first
+    rank built on the meta device of a virtual topology, for the run's prompts and tokens,
+    plus the world-1 reference run where ``reference``; its checkpoint's config.json checked
+    against its tensors first.
+
+    Args:
+        spec: the run, its combination already checked.
+        reference: whether a world-1 reference runs beside the ranks.
+    """
+    from ..models.estimate import estimate
+    from ..runtime.parallel import virtual_parallel
+    from .runner import DTYPES, runtime_of
+
+    dims = spec.dims()
+    runtimes = [runtime_of(spec, virtual_parallel(dims, stage * dims.tp))
+                for stage in range(dims.pp)]
+    longest = max(len(p) for p in spec.prompts)
+    positions = longest + spec.max_new_tokens + (spec.speculative_steps + 1
+                                                 if spec.speculative else 0)
+    return estimate(spec.checkpoint, runtimes, DTYPES[spec.dtype], len(spec.prompts),
+                    positions, sum(len(p) for p in spec.prompts), spec.world_size, reference)
+
+
+def check_speculative_steps(checkpoint, prompts, max_new_tokens: int, steps: int) -> None:
+    """``--speculative-steps``: at most the tokens the run emits (a proposal past them is
+    never emitted, and each one is a draft forward and a cache row), and room for the
+    verification's extra positions within max_position_embeddings."""
+    if steps > max_new_tokens:
+        raise UsageError(f"--speculative-steps {steps} proposes more draft tokens per round than "
+                         f"--max-new-tokens {max_new_tokens} emits; give at most "
+                         f"{max_new_tokens}")
+    limit = checkpoint.raw.get("max_position_embeddings")
+    need = max(map(len, prompts)) + max_new_tokens + steps + 1  # the verification's rows
+    if isinstance(limit, int) and not isinstance(limit, bool) and need > limit:
+        raise UsageError(f"--speculative-steps {steps} needs {need} positions (the longest "
+                         f"prompt, --max-new-tokens and a verification of {steps + 1}); the "
+                         f"checkpoint's max_position_embeddings is {limit}")

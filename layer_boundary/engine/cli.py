@@ -47,6 +47,7 @@ def _main(argv) -> int:
     from ..models.loader import CheckpointError
     from ..runtime.parallel import TopologyError
     from ..runtime.launch import RankError
+    from .run_command import Stopped
 
     try:
         if args.command == "run":
@@ -67,6 +68,10 @@ def _main(argv) -> int:
                 "start-up window)" if "did not start within" in str(exc) else "")
         print(f"layer-boundary: error: {exc}{hint}", file=sys.stderr)
         return 1
+    except Stopped as exc:  # SIGTERM: the spawner has stopped the ranks on the way out
+        print(f"layer-boundary: stopped by {exc.signal}; every rank it started is stopped",
+              file=sys.stderr)
+        return exc.code
     return 0
 
 

@@ -29,6 +29,8 @@ PLAN_LEGEND = (
 
 def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
+    from dataclasses import replace
+
     import torch
 
     from ..construction import select_mode
@@ -38,6 +40,7 @@ def cmd_plan(args) -> int:
     from ..models.tiny import builtin_checkpoint
     from ..ops import row_facts, table_rows
     from ..runtime.parallel import virtual_parallel
+    from .checks import job_memory
     from .describe import handoff_contract, plan_rows
     from .features import check_spec
     from .runner import RunSpec, forward_variants, runtime_of
@@ -62,6 +65,9 @@ def cmd_plan(args) -> int:
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
+    # memory for one request per DP rank of its --tokens, decoded for the run's default steps
+    memory = job_memory(replace(spec, prompts=tuple((1,) * c for c in counts if c) or ((1,),)),
+                        reference=False)
     cp = dims.attn_cp > 1
     variant = forward_variants(spec)[0]
     runtimes, models = [], []
@@ -112,6 +118,7 @@ def cmd_plan(args) -> int:
                              "boundary_reduction": policy, "tokens": list(counts),
                              "mode": mode.value, "reason": reason, "ranks": per_rank,
                              "stages": table, "movements": movements,
+                             "memory": memory.as_dict(),
                              **({"pp": dims.pp, "pipeline": pipeline} if pipeline else {}),
                              **({"microbatches": microbatches} if microbatches else {})}))
         return 0
@@ -119,6 +126,7 @@ def cmd_plan(args) -> int:
              "(asked %s)%s", model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp, policy,
              asked(args.boundary_reduction, checkpoint), a2a_note(args.moe_a2a_backend))
     article = "an" if variant.value[0] in "aeiou" else "a"
+    log.info("memory (estimate): %s", memory.describe())
     log.info("tokens per DP rank %s -> row mode %s (%s)%s", list(counts), mode.value, reason,
              "" if variant is BatchVariant.ORDINARY else f", {article} {variant.value} batch")
     if cp:

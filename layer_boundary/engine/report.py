@@ -48,11 +48,13 @@ def report(args, spec, results, reference) -> int:
     verdict = parity(run, reference) if reference is not None else None
     collectives = summarize(rank0.ledger)
     if args.logits_out:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        save_file({f"prompt{i}.step{j}": logit.float().contiguous()
-                   for i, steps in zip(run.request_ids, run.logits)
-                   for j, logit in enumerate(steps)}, args.logits_out)
+        from . import logits_file
+
+        logits_file.write(args.logits_out, save({
+            f"prompt{i}.step{j}": logit.float().contiguous()
+            for i, steps in zip(run.request_ids, run.logits) for j, logit in enumerate(steps)}))
     ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
     texts = _texts(args, spec, run)
     if args.json:

@@ -8,7 +8,8 @@ import contextlib
 import logging
 
 from .args import UsageError, tokenizer, tp_dp
-from .checks import check_ep, check_lengths, check_lora, check_pipeline
+from .checks import (check_ep, check_lengths, check_lora, check_pipeline,
+                     check_speculative_steps, job_memory)
 from .logs import setup_logging
 
 log = logging.getLogger("layer_boundary")
@@ -31,6 +32,7 @@ def spec_from_args(args):
     combination table's own), before any rank starts. Each checkpoint's config.json is read
     once, into the spec."""
     from ..models import open_checkpoint
+    from ..models.estimate import check_fits, check_sizes
     from ..models.loader import check_fp8_tensors, safetensors_files
     from ..models.tiny import builtin_checkpoint
     from ..runtime.parallel import ParallelDims
@@ -49,14 +51,12 @@ def spec_from_args(args):
         if bad:
             raise UsageError(f"prompt {i} has token ids {bad} outside vocab_size={cfg.vocab_size}")
     check_lengths(checkpoint, prompts, args.max_new_tokens)
+    if args.draft_model or args.speculative_algorithm:
+        check_speculative_steps(checkpoint, prompts, args.max_new_tokens, args.speculative_steps)
     if args.logits_out:  # refused now, not after the whole run
-        import os
-        from pathlib import Path
+        from .logits_file import check_target
 
-        target = Path(args.logits_out).resolve()
-        if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent,
-                                                                           os.W_OK):
-            raise UsageError(f"--logits-out {args.logits_out}: cannot write a file there")
+        check_target(args.logits_out, logits_bytes(cfg.vocab_size, prompts, args.max_new_tokens))
     check_ep(args, checkpoint)
     tp, dp = tp_dp(args)
     ParallelDims(world_size=args.pp * tp, tp=tp, pp=args.pp, attn_dp=dp, attn_cp=args.cp,
@@ -84,7 +84,16 @@ def spec_from_args(args):
     check_spec(spec)  # the combination table: what run_rank asks first, asked here first
     check_pipeline(args, checkpoint)
     check_lora(spec)
+    if spec.draft_checkpoint is not None:
+        check_sizes(spec.draft_checkpoint)
+    # what the job asks of this machine, refused by name before any rank allocates it
+    check_fits(job_memory(spec, reference=not getattr(args, "no_reference", False)))
     return spec
+
+
+def logits_bytes(vocab_size: int, prompts, max_new_tokens: int) -> int:
+    """What ``--logits-out`` writes: one fp32 row of the vocabulary per prompt and step."""
+    return 4 * vocab_size * len(prompts) * max_new_tokens
 
 
 def rank_entry(spec):
@@ -100,7 +109,7 @@ def rank_entry(spec):
 def cmd_run(args) -> int:
     """``layer-boundary run``: the exit status (0: parity passed or not checked)."""
     from ..runtime.parallel import TopologyError
-    from ..runtime.launch import init_distributed, launched_by_torchrun, spawn
+    from ..runtime.launch import init_distributed, launched_by_torchrun
     from .report import report
     from .runner import run_rank
 
@@ -130,6 +139,16 @@ def cmd_run(args) -> int:
         dist.destroy_process_group()
         return code
     setup_logging(0)
+    with _stop_on_sigterm():
+        return _spawned_run(args, timeout)
+
+
+def _spawned_run(args, timeout) -> int:
+    """``run`` on ranks this process spawns, then the reference and the report."""
+    from .report import report
+    from .runner import run_rank
+    from ..runtime.launch import spawn
+
     spec = spec_from_args(args)
     if spec.tbo and not args.json:  # spawned gloo ranks on this machine's shared cores
         log.info("note: --tbo on gloo ranks that share CPU cores runs slower than the plain "
@@ -142,11 +161,10 @@ def cmd_run(args) -> int:
         log.info("each loads its shard of %s%s", spec.model_dir,
                  f", then compiles its forward with {spec.compile} (the first forward of each "
                  "token bucket; minutes with cold caches)" if spec.compile else "")
-    with _stop_on_sigterm():
-        options = {"collective_timeout_s": timeout} if timeout else {}
-        if args.start_timeout:
-            options["start_timeout_s"] = args.start_timeout
-        results = [run_rank(spec)] if world == 1 else spawn(rank_entry, world, spec, **options)
+    options = {"collective_timeout_s": timeout} if timeout else {}
+    if args.start_timeout:
+        options["start_timeout_s"] = args.start_timeout
+    results = [run_rank(spec)] if world == 1 else spawn(rank_entry, world, spec, **options)
     # world 1 needs no reference of itself, unless it ran compiled or in segments
     own = (world == 1 and spec.compile is None and spec.split_prefill == 1 and not spec.tbo
            and not spec.speculative)
@@ -159,9 +177,21 @@ COMPILE_COLLECTIVE_TIMEOUT_S = 900.0
 TORCHRUN_COLLECTIVE_TIMEOUT_S = 15.0
 
 
+class Stopped(SystemExit):
+    """The job was stopped by a signal (SIGTERM): its exit status is 128 + the signal's
+    number, and the CLI names the signal."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        super().__init__(128 + signum)
+        self.signal = signal.Signals(signum).name
+
+
 @contextlib.contextmanager
 def _stop_on_sigterm():
-    """SIGTERM ends the job like Ctrl-C: the spawner stops every rank on its way out."""
+    """SIGTERM ends the job like Ctrl-C (the spawner stops every rank on its way out), as a
+    ``Stopped`` the CLI reports by name."""
     import signal
     import threading
 
@@ -170,7 +200,7 @@ def _stop_on_sigterm():
         return
 
     def stop(signum, frame):
-        raise SystemExit(128 + signum)
+        raise Stopped(signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:

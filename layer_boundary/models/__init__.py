@@ -11,6 +11,7 @@ import torch
 from ..runtime.args import resolve_boundary_reduction
 from .checkpoint import Checkpoint, open_checkpoint  # noqa: F401
 from .config import CheckpointError, read_config  # noqa: F401
+from .estimate import check_sizes
 from .loader import dequantized, iter_weights
 from .registry import auto_policy, model_class, model_types, register_model  # noqa: F401
 
@@ -63,6 +64,9 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
     except TypeError:
         raise ValueError(f"model options {sorted(dict(options))} do not apply to "
                          f"{cfg.model_type}") from None
+    # a config.json asking for more than its checkpoint holds is refused before any memory
+    # is allocated (a meta build and the safetensors headers; once per Checkpoint)
+    check_sizes(checkpoint)
     model = model_cls(cfg, runtime, dtype=dtype, **kwargs)
     # an FP8 checkpoint's weights dequantized as they stream in (CPU: the matmuls run on them)
     model.load_weights(dequantized(iter_weights(path, lazy=True, read=read),

@@ -3,7 +3,7 @@ the model class serving it, handed along instead of the folder so nothing reads 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..runtime.args import resolve_boundary_reduction
 from . import config as config_json
@@ -19,12 +19,14 @@ class Checkpoint:
         raw: config.json as read.
         config: the model's config, parsed from ``raw`` after its fields were checked.
         model_class: the class serving ``raw``'s ``model_type``.
+        memo: what was checked of it once and need not be again (``estimate.check_sizes``).
     """
 
     folder: str
     raw: dict
     config: object
     model_class: type
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def model_type(self) -> str:

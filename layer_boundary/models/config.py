@@ -19,6 +19,11 @@ from typing import Callable, ClassVar
 from ..runtime.shards import CheckpointError  # noqa: E402  (defined where loaders read)
 
 
+# the largest config.json read: the public ones are a few KB (a few hundred with a tokenizer's
+# tables inlined)
+MAX_CONFIG_BYTES = 16 * 2 ** 20
+
+
 def read_config(path) -> dict:
     path = Path(path)
     cfg_file = path / "config.json"
@@ -26,10 +31,15 @@ def read_config(path) -> dict:
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file} is missing")
+    if cfg_file.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{cfg_file} holds {cfg_file.stat().st_size:,} bytes; a "
+                              f"config.json is at most {MAX_CONFIG_BYTES:,}")
     try:
         cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise CheckpointError(f"{cfg_file} nests deeper than a JSON reader follows") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{cfg_file} does not hold a JSON object")
     return cfg

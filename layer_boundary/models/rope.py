@@ -6,7 +6,11 @@ import torch
 
 
 def inverse_frequencies(theta: float, dim: int) -> torch.Tensor:
-    """[dim/2] rotation frequencies of the default rope type."""
+    """[dim/2] rotation frequencies of the default rope type (uninitialized on the meta
+    device: a plan or a memory estimate needs the shape only, and a meta op's first use
+    costs a second of imports)."""
+    if torch.get_default_device().type == "meta":
+        return torch.empty((dim + 1) // 2)
     return 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
 
 
