@@ -77,11 +77,39 @@ def check_block_scales(weight_shape: tuple, scale_shape: tuple, block: tuple[int
                          f"{list(want)}")
 
 
+# what a quantizer writes as block scales (safetensors' names); float8 or integer scales are
+# not this format, and dequantizing them would give numbers no quantizer meant
+SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                "F64": torch.float64}
+
+
+def check_scale_dtype(dtype, name: str) -> None:
+    """A ``weight_scale_inv`` dtype (torch's or the safetensors header's string) a quantizer
+    writes, or the error naming the tensor."""
+    if dtype not in SCALE_DTYPES and dtype not in SCALE_DTYPES.values():
+        raise ValueError(f"{name}.weight_scale_inv has dtype {dtype}; FP8 block scales are "
+                         "floating point (F32, BF16, F16 or F64)")
+
+
+def check_scale_values(scale_inv: torch.Tensor, name: str) -> None:
+    """Block scales a quantizer writes (amax / 448 of a block: positive and finite), or the
+    error naming the tensor: a zero, negative or non-finite scale would give wrong weights
+    that still load."""
+    scale = scale_inv.float()
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"{name}.weight_scale_inv holds non-finite values (NaN or Inf)")
+    if scale.numel() and float(scale.min()) <= 0:
+        raise ValueError(f"{name}.weight_scale_inv holds a scale <= 0 ({float(scale.min())}); "
+                         "FP8 block scales are positive")
+
+
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       name: str) -> torch.Tensor:
     """A block-quantized weight [out, in] (float8) times its ``weight_scale_inv``
     [ceil(out / bo), ceil(in / bi)]: the float32 weight."""
+    check_scale_dtype(scale_inv.dtype, name)
     check_block_scales(tuple(weight.shape), tuple(scale_inv.shape), block, name)
+    check_scale_values(scale_inv, name)
     out, inp = weight.shape
     bo, bi = block
     scales = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]

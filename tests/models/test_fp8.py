@@ -135,10 +135,17 @@ def broken(fp8_dirs, tmp_path_factory) -> dict[str, str]:
     unscaled = {k: v for k, v in tensors.items() if k != key}
     no_config = {k: v for k, v in cfg.items() if k != "quantization_config"}
     int8 = dict(cfg, quantization_config=dict(cfg["quantization_config"], quant_method="bnb"))
+    scale = tensors[key]
+    nan = scale.clone()
+    nan[1, 2] = float("nan")
+    # values no quantizer writes: each loads as a weight of wrong numbers unless refused
+    values = {"int_scales": (scale * 1e4).to(torch.int32), "zero_scales": torch.zeros_like(scale),
+              "negative_scales": -scale, "nan_scales": nan}
     return {"scales": variant("scales", bad_scales, cfg),
             "unscaled": variant("unscaled", unscaled, cfg),
             "no_config": variant("no_config", tensors, no_config),
-            "method": variant("method", tensors, int8)}
+            "method": variant("method", tensors, int8),
+            **{name: variant(name, dict(tensors, **{key: v}), cfg) for name, v in values.items()}}
 
 
 @pytest.mark.parametrize("case,message", [
@@ -149,12 +156,31 @@ def broken(fp8_dirs, tmp_path_factory) -> dict[str, str]:
                  "model.layers.0.mlp.down_proj.weight_scale_inv"),
     ("no_config", "has dtype float8_e4m3fn, and config.json has no quantization_config"),
     ("method", "config.json quantization_config quant_method 'bnb' is not supported (fp8 "
-               "only)")])
+               "only)"),
+    ("int_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv has dtype "
+                   "I32; FP8 block scales are floating point (F32, BF16, F16 or F64)"),
+    ("zero_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv holds a "
+                    "scale <= 0 (0.0); FP8 block scales are positive"),
+    ("negative_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv holds "
+                        "a scale <= 0 (-"),
+    ("nan_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv holds "
+                   "non-finite values (NaN or Inf)")])
 def test_bad_quantized_input_is_a_one_line_error(broken, case, message, capsys, restore_logger):
     assert main(["run", "--model", broken[case], "--tp", "2", "--no-reference"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("layer-boundary: error:"), err
     assert message in err[0], err
+
+
+@pytest.mark.parametrize("case", ["int_scales", "zero_scales", "negative_scales", "nan_scales"])
+def test_a_reader_that_skips_the_header_check_refuses_the_scales_too(broken, case):
+    """``dequantized()`` (what every rank and the NextN draft load through) checks the scales it
+    reads: the header check before the ranks is not the only guard."""
+    from layer_boundary.models.loader import CheckpointError, dequantized, iter_weights
+
+    with pytest.raises(CheckpointError, match=r"^checkpoint tensor model\.layers\.0\.mlp\."
+                       r"down_proj\.weight_scale_inv (has dtype torch\.int32|holds )"):
+        list(dequantized(iter_weights(broken[case]), BLOCK))
 
 
 @pytest.mark.timeout(120)
