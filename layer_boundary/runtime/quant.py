@@ -2,7 +2,9 @@
 block-quantized weights, as the public FP8 checkpoints store them.
 
 A quantized compute input is a ``QuantizedInput``: 1-byte values [T, H] and one float32 scale
-per token and group of ``group`` channels [T, H / group]; ``value * scale`` is the input.
+per token and group of ``group`` channels [T, ceil(H / group)], the last group partial where
+``group`` does not divide H (as the weights' last input block is); ``value * scale`` is the
+input.
 Row movements apply to both parts alike (the values cross ranks as bytes), so a gather of a
 quantized input moves 1 byte per channel plus the scales, and the consumer receives exactly
 what the read produced. On CPU a linear dequantizes it before its matmul.
@@ -19,7 +21,8 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 class QuantizedInput:
-    """A quantized compute input: ``values`` [T, H] float8, ``scales`` [T, H // group] float32."""
+    """A quantized compute input: ``values`` [T, H] float8, ``scales`` [T, ceil(H / group)]
+    float32."""
 
     __slots__ = ("values", "scales", "group", "dtype")
 
@@ -42,22 +45,34 @@ class QuantizedInput:
 
     def dequantize(self) -> torch.Tensor:
         rows, width = self.values.shape
+        if width % self.group:  # a partial last group
+            scales = self.scales.repeat_interleave(self.group, dim=1)[:, :width]
+            return (self.values.float() * scales).to(self.dtype)
         x = self.values.float().view(rows, width // self.group, self.group)
         return (x * self.scales.unsqueeze(-1)).view(rows, width).to(self.dtype)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> QuantizedInput:
-    """Dynamic FP8 of ``x`` [T, H]: per token and per ``group`` channels, scale = amax / 448
-    (a zero group keeps scale 1)."""
+    """Dynamic FP8 of ``x`` [T, H]: per token and per ``group`` channels (the last group
+    partial where ``group`` does not divide H), scale = amax / 448 (a zero group keeps scale
+    1)."""
     rows, width = x.shape
-    if width % group:
-        raise ValueError(f"a quantized read groups {group} channels; the hidden size {width} "
-                         "is not a multiple of it")
-    g = x.float().view(rows, width // group, group)
+    groups = -(-width // group)
+    g = x.float()
+    if groups * group != width:  # zero padding keeps a partial group's amax its own channels'
+        g = torch.nn.functional.pad(g, (0, groups * group - width))
+    g = g.view(rows, groups, group)
     amax = g.abs().amax(dim=-1)
     scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    values = (g / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, width)
+    values = (g / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    values = values.view(rows, groups * group)[:, :width].contiguous()
     return QuantizedInput(values, scales, group, x.dtype)
+
+
+def fake_quantize(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` [T, H] as a quantized read's consumer sees it: quantized by ``quantize_groups``
+    and dequantized (for a stage that quantizes after it moved its unquantized input)."""
+    return quantize_groups(x, group).dequantize()
 
 
 def as_activations(x):
