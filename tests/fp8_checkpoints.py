@@ -1,7 +1,9 @@
 """FP8 block-quantized checkpoints made from the tiny random ones, as the public FP8 releases
 store them: each linear's ``weight`` in float8_e4m3fn with a float32 ``weight_scale_inv`` per
 [out, in] block, ``quantization_config`` in config.json; embeddings, norms, the LM head and
-routers left unquantized. The oracle is transformers on the dequantized weights."""
+routers left unquantized. The oracles are transformers on the dequantized weights, with the
+stage inputs as they are (``dequantized_oracle``) or fake-quantized as the package's rule says
+(``fake_quantized_oracle``)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import json
 import math
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
@@ -59,18 +63,78 @@ def fp8_checkpoint(src: Path, dst: Path, block=(16, 16), skip: tuple = ()) -> Pa
 
 
 def dequantized_oracle(model_class: str, src: Path, fp8_dir: Path):
-    """transformers' ``model_class`` from ``src`` with every weight replaced by its FP8
-    checkpoint's dequantized value (fp32, eager attention and experts)."""
+    """transformers' ``model_class`` on ``src``'s config with every weight its FP8 checkpoint's
+    dequantized value (fp32, eager attention and experts). The dequantized tensors are written
+    as a checkpoint and loaded by transformers itself: it fuses the per-expert tensors on disk
+    into its experts' parameters, which share no name with them."""
     from checkpoints import hf_oracle
 
     from layer_boundary.models.loader import dequantized, iter_weights
 
-    ref = hf_oracle(model_class, src)
     block = tuple(json.loads((Path(fp8_dir) / "config.json").read_text())
                   ["quantization_config"]["weight_block_size"])
-    weights = dict(dequantized(iter_weights(fp8_dir), block))
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name in weights:
-                p.copy_(weights[name].to(p.dtype))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file({name: w.contiguous() for name, w in dequantized(iter_weights(fp8_dir), block)},
+                  str(Path(tmp) / "model.safetensors"))
+        shutil.copy(Path(src) / "config.json", tmp)
+        return hf_oracle(model_class, Path(tmp))
+
+
+def fake_quantize(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Dynamic FP8 quantize-dequantize of ``x`` [..., H] per token and per ``group`` channels
+    (the last group partial), scale = amax / 448 (1 for a zero group): written here from the
+    format, not taken from the package, so the oracle shares no code with what it checks."""
+    shape, width = x.shape, x.shape[-1]
+    groups = math.ceil(width / group)
+    padded = torch.zeros(x.numel() // width, groups * group)
+    padded[:, :width] = x.reshape(-1, width).float()
+    g = padded.view(-1, groups, group)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / torch.finfo(FP8).max, torch.ones_like(amax))
+    q = (g / scale).clamp(-448, 448).to(FP8).float() * scale
+    return q.view(-1, groups * group)[:, :width].reshape(shape).to(x.dtype)
+
+
+def fp8_modules(fp8_dir: Path) -> set[str]:
+    """The modules whose weight the checkpoint stores in FP8 (those with block scales)."""
+    names = set()
+    for f in Path(fp8_dir).glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as handle:
+            names |= {n.removesuffix(".weight_scale_inv") for n in handle.keys()
+                      if n.endswith(".weight_scale_inv")}
+    return names
+
+
+def fake_quantized_oracle(model_class: str, src: Path, fp8_dir: Path):
+    """``dequantized_oracle`` whose stages read their normalized input as the package's rule
+    says (docs/features.md, FP8): where every linear consuming it is FP8, those linears read
+    it fake-quantized in groups of the weights' input block; the MoE router reads it as is.
+    Forward pre-hooks on transformers' attention, dense MLP, routed and shared experts."""
+    ref = dequantized_oracle(model_class, src, fp8_dir)
+    group = json.loads((Path(fp8_dir) / "config.json").read_text()
+                       )["quantization_config"]["weight_block_size"][1]
+    fp8 = fp8_modules(fp8_dir)
+
+    def quantized(module, args, kwargs):
+        if args:
+            return (fake_quantize(args[0], group), *args[1:]), kwargs
+        return args, dict(kwargs, hidden_states=fake_quantize(kwargs["hidden_states"], group))
+
+    for i, layer in enumerate(ref.model.layers):
+        prefix, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
+        readers = {attn: [f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "q_a_proj",
+                                                     "kv_a_proj_with_mqa")
+                          if getattr(attn, n, None) is not None]}
+        if hasattr(mlp, "experts"):  # routed and shared experts, not the router
+            experts = [f"mlp.experts.{e}.{p}" for e in range(mlp.experts.num_experts)
+                       for p in ("gate_proj", "up_proj")]
+            shared = getattr(mlp, "shared_experts", None)
+            if shared is not None:
+                experts += ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"]
+            readers.update({m: experts for m in (mlp.experts, shared) if m is not None})
+        else:
+            readers[mlp] = ["mlp.gate_proj", "mlp.up_proj"]
+        for module, names in readers.items():
+            if all(prefix + n in fp8 for n in names):
+                module.register_forward_pre_hook(quantized, with_kwargs=True)
     return ref

@@ -27,7 +27,7 @@ from torch import nn
 from .. import ProducerReduction, cp_view, declare_attn, declare_ffn
 from ..runtime.context import get_forward
 from ..runtime.args import BoundaryRuntime
-from ..runtime.quant import as_activations
+from ..runtime.quant import as_activations, fake_quantize
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .base import CausalLM
@@ -39,7 +39,7 @@ from .config import (DECODER, EXPERTS, GROUPED_ROUTER, MLA, NON_NEGATIVE_INT, Ch
                      check_unquantized_silu, fp8_quantization, quantized_read, require,
                      required)
 from .registry import register_model
-from .moe import UNSHARDED, FusedMoE, expert_stacked_params
+from .moe import UNSHARDED, FusedMoE, expert_stacked_params, experts_fp8_group
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -332,8 +332,13 @@ class DeepseekV3Router(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype):
+    """``fp8_group``: an FP8 checkpoint's routed and shared experts read the input quantized in
+    groups of that many channels (``moe.experts_fp8_group``); the router reads it unquantized."""
+
+    def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype,
+                 fp8_group: int | None = None):
         super().__init__()
+        self.fp8_group = fp8_group
         self.group = runtime.parallel.tp_group
         self.gate = DeepseekV3Router(cfg)
         dispatch = runtime.dispatches_moe
@@ -353,6 +358,8 @@ class DeepseekV3MoE(nn.Module):
         ``defer_moe_finalize``, otherwise the complete output. Sharded shared experts ride
         on the routed experts' reduction (one sum for both)."""
         topk_weights, topk_ids = self.gate(x)
+        if self.fp8_group is not None:
+            x = fake_quantize(x, self.fp8_group)
         shared = self.shared_experts(x)
         if not self.tail:
             return self.experts(x, topk_ids, topk_weights, shared_output=shared)
@@ -379,7 +386,8 @@ class DeepseekV3DecoderLayer(DecoderLayer):
         nextn = layer_id >= cfg.num_hidden_layers
         self.is_moe = _is_moe(cfg, layer_id)
         if self.is_moe:
-            self.mlp = DeepseekV3MoE(cfg, runtime, dtype)
+            self.mlp = DeepseekV3MoE(cfg, runtime, dtype, experts_fp8_group(
+                cfg, layer_id, cfg.n_routed_experts, shared=True))
         else:
             self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
         self.connect(cfg, layer_id, runtime, fusions=fusions,
@@ -390,10 +398,9 @@ class DeepseekV3DecoderLayer(DecoderLayer):
     def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
         """MLA (PARTIAL; its qkv latent runs on compute rows, before the gather in
         input-scattered batches), then the dense MLP or the MoE."""
-        nextn = index >= cfg.num_hidden_layers
         latent_in = (("self_attn.q_a_proj",) if cfg.q_lora_rank is not None
                      else ("self_attn.q_proj",)) + ("self_attn.kv_a_proj_with_mqa",)
-        attn = declare_attn(read=None if nextn else quantized_read(cfg, index, latent_in))
+        attn = declare_attn(read=quantized_read(cfg, index, latent_in))
         return attn, ffn_declaration(cfg, index, runtime)
 
 
@@ -415,7 +422,7 @@ def mla_kv_cache(model, layers, attn: DeepseekV3Attention, slots: int, max_len: 
 
 def ffn_declaration(cfg: DeepseekV3Config, layer: int, runtime: BoundaryRuntime):
     """Layer ``layer``'s FFN declaration (the NextN block's at ``num_hidden_layers``)."""
-    moe, nextn = _is_moe(cfg, layer), layer >= cfg.num_hidden_layers
+    moe = _is_moe(cfg, layer)
     dispatch = moe and runtime.dispatches_moe
     # beside dispatched experts the tail is part of the complete output: nothing follows it
     tail = cfg.shared_experts_tp1 and moe and not dispatch
@@ -423,9 +430,9 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int, runtime: BoundaryRuntime)
     return declare_ffn(sparse=moe,
                        next_sparse=cfg.is_moe(following) if following < cfg.num_hidden_layers
                        else None,
-                       # an FP8 checkpoint's dense MLPs read quantized inputs (a MoE's router
-                       # reads the unquantized one)
-                       read=None if moe or nextn else quantized_read(
+                       # an FP8 checkpoint's dense MLPs read quantized inputs; a MoE's router
+                       # reads the unquantized one, so its experts quantize it (DeepseekV3MoE)
+                       read=None if moe else quantized_read(
                            cfg, layer, ("mlp.gate_proj", "mlp.up_proj")),
                        reduction=ProducerReduction.LOCAL_TAIL if tail else ProducerReduction.SCOPED,
                        dispatches=dispatch)

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 
 # config.json lives in config.py; these names stay importable from here
-from ..runtime.quant import FP8, check_block_scales, dequantize_blocks
+from ..runtime.quant import FP8, check_block_scales, check_scale_dtype, dequantize_blocks
 from ..runtime.shards import CheckpointSlice, ReadBytes, whole
 from .config import (CheckpointError, check_divisible, check_unquantized_silu,  # noqa: F401
                      read_config, require)
@@ -146,9 +146,10 @@ def check_fp8_tensors(path, block: tuple[int, int] | None) -> None:
     for base in sorted(scales):
         if base not in fp8:
             raise CheckpointError(f"checkpoint tensor {base}{_SCALE} scales no FP8 tensor {base}")
+        module = base[:-len(".weight")] if base.endswith(".weight") else base
         try:
-            check_block_scales(shapes[base], shapes[base + _SCALE], block,
-                               base[:-len(".weight")] if base.endswith(".weight") else base)
+            check_scale_dtype(facts[base + _SCALE][1], module)
+            check_block_scales(shapes[base], shapes[base + _SCALE], block, module)
         except ValueError as exc:
             raise CheckpointError(f"checkpoint tensor {exc}") from None
 

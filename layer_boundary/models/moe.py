@@ -26,10 +26,24 @@ from ..runtime import Parallel, all_reduce_rows, all_to_all_rows, exchange_count
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take
 from ..runtime.parallel import Group
+from .config import quantized_read
 
 # a group of one: shared experts whole on every rank (DeepSeek-V3's shared_experts_tp1, and
 # every shared expert beside dispatched routed experts, whose rows no other rank holds)
 UNSHARDED = Group("shared_tp1", (0,), 0)
+
+
+def experts_fp8_group(cfg, layer: int, num_experts: int, shared: bool = False) -> int | None:
+    """The group (channels per scale) in which an FP8 checkpoint's MoE layer ``layer`` feeds
+    its experts' (and ``shared`` experts') gate/up projections the stage input quantized, or
+    None: not every one of them is FP8. The rule of ``config.quantized_read``, but applied in
+    the block, after the movement: the router reads the unquantized input, so the stage's read
+    stays unquantized, and the quantization is row-wise, so it gives the same values there."""
+    names = [f"mlp.experts.{e}.{p}" for e in range(num_experts) for p in ("gate_proj", "up_proj")]
+    if shared:
+        names += ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"]
+    read = quantized_read(cfg, layer, tuple(names))
+    return None if read is None else read.group
 
 
 class MoeFinalize(HandoffOutput):

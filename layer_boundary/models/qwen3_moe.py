@@ -12,7 +12,8 @@ from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
 from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, quantized_read, require
 from .registry import NO_QKV_LATENT, register_model
-from .moe import FusedMoE, expert_stacked_params
+from ..runtime.quant import fake_quantize
+from .moe import FusedMoE, expert_stacked_params, experts_fp8_group
 from .qwen3 import Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, check_tp
 
 
@@ -77,21 +78,29 @@ class Qwen3MoeRouter(nn.Module):
 
 
 class Qwen3MoeSparseBlock(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, runtime: BoundaryRuntime, dtype):
+    """``fp8_group``: an FP8 checkpoint's experts read the input quantized in groups of that
+    many channels (``moe.experts_fp8_group``); the router reads it unquantized."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, runtime: BoundaryRuntime, dtype,
+                 fp8_group: int | None = None):
         super().__init__()
+        self.fp8_group = fp8_group
         self.gate = Qwen3MoeRouter(cfg, dtype)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 runtime.parallel, dtype, dispatch=runtime.dispatches_moe)
 
     def forward(self, x):
         weights, ids = self.gate(x)
+        if self.fp8_group is not None:
+            x = fake_quantize(x, self.fp8_group)
         return self.experts(x, ids, weights)  # reduced, partial, or a finalize handoff
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     def make_mlp(self, cfg: Qwen3MoeConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
         if cfg.is_sparse(layer_id):
-            return Qwen3MoeSparseBlock(cfg, runtime, dtype)
+            return Qwen3MoeSparseBlock(cfg, runtime, dtype,
+                                       experts_fp8_group(cfg, layer_id, cfg.num_experts))
         return Qwen3MLP(cfg, runtime, dtype)
 
     @staticmethod
@@ -100,7 +109,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         # sequence-parallel batch the boundary gathers their input and reduce-scatters the sum)
         sparse = cfg.is_sparse(layer_id)
         # an FP8 checkpoint's dense MLPs read quantized inputs; a MoE's router reads the
-        # unquantized one
+        # unquantized one, so its experts quantize it themselves (Qwen3MoeSparseBlock)
         read = None if sparse else quantized_read(cfg, layer_id, ("mlp.gate_proj",
                                                                   "mlp.up_proj"))
         return declare_ffn(sparse=sparse, next_sparse=cfg.is_sparse(layer_id + 1),

@@ -2,7 +2,9 @@
 block-quantized weights, as the public FP8 checkpoints store them.
 
 A quantized compute input is a ``QuantizedInput``: 1-byte values [T, H] and one float32 scale
-per token and group of ``group`` channels [T, H / group]; ``value * scale`` is the input.
+per token and group of ``group`` channels [T, ceil(H / group)], the last group partial where
+``group`` does not divide H (as the weights' last input block is); ``value * scale`` is the
+input.
 Row movements apply to both parts alike (the values cross ranks as bytes), so a gather of a
 quantized input moves 1 byte per channel plus the scales, and the consumer receives exactly
 what the read produced. On CPU a linear dequantizes it before its matmul.
@@ -19,7 +21,8 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 class QuantizedInput:
-    """A quantized compute input: ``values`` [T, H] float8, ``scales`` [T, H // group] float32."""
+    """A quantized compute input: ``values`` [T, H] float8, ``scales`` [T, ceil(H / group)]
+    float32."""
 
     __slots__ = ("values", "scales", "group", "dtype")
 
@@ -42,22 +45,34 @@ class QuantizedInput:
 
     def dequantize(self) -> torch.Tensor:
         rows, width = self.values.shape
+        if width % self.group:  # a partial last group
+            scales = self.scales.repeat_interleave(self.group, dim=1)[:, :width]
+            return (self.values.float() * scales).to(self.dtype)
         x = self.values.float().view(rows, width // self.group, self.group)
         return (x * self.scales.unsqueeze(-1)).view(rows, width).to(self.dtype)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> QuantizedInput:
-    """Dynamic FP8 of ``x`` [T, H]: per token and per ``group`` channels, scale = amax / 448
-    (a zero group keeps scale 1)."""
+    """Dynamic FP8 of ``x`` [T, H]: per token and per ``group`` channels (the last group
+    partial where ``group`` does not divide H), scale = amax / 448 (a zero group keeps scale
+    1)."""
     rows, width = x.shape
-    if width % group:
-        raise ValueError(f"a quantized read groups {group} channels; the hidden size {width} "
-                         "is not a multiple of it")
-    g = x.float().view(rows, width // group, group)
+    groups = -(-width // group)
+    g = x.float()
+    if groups * group != width:  # zero padding keeps a partial group's amax its own channels'
+        g = torch.nn.functional.pad(g, (0, groups * group - width))
+    g = g.view(rows, groups, group)
     amax = g.abs().amax(dim=-1)
     scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    values = (g / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, width)
+    values = (g / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    values = values.view(rows, groups * group)[:, :width].contiguous()
     return QuantizedInput(values, scales, group, x.dtype)
+
+
+def fake_quantize(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` [T, H] as a quantized read's consumer sees it: quantized by ``quantize_groups``
+    and dequantized (for a stage that quantizes after it moved its unquantized input)."""
+    return quantize_groups(x, group).dequantize()
 
 
 def as_activations(x):
@@ -77,11 +92,39 @@ def check_block_scales(weight_shape: tuple, scale_shape: tuple, block: tuple[int
                          f"{list(want)}")
 
 
+# what a quantizer writes as block scales (safetensors' names); float8 or integer scales are
+# not this format, and dequantizing them would give numbers no quantizer meant
+SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                "F64": torch.float64}
+
+
+def check_scale_dtype(dtype, name: str) -> None:
+    """A ``weight_scale_inv`` dtype (torch's or the safetensors header's string) a quantizer
+    writes, or the error naming the tensor."""
+    if dtype not in SCALE_DTYPES and dtype not in SCALE_DTYPES.values():
+        raise ValueError(f"{name}.weight_scale_inv has dtype {dtype}; FP8 block scales are "
+                         "floating point (F32, BF16, F16 or F64)")
+
+
+def check_scale_values(scale_inv: torch.Tensor, name: str) -> None:
+    """Block scales a quantizer writes (amax / 448 of a block: positive and finite), or the
+    error naming the tensor: a zero, negative or non-finite scale would give wrong weights
+    that still load."""
+    scale = scale_inv.float()
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"{name}.weight_scale_inv holds non-finite values (NaN or Inf)")
+    if scale.numel() and float(scale.min()) <= 0:
+        raise ValueError(f"{name}.weight_scale_inv holds a scale <= 0 ({float(scale.min())}); "
+                         "FP8 block scales are positive")
+
+
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       name: str) -> torch.Tensor:
     """A block-quantized weight [out, in] (float8) times its ``weight_scale_inv``
     [ceil(out / bo), ceil(in / bi)]: the float32 weight."""
+    check_scale_dtype(scale_inv.dtype, name)
     check_block_scales(tuple(weight.shape), tuple(scale_inv.shape), block, name)
+    check_scale_values(scale_inv, name)
     out, inp = weight.shape
     bo, bi = block
     scales = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
