@@ -132,18 +132,21 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
     label = f"LoRA adapter {name or path}"
     config, ignored = read_config(path, label, model_type)
     if ignored:
-        log.warning(f"{label}: adapter_config.json fields peft does not know, ignored as peft "
-                    f"ignores them: {', '.join(ignored)}")
+        log.warning("%s: adapter_config.json fields peft does not know, ignored as peft "
+                    "ignores them: %s", label, ", ".join(ignored))
     f = path / "adapter_model.safetensors"
     if not f.is_file():
         raise LoraError(f"{label}: no adapter_model.safetensors in {path}")
     modules: dict[str, dict] = {}
-    dropped = set()
+    dropped, unprefixed = set(), []
     with _open(f, label) as handle:
         for key in handle.keys():
             module, which = _split(key)
-            if module is None or not config.targets_module(module):
-                dropped.add(key if module is None else module)
+            if module is None:
+                unprefixed.append(key)
+                continue
+            if not config.targets_module(module):
+                dropped.add(module)
                 continue
             if which is None:
                 raise LoraError(f"{label}: tensor {key} is neither lora_A.weight nor "
@@ -173,18 +176,27 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
         if config.init == "orthogonal" and r % 2:
             raise LoraError(f"{label}: {module} has r={r}, and init_lora_weights='orthogonal' "
                             "needs an even rank (peft refuses it)")
+    if not modules:
+        raise LoraError(f"{label}: adapter_config.json targets none of the modules whose "
+                        f"weights {f} holds" if dropped else
+                        f"{label}: {f} holds no LoRA weights under peft's {_PREFIX} prefix")
     if dropped:
-        log.warning(f"{label}: not applied, as peft does not apply them: the weights of "
-                    f"{len(dropped)} modules adapter_config.json does not target: "
-                    f"{', '.join(sorted(dropped))}")
+        log.warning("%s: not applied, as peft does not apply them: the weights of %d modules "
+                    "adapter_config.json does not target: %s", label, len(dropped),
+                    ", ".join(sorted(dropped)))
+    if unprefixed:
+        log.warning("%s: not applied, as peft does not load them: %d tensors without peft's "
+                    "%s prefix: %s", label, len(unprefixed), _PREFIX,
+                    ", ".join(sorted(unprefixed)))
     return Adapter(label, f, config, modules)
 
 
-def _load(adapter: Adapter, modules) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{module: (A, B)} (float32) of ``modules``, each checked to be finite."""
+def _load(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (A, B)} (float32) of every module it adapts (this pipeline stage's or not:
+    one check for all ranks), each checked to be finite."""
     out = {}
     with _open(adapter.file, adapter.label) as handle:
-        for module in sorted(modules):
+        for module in sorted(adapter.modules):
             pair = []
             for which in ("lora_A", "lora_B"):
                 key = f"{_PREFIX}{module}.{which}.weight"
@@ -280,12 +292,7 @@ def attach_lora(model, adapters) -> dict[str, int]:
                                 f"features, and the model's {leaf} gives {shape[0]} (an adapter "
                                 "for another base model?)")
             plan.setdefault(linear, (ours, {}))[1].setdefault(shard, {})[slot] = module
-    wanted = [set() for _ in read]
-    for _, parts in plan.values():
-        for per_slot in parts.values():
-            for slot, module in per_slot.items():
-                wanted[slot].add(module)
-    weights = [_load(adapter, modules) for adapter, modules in zip(read, wanted)]
+    weights = [_load(adapter) for adapter in read]
     built = {}
     for linear, (ours, parts) in plan.items():
         shards = []

@@ -71,28 +71,36 @@ def variant(src: Path, dst: Path, config=None, tensors=None) -> Path:
     return dst
 
 
-# (id, source adapter, config fields): the full adapter's file holds every linear of every
-# layer, so each config below leaves some of its tensors unapplied
+def _unprefixed(w):
+    """Beside each tensor, a tenfold copy without peft's ``base_model.model.`` prefix (which
+    peft does not load)."""
+    return {**w, **{k.removeprefix("base_model.model."): 10 * v for k, v in w.items()}}
+
+
+# (id, source adapter, config fields, tensors' transform): the full adapter's file holds every
+# linear of every layer, so each config below leaves some of its tensors unapplied
 NUMERIC = [
-    ("no-lora-alpha", "full", {"lora_alpha": None}),  # peft's default 8, not r
-    ("target-names", "full", {"target_modules": ["q_proj", "mlp.down_proj"]}),
-    ("target-regex", "full", {"target_modules": r".*\.1\.self_attn\.(q|v)_proj"}),
-    ("all-linear", "full", {"target_modules": "all-linear"}),
-    ("default-targets", "full", {"target_modules": None}),  # qwen3: q_proj, v_proj
-    ("exclude", "full", {"exclude_modules": ["up_proj", "layers.2.self_attn.o_proj"]}),
-    ("layers", "full", {"layers_to_transform": [0, 2], "layers_pattern": "layers"}),
-    ("one-layer", "full", {"layers_to_transform": 1}),
-    ("patterns", "patterned", {}),
+    ("no-lora-alpha", "full", {"lora_alpha": None}, None),  # peft's default 8, not r
+    ("target-names", "full", {"target_modules": ["q_proj", "mlp.down_proj"]}, None),
+    ("target-regex", "full", {"target_modules": r".*\.1\.self_attn\.(q|v)_proj"}, None),
+    ("all-linear", "full", {"target_modules": "all-linear"}, None),
+    ("default-targets", "full", {"target_modules": None}, None),  # qwen3: q_proj, v_proj
+    ("exclude", "full", {"exclude_modules": ["up_proj", "layers.2.self_attn.o_proj"]}, None),
+    ("layers", "full", {"layers_to_transform": [0, 2], "layers_pattern": "layers"}, None),
+    ("one-layer", "full", {"layers_to_transform": 1}, None),
+    ("patterns", "patterned", {}, None),
+    ("unprefixed", "full", {"target_modules": ["q_proj"]}, _unprefixed),
 ]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("source,config", [c[1:] for c in NUMERIC], ids=[c[0] for c in NUMERIC])
-def test_world1_matches_peft(qwen3_dir, saved, tmp_path, source, config):
+@pytest.mark.parametrize("source,config,tensors", [c[1:] for c in NUMERIC],
+                         ids=[c[0] for c in NUMERIC])
+def test_world1_matches_peft(qwen3_dir, saved, tmp_path, source, config, tensors):
     import peft
     import transformers
 
-    folder = str(variant(saved[source], tmp_path / "adapter", config))
+    folder = str(variant(saved[source], tmp_path / "adapter", config, tensors))
     spec = RunSpec(str(qwen3_dir), prompts=(PROMPT,), max_new_tokens=1,
                    lora=(("x", folder),), prompt_lora=("x",))
     ours = merge([run_rank(spec, world_size=1)]).logits[0][0]
@@ -114,12 +122,14 @@ def _meta_model(qwen3_dir):
                                       BoundaryRuntime(virtual_parallel(ParallelDims())))
 
 
-def test_tensors_peft_does_not_apply_are_named_in_a_warning(qwen3_dir, saved, tmp_path,
+def test_what_peft_ignores_is_named_in_a_warning(qwen3_dir, saved, tmp_path,
                                                              caplog):
     from layer_boundary.adapters.lora import attach_lora
 
     folder = variant(saved["full"], tmp_path / "a", {"target_modules": ["q_proj"],
-                                                     "layers_to_transform": [0]})
+                                                     "layers_to_transform": [0],
+                                                     "a_later_field": 1},
+                     lambda w: {**w, "lm_head.lora_A.weight": torch.zeros(4, 64)})
     with caplog.at_level(logging.WARNING, logger="layer_boundary.adapters.lora"):
         attach_lora(_meta_model(qwen3_dir), [("a", str(folder))])
     dropped = sorted(f"model.layers.{i}.{m}" for i in range(3) for m in (
@@ -127,8 +137,12 @@ def test_tensors_peft_does_not_apply_are_named_in_a_warning(qwen3_dir, saved, tm
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
         if (i, m) != (0, "self_attn.q_proj"))
     assert [r.getMessage() for r in caplog.records] == [
+        "LoRA adapter a: adapter_config.json fields peft does not know, ignored as peft ignores "
+        "them: a_later_field",
         "LoRA adapter a: not applied, as peft does not apply them: the weights of 20 modules "
-        f"adapter_config.json does not target: {', '.join(dropped)}"]
+        f"adapter_config.json does not target: {', '.join(dropped)}",
+        "LoRA adapter a: not applied, as peft does not load them: 1 tensors without peft's "
+        "base_model.model. prefix: lm_head.lora_A.weight"]
 
 
 def _set(key, fn):
@@ -167,6 +181,8 @@ CONFIG_REFUSALS = [
      "init_lora_weights='pissa' is not supported (peft redoes that initialization from the "
      "base weights when it loads the adapter)"),
     ("dora", {"use_dora": True}, None, "use_dora=True is not supported"),
+    ("no-target", {"target_modules": ["gate"]}, None,
+     "adapter_config.json targets none of the modules whose weights {file} holds"),
     ("no-peft-type", {"peft_type": None}, None,
      "{dir}/adapter_config.json has no peft_type (peft reads the adapter type there)"),
     ("int32", {}, _set(f"{Q0}.lora_A.weight", lambda t: (t * 100).to(torch.int32)),
