@@ -62,7 +62,6 @@ def _strings(x) -> bool:
 class AdapterConfig:
     """What ``adapter_config.json`` says an adapter adapts, and by how much."""
 
-    label: str  # "LoRA adapter NAME", the start of every error about it
     r: int
     alpha: float
     rslora: bool
@@ -212,9 +211,6 @@ def read_config(folder: Path, label: str, model_type: str | None) -> tuple[Adapt
             re.compile(regex)
         except (re.error, RecursionError) as exc:
             raise LoraError(f"{label}: {name} holds an invalid regex ({exc})") from None
-    ignored = sorted(set(cfg) - _REFUSED_SET - _INERT - _READ)
-    return AdapterConfig(label, r, alpha, cfg.get("use_rslora", False), init, targets, exclude,
+    ignored = sorted(set(cfg) - set(_REFUSED) - _INERT - _READ)
+    return AdapterConfig(r, alpha, cfg.get("use_rslora", False), init, targets, exclude,
                          layers, pattern, ranks, alphas), ignored
-
-
-_REFUSED_SET = set(_REFUSED)
