@@ -16,15 +16,15 @@ output does and is reduced with it, once:
   is this rank's partial, summed wherever the base partial is (the boundary's all-reduce or
   reduce-scatter, or the linear's own).
 
-Adapters come as PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``);
-ranks may differ between adapters (zero-padded to the largest), and ``scaling`` (alpha / r,
-or alpha / sqrt(r) with rsLoRA) is folded into ``B`` at load.
+Adapters come as PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``),
+meaning what they mean to peft (``lora_config.py``); ranks may differ between adapters
+(zero-padded to the largest), and each module's ``scaling`` is folded into ``B`` at load.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,15 +33,13 @@ from torch import nn
 from ..capabilities import Feature, check_model
 from ..runtime.context import NO_ADAPTERS, adapter_rows
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from .lora_config import AdapterConfig, LoraError, read_config
 
-_PREFIX = "base_model.model."
-# PEFT options this adapter does not implement: each refused by name when set
-_UNSUPPORTED = ("use_dora", "fan_in_fan_out", "modules_to_save", "layer_replication",
-                "rank_pattern", "alpha_pattern", "lora_bias")
+log = logging.getLogger(__name__)
 
-
-class LoraError(ValueError):
-    """An adapter that cannot be applied to this model, named with what is wrong."""
+_PREFIX = "base_model.model."  # what peft's saved keys start with
+_PAIR = (".lora_A.weight", ".lora_B.weight")
+_FLOATS = ("F16", "BF16", "F32", "F64")  # safetensors dtypes a LoRA weight may have
 
 
 class LoraWeights(nn.Module):
@@ -79,49 +77,139 @@ class LoraWeights(nn.Module):
         return y
 
 
-def read_adapter(path) -> tuple[dict, float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """A PEFT LoRA folder: (its config, its scaling, {module path: (A, B)})."""
-    from safetensors.torch import load_file
+@dataclass
+class Adapter:
+    """One adapter folder, read and checked: its config, and for each module its config
+    targets, the header facts ``{"lora_A": shape, "lora_B": shape}`` of its weights."""
 
+    label: str  # "LoRA adapter NAME", the start of every error about it
+    file: Path
+    config: AdapterConfig
+    modules: dict
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _open(f: Path, label: str):
+    """``safe_open`` with safetensors' own errors (a truncated file, a lying header, not a
+    safetensors file at all) turned into a ``LoraError`` naming the file."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(f), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types
+        raise LoraError(f"{label}: {f} is not a readable safetensors file "
+                        f"({_one_line(exc)})") from None
+
+
+def _split(key: str) -> tuple[str | None, str | None]:
+    """(module, "lora_A" or "lora_B" or None) of a saved tensor name; module None: the name
+    lacks peft's prefix (peft loads no such tensor)."""
+    if not key.startswith(_PREFIX):
+        return None, None
+    name = key[len(_PREFIX):]
+    for suffix in _PAIR:
+        if name.endswith(suffix):
+            return name[:-len(suffix)], suffix[1:7]
+    return (name.rpartition(".lora_")[0] if ".lora_" in name else name.rpartition(".")[0]), None
+
+
+def read_adapter(path, name: str | None = None, model_type: str | None = None) -> Adapter:
+    """A PEFT LoRA folder's config and the header of its weights, each checked as far as the
+    files go (the model's shapes are ``attach_lora``'s check); no tensor data read.
+
+    Tensors for modules the config does not target are not applied (peft does not load
+    them either) and are named in a warning.
+
+    Args:
+        path: the folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+        name: what errors call it (default: the folder).
+        model_type: the base model's, for peft's default ``target_modules``.
+    """
     path = Path(path)
-    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-    for f in (config_file, weights_file):
-        if not f.is_file():
-            raise LoraError(f"LoRA adapter {path}: no {f.name}")
-    cfg = json.loads(config_file.read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise LoraError(f"LoRA adapter {path}: peft_type {cfg['peft_type']!r} is not LORA")
-    for key in _UNSUPPORTED:
-        if cfg.get(key):
-            raise LoraError(f"LoRA adapter {path}: {key}={cfg[key]!r} is not supported")
-    if cfg.get("bias", "none") != "none":
-        raise LoraError(f"LoRA adapter {path}: bias={cfg['bias']!r} is not supported")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    if not isinstance(r, int) or r < 1:
-        raise LoraError(f"LoRA adapter {path}: r must be a positive integer, got {r!r}")
-    scaling = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(weights_file)).items():
-        name = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
-        for which in ("lora_A", "lora_B"):
-            marker = f".{which}."
-            if marker in name:
-                module = name[:name.index(marker)]
-                pairs.setdefault(module, {})[which] = tensor.float()
-                break
-        else:
-            raise LoraError(f"LoRA adapter {path}: tensor {key} is neither lora_A nor lora_B")
+    label = f"LoRA adapter {name or path}"
+    config, ignored = read_config(path, label, model_type)
+    if ignored:
+        log.warning("%s: adapter_config.json fields peft does not know, ignored as peft "
+                    "ignores them: %s", label, ", ".join(ignored))
+    f = path / "adapter_model.safetensors"
+    if not f.is_file():
+        raise LoraError(f"{label}: no adapter_model.safetensors in {path}")
+    modules: dict[str, dict] = {}
+    dropped, unprefixed = set(), []
+    with _open(f, label) as handle:
+        for key in handle.keys():
+            module, which = _split(key)
+            if module is None:
+                unprefixed.append(key)
+                continue
+            if not config.targets_module(module):
+                dropped.add(module)
+                continue
+            if which is None:
+                raise LoraError(f"{label}: tensor {key} is neither lora_A.weight nor "
+                                f"lora_B.weight of {module}")
+            try:
+                part = handle.get_slice(key)
+                shape, dtype = tuple(part.get_shape()), part.get_dtype()
+            except Exception as exc:
+                raise LoraError(f"{label}: {f} is not a readable safetensors file: tensor "
+                                f"{key}: {_one_line(exc)}") from None
+            if dtype not in _FLOATS:
+                raise LoraError(f"{label}: {module} {which} is {dtype}; LoRA weights must be "
+                                f"floating point ({', '.join(_FLOATS)})")
+            if len(shape) != 2:
+                raise LoraError(f"{label}: {module} {which} has shape {list(shape)}, not a "
+                                "matrix")
+            modules.setdefault(module, {})[which] = shape
+    for module, pair in sorted(modules.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise LoraError(f"{label}: {module} has no "
+                            f"{({'lora_A', 'lora_B'} - set(pair)).pop()}")
+        r, _ = config.rank_alpha(module)
+        for which, rank in (("lora_A", pair["lora_A"][0]), ("lora_B", pair["lora_B"][1])):
+            if rank != r:
+                raise LoraError(f"{label}: {module} {which} has rank {rank}, and "
+                                f"adapter_config.json gives it r={r}")
+        if config.init == "orthogonal" and r % 2:
+            raise LoraError(f"{label}: {module} has r={r}, and init_lora_weights='orthogonal' "
+                            "needs an even rank (peft refuses it)")
+    if not modules:
+        raise LoraError(f"{label}: adapter_config.json targets none of the modules whose "
+                        f"weights {f} holds" if dropped else
+                        f"{label}: {f} holds no LoRA weights under peft's {_PREFIX} prefix")
+    if dropped:
+        log.warning("%s: not applied, as peft does not apply them: the weights of %d modules "
+                    "adapter_config.json does not target: %s", label, len(dropped),
+                    ", ".join(sorted(dropped)))
+    if unprefixed:
+        log.warning("%s: not applied, as peft does not load them: %d tensors without peft's "
+                    "%s prefix: %s", label, len(unprefixed), _PREFIX,
+                    ", ".join(sorted(unprefixed)))
+    return Adapter(label, f, config, modules)
+
+
+def _load(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (A, B)} (float32) of every module it adapts (this pipeline stage's or not:
+    one check for all ranks), each checked to be finite."""
     out = {}
-    for module, ab in sorted(pairs.items()):
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise LoraError(f"LoRA adapter {path}: {module} has no "
-                            f"{({'lora_A', 'lora_B'} - set(ab)).pop()}")
-        a, b = ab["lora_A"], ab["lora_B"]
-        if a.shape[0] != b.shape[1]:
-            raise LoraError(f"LoRA adapter {path}: {module} lora_A has rank {a.shape[0]} and "
-                            f"lora_B {b.shape[1]}")
-        out[module] = (a, b)
-    return cfg, scaling, out
+    with _open(adapter.file, adapter.label) as handle:
+        for module in sorted(adapter.modules):
+            pair = []
+            for which in ("lora_A", "lora_B"):
+                key = f"{_PREFIX}{module}.{which}.weight"
+                try:
+                    t = handle.get_tensor(key)
+                except Exception as exc:
+                    raise LoraError(f"{adapter.label}: {adapter.file} is not a readable "
+                                    f"safetensors file: tensor {key}: {_one_line(exc)}") from None
+                if not torch.isfinite(t).all():
+                    raise LoraError(f"{adapter.label}: {module} {which} holds NaN or Inf values")
+                pair.append(t.float())
+            out[module] = tuple(pair)
+    return out
 
 
 def _target(model, module: str):
@@ -142,8 +230,26 @@ def _target(model, module: str):
     return linear, shard, local[:-len(".weight")]
 
 
+def _full_shape(linear, shard) -> tuple[int, int] | None:
+    """The checkpoint's (out, in) features of the module ``linear`` (``shard``: its part of a
+    fused projection) serves; None: no LoRA for it here."""
+    if isinstance(linear, RowParallelLinear) and shard is None:
+        return linear.weight.shape[0], linear.in_per_rank * linear.group.size
+    if isinstance(linear, QKVParallelLinear):
+        if shard not in ("q", "k", "v"):
+            return None
+        heads = linear.total_heads if shard == "q" else linear.total_kv_heads
+        return heads * linear.head_dim, linear.weight.shape[1]
+    if isinstance(linear, ColumnParallelLinear) and shard is None:
+        return linear.out_per_rank * linear.group.size, linear.weight.shape[1]
+    return None
+
+
 def attach_lora(model, adapters) -> dict[str, int]:
     """Load ``adapters`` ((name, PEFT folder) pairs) onto ``model``'s parallel linears.
+
+    Every adapter is read and checked (its config as peft reads it, its file, its weights'
+    shapes against the model's, their values finite) before any is attached.
 
     Args:
         model: a ``CausalLM`` (its ``stacked_params`` name the fused projections' parts,
@@ -153,36 +259,58 @@ def attach_lora(model, adapters) -> dict[str, int]:
     Returns {name: slot}.
 
     Refuses (``capabilities.CapabilityError``) a model whose runtime serves batches the
-    adapters do not run in, before any adapter is read.
+    adapters do not run in, before any adapter is read; an adapter that cannot mean here what
+    it means to peft, with a one-line ``LoraError`` naming it.
     """
     if getattr(model, "stack", None) is not None and getattr(model, "config", None) is not None:
         check_model(type(model), model.config, model.stack.runtime, (Feature.LORA,))
     names = [name for name, _ in adapters]
     if len(set(names)) != len(names):
         raise LoraError(f"LoRA adapter names must differ, got {names}")
-    loaded = [read_adapter(folder) for _, folder in adapters]
-    by_linear: dict[nn.Module, dict] = {}
-    for slot, ((name, folder), (_, scaling, modules)) in enumerate(zip(adapters, loaded)):
-        for module, (a, b) in modules.items():
+    model_type = getattr(model, "model_type", None)
+    read = [read_adapter(folder, name, model_type) for name, folder in adapters]
+    # {linear: (our module name, {part: {slot: checkpoint module}})}
+    plan: dict[nn.Module, tuple[str, dict]] = {}
+    for slot, adapter in enumerate(read):
+        for module, pair in sorted(adapter.modules.items()):
             found = _target(model, module)
             if found is None:
                 continue  # another pipeline stage's layer
             linear, shard, ours = found
-            if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
-                raise LoraError(f"LoRA adapter {name} targets {module}, which the "
-                                f"{model.model_type} model has no parallel linear for")
-            by_linear.setdefault(linear, {"name": ours}).setdefault(shard, {})[slot] = (
-                a, b * scaling)
-    for linear, parts in by_linear.items():
-        module = parts.pop("name")
-        linear.lora = LoraWeights([_shard(linear, shard, per_slot, len(adapters), module)
-                                   for shard, per_slot in parts.items()], module)
+            shape = _full_shape(linear, shard)
+            if shape is None:
+                raise LoraError(f"{adapter.label}: {module} is a target, and the "
+                                f"{model_type} model has no parallel linear for it")
+            (_, a_in), (b_out, _) = pair["lora_A"], pair["lora_B"]
+            leaf = module.rpartition(".")[2]
+            if a_in != shape[1]:
+                raise LoraError(f"{adapter.label}: {module} lora_A takes {a_in} input features, "
+                                f"and the model's {leaf} takes {shape[1]} (an adapter for "
+                                "another base model?)")
+            if b_out != shape[0]:
+                raise LoraError(f"{adapter.label}: {module} lora_B gives {b_out} output "
+                                f"features, and the model's {leaf} gives {shape[0]} (an adapter "
+                                "for another base model?)")
+            plan.setdefault(linear, (ours, {}))[1].setdefault(shard, {})[slot] = module
+    weights = [_load(adapter) for adapter in read]
+    built = {}
+    for linear, (ours, parts) in plan.items():
+        shards = []
+        for shard, per_slot in parts.items():
+            ab = {}
+            for slot, module in per_slot.items():
+                a, b = weights[slot][module]
+                ab[slot] = (a, b * read[slot].config.scaling(module))
+            shards.append(_shard(linear, shard, ab, len(adapters)))
+        built[linear] = LoraWeights(shards, ours)
+    for linear, lora in built.items():  # every adapter checked: attach them all
+        linear.lora = lora
     return {name: slot for slot, name in enumerate(names)}
 
 
-def _shard(linear, shard, per_slot: dict, count: int, module: str):
+def _shard(linear, shard, per_slot: dict, count: int):
     """This rank's A [count, r, in] and B [count, out, r] of one part, zero where an adapter
-    does not target it, loaded by the base linear's own loader."""
+    does not target it, loaded by the base linear's own loader (the shapes checked)."""
     rank = max(a.shape[0] for a, _ in per_slot.values())
     row = isinstance(linear, RowParallelLinear)
     weight = linear.weight
@@ -190,22 +318,18 @@ def _shard(linear, shard, per_slot: dict, count: int, module: str):
     b_all = torch.zeros(count, weight.shape[0], rank)
     for slot, (a, b) in per_slot.items():
         r = a.shape[0]
-        try:
-            if row:  # A's columns follow the base weight's; B whole
-                param = nn.Parameter(torch.zeros(r, linear.in_per_rank), requires_grad=False)
-                linear.weight_loader(param, a)
-                a_all[slot, :r], b_all[slot, :, :r] = param.data, b
-            else:  # A whole; B's rows follow the base weight's (its q/k/v slot if fused)
-                param = nn.Parameter(torch.zeros(weight.shape[0], r), requires_grad=False)
-                if isinstance(linear, QKVParallelLinear):
-                    linear.weight_loader(param, b, shard)
-                else:
-                    linear.weight_loader(param, b)
-                a_all[slot, :r], b_all[slot, :, :r] = a, param.data
-        except ValueError as exc:
-            raise LoraError(f"LoRA adapter for {module}: {exc}") from None
+        if row:  # A's columns follow the base weight's; B whole
+            param = nn.Parameter(torch.zeros(r, linear.in_per_rank), requires_grad=False)
+            linear.weight_loader(param, a)
+            a_all[slot, :r], b_all[slot, :, :r] = param.data, b
+        else:  # A whole; B's rows follow the base weight's (its q/k/v slot if fused)
+            param = nn.Parameter(torch.zeros(weight.shape[0], r), requires_grad=False)
+            if isinstance(linear, QKVParallelLinear):
+                linear.weight_loader(param, b, shard)
+            else:
+                linear.weight_loader(param, b)
+            a_all[slot, :r], b_all[slot, :, :r] = a, param.data
     return a_all.to(weight.dtype), b_all.to(weight.dtype)
-
 
 def lora_slots(names, prompt_adapters) -> list[int]:
     """Each prompt's adapter slot (-1: ``none``, the base model), by adapter name."""

@@ -149,13 +149,16 @@ def test_cli_run_with_two_adapters(qwen3_dir, adapters, capsys, restore_logger):
 
 @pytest.fixture(scope="module")
 def foreign_adapter(tmp_path_factory, adapters) -> str:
-    """An adapter whose target the model lacks (a renamed module)."""
-    import shutil
+    """An adapter whose target the model lacks (a renamed module its config targets)."""
+    import json
+    from pathlib import Path
 
     from safetensors.torch import load_file, save_file
 
     path = tmp_path_factory.mktemp("foreign")
-    shutil.copy(f"{adapters['a']}/adapter_config.json", path)
+    config = json.loads(Path(adapters["a"], "adapter_config.json").read_text())
+    config["target_modules"] = [*config["target_modules"], "x_proj"]
+    (path / "adapter_config.json").write_text(json.dumps(config))
     tensors = {k.replace("q_proj", "x_proj"): v
                for k, v in load_file(f"{adapters['a']}/adapter_model.safetensors").items()}
     save_file(tensors, str(path / "adapter_model.safetensors"))
@@ -166,9 +169,9 @@ def foreign_adapter(tmp_path_factory, adapters) -> str:
     ("unknown", "--prompt-lora c: no adapter named c (a)"),
     ("count", "--prompt-lora is given 1 times for 2 prompts"),
     ("no_adapters", "--prompt-lora needs adapters: load them with --lora NAME=DIR"),
-    ("foreign", "LoRA adapter a targets model.layers.0.self_attn.x_proj, which the qwen3 model "
-                "has no parallel linear for"),
-    ("missing", "LoRA adapter /nonexistent: no adapter_config.json"),
+    ("foreign", "LoRA adapter a: model.layers.0.self_attn.x_proj is a target, and the qwen3 "
+                "model has no parallel linear for it"),
+    ("missing", "LoRA adapter a: no adapter_config.json in /nonexistent"),
     ("sp", "--sequence-parallel does not combine with --lora yet (BatchVariant.SEQUENCE_PARALLEL, "
            "attach_lora)")])
 def test_bad_adapter_input_is_a_one_line_error(qwen3_dir, adapters, foreign_adapter, case,

@@ -1,0 +1,282 @@
+"""A PEFT LoRA folder means here what it means to peft (``adapters/lora_config.py``).
+
+World 1 against ``peft``'s ``PeftModel`` for the config fields that choose what is applied
+(a missing ``lora_alpha``, ``target_modules`` as names, a regex, ``all-linear`` or absent,
+``exclude_modules``, ``layers_to_transform``/``layers_pattern``, ``rank_pattern``/
+``alpha_pattern``), on weight files that also hold tensors peft does not apply; and every
+adapter peft refuses, or that cannot mean anything, refused as one line naming the adapter,
+the module or the file, and what is wrong, before anything is attached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import TOL, hf_cached_decode
+
+from layer_boundary.engine.cli import main
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
+
+PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+WEIGHTS = "adapter_model.safetensors"
+
+
+def _peft_adapter(base: str, path: Path, seed: int, **config) -> Path:
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    # init_lora_weights=False: B is random too, so every adapted module changes the output
+    peft.get_peft_model(model, peft.LoraConfig(lora_dropout=0.0, init_lora_weights=False,
+                                               **config)).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved(qwen3_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two adapters saved by peft: every linear of every layer (r 4, alpha 8), and one with
+    per-module ranks and alphas."""
+    root = tmp_path_factory.mktemp("peft-config")
+    return {"full": _peft_adapter(str(qwen3_dir), root / "full", 3, r=4, lora_alpha=8,
+                                  target_modules=ALL),
+            "patterned": _peft_adapter(str(qwen3_dir), root / "patterned", 4, r=4,
+                                       lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                     "down_proj"],
+                                       rank_pattern={"q_proj": 2},
+                                       alpha_pattern={"down_proj": 2})}
+
+
+def variant(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """``src`` with its config's fields replaced (``config``: field -> value, None deletes)
+    and its tensors transformed (``tensors``: the {name: tensor} dict -> a new one)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    for key, value in (config or {}).items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(src / WEIGHTS))
+    save_file(tensors(weights) if tensors else weights, str(dst / WEIGHTS))
+    return dst
+
+
+def _unprefixed(w):
+    """Beside each tensor, a tenfold copy without peft's ``base_model.model.`` prefix (which
+    peft does not load)."""
+    return {**w, **{k.removeprefix("base_model.model."): 10 * v for k, v in w.items()}}
+
+
+# (id, source adapter, config fields, tensors' transform): the full adapter's file holds every
+# linear of every layer, so each config below leaves some of its tensors unapplied
+NUMERIC = [
+    ("no-lora-alpha", "full", {"lora_alpha": None}, None),  # peft's default 8, not r
+    ("target-names", "full", {"target_modules": ["q_proj", "mlp.down_proj"]}, None),
+    ("target-regex", "full", {"target_modules": r".*\.1\.self_attn\.(q|v)_proj"}, None),
+    ("all-linear", "full", {"target_modules": "all-linear"}, None),
+    ("default-targets", "full", {"target_modules": None}, None),  # qwen3: q_proj, v_proj
+    ("exclude", "full", {"exclude_modules": ["up_proj", "layers.2.self_attn.o_proj"]}, None),
+    ("layers", "full", {"layers_to_transform": [0, 2], "layers_pattern": "layers"}, None),
+    ("one-layer", "full", {"layers_to_transform": 1}, None),
+    ("patterns", "patterned", {}, None),
+    ("unprefixed", "full", {"target_modules": ["q_proj"]}, _unprefixed),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source,config,tensors", [c[1:] for c in NUMERIC],
+                         ids=[c[0] for c in NUMERIC])
+def test_world1_matches_peft(qwen3_dir, saved, tmp_path, source, config, tensors):
+    import peft
+    import transformers
+
+    folder = str(variant(saved[source], tmp_path / "adapter", config, tensors))
+    spec = RunSpec(str(qwen3_dir), prompts=(PROMPT,), max_new_tokens=1,
+                   lora=(("x", folder),), prompt_lora=("x",))
+    ours = merge([run_rank(spec, world_size=1)]).logits[0][0]
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(qwen3_dir), dtype=torch.float32, attn_implementation="eager")
+    ref = peft.PeftModel.from_pretrained(base, folder).eval()
+    expected = hf_cached_decode(ref, PROMPT, [])[0]
+    scale = expected.abs().max().item()
+    assert (ours - expected).abs().max().item() <= TOL * max(1.0, scale)
+
+
+def _meta_model(qwen3_dir):
+    from layer_boundary.models import open_checkpoint
+    from layer_boundary.runtime import BoundaryRuntime, ParallelDims, virtual_parallel
+
+    checkpoint = open_checkpoint(str(qwen3_dir))
+    with torch.device("meta"):
+        return checkpoint.model_class(checkpoint.config,
+                                      BoundaryRuntime(virtual_parallel(ParallelDims())))
+
+
+def test_what_peft_ignores_is_named_in_a_warning(qwen3_dir, saved, tmp_path,
+                                                             caplog):
+    from layer_boundary.adapters.lora import attach_lora
+
+    folder = variant(saved["full"], tmp_path / "a", {"target_modules": ["q_proj"],
+                                                     "layers_to_transform": [0],
+                                                     "a_later_field": 1},
+                     lambda w: {**w, "lm_head.lora_A.weight": torch.zeros(4, 64)})
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.adapters.lora"):
+        attach_lora(_meta_model(qwen3_dir), [("a", str(folder))])
+    dropped = sorted(f"model.layers.{i}.{m}" for i in range(3) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        if (i, m) != (0, "self_attn.q_proj"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "LoRA adapter a: adapter_config.json fields peft does not know, ignored as peft ignores "
+        "them: a_later_field",
+        "LoRA adapter a: not applied, as peft does not apply them: the weights of 20 modules "
+        f"adapter_config.json does not target: {', '.join(dropped)}",
+        "LoRA adapter a: not applied, as peft does not load them: 1 tensors without peft's "
+        "base_model.model. prefix: lm_head.lora_A.weight"]
+
+
+def _set(key, fn):
+    def edit(w):
+        w[f"base_model.model.{key}"] = fn(w[f"base_model.model.{key}"])
+        return w
+    return edit
+
+
+def _other_base(w):
+    """The tensors of an adapter for a hidden-32 model."""
+    return {k: (v[:, :32] if "lora_A" in k and not k.endswith(("o_proj.lora_A.weight",
+                                                              "down_proj.lora_A.weight"))
+                else v[:32] if k.endswith(("o_proj.lora_B.weight", "down_proj.lora_B.weight"))
+                else v).contiguous() for k, v in w.items()}
+
+
+Q0, V0, D1 = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", \
+    "model.layers.1.mlp.down_proj"
+
+# (id, config fields, tensors' transform, message): the folder is {dir}, its weights {file}
+CONFIG_REFUSALS = [
+    ("rank", {"r": 8}, None,
+     "model.layers.0.mlp.down_proj lora_A has rank 4, and adapter_config.json gives it r=8"),
+    ("nan-alpha", {"lora_alpha": float("nan")}, None, "lora_alpha must be a finite number, "
+                                                      "got nan"),
+    ("str-alpha", {"lora_alpha": "8"}, None, "lora_alpha must be a finite number, got '8'"),
+    ("zero-r", {"r": 0}, None, "r must be a positive integer, got 0"),
+    ("regex-layers", {"target_modules": ".*q_proj", "layers_to_transform": [0]}, None,
+     "layers_to_transform cannot be used when target_modules is a str"),
+    ("pattern-alone", {"layers_pattern": "layers"}, None,
+     "layers_pattern is set, and layers_to_transform is not"),
+    ("bad-regex", {"target_modules": "(q_proj"}, None,
+     "target_modules holds an invalid regex (missing ), unterminated subpattern at position 0)"),
+    ("pissa", {"init_lora_weights": "pissa"}, None,
+     "init_lora_weights='pissa' is not supported (peft redoes that initialization from the "
+     "base weights when it loads the adapter)"),
+    ("dora", {"use_dora": True}, None, "use_dora=True is not supported"),
+    ("no-target", {"target_modules": ["gate"]}, None,
+     "adapter_config.json targets none of the modules whose weights {file} holds"),
+    ("no-peft-type", {"peft_type": None}, None,
+     "{dir}/adapter_config.json has no peft_type (peft reads the adapter type there)"),
+    ("int32", {}, _set(f"{Q0}.lora_A.weight", lambda t: (t * 100).to(torch.int32)),
+     f"{Q0} lora_A is I32; LoRA weights must be floating point (F16, BF16, F32, F64)"),
+    ("nan", {}, _set(f"{D1}.lora_B.weight", lambda t: t.index_fill(0, torch.tensor([3]),
+                                                                   float("nan"))),
+     f"{D1} lora_B holds NaN or Inf values"),
+    ("inf", {}, _set(f"{Q0}.lora_A.weight", lambda t: t.index_fill(1, torch.tensor([0]),
+                                                                   float("inf"))),
+     f"{Q0} lora_A holds NaN or Inf values"),
+    ("other-base", {}, _other_base,
+     "model.layers.0.mlp.down_proj lora_B gives 32 output features, and the model's "
+     "down_proj gives 64 (an adapter for another base model?)"),
+    ("a-width", {}, _set(f"{Q0}.lora_A.weight", lambda t: torch.cat([t, t], 1)),
+     f"{Q0} lora_A takes 128 input features, and the model's q_proj takes 64 (an adapter for "
+     "another base model?)"),
+    ("b-rows", {}, _set(f"{V0}.lora_B.weight", lambda t: torch.cat([t, t])),
+     f"{V0} lora_B gives 64 output features, and the model's v_proj gives 32 (an adapter for "
+     "another base model?)"),
+]
+
+
+def _raw(folder: Path, name: str, data: bytes) -> None:
+    (folder / name).write_bytes(data)
+
+
+def _lying_header(folder: Path) -> None:
+    """A header that claims twice the data the file holds."""
+    data = (folder / WEIGHTS).read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["shape"] = [2 * header[key]["shape"][0], *header[key]["shape"][1:]]
+    text = json.dumps(header).encode()
+    _raw(folder, WEIGHTS, struct.pack("<Q", len(text)) + text + data[8 + size:])
+
+
+# (id, how the folder is broken, message)
+FILE_REFUSALS = [
+    ("truncated", lambda d: _raw(d, WEIGHTS, (d / WEIGHTS).read_bytes()[:-100]),
+     "{file} is not a readable safetensors file (Error while deserializing header: "
+     "incomplete metadata, file not fully covered)"),
+    ("zero-bytes", lambda d: _raw(d, WEIGHTS, b""),
+     "{file} is not a readable safetensors file (Error while deserializing header: "
+     "header too small)"),
+    ("pickle", lambda d: torch.save({"x": torch.zeros(2)}, d / WEIGHTS),
+     "{file} is not a readable safetensors file (Error while deserializing header: "
+     "header too large)"),
+    ("lying-header", _lying_header,
+     "{file} is not a readable safetensors file (Error while deserializing header: "
+     "invalid shape, data type, or offset for tensor)"),
+    ("not-json", lambda d: _raw(d, "adapter_config.json", b'{"r": 4,'),
+     "{dir}/adapter_config.json is not JSON (Expecting property name enclosed in double "
+     "quotes at line 1 column 9)"),
+    ("not-an-object", lambda d: _raw(d, "adapter_config.json", b'["LORA"]'),
+     "{dir}/adapter_config.json is a JSON list, not an object"),
+]
+
+
+@pytest.mark.parametrize("config,tensors,message", [c[1:] for c in CONFIG_REFUSALS],
+                         ids=[c[0] for c in CONFIG_REFUSALS])
+def test_a_bad_adapter_is_a_one_line_error(qwen3_dir, saved, tmp_path, config, tensors,
+                                           message, capsys, restore_logger):
+    folder = variant(saved["full"], tmp_path / "a", config, tensors)
+    _refused(qwen3_dir, folder, message, capsys)
+
+
+@pytest.mark.parametrize("breaks,message", [c[1:] for c in FILE_REFUSALS],
+                         ids=[c[0] for c in FILE_REFUSALS])
+def test_a_broken_adapter_file_is_a_one_line_error(qwen3_dir, saved, tmp_path, breaks,
+                                                   message, capsys, restore_logger):
+    folder = variant(saved["full"], tmp_path / "a")
+    breaks(folder)
+    _refused(qwen3_dir, folder, message, capsys)
+
+
+def _refused(qwen3_dir, folder: Path, message: str, capsys) -> None:
+    """``run`` with ``folder`` as adapter a exits 2 with one line: the adapter's error."""
+    args = ["run", "--model", str(qwen3_dir), "--prompt-ids", "1,2", "--lora", f"a={folder}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    text = message.format(dir=folder, file=folder / WEIGHTS)
+    assert err == [f"layer-boundary: error: LoRA adapter a: {text}"]
+
+
+def test_a_refused_adapter_leaves_the_model_unadapted(qwen3_dir, saved, tmp_path):
+    """Every adapter is read and checked before any is attached."""
+    from layer_boundary.adapters.lora import LoraError, attach_lora
+    from layer_boundary.runtime.linear import ColumnParallelLinear, RowParallelLinear
+
+    bad = variant(saved["full"], tmp_path / "b",
+                  tensors=_set(f"{D1}.lora_B.weight", lambda t: t * float("inf")))
+    model = _meta_model(qwen3_dir)
+    with pytest.raises(LoraError, match=f"^LoRA adapter b: {D1} lora_B holds NaN or Inf"):
+        attach_lora(model, [("a", str(saved["full"])), ("b", str(bad))])
+    assert all(m.lora is None for m in model.modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
