@@ -36,6 +36,16 @@ from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParalle
 from .lora_config import AdapterConfig, LoraError, read_config
 
 log = logging.getLogger(__name__)
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str, *args) -> None:
+    """A warning about an adapter, once per process: the command line reads each adapter in
+    its check and again in its world-1 reference run."""
+    text = msg % args
+    if text not in _WARNED:
+        _WARNED.add(text)
+        log.warning("%s", text)
 
 _PREFIX = "base_model.model."  # what peft's saved keys start with
 _PAIR = (".lora_A.weight", ".lora_B.weight")
@@ -132,7 +142,7 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
     label = f"LoRA adapter {name or path}"
     config, ignored = read_config(path, label, model_type)
     if ignored:
-        log.warning("%s: adapter_config.json fields peft does not know, ignored as peft "
+        _warn_once("%s: adapter_config.json fields peft does not know, ignored as peft "
                     "ignores them: %s", label, ", ".join(ignored))
     f = path / "adapter_model.safetensors"
     if not f.is_file():
@@ -181,11 +191,11 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
                         f"weights {f} holds" if dropped else
                         f"{label}: {f} holds no LoRA weights under peft's {_PREFIX} prefix")
     if dropped:
-        log.warning("%s: not applied, as peft does not apply them: the weights of %d modules "
+        _warn_once("%s: not applied, as peft does not apply them: the weights of %d modules "
                     "adapter_config.json does not target: %s", label, len(dropped),
                     ", ".join(sorted(dropped)))
     if unprefixed:
-        log.warning("%s: not applied, as peft does not load them: %d tensors without peft's "
+        _warn_once("%s: not applied, as peft does not load them: %d tensors without peft's "
                     "%s prefix: %s", label, len(unprefixed), _PREFIX,
                     ", ".join(sorted(unprefixed)))
     return Adapter(label, f, config, modules)

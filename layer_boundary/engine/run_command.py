@@ -97,11 +97,13 @@ def logits_bytes(vocab_size: int, prompts, max_new_tokens: int) -> int:
 
 
 def rank_entry(spec):
-    """One spawned rank's job: ``run_rank(spec)`` from a fixed seed."""
+    """One spawned rank's job: ``run_rank(spec)`` from a fixed seed; it prints nothing (the
+    process that spawned it reports, and has already said what the checks found)."""
     import torch
 
     from .runner import run_rank
 
+    setup_logging(1)
     torch.manual_seed(0)
     return run_rank(spec)
 
