@@ -16,6 +16,7 @@ README's figures come from). ``--only overhead,load,path_bytes,tbo`` picks bench
 ``--quick`` runs tiny sizes once (a check that it runs; its numbers mean nothing).
 """
 
+import argparse
 import json
 import statistics
 import sys
@@ -98,16 +99,31 @@ BENCHES = {"overhead": lambda quick: overhead_rows(quick), "load": lambda quick:
            "path_bytes": lambda quick: [path_bytes_row()], "tbo": lambda quick: tbo_rows(quick)}
 
 
+def parse(argv):
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/suite.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(BENCHES),
+                        help=f"benchmarks to run, comma-separated ({', '.join(BENCHES)})")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, once: a check that it runs (its numbers mean nothing)")
+    parser.add_argument("--json", metavar="FILE", help="write every row as one JSON list")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.only.split(",") if n not in BENCHES]
+    if unknown:
+        parser.error(f"--only {args.only}: no benchmark named {', '.join(unknown)}")
+    return args
+
+
 def main(argv) -> list:
-    quick = "--quick" in argv
-    only = argv[argv.index("--only") + 1].split(",") if "--only" in argv else list(BENCHES)
+    args = parse(argv)
     rows = []
-    for name in only:
-        for row in BENCHES[name](quick):
+    for name in args.only.split(","):
+        for row in BENCHES[name](args.quick):
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if "--json" in argv:
-        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(rows, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
 
 

@@ -2,6 +2,7 @@
 boundary-integrated decoder's logits (the benchmark asserts it), so this runs it once, tiny,
 and checks the report; no timing is asserted."""
 
+import pytest
 from distributed.checks import cli_ok
 from layer_boundary.engine.bench import overhead
 from layer_boundary.engine.cli import main
@@ -64,3 +65,12 @@ def test_path_bytes_under_auto_are_the_least_of_the_modes():
     least = [min(row["bytes"][m][s] for m in ("ar", "rs", "rsv")) for s in range(2)]
     assert row["auto_vs_least"] == [a / b for a, b in zip(row["bytes"]["auto"], least)]
     assert row["auto_vs_least"] == [1.0, 1.0] and row["auto_modes"][0] == "rsv"
+
+
+def test_suite_help_does_not_start_the_suite(capsys):
+    with pytest.raises(SystemExit) as stop:
+        _suite().main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: benchmarks/suite.py")
+    assert '"bench"' not in out  # no benchmark row: nothing ran

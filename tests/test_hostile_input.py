@@ -242,12 +242,19 @@ def test_a_logits_file_replaces_a_regular_file(qwen3_dir, tmp_path, capsys, rest
     assert len(load_file(out)) == 3 * 2  # the three default prompts, two steps each
 
 
-def test_speculative_steps_past_the_tokens_emitted_are_refused(qwen3_dir, capsys,
+def test_speculative_steps_past_the_tokens_emitted_are_bounded(qwen3_dir, capsys,
                                                               restore_logger):
-    _one_line_error(capsys, ["--model", qwen3_dir, "--draft-model", qwen3_dir,
-                             "--speculative-steps", "100000", "--max-new-tokens", "4"],
-                    "--speculative-steps 100000 proposes more draft tokens per round than "
-                    "--max-new-tokens 4 emits")
+    """100,000 draft steps for 4 tokens ran for ever; a round now proposes at most the tokens
+    a request emits, and the job ends with the target's own greedy tokens."""
+    argv = ["run", "--tp", "1", "--model", str(qwen3_dir), "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "4", "--json", "--no-reference"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--draft-model", str(qwen3_dir), "--speculative-steps", "100000"]) == 0
+    drafted = json.loads(capsys.readouterr().out)
+    assert drafted["prompts"] == plain["prompts"]
+    stats = drafted["speculative"]  # a verification emits at most 4 proposals and its own
+    assert stats["target_forwards"] >= 1 and stats["tokens_per_target_forward"] <= 4 + 1
 
 
 def test_sigterm_is_named(qwen3_dir):

@@ -95,20 +95,17 @@ def job_memory(spec, reference: bool = True):
     runtimes = [runtime_of(spec, virtual_parallel(dims, stage * dims.tp))
                 for stage in range(dims.pp)]
     longest = max(len(p) for p in spec.prompts)
-    positions = longest + spec.max_new_tokens + (spec.speculative_steps + 1
-                                                 if spec.speculative else 0)
+    steps = min(spec.speculative_steps, spec.max_new_tokens)  # speculative_generate's bound
+    positions = longest + spec.max_new_tokens + (steps + 1 if spec.speculative else 0)
     return estimate(spec.checkpoint, runtimes, DTYPES[spec.dtype], len(spec.prompts),
                     positions, sum(len(p) for p in spec.prompts), spec.world_size, reference)
 
 
 def check_speculative_steps(checkpoint, prompts, max_new_tokens: int, steps: int) -> None:
-    """``--speculative-steps``: at most the tokens the run emits (a proposal past them is
-    never emitted, and each one is a draft forward and a cache row), and room for the
-    verification's extra positions within max_position_embeddings."""
-    if steps > max_new_tokens:
-        raise UsageError(f"--speculative-steps {steps} proposes more draft tokens per round than "
-                         f"--max-new-tokens {max_new_tokens} emits; give at most "
-                         f"{max_new_tokens}")
+    """Room for the verification's extra positions within max_position_embeddings: a round
+    proposes ``min(steps, max_new_tokens)`` draft tokens (``speculative_generate``: a proposal
+    past the tokens emitted is never used)."""
+    steps = min(steps, max_new_tokens)
     limit = checkpoint.raw.get("max_position_embeddings")
     need = max(map(len, prompts)) + max_new_tokens + steps + 1  # the verification's rows
     if isinstance(limit, int) and not isinstance(limit, bool) and need > limit:
