@@ -22,6 +22,7 @@ an estimate for a refusal and for ``plan``, not an accounting of the allocator.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -107,14 +108,8 @@ def check_layers(cfg, facts: dict) -> None:
 
 def checkpoint_elements(facts: dict) -> int:
     """The elements of the checkpoint's tensors that load into parameters."""
-    total = 0
-    for name, (shape, _) in facts.items():
-        if not name.endswith(_NOT_PARAMETERS):
-            count = 1
-            for d in shape:
-                count *= d
-            total += count
-    return total
+    return sum(math.prod(shape) for name, (shape, _) in facts.items()
+               if not name.endswith(_NOT_PARAMETERS))
 
 
 def parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
