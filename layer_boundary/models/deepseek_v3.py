@@ -31,7 +31,8 @@ from ..runtime.quant import as_activations, fake_quantize
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .base import CausalLM
-from .kv_cache import KVCache, cached_attention
+from .attention import cached_attention
+from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 from .config import (DECODER, EXPERTS, GROUPED_ROUTER, MLA, NON_NEGATIVE_INT, CheckedConfig,

@@ -50,7 +50,8 @@ from .base import CausalLM
 from .config import CheckpointError
 from .deepseek_v3 import DeepseekV3MLP, ReplicatedLinear
 from .deepseek_v4_config import SCORING, DeepseekV4Config, check_parallel  # noqa: F401
-from .kv_cache import KVCache, cached_attention
+from .attention import cached_attention
+from .kv_cache import KVCache
 from .layers import DecoderLayer
 from .registry import NO_QKV_LATENT, register_model
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params

@@ -21,7 +21,7 @@ from ..runtime.args import BoundaryRuntime
 from ..runtime.context import sequence_parallel_scope
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
-from .kv_cache import cached_attention
+from .attention import cached_attention
 from .rope import apply_rope, rope_cos_sin
 
 

@@ -38,7 +38,8 @@ from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT,
                      POSITIVE_NUMBER, CheckedConfig, CheckpointError, check_unquantized_silu,
                      require)
 from .gated_deltanet import GatedDeltaNet, check_heads as check_linear_heads
-from .kv_cache import KVCache, cached_attention
+from .attention import cached_attention
+from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP
 from .mamba2 import MambaState
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params

@@ -10,7 +10,10 @@ partial last group at every block size (16, 32, 128), and partial weight blocks 
 The tolerance is 1e-5 x the logit scale: a difference in what any stage reads is 1e-3 or
 more at these sizes (the unquantized-input reference is asserted that far away). An input
 within fp32 noise of an FP8 rounding boundary could round the other way on one side; these
-seeds and prompts have none.
+seeds and prompts have none. (Such a flip is one position's logits 1e-5-1e-4 apart while every
+other position stays at 3e-7: with batched SDPA attention, prompt (35, 8) had one in the
+``qwen3-16-skip`` case, at its prefill's last position only, and none with explicit-softmax
+attention; it was replaced by (35, 7).)
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from fp8_checkpoints import dequantized_oracle, fake_quantized_oracle, fp8_check
 
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
-PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))
+PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 7), (9, 7, 9, 3, 2))
 TOL = 1e-5  # of the logit scale: fp32 noise
 SIZES = dict(hidden_size=56, intermediate_size=72)  # 56: partial groups at 16, 32 and 128
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",

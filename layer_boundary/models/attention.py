@@ -1,0 +1,327 @@
+"""Attention over the KV cache, one call per group of requests rather than one per request.
+
+Every model's attention reads the cache through ``cached_attention``. The batch's requests
+are grouped by how many query rows they bring (a decode step, or a prefill of equal
+prompts, is one group), and each group runs as one ``scaled_dot_product_attention`` over
+[requests, heads, rows, head_dim]:
+
+* grouped-query heads are read with ``enable_gqa``, so K/V are never repeated per head;
+* keys are the cache rows themselves (a view when the group's slots are consecutive), and
+  the mask hides each query's later positions, which also hides a shorter request's padding;
+* torch's CPU flash kernel (and the CUDA ones) computes blockwise, so the score matrix is
+  never materialised: memory is linear in the prefill length. Where the mask is explicit,
+  queries run in chunks of ``CHUNK`` rows so the mask is linear too;
+* v with a narrower head than q/k (MLA) is zero-padded to q's width so the flash kernel
+  still applies (padding columns come out zero and are dropped).
+
+Attention sinks (one extra logit per head that joins the softmax) have no SDPA form, so that
+case runs the same grouping through explicit fp32 softmax math, still without repeating K/V.
+A sliding-window cache is a ring: decode reads the whole ring with each row's position
+recovered, prefill and CP shares (queries at scattered positions) run a request at a time.
+
+Planning reads the per-request tuples only (Python ints), never tensor sizes, so a compiled
+forward with automatic dynamic shapes does not branch on symbolic sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 512  # query rows per masked call: the mask and any fallback scores stay O(rows x keys)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Requests of one forward that bring the same number of query rows."""
+
+    requests: tuple[int, ...]  # indices into the batch's per-request tuples
+    rows: int  # query rows (new tokens) of each
+    slots: tuple[int, ...]
+    prefixes: tuple[int, ...]
+    firsts: tuple[int, ...]  # each request's first token row in this forward
+
+    @property
+    def keys(self) -> int:
+        """Cache rows the group reads: its longest request's."""
+        longest = 0
+        for p in self.prefixes:
+            longest = p if p > longest else longest
+        return longest + self.rows
+
+    @property
+    def contiguous(self) -> bool:
+        """Its tokens are one run of the batch, request after request (a view, not a gather)."""
+        return all(f == self.firsts[0] + i * self.rows for i, f in enumerate(self.firsts))
+
+    @property
+    def consecutive_slots(self) -> bool:
+        return all(s == self.slots[0] + i for i, s in enumerate(self.slots))
+
+    @property
+    def uniform(self) -> bool:
+        """Every request has the same prefix: each query sees the same key count."""
+        return all(p == self.prefixes[0] for p in self.prefixes)
+
+
+def _groups(forward_batch) -> list[_Group]:
+    # a list, not a dict keyed by row count: under automatic dynamic shapes the counts may
+    # be symbolic, and comparing them is what dynamo can guard
+    by_rows: list[tuple[int, list[int]]] = []
+    firsts, start = [], 0
+    for i, n in enumerate(forward_batch.extend_lens):
+        firsts.append(start)
+        start += n
+        if n == 0:
+            continue
+        for rows, reqs in by_rows:
+            if rows == n:
+                reqs.append(i)
+                break
+        else:
+            by_rows.append((n, [i]))
+    prefixes = forward_batch.prefix_lens
+    return [_Group(tuple(reqs), n, tuple(forward_batch.req_slots[i] for i in reqs),
+                   tuple(prefixes[i] for i in reqs), tuple(firsts[i] for i in reqs))
+            for n, reqs in by_rows]
+
+
+def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     forward_batch, scaling: float, sinks: torch.Tensor | None = None,
+                     queries: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of this forward's tokens over each request's cached prefix; writes
+    this forward's k/v into the batch's cache (``forward_batch.kv_cache``).
+
+    Args:
+        layer: the layer's global index in the cache.
+        q: [T, H, D] for this forward's tokens, requests concatenated; with ``queries``, the
+            rows of a CP share only.
+        k, v: [T, KVH, D] and [T, KVH, Dv] for every token of the forward (H a multiple of
+            KVH: grouped-query heads).
+        forward_batch: the batch (its per-request tuples, or a padded batch's token slots).
+        scaling: the softmax scale.
+        sinks: [H], one extra logit per head that joins the softmax and is then dropped.
+        queries: the token index of each q row, request by request (a CP share); keys are
+            masked by the query's own position.
+
+    Returns:
+        [rows of q, H, Dv].
+    """
+    cache = forward_batch.kv_cache
+    if forward_batch.token_slots is not None:
+        if queries is not None or cache.window is not None:
+            raise ValueError("a padded batch takes every token's queries on a positional cache")
+        return _slot_attention(cache, layer, q, k, v, forward_batch, scaling, sinks)
+    for slot, total in zip(forward_batch.req_slots, forward_batch.seq_lens):
+        if total > cache.max_len:
+            raise ValueError(f"request in slot {slot} needs {total} cache rows; the cache holds "
+                             f"{cache.max_len}")
+    if queries is not None:
+        if cache.window is not None:
+            raise ValueError("a sliding-window cache takes every token's queries (no CP share)")
+        return _share_attention(cache, layer, q, k, v, forward_batch, scaling, sinks, queries)
+    if cache.window is not None:
+        return _ring_attention(cache, layer, q, k, v, forward_batch, scaling, sinks)
+    groups = _groups(forward_batch)
+    if len(groups) == 1 and groups[0].contiguous:  # a decode step, equal prompts: no gather
+        g = groups[0]
+        return _group_attention(cache, layer, g, q.view(len(g.slots), g.rows, *q.shape[1:]),
+                                k.view(len(g.slots), g.rows, *k.shape[1:]),
+                                v.view(len(g.slots), g.rows, *v.shape[1:]), scaling,
+                                sinks).flatten(0, 1)
+    out = q.new_empty((*q.shape[:2], v.shape[-1]))
+    for g in groups:
+        rows = _rows(g, q.device)  # [b, n] token rows
+        out[rows] = _group_attention(cache, layer, g, q[rows], k[rows], v[rows], scaling, sinks)
+    return out
+
+
+def _rows(g: _Group, device) -> torch.Tensor:
+    return torch.tensor([[f + i for i in range(g.rows)] for f in g.firsts], dtype=torch.long,
+                        device=device)
+
+
+def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sinks):
+    """One group: q [b, n, H, D], k/v [b, n, KVH, *] its new tokens. Writes them at their
+    positions in the group's slots, then attends over the cache rows [0, longest)."""
+    b, n, keys = len(g.slots), g.rows, g.keys
+    device = q.device
+    if g.consecutive_slots:
+        slots = slice(g.slots[0], g.slots[0] + b)
+    else:
+        slots = torch.tensor(g.slots, dtype=torch.long, device=device)
+    if g.uniform:
+        p = g.prefixes[0]
+        cache.k[layer][slots, p:p + n] = k
+        if not cache.shared_kv:
+            cache.v[layer][slots, p:p + n] = v
+    else:
+        prefix = torch.tensor(g.prefixes, dtype=torch.long, device=device)
+        positions = prefix[:, None] + torch.arange(n, device=device)  # [b, n]
+        index = (torch.tensor(g.slots, dtype=torch.long, device=device)[:, None].expand(b, n),
+                 positions)
+        cache.k[layer].index_put_(index, k)
+        if not cache.shared_kv:
+            cache.v[layer].index_put_(index, v)
+    key_rows = cache.k[layer][slots, :keys]  # [b, L, KVH, D] (a view for consecutive slots)
+    value_rows = key_rows if cache.shared_kv else cache.v[layer][slots, :keys]
+    if g.uniform and n == 1:  # a decode step of equal lengths: every key is seen, no mask
+        return _attend_chunk(q, key_rows, value_rows, None, None, scaling, sinks, False, None)
+    query_pos = torch.tensor(g.prefixes, dtype=torch.long, device=device)[:, None] \
+        + torch.arange(n, device=device)  # [b, n]
+    return _attend(q, key_rows, value_rows, query_pos, torch.arange(keys, device=device),
+                   scaling, sinks, window=None,
+                   causal=g.uniform and g.prefixes[0] == 0)  # SDPA's own mask is exact there
+
+
+def _attend(q, keys, values, query_pos, key_pos, scaling: float, sinks, *, window,
+            causal: bool = False):
+    """q [b, n, H, D] over keys [b, L, KVH, D] / values [b, L, KVH, Dv] -> [b, n, H, Dv].
+
+    query_pos [b, n] and key_pos [L] or [b, L] (negative: an empty row) give the mask: a
+    query sees keys at positions <= its own (and > its own - ``window``). ``causal``: the
+    same mask is SDPA's own (query i sees keys 0..i: no prefix, n == L), so the flash kernel
+    runs it blockwise with no mask at all."""
+    n = q.shape[1]
+    if causal and sinks is None:
+        return _attend_chunk(q, keys, values, None, None, scaling, None, True, None)
+    if n <= CHUNK:
+        return _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, False, window)
+    # chunks of queries: the mask (and the sink path's scores) stay [chunk, keys]
+    parts = []
+    for lo in range(0, n, CHUNK):
+        hi = lo + CHUNK if lo + CHUNK < n else n
+        parts.append(_attend_chunk(q[:, lo:hi], keys, values, query_pos[:, lo:hi], key_pos,
+                                   scaling, sinks, False, window))
+    return torch.cat(parts, dim=1)
+
+
+def _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, causal, window):
+    """``_attend`` in one call; query_pos None (and not ``causal``): every key is seen."""
+    mask = None
+    if query_pos is not None:
+        key_pos = key_pos[:, None, :] if key_pos.dim() == 2 else key_pos[None, None, :]
+        seen = (key_pos <= query_pos[:, :, None]) & (key_pos >= 0)  # [b, n, L]
+        if window is not None:
+            seen = seen & (key_pos > query_pos[:, :, None] - window)
+        mask = seen[:, None]  # [b, 1, n, L], one mask for every head
+    q4, k4, v4 = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [b, h, *, d]
+    if sinks is not None:
+        out = _sink_attention(q4, k4, v4, mask, scaling, sinks)
+    else:
+        dv = v4.shape[-1]
+        if dv < q4.shape[-1]:  # MLA: pad v to q's head dim, the flash kernel's requirement
+            v4 = F.pad(v4, (0, q4.shape[-1] - dv))
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal,
+                                             scale=scaling, enable_gqa=True)[..., :dv]
+    return out.transpose(1, 2)  # [b, n, H, Dv]
+
+
+def _sink_attention(q4, k4, v4, mask, scaling: float, sinks):
+    """SDPA's arithmetic with ``sinks`` [H] joining each row's fp32 softmax, without
+    repeating K/V: q4 [b, H, n, D] is read as [b, KVH, H/KVH, n, D]."""
+    b, heads, n, d = q4.shape
+    kv_heads = k4.shape[1]
+    qg = q4.reshape(b, kv_heads, heads // kv_heads, n, d)
+    scores = torch.einsum("bkgnd,bkld->bkgnl", qg, k4) * scaling  # [b, KVH, G, n, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
+    sink = sinks.to(scores.dtype).view(1, kv_heads, heads // kv_heads, 1, 1).expand(
+        b, kv_heads, heads // kv_heads, n, 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    probs = probs[..., :-1].to(q4.dtype)
+    out = torch.einsum("bkgnl,bkle->bkgne", probs, v4)
+    return out.reshape(b, heads, n, v4.shape[-1])
+
+
+def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks):
+    """A padded batch: each row's k/v is written at (its slot, its position), then every row
+    is its own one-query request over its slot's cache rows. Nothing reads the per-request
+    tuples, so the work and the graph depend on the row count alone."""
+    slots, positions = forward_batch.token_slots, forward_batch.positions
+    cache.k[layer].index_put_((slots, positions), k)
+    if not cache.shared_kv:
+        cache.v[layer].index_put_((slots, positions), v)
+    keys = cache.k[layer][slots]  # [T, rows, KVH, D]
+    values = keys if cache.shared_kv else cache.v[layer][slots]
+    key_pos = torch.arange(cache.rows, device=q.device)
+    return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling, sinks,
+                         False, None)[:, 0]
+
+
+def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks):
+    """A sliding-window ring. Decode (one row a request) writes, then reads the whole ring,
+    each row's position recovered from the request's length; a prefill runs a request at a
+    time, reading the ring before the new rows overwrite what it still needs."""
+    if all(n == 1 for n in forward_batch.extend_lens):
+        device, rows = q.device, cache.rows
+        slots = torch.tensor(forward_batch.req_slots, dtype=torch.long, device=device)
+        positions = forward_batch.positions  # [B], one per request
+        ring = positions % rows
+        cache.k[layer].index_put_((slots, ring), k)
+        if not cache.shared_kv:
+            cache.v[layer].index_put_((slots, ring), v)
+        keys = cache.k[layer][slots]  # [B, rows, KVH, D]
+        values = keys if cache.shared_kv else cache.v[layer][slots]
+        r = torch.arange(rows, device=device)[None, :]
+        key_pos = positions[:, None] - (positions[:, None] - r) % rows  # [B, rows]; < 0: empty
+        return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling,
+                             sinks, False, cache.window)[:, 0]
+    out = q.new_empty((*q.shape[:2], v.shape[-1]))
+    start = 0
+    for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
+                               forward_batch.extend_lens):
+        end = start + n
+        first, keys, values = _window_keys(cache, layer, slot, prefix, k[start:end],
+                                           v[start:end])
+        query_pos = torch.arange(prefix, prefix + n, device=q.device)[None]
+        key_pos = torch.arange(first, first + keys.shape[0], device=q.device)
+        out[start:end] = _attend(q[None, start:end], keys[None], values[None], query_pos,
+                                 key_pos, scaling, sinks, causal=False, window=cache.window)[0]
+        start = end
+    return out
+
+
+def _window_keys(cache, layer: int, slot: int, prefix: int, k, v):
+    """(first key position, keys, values) a windowed request's new queries may see: the ring's
+    last ``window - 1`` cached positions, then this forward's. The ring takes the new tokens
+    after the read, since they may overwrite rows the read still needs."""
+    n, rows = k.shape[0], cache.rows
+    first = max(0, prefix - (cache.window - 1))
+    past = torch.arange(first, prefix, device=k.device) % rows
+    keys = torch.cat((cache.k[layer][slot, past], k))  # [prefix - first + n, KVH, D]
+    values = keys if cache.shared_kv else torch.cat((cache.v[layer][slot, past], v))
+    keep = min(n, rows)  # only the last ``rows`` new positions can be seen again
+    ring = torch.arange(prefix + n - keep, prefix + n, device=k.device) % rows
+    cache.k[layer][slot, ring] = k[n - keep:]
+    if not cache.shared_kv:
+        cache.v[layer][slot, ring] = v[n - keep:]
+    return first, keys, values
+
+
+def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks,
+                     queries):
+    """A CP share: every token's k/v is written (in token order), and the share's query rows,
+    at scattered positions of their requests, attend a request at a time."""
+    out = q.new_empty((*q.shape[:2], v.shape[-1]))
+    queries = queries.to(q.device)
+    start = 0
+    for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
+                               forward_batch.extend_lens):
+        end, total = start + n, prefix + n
+        cache.k[layer][slot, prefix:total] = k[start:end]
+        if not cache.shared_kv:
+            cache.v[layer][slot, prefix:total] = v[start:end]
+        lo, hi = (int(i) for i in torch.searchsorted(
+            queries, torch.tensor([start, end], device=q.device)))
+        if hi > lo:
+            query_pos = (prefix + queries[lo:hi] - start)[None]  # [1, rows]
+            keys = cache.k[layer][slot:slot + 1, :total]
+            values = keys if cache.shared_kv else cache.v[layer][slot:slot + 1, :total]
+            out[lo:hi] = _attend(q[None, lo:hi], keys, values, query_pos,
+                                 torch.arange(total, device=q.device), scaling, sinks,
+                                 causal=False, window=None)[0]
+        start = end
+    return out
