@@ -94,14 +94,15 @@ def test_fullgraph_scattered_variants(qwen3_dir, deepseek_dir):
 
 @pytest.mark.timeout(240)
 def test_run_compile_reports_one_graph_per_bucket(qwen3_dir, capsys):
-    """Prefill (15 rows) and decode (3 rows) pad to the 16-row bucket: one graph on every
-    rank, reported by ``run --compile``; a prompt set of 20 rows adds the 32-row bucket."""
+    """Prefill (15 rows) pads to the 16-row bucket and decode (3 rows) to the 4-row one: two
+    graphs on every rank, reported by ``run --compile``; a prompt set of 20 rows prefills in
+    the 24-row bucket and decodes 4 rows, two graphs again."""
     import json
 
     out = cli_ok(["run", "--model", str(qwen3_dir), "--tp", "2", "--compile-backend", "eager",
                   "--max-new-tokens", "3", "--json"], capsys)
     report = json.loads(out.strip().splitlines()[-1])
-    assert report["compiled_graphs"] == 1 and report["parity"]["tokens_match"]
+    assert report["compiled_graphs"] == 2 and report["parity"]["tokens_match"]
     spec = replace(_spec(qwen3_dir, 2, 1, "rs", "eager"),
                    prompts=PROMPTS + (tuple(range(1, 9)),), max_new_tokens=2)
     results = get_pool(2).run(run_rank, spec, timeout=240)

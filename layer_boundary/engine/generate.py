@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..residual import declared
-from ..runtime.forward_batch import BatchVariant, ForwardBatch, ForwardMode
+from ..runtime.forward_batch import BatchVariant, ForwardBatch, ForwardMode, LogitsRows
 from .pipeline import PipelineLink
 
 
@@ -106,6 +106,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
                                    dp_token_counts=tuple(map(sum, lens)), kv_cache=cache,
                                    device=model.device)
         batch.dp_request_lens, batch.tbo = lens, tbo
+        batch.logits_rows = LogitsRows.LAST  # the next token reads each request's last row
         batch.variant = variants[0] if step == 0 else variants[1]
         if adapters is not None:  # each token runs its request's adapter
             batch.lora_ids = torch.tensor(
@@ -122,8 +123,11 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
             link.send(out)
             tokens = torch.zeros(len(mine), dtype=torch.long)
         else:
-            ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
-            picked = out[ends].float()  # [requests, vocab]
+            if out.shape[0] == len(mine):  # the model computed the last rows only
+                picked = out.float()  # [requests, vocab]
+            else:  # every row (a padded batch, or a model that ignores logits_rows)
+                ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
+                picked = out[ends].float()
             tokens = picked.argmax(-1) if len(mine) else torch.zeros(0, dtype=torch.long)
             if keep_logits:
                 for j in range(len(mine)):

@@ -16,6 +16,7 @@ from .. import ProducerReduction, install_fusion
 from ..capabilities import check_model
 from ..residual import batch as residual_batch
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..runtime.forward_batch import LogitsRows
 from ..runtime.linear import RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .loader import load_weights
@@ -68,6 +69,20 @@ class DecoderModel(nn.Module):
             leave=lambda h, mb: residual_batch.norm(h, mb, self.norm, skip_empty=True,
                                                     handoff_norm=self.handoff_norm),
             pp_input=pp_input, dp_rank=self.dp_rank)
+
+
+def last_rows(hidden: torch.Tensor, forward_batch) -> torch.Tensor:
+    """The rows the LM head computes: each request's last where the batch asks
+    (``LogitsRows.LAST``) and is not padded, every row otherwise."""
+    if forward_batch.logits_rows is LogitsRows.ALL or forward_batch.token_slots is not None:
+        return hidden
+    ends, end = [], -1
+    for n in forward_batch.extend_lens:
+        end += n
+        ends.append(end)
+    if len(ends) == hidden.shape[0]:  # a decode step: every row is its request's last
+        return hidden
+    return hidden[torch.tensor(ends, dtype=torch.long, device=hidden.device)]
 
 
 def sums_its_output(module) -> bool:
@@ -176,14 +191,16 @@ class CausalLM(nn.Module):
         return next(self.parameters()).device
 
     def forward(self, forward_batch, pp_input=None, return_hidden: bool = False):
-        """Logits [T, vocab] for every token of this rank's batch on the last pipeline stage;
-        the tensors for the next stage on the others (``pp_input``: what this stage
-        received); None after a split-prefill segment that does not end the stage. With
-        ``return_hidden``: (logits, the final norm's output) (a NextN draft reads it)."""
+        """Logits on the last pipeline stage: [T, vocab] for every token of this rank's batch,
+        or [requests, vocab] for each request's last token where the batch asks
+        (``forward_batch.logits_rows``, unpadded batches); the tensors for the next stage on
+        the others (``pp_input``: what this stage received); None after a split-prefill
+        segment that does not end the stage. With ``return_hidden``: (logits, the final
+        norm's output on every token) (a NextN draft reads it)."""
         out = self.model(forward_batch, pp_input)
         if not self.stage.last or out is None:
             return out
-        logits = self.lm_head(out)
+        logits = self.lm_head(last_rows(out, forward_batch))
         return (logits, out) if return_hidden else logits
 
     def stacked_params(self) -> list:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
     from .context import NO_FLAGS, ForwardFlags, get_forward, get_parallel
     from .embedding import ParallelLMHead, VocabParallelEmbedding
     from .forward_batch import (SMALLEST_BUCKET, BatchVariant, ForwardBatch, ForwardMode,
-                                TwoBatch, token_bucket)
+                                LogitsRows, TwoBatch, token_bucket)
     from .ledger import (LEDGER, HOOK, Ledger, LedgerEntry, Observer, observing, summarize,
                          wire_total)
     from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -56,6 +56,7 @@ _EXPORTS = {
     'BatchVariant': '.forward_batch',
     'ForwardBatch': '.forward_batch',
     'ForwardMode': '.forward_batch',
+    'LogitsRows': '.forward_batch',
     'TwoBatch': '.forward_batch',
     'token_bucket': '.forward_batch',
     'LEDGER': '.ledger',
@@ -91,7 +92,7 @@ __all__ = [
     "BoundaryRuntime", "resolve_boundary_reduction", "set_runtime", "get_runtime",
     "BOUNDARY_REDUCTIONS",
     # a batch and the flags compute reads
-    "ForwardBatch", "ForwardMode", "TwoBatch", "BatchVariant", "ForwardFlags", "NO_FLAGS", "get_forward",
+    "ForwardBatch", "ForwardMode", "TwoBatch", "BatchVariant", "LogitsRows", "ForwardFlags", "NO_FLAGS", "get_forward",
     "get_parallel", "token_bucket", "SMALLEST_BUCKET",
     # collectives (row contracts in collectives.py)
     "all_reduce_rows", "reduce_scatter_rows", "reduce_scatter_rows_v", "gather_rows",

@@ -16,6 +16,13 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"  # one new token per request
 
 
+class LogitsRows(enum.Enum):
+    """Which rows of a forward the LM head computes (and, under attention TP, gathers)."""
+
+    ALL = "all"  # every token's: parity checks, speculative verification
+    LAST = "last"  # each request's last token: what generating the next token needs
+
+
 class BatchVariant(enum.Enum):
     """Row variants a stage plan may support; the value is how errors name it."""
 
@@ -86,6 +93,10 @@ class ForwardBatch:
     # slots and positions from tensors only, never the per-request tuples above, so a
     # compiled forward's graph depends on the padded row count alone
     token_slots: torch.Tensor | None = None
+    # the LM head's rows: every token's, or each request's last (``LogitsRows.LAST``: the
+    # logits are [requests, vocab], in request order). A padded batch computes every row's,
+    # so its graph stays one bucket's
+    logits_rows: LogitsRows = LogitsRows.ALL
 
     @property
     def tbo(self) -> bool:
@@ -203,11 +214,18 @@ class ForwardBatch:
         )
 
 
-SMALLEST_BUCKET = 16
+SMALLEST_BUCKET = 1
+BUCKET_STEP, STEPPED_UP_TO = 8, 64
 
 
 def token_bucket(tokens: int) -> int:
-    """The padded row count of a compiled forward over ``tokens`` rows: the next power of two,
-    at least ``SMALLEST_BUCKET`` (so every decode step up to 16 requests shares one graph, and
-    a batch of any size compiles at most one graph per doubling)."""
-    return max(SMALLEST_BUCKET, 1 << max(0, tokens - 1).bit_length())
+    """The padded row count of a compiled forward over ``tokens`` rows, on the ladder engines
+    capture decode graphs on: 1, 2, 4, 8, then every ``BUCKET_STEP`` rows up to
+    ``STEPPED_UP_TO`` (16, 24, ..., 64), then powers of two. A one-request decode runs its
+    exact shape; padding wastes at most 7 rows up to 64 and half the rows beyond (prefills),
+    and the graphs stay few: 11 up to 64 rows, one per doubling after."""
+    if tokens <= BUCKET_STEP:
+        return 1 << max(0, tokens - 1).bit_length()
+    if tokens <= STEPPED_UP_TO:
+        return -(-tokens // BUCKET_STEP) * BUCKET_STEP
+    return 1 << (tokens - 1).bit_length()
