@@ -10,9 +10,12 @@
 - ``path_bytes``: a forward's collective bytes under ``auto`` against the least of ar, rs and
   rsv for that forward (tp 4 dp 2: a skewed prefill, then a one-token decode).
 - ``tbo``: two-batch overlap against the plain forward on the same ranks (tp 4 dp 2 MoE).
+- ``peers``: the whole forward against transformers (world 1), transformers' TP and a DTensor
+  plan (tp 2 at hidden 256, tp 4 at hidden 1024): prefill 4 x 64, decode of 1 and of 16
+  requests (``peers.py``). ``ratio`` = library / peer, minima of interleaved runs.
 
 One JSON object per line on stdout; ``--json FILE`` writes them all as one list (what
-README's figures come from). ``--only overhead,load,path_bytes,tbo`` picks benchmarks;
+README's figures come from). ``--only overhead,load,path_bytes,tbo,peers`` picks benchmarks;
 ``--quick`` runs tiny sizes once (a check that it runs; its numbers mean nothing).
 """
 
@@ -95,8 +98,17 @@ def tbo_rows(quick: bool):
         yield dict(bench="tbo", **row)
 
 
+def peers_rows(quick: bool):
+    import peers
+
+    sizes = [(64, 1), (64, 2)] if quick else [(256, 1), (256, 2), (1024, 1), (1024, 4)]
+    for hidden, tp in sizes:
+        yield from peers.peers(hidden, tp, repeats=1 if quick else 9)
+
+
 BENCHES = {"overhead": lambda quick: overhead_rows(quick), "load": lambda quick: [load_row(quick)],
-           "path_bytes": lambda quick: [path_bytes_row()], "tbo": lambda quick: tbo_rows(quick)}
+           "path_bytes": lambda quick: [path_bytes_row()], "tbo": lambda quick: tbo_rows(quick),
+           "peers": lambda quick: peers_rows(quick)}
 
 
 def parse(argv):

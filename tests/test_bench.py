@@ -74,3 +74,18 @@ def test_suite_help_does_not_start_the_suite(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: benchmarks/suite.py")
     assert '"bench"' not in out  # no benchmark row: nothing ran
+
+
+def test_peers_benchmark_runs_the_same_numbers_as_transformers():
+    """``benchmarks/peers.py`` at world 1, tiny: it asserts every peer's last logits are the
+    library's before timing; each row names its workload and peer and has a ratio."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import peers
+
+    rows = peers.peers(hidden=64, tp=1, repeats=1)
+    assert [(r["workload"], r["peer"]) for r in rows] == [
+        (w, "transformers") for w in peers.WORKLOADS]
+    assert all(r["ratio"] == r["lib_ms"] / r["ms"] for r in rows)

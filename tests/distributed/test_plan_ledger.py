@@ -29,7 +29,8 @@ def _site(entries, site):
     return [(kind, group, numel, site) for kind, group, numel in entries]
 
 
-def expected_from_plans(model, rows, hidden: int, vocab: int) -> list[tuple]:
+def expected_from_plans(model, rows, hidden: int, vocab: int, requests: int) -> list[tuple]:
+    """``requests``: this DP rank's; the LM head computes and gathers their last rows."""
     attn_tp = rows.parallel.attn_tp_group
     out = []
     if attn_tp.size > 1 and rows.local:
@@ -53,7 +54,7 @@ def expected_from_plans(model, rows, hidden: int, vocab: int) -> list[tuple]:
                  + rows.movement(None, residual, local).expected(rows, hidden), "final_norm")
     if attn_tp.size > 1 and rows.local:
         padded = -(-vocab // attn_tp.size) * attn_tp.size
-        out.append(("all_gather", "attn_tp", rows.local * padded, "lm_head"))
+        out.append(("all_gather", "attn_tp", requests * padded, "lm_head"))
     return out
 
 
@@ -77,8 +78,9 @@ def compare(spec: RunSpec) -> list:
         mode, _ = select_mode(runtime, counts)
         rows = row_facts(mode, counts, par)
         got = [(e.kind, e.group, e.numel, e.site) for e in entries if e.step == step]
-        out.append((step, mode.value, got,
-                    expected_from_plans(model, rows, cfg.hidden_size, cfg.vocab_size)))
+        requests = len(requests_of(par.attn_dp_rank, spec.dp, len(prompts)))
+        out.append((step, mode.value, got, expected_from_plans(model, rows, cfg.hidden_size,
+                                                               cfg.vocab_size, requests)))
     return out
 
 

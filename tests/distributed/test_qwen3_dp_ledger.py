@@ -20,7 +20,9 @@ TP, DP = 4, 2
 ATTN_TP = TP // DP
 
 
-def expected_forward(cfg, mode: str, counts: tuple[int, ...], dp_rank: int) -> list[tuple]:
+def expected_forward(cfg, mode: str, counts: tuple[int, ...], dp_rank: int,
+                     requests: int) -> list[tuple]:
+    """``requests``: this DP rank's, whose last rows the LM head computes and gathers."""
     h, layers = cfg.hidden_size, cfg.num_hidden_layers
     total, local = sum(counts), counts[dp_rank]
     seg = -(-max(counts) // ATTN_TP) * ATTN_TP  # rs: each DP segment padded to a multiple of attn_tp
@@ -56,7 +58,7 @@ def expected_forward(cfg, mode: str, counts: tuple[int, ...], dp_rank: int) -> l
         out.append(("all_gather", "attn_tp", local * h, "final_norm"))
     padded_vocab = -(-cfg.vocab_size // ATTN_TP) * ATTN_TP
     if local:
-        out.append(("all_gather", "attn_tp", local * padded_vocab, "lm_head"))
+        out.append(("all_gather", "attn_tp", requests * padded_vocab, "lm_head"))
     return out
 
 
@@ -73,7 +75,9 @@ def test_ledger_matches_analytic_list_under_attention_dp(qwen3_dir, policy):
             counts = tuple(sum(len(prompts[i]) if step == 0 else 1
                                for i in range(len(prompts)) if i % DP == d) for d in range(DP))
             got = [(e.kind, e.group, e.numel, e.site) for e in r.ledger if e.step == step]
-            assert got == expected_forward(cfg, policy, counts, r.dp_rank), (r.rank, step)
+            requests = len(range(r.dp_rank, len(prompts), DP))
+            assert got == expected_forward(cfg, policy, counts, r.dp_rank, requests), (r.rank,
+                                                                                      step)
             # the norm of every FFN input runs on the residual's rows: a 1/attn_tp slice
             # under rs (equal chunks, the last ranks shorter) and rsv (balanced), the DP rank's
             # rows under ar; real rows only

@@ -27,7 +27,8 @@ def expected_forward(cfg, tokens: int, tp: int, deferred: bool) -> list[tuple]:
             out.append(("all_reduce", "tp", rows, site))
         out.append(("all_reduce", "attn_tp", rows, f"layer{i}.ffn.prepare"))
     out.append(("all_reduce", "tp", rows, f"layer{cfg.num_hidden_layers - 1}.ffn.compute"))
-    out.append(("all_gather", "attn_tp", tokens * padded_vocab, "lm_head"))
+    # the LM head computes (and gathers) each request's last row only
+    out.append(("all_gather", "attn_tp", len(PROMPTS) * padded_vocab, "lm_head"))
     return out
 
 
