@@ -2,7 +2,7 @@
 and batches: `python benchmarks/peers.py [--hidden 256] [--tp 2] [--repeats 9]`.
 
 Peers: plain transformers at world 1; at tp > 1, transformers' own tensor parallelism
-(``from_pretrained(tp_plan="auto")``) and a DTensor plan (``parallelize_module``: q/k/v,
+(``from_pretrained(distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))``) and a DTensor plan (``parallelize_module``: q/k/v,
 gate/up column-wise, o/down row-wise, the LM head column-wise with its output gathered), on
 the same gloo ranks. Workloads: a prefill of 4 x 64 tokens (each request's last logits, as
 an engine needs: ``logits_to_keep=1`` for transformers), a decode step of 1 request and of
@@ -135,7 +135,12 @@ def peers_rank(path: str, tp: int, repeats: int) -> list:
     if tp == 1:
         runs.append(Transformers("transformers", load()))
     else:
-        runs.append(Transformers("transformers TP", load(tp_plan="auto")))
+        from transformers.distributed import DistributedConfig
+
+        # tp_size explicit: without it transformers reads WORLD_SIZE from the environment,
+        # which spawned ranks do not set, and silently shards over 1 rank
+        runs.append(Transformers("transformers TP", load(
+            distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))))
         runs.append(Transformers("DTensor TP", dtensor_tp(load(), tp)))
     vocab = runs[0].model.config.vocab_size
     prompts = torch.randint(1, vocab, PREFILL)
