@@ -97,7 +97,7 @@ class Transformers:
         return self.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
 
     def prepare_decode(self, ids: torch.Tensor) -> None:
-        self.cache = self.model(input_ids=ids, use_cache=True).past_key_values
+        self.cache = self.model(input_ids=ids, use_cache=True).cache
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=token, cache=self.cache, use_cache=True).logits
