@@ -123,11 +123,9 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
             link.send(out)
             tokens = torch.zeros(len(mine), dtype=torch.long)
         else:
-            if out.shape[0] == len(mine):  # the model computed the last rows only
-                picked = out.float()  # [requests, vocab]
-            else:  # every row (a padded batch, or a model that ignores logits_rows)
-                ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0) - 1
-                picked = out[ends].float()
+            # [requests, vocab]: the model computed the last rows only, or every row (a padded
+            # batch, a model that ignores logits_rows)
+            picked = batch.last_rows(out).float()
             tokens = picked.argmax(-1) if len(mine) else torch.zeros(0, dtype=torch.long)
             if keep_logits:
                 for j in range(len(mine)):

@@ -37,7 +37,6 @@ CHUNK = 512  # query rows per masked call: the mask and any fallback scores stay
 class _Group:
     """Requests of one forward that bring the same number of query rows."""
 
-    requests: tuple[int, ...]  # indices into the batch's per-request tuples
     rows: int  # query rows (new tokens) of each
     slots: tuple[int, ...]
     prefixes: tuple[int, ...]
@@ -83,7 +82,7 @@ def _groups(forward_batch) -> list[_Group]:
         else:
             by_rows.append((n, [i]))
     prefixes = forward_batch.prefix_lens
-    return [_Group(tuple(reqs), n, tuple(forward_batch.req_slots[i] for i in reqs),
+    return [_Group(n, tuple(forward_batch.req_slots[i] for i in reqs),
                    tuple(prefixes[i] for i in reqs), tuple(firsts[i] for i in reqs))
             for n, reqs in by_rows]
 
@@ -152,25 +151,27 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
         slots = slice(g.slots[0], g.slots[0] + b)
     else:
         slots = torch.tensor(g.slots, dtype=torch.long, device=device)
+    if g.uniform and n == 1:  # a decode step of equal lengths: every key is seen, no mask
+        query_pos = None
+    else:  # each new token's position, [b, n]: where it is written and what it may see
+        query_pos = torch.tensor(g.prefixes, dtype=torch.long, device=device)[:, None] \
+            + torch.arange(n, device=device)
     if g.uniform:
         p = g.prefixes[0]
         cache.k[layer][slots, p:p + n] = k
         if not cache.shared_kv:
             cache.v[layer][slots, p:p + n] = v
     else:
-        prefix = torch.tensor(g.prefixes, dtype=torch.long, device=device)
-        positions = prefix[:, None] + torch.arange(n, device=device)  # [b, n]
-        index = (torch.tensor(g.slots, dtype=torch.long, device=device)[:, None].expand(b, n),
-                 positions)
+        rows = slots if isinstance(slots, torch.Tensor) else torch.arange(
+            slots.start, slots.stop, device=device)
+        index = (rows[:, None].expand(b, n), query_pos)
         cache.k[layer].index_put_(index, k)
         if not cache.shared_kv:
             cache.v[layer].index_put_(index, v)
     key_rows = cache.k[layer][slots, :keys]  # [b, L, KVH, D] (a view for consecutive slots)
     value_rows = key_rows if cache.shared_kv else cache.v[layer][slots, :keys]
-    if g.uniform and n == 1:  # a decode step of equal lengths: every key is seen, no mask
+    if query_pos is None:
         return _attend_chunk(q, key_rows, value_rows, None, None, scaling, sinks, False, None)
-    query_pos = torch.tensor(g.prefixes, dtype=torch.long, device=device)[:, None] \
-        + torch.arange(n, device=device)  # [b, n]
     return _attend(q, key_rows, value_rows, query_pos, torch.arange(keys, device=device),
                    scaling, sinks, window=None,
                    causal=g.uniform and g.prefixes[0] == 0)  # SDPA's own mask is exact there

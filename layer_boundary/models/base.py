@@ -76,13 +76,7 @@ def last_rows(hidden: torch.Tensor, forward_batch) -> torch.Tensor:
     (``LogitsRows.LAST``) and is not padded, every row otherwise."""
     if forward_batch.logits_rows is LogitsRows.ALL or forward_batch.token_slots is not None:
         return hidden
-    ends, end = [], -1
-    for n in forward_batch.extend_lens:
-        end += n
-        ends.append(end)
-    if len(ends) == hidden.shape[0]:  # a decode step: every row is its request's last
-        return hidden
-    return hidden[torch.tensor(ends, dtype=torch.long, device=hidden.device)]
+    return forward_batch.last_rows(hidden)
 
 
 def sums_its_output(module) -> bool:

@@ -150,6 +150,18 @@ class ForwardBatch:
         """The rows its requests bring (a padded batch's rows before the padding)."""
         return sum(self.extend_lens)
 
+    def last_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each request's last row of ``rows`` (per-token rows of this batch, its own rows
+        first: a padded batch's padding comes after them), [requests, ...]; ``rows`` that
+        already hold one row per request are returned as they are."""
+        ends, end = [], -1
+        for n in self.extend_lens:
+            end += n
+            ends.append(end)
+        if len(ends) == rows.shape[0]:  # a decode step, or rows already one per request
+            return rows
+        return rows[torch.tensor(ends, dtype=torch.long, device=rows.device)]
+
     @property
     def prefix_lens(self) -> tuple[int, ...]:
         return tuple(s - e for s, e in zip(self.seq_lens, self.extend_lens))
