@@ -6,7 +6,8 @@
   issues), paired and interleaved, eager at three sizes, compiled (inductor) at two, and at
   tp 2 and 4 under ``auto`` (its per-batch choice) and under ``rs``. ``ratio`` = boundary /
   hand-written, the median of ``runs`` paired measurements.
-- ``load``: each rank's bytes read from the checkpoint against the bytes it keeps (tp 4).
+- ``load``: each rank's bytes read from the checkpoint against the bytes it keeps (tp 4),
+  asked for by the library and, from outside, resident in the page cache after the load.
 - ``path_bytes``: a forward's collective bytes under ``auto`` against the least of ar, rs and
   rsv for that forward (tp 4 dp 2: a skewed prefill, then a one-token decode).
 - ``tbo``: two-batch overlap against the plain forward on the same ranks (tp 4 dp 2 MoE).
@@ -62,7 +63,6 @@ def overhead_rows(quick: bool):
 
 def load_row(quick: bool):
     import load_bytes
-    from layer_boundary.runtime.launch import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         if quick:
@@ -70,11 +70,12 @@ def load_row(quick: bool):
                                      num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=4, head_dim=16)
         model_dir = str(load_bytes.checkpoint(Path(tmp) / "qwen3"))
-        size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-        ranks = spawn(load_bytes.load_rank, 4, model_dir, 4, True)
-    return dict(bench="load", tp=4, checkpoint_mb=size / 2 ** 20,
-                read_vs_kept=max(r["read_mb"] / r["kept_mb"] for r in ranks),
-                read_vs_checkpoint=max(r["read_mb"] for r in ranks) / (size / 2 ** 20))
+        row = load_bytes.measure(model_dir, 4)
+    return dict(bench="load", tp=4, checkpoint_mb=row["checkpoint_mb"],
+                read_vs_kept=max(r / k for r, k in zip(row["read_mb"], row["kept_mb"])),
+                read_vs_checkpoint=max(row["read_mb"]) / row["checkpoint_mb"],
+                resident_vs_kept=row["resident_vs_kept"],
+                whole_tensors_resident_vs_kept=row["whole_tensors_resident_vs_kept"])
 
 
 SKEWED = (tuple(range(1, 30)), (5,), (7, 8), (9,))  # DP rank 0 holds most rows

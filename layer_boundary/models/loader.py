@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 # config.json lives in config.py; these names stay importable from here
 from ..runtime.quant import FP8, check_block_scales, check_scale_dtype, dequantize_blocks
-from ..runtime.shards import CheckpointSlice, ReadBytes, whole
+from ..runtime.shards import CheckpointSlice, ReadBytes, TensorFile, whole
 from .config import (CheckpointError, check_divisible, check_unquantized_silu,  # noqa: F401
                      read_config, require)
 
@@ -80,12 +80,16 @@ def iter_weights(path, lazy: bool = False, read: ReadBytes | None = None):
         read: counts the bytes the slices read.
     """
     for f in safetensors_files(path):
-        with _open(f) as handle:
-            for name in handle.keys():
-                if lazy:
-                    yield name, CheckpointSlice(name, handle.get_slice(name), read)
-                else:
+        with _open(f) as handle:  # safetensors validates the header (and reads whole tensors)
+            if not lazy:
+                for name in handle.keys():
                     yield name, handle.get_tensor(name)
+                continue
+            names = list(handle.keys())
+        # slices read through positioned reads, not the map (shards.py says why)
+        with TensorFile(f) as file:
+            for name in names:
+                yield name, CheckpointSlice(name, file, read)
 
 
 _SCALE = "_scale_inv"  # ``X.weight_scale_inv`` is ``X.weight``'s block scales
@@ -225,6 +229,8 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
                 else:
                     loader(param, tensor if isinstance(tensor, CheckpointSlice)
                            else tensor.to(param.dtype), shard)
+        except CheckpointError:
+            raise  # a read that names its tensor already (a non-finite block)
         except (RuntimeError, IndexError, ValueError) as exc:
             raise CheckpointError(
                 f"checkpoint tensor {name} (shape {tuple(tensor.shape)}) does not fit parameter "

@@ -24,7 +24,7 @@ from torch import nn
 from .. import HandoffOutput
 from ..runtime import Parallel, all_reduce_rows, all_to_all_rows, exchange_counts, get_forward
 from ..runtime.linear import expect_shape
-from ..runtime.shards import take
+from ..runtime.shards import take, take_columns
 from ..runtime.parallel import Group
 from .config import quantized_read
 
@@ -136,16 +136,23 @@ class FusedMoE(nn.Module):
         hidden, inter = self.hidden_size, self.intermediate_size  # one expert, unsharded
         expect_shape(loaded, *((hidden, inter) if which == "down" else (inter, hidden)))
         e = expert - self.first
+        if which == "down":
+            # the TP group reads each down projection together (shards.take_columns): the
+            # moe_tp ranks of the expert's EP shard want their columns, the others none
+            owner = expert // self.local
+            wants = [((j % self.moe_tp) * self.shard, self.shard) if j // self.moe_tp == owner
+                     else (0, 0) for j in range(self.group.size)]
+            columns = take_columns(loaded, self.group, wants)
+            if 0 <= e < self.local:
+                self.w2.data[e].copy_(columns)
+            return
         if not 0 <= e < self.local:
             return  # another expert-parallel rank's expert
-        if which == "down":
-            self.w2.data[e].copy_(take(loaded, 1, self.shard_start, self.shard))
-        else:
-            if which == "gate" and not self.gated:
-                raise RuntimeError("ungated experts have no gate_proj")
-            offset = self.shard if which == "up" and self.gated else 0
-            self.w13.data[e, offset:offset + self.shard].copy_(
-                take(loaded, 0, self.shard_start, self.shard))
+        if which == "gate" and not self.gated:
+            raise RuntimeError("ungated experts have no gate_proj")
+        offset = self.shard if which == "up" and self.gated else 0
+        self.w13.data[e, offset:offset + self.shard].copy_(
+            take(loaded, 0, self.shard_start, self.shard))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared_output: torch.Tensor | None = None):

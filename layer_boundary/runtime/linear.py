@@ -12,7 +12,7 @@ from torch import nn
 from .collectives import all_reduce_rows, gather_last_dim
 from .context import get_forward, sequence_parallel_scope
 from .quant import QuantizedInput, as_activations
-from .shards import take, whole
+from .shards import take, take_columns, whole
 from .parallel import Group
 
 
@@ -139,7 +139,9 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         expect_shape(loaded, param.shape[0], self.in_per_rank * self.group.size)
-        param.data.copy_(take(loaded, 1, self.group.rank * self.in_per_rank, self.in_per_rank))
+        n = self.in_per_rank  # the group reads the tensor together (shards.take_columns)
+        param.data.copy_(take_columns(loaded, self.group, [(r * n, n) for r in
+                                                          range(self.group.size)]))
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         expect_shape(loaded, *param.shape)

@@ -1,14 +1,26 @@
 """Checkpoint tensors a rank reads only in part: the rows or columns its shard keeps.
 
 The loader hands each parameter's ``weight_loader`` a ``CheckpointSlice``: the tensor's
-full shape and dtype from the safetensors header, and a reader of any block of it
-(safetensors' ``get_slice``), so a sharded layer reads its shard and nothing else. A loader
-takes what it keeps with ``take(loaded, dim, start, length)`` (or ``whole(loaded)``); both
-accept a plain tensor as well. Every block read is checked finite and its bytes counted,
-so a run can report what each rank read.
+full shape and dtype from the safetensors header, and a reader of any block of it, so a
+sharded layer reads its shard and nothing else. A loader takes what it keeps with
+``take(loaded, dim, start, length)``, ``take_columns(loaded, group, wants)`` or
+``whole(loaded)``; each accepts a plain tensor as well. Every block read is checked finite
+and its bytes counted, so a run can report what each rank read.
+
+Reads are positioned reads of the file (``os.preadv``) with the kernel's read-ahead turned
+off (``POSIX_FADV_RANDOM``), not safetensors' memory map: a fault in a mapped file brings
+in the pages around it as well, so a tp-4 rank reading a quarter of each tensor through the
+map faulted in the whole file. A row block of a row-major tensor is one contiguous range of
+the file. A column block is not (a rank's columns are a short run in every row), so the
+ranks that shard a tensor by columns read it together: each reads a contiguous block of
+rows, and one all-to-all hands every rank its columns of all of them.
 """
 
 from __future__ import annotations
+
+import json
+import math
+import os
 
 import torch
 
@@ -29,15 +41,61 @@ class ReadBytes:
         self.bytes = 0
 
 
+class TensorFile:
+    """One safetensors file open for positioned reads: the byte extent of each tensor.
+
+    The header must already have been validated (safetensors' ``safe_open`` does it: offsets
+    inside the file, no overlaps, sizes that match shapes); this reads the same header for
+    the offsets safetensors does not expose. Close it (or use it as a context manager)."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):  # no read-ahead: only the pages asked for
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+            size = int.from_bytes(os.pread(self.fd, 8, 0), "little")
+            header = json.loads(os.pread(self.fd, size, 8))
+        except Exception:
+            os.close(self.fd)
+            raise
+        self.data_start = 8 + size
+        self.entries = {name: (entry["dtype"], tuple(entry["shape"]),
+                               self.data_start + entry["data_offsets"][0])
+                        for name, entry in header.items() if name != "__metadata__"}
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def read_bytes(self, offset: int, size: int) -> torch.Tensor:
+        """``size`` bytes at ``offset`` into a new uint8 tensor (no copy through Python bytes)."""
+        out = torch.empty(size, dtype=torch.uint8)
+        view, done = out.numpy(), 0
+        while done < size:
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path} ended inside a tensor's data")
+            done += n
+        return out
+
+
 class CheckpointSlice:
     """One checkpoint tensor, unread: ``shape``, ``dtype``, and ``read(index)``."""
 
-    __slots__ = ("name", "shape", "dtype", "_slice", "_counter")
+    __slots__ = ("name", "shape", "dtype", "_file", "_offset", "_counter")
 
-    def __init__(self, name: str, part, counter: ReadBytes | None = None) -> None:
-        self.name, self._slice, self._counter = name, part, counter
-        self.shape = torch.Size(part.get_shape())
-        dtype = part.get_dtype()
+    def __init__(self, name: str, file: TensorFile, counter: ReadBytes | None = None) -> None:
+        self.name, self._file, self._counter = name, file, counter
+        dtype, shape, self._offset = file.entries[name]
+        self.shape = torch.Size(shape)
         if dtype not in DTYPES:
             raise CheckpointError(f"checkpoint tensor {name} has dtype {dtype}, which is not "
                                   "supported")
@@ -46,26 +104,81 @@ class CheckpointSlice:
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
 
-    def read(self, index=None) -> torch.Tensor:
-        """The block ``index`` (a tuple of slices; None: all of it), checked finite."""
-        block = self._slice[index] if index is not None else self._slice[:]
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0: one contiguous range of the file. Unchecked."""
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        data = self._file.read_bytes(self._offset + start * row, (stop - start) * row)
         if self._counter is not None:
-            self._counter.bytes += block.numel() * block.element_size()
-        if block.is_floating_point() and block.dtype != torch.float8_e4m3fn and not bool(
-                torch.isfinite(block).all()):
-            raise CheckpointError(f"checkpoint tensor {self.name} holds non-finite values "
-                                  "(NaN or Inf)")
+            self._counter.bytes += data.numel()
+        return data.view(self.dtype).view(stop - start, *self.shape[1:])
+
+    def read(self, index=None) -> torch.Tensor:
+        """The block ``index`` (a tuple of slices; None: all of it), checked finite. Only
+        the rows the index selects are read from the file."""
+        first = index[0] if index else slice(None)
+        if not self.shape:  # a scalar
+            block = self._file.read_bytes(self._offset, self.dtype.itemsize).view(
+                self.dtype).view(())
+            if self._counter is not None:
+                self._counter.bytes += block.element_size()
+        else:
+            start, stop, step = first.indices(self.shape[0])
+            block = self.rows(start, max(start, stop))[::step]
+            if index:
+                block = block[(slice(None), *index[1:])]
+        check_finite(block, self.name)
         return block
+
+
+def check_finite(block: torch.Tensor, name: str) -> None:
+    if block.is_floating_point() and block.dtype != torch.float8_e4m3fn and not bool(
+            torch.isfinite(block).all()):
+        raise CheckpointError(f"checkpoint tensor {name} holds non-finite values (NaN or Inf)")
 
 
 def take(loaded, dim: int, start: int, length: int) -> torch.Tensor:
     """Rows (``dim`` 0) or columns (``dim`` 1) [start, start + length) of a checkpoint
-    tensor, reading only those from a ``CheckpointSlice``."""
+    tensor, reading only those rows from a ``CheckpointSlice`` (a column block reads every
+    row: ``take_columns`` reads it together with the other ranks that shard it)."""
     if isinstance(loaded, CheckpointSlice):
         index = [slice(None)] * len(loaded.shape)
         index[dim] = slice(start, start + length)
         return loaded.read(tuple(index))
     return loaded.narrow(dim, start, length)
+
+
+def take_columns(loaded, group, wants: list[tuple[int, int]]) -> torch.Tensor:
+    """This rank's columns of a 2-d checkpoint tensor that the members of ``group`` read
+    together: member j wants columns ``wants[j]`` = (start, length), possibly none.
+
+    Every member must call it for the same tensor at the same point of the load (the loaders
+    do: every rank of a stage walks the same checkpoint in the same order). Each reads a
+    contiguous block of rows and an all-to-all hands every member its columns of every
+    block, so each reads about 1/size of the tensor however it is sharded. A non-finite
+    value anywhere is reported by every member (they agree first), so no member waits on
+    one that stopped.
+    """
+    from .collectives import all_to_all_rows, exchange_counts
+
+    start, length = wants[group.rank]
+    if not isinstance(loaded, CheckpointSlice) or group.size == 1 or len(loaded.shape) != 2:
+        return take(loaded, 1, start, length)
+    rows, size = loaded.shape[0], group.size
+    bounds = [rows * m // size for m in range(size + 1)]
+    mine = loaded.rows(bounds[group.rank], bounds[group.rank + 1])
+    bad = int(mine.is_floating_point() and mine.dtype != torch.float8_e4m3fn
+              and not bool(torch.isfinite(mine).all()))
+    if any(exchange_counts([bad] * size, group)):
+        raise CheckpointError(f"checkpoint tensor {loaded.name} holds non-finite values (NaN "
+                              "or Inf)")
+    # bytes, so any dtype crosses gloo: block m's columns for member j, members in order
+    send = torch.cat([mine[:, s:s + n].contiguous().view(torch.uint8).reshape(-1)
+                      for s, n in wants])
+    item = loaded.dtype.itemsize
+    sent = [(bounds[group.rank + 1] - bounds[group.rank]) * n * item for _, n in wants]
+    got = [(bounds[m + 1] - bounds[m]) * length * item for m in range(size)]
+    out = all_to_all_rows(send, group, sent, got)
+    return out.view(loaded.dtype).view(rows, length)
 
 
 def whole(loaded) -> torch.Tensor:
