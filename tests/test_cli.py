@@ -470,31 +470,6 @@ def test_bad_option_value_is_an_argparse_error(capsys, args, option):
 # ------------------------------------------------------------------ pipeline parallelism
 
 
-@pytest.mark.timeout(300)
-def test_torchrun_two_nodes_pp2_tp2_passes(builtin_dir, cache_dir):
-    """Two torchrun "nodes" on this host (2 processes each) run --pp 2 --tp 2: a stage per
-    node; rank 0 reports parity with world 1."""
-    port = str(_free_port())
-
-    def node(rank: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-             "--nproc-per-node", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-             "--master-port", port, "-m", "layer_boundary", "run", "--json", "--pp", "2",
-             "--tp", "2", "--max-new-tokens", str(NEW_TOKENS)],
-            cwd=REPO, env=_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
-
-    procs = [node(1), node(0)]
-    outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    report = _one_json_object(subprocess.CompletedProcess([], 0, outs[1][0], outs[1][1]))
-    assert (report["pp"], report["tp"]) == (2, 2)
-    assert report["parity"]["tokens_match"] is True
-    assert report["parity"]["max_abs_diff"] <= 1e-5
-    assert outs[0][0].strip() == ""  # only rank 0 prints
-
-
 def test_plan_shows_each_pipeline_stage_and_its_handoff(capsys, restore_logger):
     out = cli_ok(["plan", "--pp", "2", "--tp", "2", "--dp", "1", "--boundary-reduction", "rs",
                   "--json"], capsys)
