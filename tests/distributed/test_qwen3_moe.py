@@ -72,7 +72,5 @@ def test_each_moe_output_is_summed_exactly_once(qwen3_moe_dir, tp, dp, policy, f
                 kind = "all_reduce" if policy == "ar" else "reduce_scatter"
                 assert last == (kind, "final_norm")
                 assert r.fused_final_norms == 0
-            elif policy == "ar":  # a terminal FFN completes its output in compute
+            else:  # a terminal FFN completes its output before the final norm
                 assert last == ("all_reduce", f"layer{layers - 1}.ffn.compute")
-            else:  # or leaves it to the final norm, which reduce-scatters it
-                assert last == ("reduce_scatter", "final_norm")
