@@ -87,9 +87,10 @@ def iter_weights(path, lazy: bool = False, read: ReadBytes | None = None):
                 continue
             names = list(handle.keys())
         # slices read through positioned reads, not the map (shards.py says why)
-        with TensorFile(f) as file:
-            for name in names:
-                yield name, CheckpointSlice(name, file, read)
+        file = TensorFile(f)  # closes when the last slice of it is dropped
+        for name in names:
+            yield name, CheckpointSlice(name, file, read)
+        del file
 
 
 _SCALE = "_scale_inv"  # ``X.weight_scale_inv`` is ``X.weight``'s block scales

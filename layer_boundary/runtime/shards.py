@@ -46,10 +46,11 @@ class TensorFile:
 
     The header must already have been validated (safetensors' ``safe_open`` does it: offsets
     inside the file, no overlaps, sizes that match shapes); this reads the same header for
-    the offsets safetensors does not expose. Close it (or use it as a context manager)."""
+    the offsets safetensors does not expose. The descriptor closes with the last reference
+    (every ``CheckpointSlice`` holds one, so a slice a loader keeps past the walk still reads)."""
 
     def __init__(self, path) -> None:
-        self.path = str(path)
+        self.path, self.fd = str(path), -1
         self.fd = os.open(self.path, os.O_RDONLY)
         try:
             if hasattr(os, "posix_fadvise"):  # no read-ahead: only the pages asked for
@@ -57,7 +58,7 @@ class TensorFile:
             size = int.from_bytes(os.pread(self.fd, 8, 0), "little")
             header = json.loads(os.pread(self.fd, size, 8))
         except Exception:
-            os.close(self.fd)
+            self.close()
             raise
         self.data_start = 8 + size
         self.entries = {name: (entry["dtype"], tuple(entry["shape"]),
@@ -69,10 +70,7 @@ class TensorFile:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def __del__(self) -> None:
         self.close()
 
     def read_bytes(self, offset: int, size: int) -> torch.Tensor:
