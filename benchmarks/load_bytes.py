@@ -6,11 +6,12 @@ loads its model through the sharded loader and reports the bytes it asked for, t
 keeps and its peak RSS; the same ranks then load once more reading whole tensors (the loader
 before slices), each load in a fresh process, so the two peaks compare.
 
-Measured from outside the library as well: the checkpoint's pages are evicted from the page
-cache before each load (fsync, then ``POSIX_FADV_DONTNEED``), each rank reports what the
-kernel fetched from storage for it (``read_bytes`` of ``/proc/self/io``), and after the
-load the parent counts the checkpoint's pages resident in the page cache (``mincore``): what
-all ranks together touched. Prints one JSON line per world size.
+Measured from outside the library as well: each rank loads from its own copy of the files
+(the page cache is shared, so one copy could not tell the ranks apart), evicted from the
+page cache before each load (fsync, then ``POSIX_FADV_DONTNEED``); each rank reports what
+the kernel fetched from storage for it (``read_bytes`` of ``/proc/self/io``), and after the
+load the parent counts each copy's pages resident in the page cache (``mincore``): what
+that rank touched. Prints one JSON line per world size.
 """
 
 import ctypes

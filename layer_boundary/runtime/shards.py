@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from .collectives import all_to_all_rows, exchange_counts
+
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64,
           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -128,10 +130,19 @@ class CheckpointSlice:
         return block
 
 
+def _non_finite(block: torch.Tensor) -> bool:
+    """A NaN or Inf in a floating-point block (FP8 blocks are checked once dequantized)."""
+    return (block.is_floating_point() and block.dtype != torch.float8_e4m3fn
+            and not bool(torch.isfinite(block).all()))
+
+
+def _non_finite_error(name: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint tensor {name} holds non-finite values (NaN or Inf)")
+
+
 def check_finite(block: torch.Tensor, name: str) -> None:
-    if block.is_floating_point() and block.dtype != torch.float8_e4m3fn and not bool(
-            torch.isfinite(block).all()):
-        raise CheckpointError(f"checkpoint tensor {name} holds non-finite values (NaN or Inf)")
+    if _non_finite(block):
+        raise _non_finite_error(name)
 
 
 def take(loaded, dim: int, start: int, length: int) -> torch.Tensor:
@@ -156,19 +167,14 @@ def take_columns(loaded, group, wants: list[tuple[int, int]]) -> torch.Tensor:
     value anywhere is reported by every member (they agree first), so no member waits on
     one that stopped.
     """
-    from .collectives import all_to_all_rows, exchange_counts
-
     start, length = wants[group.rank]
     if not isinstance(loaded, CheckpointSlice) or group.size == 1 or len(loaded.shape) != 2:
         return take(loaded, 1, start, length)
     rows, size = loaded.shape[0], group.size
     bounds = [rows * m // size for m in range(size + 1)]
     mine = loaded.rows(bounds[group.rank], bounds[group.rank + 1])
-    bad = int(mine.is_floating_point() and mine.dtype != torch.float8_e4m3fn
-              and not bool(torch.isfinite(mine).all()))
-    if any(exchange_counts([bad] * size, group)):
-        raise CheckpointError(f"checkpoint tensor {loaded.name} holds non-finite values (NaN "
-                              "or Inf)")
+    if any(exchange_counts([int(_non_finite(mine))] * size, group)):
+        raise _non_finite_error(loaded.name)
     # bytes, so any dtype crosses gloo: block m's columns for member j, members in order
     send = torch.cat([mine[:, s:s + n].contiguous().view(torch.uint8).reshape(-1)
                       for s, n in wants])
