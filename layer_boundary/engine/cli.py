@@ -21,24 +21,26 @@ log = logging.getLogger("layer_boundary")
 
 def main(argv=None) -> int:
     """The ``layer-boundary`` command (``argv`` None: the process's own arguments, and the
-    process ends after it: multiprocessing's resource tracker, which spawned ranks start, is
-    stopped and reaped first, so nothing of the run outlives it in its process group)."""
+    process ends after it: multiprocessing's fork server and resource tracker, which spawned
+    ranks start, are stopped and reaped first, so nothing of the run outlives it in its
+    process group)."""
     try:
         return _main(argv)
     finally:
         if argv is None:
-            _stop_resource_tracker()
+            _stop_helpers()
 
 
-def _stop_resource_tracker() -> None:
-    from multiprocessing import resource_tracker
+def _stop_helpers() -> None:
+    from multiprocessing import forkserver, resource_tracker
 
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # CPython's own
-    if stop is not None:
-        try:
-            stop()
-        except (OSError, ChildProcessError):  # already gone
-            pass
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)  # CPython's own
+        if stop is not None:
+            try:
+                stop()
+            except (OSError, ChildProcessError):  # already gone
+                pass
 
 
 def _main(argv) -> int:

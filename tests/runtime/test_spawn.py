@@ -1,6 +1,9 @@
-"""The command line's own spawner: results by value, bad input re-raised as itself."""
+"""The command line's own spawner: results by value, bad input re-raised as itself, the
+spawner's environment in every rank, whichever way the ranks start."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -27,10 +30,30 @@ def _crash_on_rank_0():
     return 0
 
 
+def _environment(name):
+    return os.environ.get(name)
+
+
 @pytest.mark.timeout(120)
-def test_spawn_returns_tensors_by_value_in_rank_order():
-    results = spawn(_sum_of_ranks, 2)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_spawn_returns_tensors_by_value_in_rank_order(start_method):
+    results = spawn(_sum_of_ranks, 2, start_method=start_method)
     assert [r.item() for r in results] == [3.0, 3.0]
+
+
+@pytest.mark.timeout(120)
+def test_forked_ranks_see_the_spawners_environment_now(monkeypatch):
+    """The fork server keeps the environment it started with; each rank takes the
+    spawner's, as a spawned interpreter would."""
+    spawn(_sum_of_ranks, 2)  # the server runs from here on
+    monkeypatch.setenv("LB_TEST_SPAWN_ENV", "later")
+    assert spawn(_environment, 2, "LB_TEST_SPAWN_ENV") == ["later", "later"]
+
+
+def test_an_unknown_start_method_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="^start_method must be 'forkserver' or 'spawn', "
+                                         "not 'fork'$"):
+        spawn(_sum_of_ranks, 2, start_method="fork")
 
 
 @pytest.mark.timeout(120)

@@ -160,20 +160,41 @@ def _free_port() -> int:
 # ------------------------------------------------------------ start-up is not silence
 
 DELAY = textwrap.dedent("""
-    # Delays (or stops) every rank process the spawner starts, before the rank imports
-    # anything: what a loaded machine or a network filesystem does to start-up.
+    # Delays (or stops) every rank process the spawner starts, before the rank runs anything:
+    # what a loaded machine or a network filesystem does to start-up. A spawned rank is a
+    # fresh interpreter; a forked one leaves the fork server through _serve_one.
     import os, signal, sys, time
-    if "--multiprocessing-fork" in sys.argv:
+
+    def _late():
         if os.environ.get("LB_TEST_START_STOP"):
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(float(os.environ.get("LB_TEST_START_DELAY", "0")))
+
+    if "--multiprocessing-fork" in sys.argv:
+        _late()
+    elif "LB_TEST_START_DELAY" in os.environ:
+        import multiprocessing.forkserver as _fs
+        _serve_one = _fs._serve_one
+
+        def _late_serve_one(*args):
+            _late()
+            return _serve_one(*args)
+        _fs._serve_one = _late_serve_one
 """)
+
+
+def _restart_fork_server() -> None:
+    """The next job starts a fork server of its own, with this process's environment now."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
 
 
 @pytest.fixture
 def late_start(tmp_path, monkeypatch):
     """Rank processes started from here begin ``delay`` seconds late (a sitecustomize on
-    their PYTHONPATH; this process has imported everything already)."""
+    their PYTHONPATH, and on the fork server's; this process has imported everything
+    already)."""
     (tmp_path / "sitecustomize.py").write_text(DELAY)
     path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
@@ -182,7 +203,9 @@ def late_start(tmp_path, monkeypatch):
         monkeypatch.setenv("LB_TEST_START_DELAY", str(seconds))
         if stop:
             monkeypatch.setenv("LB_TEST_START_STOP", "1")
-    return delay
+        _restart_fork_server()
+    yield delay
+    _restart_fork_server()  # the next test's ranks start on time
 
 
 @pytest.mark.timeout(120)
