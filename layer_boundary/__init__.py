@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
     from .stack import LayerStack, append_stages, layer_stack
     from .adapters import branch_input, branch_output, merge_branch
     from .adapters.cp import CpView, cp_view
-    from .adapters.tbo import run_two_batches, split_batch
+    from .adapters.tbo import (TboDecision, TboPolicy, run_two_batches, split_batch,
+                               tbo_decision)
 
 # each public name -> the module that defines it: importing the package imports no torch, so
 # `layer-boundary --help` answers before torch loads (PEP 562)
@@ -60,6 +61,9 @@ _EXPORTS = {
     'cp_view': '.adapters.cp',
     'run_two_batches': '.adapters.tbo',
     'split_batch': '.adapters.tbo',
+    'TboDecision': '.adapters.tbo',
+    'TboPolicy': '.adapters.tbo',
+    'tbo_decision': '.adapters.tbo',
 }
 
 __all__ = [
@@ -70,6 +74,7 @@ __all__ = [
     "make_ffn_stage", "make_stages", "install_fusion", "boundary_guard_filter",
     "stage_boundaries",
     "branch_input", "branch_output", "merge_branch", "run_two_batches", "split_batch",
+    "TboDecision", "TboPolicy", "tbo_decision",
     "LayerStack", "append_stages", "layer_stack", "CpView", "cp_view",
 ]
 

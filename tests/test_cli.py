@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from layer_boundary.adapters.tbo import SHARED_CORES
 from safetensors.torch import load_file
 
 from distributed.checks import cli_ok
@@ -527,9 +529,16 @@ def test_a_failed_stage_ends_the_whole_job(qwen3_dir, tmp_path, capsys, restore_
 
 @pytest.mark.timeout(240)
 def test_tbo_run_passes_parity(qwen3_dir, capsys, restore_logger):
-    out = cli_ok(["run", "--model", str(qwen3_dir), "--tbo", "--tp", "4", "--dp", "2",
-                  *PROMPT_ARGS, "--prompt-ids", "4,5,6,7", "--max-new-tokens", "2"], capsys)
+    args = ["run", "--model", str(qwen3_dir), "--tp", "4", "--dp", "2", *PROMPT_ARGS,
+            "--prompt-ids", "4,5,6,7", "--max-new-tokens", "2"]
+    out = cli_ok([*args, "--tbo", "always"], capsys)
+    assert "two-batch overlap (always): 2 of 2 forwards split: always" in out
     assert "parity vs world 1: PASS" in out
+    # auto splits where the overlap pays, which gloo's CPU ranks never are; the report says so
+    report = json.loads(cli_ok([*args, "--tbo", "--json"], capsys).strip().splitlines()[-1])
+    assert report["tbo"]["policy"] == "auto" and report["tbo"]["split"] == [False, False]
+    assert report["tbo"]["reasons"] == [SHARED_CORES]
+    assert report["parity"]["tokens_match"]
 
 
 def test_plan_shows_both_microbatches(capsys, restore_logger):

@@ -86,10 +86,11 @@ def test_a_nemotron_h_plan_labels_its_mamba2_mixers(tmp_path, capsys):
 
 @pytest.mark.timeout(120)
 def test_the_header_names_the_modes_on_and_later_steps_say_they_repeat(capsys):
-    out = cli_ok(["run", "--tp", "2", "--tbo", "--max-new-tokens", "4", "--fusion-provider",
+    out = cli_ok(["run", "--tp", "2", "--tbo", "always", "--max-new-tokens", "4",
+                  "--fusion-provider",
                   "reference"], capsys)
     header = next(line for line in out.splitlines() if line.startswith("layer-boundary run:"))
-    assert header.endswith("two-batch overlap  fusion provider reference")
+    assert header.endswith("two-batch overlap (always)  fusion provider reference")
     assert "  steps 2-3 repeat step 1" in out
     # under ar each rank's owed FFN all-reduce is completed by the provider's fused candidate
     fused = re.search(r"fusion provider reference on rank 0: (\d+) inputs", out)

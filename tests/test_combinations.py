@@ -25,6 +25,7 @@ import pytest
 import torch
 from distributed.pool import get_pool
 
+from layer_boundary.adapters.tbo import TboPolicy
 from layer_boundary.capabilities import CapabilityError, Feature, pair_rule
 from layer_boundary.engine.args import UsageError, build_parser
 from layer_boundary.engine.features import check_spec
@@ -125,7 +126,7 @@ def case(pair, dirs) -> tuple[list[str], RunSpec]:
         pp, flags = 2, flags + ["--pp", "2"]
     if F.TBO in on:
         dp = 1 if cp > 1 else 2
-        kw["tbo"], flags = True, flags + ["--tbo"]
+        kw["tbo"], flags = TboPolicy.ALWAYS, flags + ["--tbo", "always"]
     if F.SPLIT_PREFILL in on:
         kw["split_prefill"], flags = 2, flags + ["--split-prefill", "2"]
     if F.COMPILE in on:
@@ -234,7 +235,7 @@ def _on(feature: Feature, results, spec: RunSpec, base) -> bool:
 
 def _world1(spec: RunSpec, **changes):
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, split_prefill=1,
-                                   tbo=False, compile=None, draft_model=None,
+                                   tbo=TboPolicy.OFF, compile=None, draft_model=None,
                                    speculative_algorithm=None, sequence_parallel=False,
                                    attn_input_scattered=False, moe_a2a_backend="none",
                                    fusions=None, boundary_reduction="ar", **changes),

@@ -13,7 +13,8 @@ the first requests.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from enum import Enum
 
 import torch
 
@@ -124,3 +125,58 @@ def run_two_batches(forward_batch, hidden_states, dp_rank: int, layers, run_laye
     forward_batch.boundary = ForwardState(facts=microbatches[0].row_facts,
                                           microbatches=microbatches)
     return torch.cat([state[id(mb)] for mb in microbatches])
+
+
+class TboPolicy(Enum):
+    """When a forward runs as two microbatches (``run --tbo [auto|always]``)."""
+
+    OFF = "off"  # never
+    AUTO = "auto"  # where the overlap pays (``tbo_decision``)
+    ALWAYS = "always"  # every forward (tests, the overlap benchmark)
+
+
+# why ``auto`` splits a forward or not, as the run report says it
+SPLITS = "the collectives run beside compute and both microbatches hold tokens on every DP rank"
+SHARED_CORES = ("gloo's collectives run on the ranks' own CPU cores, so an overlapped sum "
+                "waits for a core the other microbatch is using: measured on this project's "
+                "CPU ranks the split costs more than it hides at every size "
+                "(docs/features.md#two-batch-overlap---tbo)")
+ONE_RANK = "one process: no collective to hide"
+ONE_SIDED = ("a microbatch would hold no tokens on some DP rank (one request there): nothing "
+             "computes under that rank's collectives")
+
+
+@dataclass(frozen=True)
+class TboDecision:
+    """Whether one forward splits, and why (the run report's words)."""
+
+    split: bool
+    reason: str
+
+
+def tbo_decision(policy: TboPolicy, dp_request_lens, backend: str | None) -> TboDecision:
+    """Whether a forward runs as two microbatches, as engines gate the overlap: it pays only
+    where an owed sum of one microbatch can move while the other computes.
+
+    Args:
+        policy: ``OFF`` and ``ALWAYS`` decide alone; ``AUTO`` applies the rule below.
+        dp_request_lens: every DP rank's requests' token counts in this forward.
+        backend: the process group's backend (``torch.distributed.get_backend()``; None
+            without one).
+
+    ``AUTO`` splits where the collectives run on their own hardware (NCCL: copy engines and
+    links beside the SMs) and each microbatch holds tokens on every DP rank; never on gloo,
+    whose collectives compete for the ranks' cores (measured, ``bench.tbo_overlap``: the
+    overlap hides part of the communication, less than the split costs)."""
+    if policy is TboPolicy.OFF:
+        return TboDecision(False, "off")
+    if policy is TboPolicy.ALWAYS:
+        return TboDecision(True, "always")
+    if backend is None:
+        return TboDecision(False, ONE_RANK)
+    if backend != "nccl":
+        return TboDecision(False, SHARED_CORES)
+    first, second = split_counts(dp_request_lens)
+    if min(first) == 0 or min(second) == 0:
+        return TboDecision(False, ONE_SIDED)
+    return TboDecision(True, SPLITS)

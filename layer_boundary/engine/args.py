@@ -132,8 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how long a rank may take to start (import, load, join) before the "
                           f"job ends naming it; start-up is not silence (default "
                           f"{START_TIMEOUT_S:.0f} s)")
-    run.add_argument("--tbo", action="store_true",
-                     help="two-batch overlap: each forward as two interleaved microbatches")
+    run.add_argument("--tbo", nargs="?", const="auto", choices=("auto", "always"),
+                     default=None,
+                     help="two-batch overlap: a forward as two interleaved microbatches where "
+                          "the overlap pays (auto, the default: collectives on their own "
+                          "hardware, NCCL, and tokens in both halves on every DP rank; never "
+                          "on gloo's CPU ranks), or every forward (always)")
     run.add_argument("--draft-model", default=None,
                      help="speculative decoding: a draft checkpoint with the target's vocabulary")
     run.add_argument("--speculative-algorithm", choices=("draft", "nextn"), default=None,

@@ -154,6 +154,49 @@ def _barrier() -> None:
     dist.barrier()
 
 
+class _CommClock:
+    """Seconds this rank spends inside collectives: a synchronous call's whole time, an
+    asynchronous one's ``wait()`` (what the overlap left exposed). Installed on
+    ``torch.distributed`` in a benchmark rank only; the library calls through the module."""
+
+    NAMES = ("all_reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+             "all_gather", "all_gather_single", "all_gather_into_tensor", "all_to_all_single")
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.seconds = 0.0
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._timed(getattr(dist, name)))
+
+    def _timed(self, call):
+        clock = self
+
+        class _Work:
+            def __init__(self, work) -> None:
+                self.work = work
+
+            def wait(self, *args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return self.work.wait(*args, **kwargs)
+                finally:
+                    clock.seconds += time.perf_counter() - start
+
+            def __getattr__(self, name):
+                return getattr(self.work, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                work = call(*args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - start
+            return _Work(work) if kwargs.get("async_op") and work is not None else work
+        return timed
+
+
 def _moe_rank(hidden: int, layers: int, tokens: int, repeats: int) -> dict:
     """One rank of ``tbo_overlap``: median prefill times of the plain forward, the two-batch
     forward with synchronous collectives, and with its sums in flight across microbatches."""
@@ -178,6 +221,8 @@ def _moe_rank(hidden: int, layers: int, tokens: int, repeats: int) -> dict:
     lens = ((per_request,) * 4,) * 2
     prompts = [[(13 * r + t) % cfg.vocab_size for t in range(per_request)] for r in range(4)]
 
+    clock = _CommClock()
+
     def forward(tbo: bool, synchronous: bool = False):
         fb = ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * 4,
                                 dp_token_counts=(4 * per_request,) * 2,
@@ -186,35 +231,51 @@ def _moe_rank(hidden: int, layers: int, tokens: int, repeats: int) -> dict:
         if synchronous:
             fb.tbo_synchronous = True
         dist.barrier()
+        clock.seconds = 0.0
         start = time.perf_counter()
         out = model(fb)
+        elapsed, exposed = time.perf_counter() - start, clock.seconds
         dist.barrier()
-        return time.perf_counter() - start, out
+        return elapsed, exposed, out
 
     with torch.no_grad():
-        _, plain = forward(False)
-        _, overlapped = forward(True)
+        plain = forward(False)[2]
+        overlapped = forward(True)[2]
         torch.testing.assert_close(overlapped, plain, atol=1e-4, rtol=1e-4)
-        times = {"plain": [], "tbo_synchronous": [], "tbo_overlapped": []}
+        kinds = ("plain", "tbo_synchronous", "tbo_overlapped")
+        times = {k: [] for k in kinds}
+        comm = {k: [] for k in kinds}
         for _ in range(repeats):  # interleaved, so drift hits all alike
-            times["plain"].append(forward(False)[0])
-            times["tbo_synchronous"].append(forward(True, True)[0])
-            times["tbo_overlapped"].append(forward(True)[0])
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            for kind, args in zip(kinds, ((False,), (True, True), (True,))):
+                elapsed, exposed, _ = forward(*args)
+                times[kind].append(elapsed)
+                comm[kind].append(exposed)
+    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    out.update({f"comm_{k}": statistics.median(v) * 1e3 for k, v in comm.items()})
+    return out
 
 
 def tbo_overlap(hidden: int = 512, layers: int = 4, tokens: int = 384, repeats: int = 10) -> dict:
     """Two-batch overlap on gloo: tp=4 dp=2 (EP 2) MoE prefill of ``tokens`` tokens, timed on
     the same ranks three ways, interleaved. Reports rank 0's median times (ms),
     ``tbo_vs_plain`` (the overlapped two-batch forward against the plain one: what a user of
-    ``--tbo`` gets) and ``ratio`` (the overlapped forward against the same schedule with every
-    collective synchronous: how much communication the overlap hides)."""
+    ``--tbo always`` gets), ``ratio`` (the overlapped forward against the same schedule with
+    every collective synchronous), the time rank 0 spent in collectives in each (``comm_*``:
+    a synchronous call's whole time, an asynchronous one's wait), ``hidden_fraction`` (the
+    share of the synchronous schedule's collective time the overlap took off rank 0's
+    critical path), ``hidden_ms`` (that time) against ``split_cost_ms`` (what the split
+    itself costs: the synchronous two-batch forward over the plain one). The split pays
+    where ``hidden_ms`` exceeds ``split_cost_ms``."""
     from ..runtime.launch import spawn
 
     result = spawn(_moe_rank, 4, hidden, layers, tokens, repeats)[0]
+    sync = result["comm_tbo_synchronous"]
     result.update(hidden=hidden, layers=layers, tokens=tokens,
                   tbo_vs_plain=result["tbo_overlapped"] / result["plain"],
-                  ratio=result["tbo_overlapped"] / result["tbo_synchronous"])
+                  ratio=result["tbo_overlapped"] / result["tbo_synchronous"],
+                  hidden_fraction=1 - result["comm_tbo_overlapped"] / sync if sync else 0.0,
+                  split_cost_ms=result["tbo_synchronous"] - result["plain"],
+                  hidden_ms=sync - result["comm_tbo_overlapped"])
     return result
 
 

@@ -32,10 +32,20 @@ def main(argv=None) -> int:
 
 
 def _stop_helpers() -> None:
+    import os
+    import signal
     from multiprocessing import forkserver, resource_tracker
 
+    # the fork server exits when every holder of its liveness pipe has, ranks included: end
+    # it now (a rank it forked then sees its parent gone and exits on its own)
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if server is not None:
+        try:
+            os.kill(server, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
-        stop = getattr(helper, "_stop", None)  # CPython's own
+        stop = getattr(helper, "_stop", None)  # CPython's own: closes its pipe, reaps it
         if stop is not None:
             try:
                 stop()

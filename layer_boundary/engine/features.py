@@ -4,6 +4,7 @@ line both make before anything is built, loaded or sent."""
 
 from __future__ import annotations
 
+from ..adapters.tbo import TboPolicy
 from ..capabilities import CapabilityError, Feature, Setup, check
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -18,7 +19,7 @@ def features_of(spec) -> frozenset:
           Feature.INPUT_SCATTERED: spec.attn_input_scattered,
           Feature.MOE_A2A: spec.moe_a2a_backend != "none",
           Feature.PIPELINE: spec.pp > 1,
-          Feature.TBO: spec.tbo,
+          Feature.TBO: spec.tbo is not TboPolicy.OFF,
           Feature.SPLIT_PREFILL: spec.split_prefill > 1,
           Feature.COMPILE: spec.compile is not None,
           Feature.SPECULATIVE: spec.speculative,

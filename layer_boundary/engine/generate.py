@@ -12,10 +12,12 @@ layer-range segments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from ..adapters.tbo import TboDecision, TboPolicy, tbo_decision
 from ..residual import declared
 from ..runtime.forward_batch import BatchVariant, ForwardBatch, ForwardMode, LogitsRows
 from .pipeline import PipelineLink
@@ -27,6 +29,7 @@ class Generation:
     generated: list[list[int]]
     # per request, per step: [vocab] fp32 logits of its last position
     logits: list[list[torch.Tensor]]
+    tbo: list[TboDecision] = field(default_factory=list)  # each forward's two-batch decision
 
 
 def requests_of(dp_rank: int, dp: int, n: int) -> list[int]:
@@ -54,7 +57,7 @@ def takes_padded_batches(model) -> bool:
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp: int = 1,
                     dp_rank: int = 0, keep_logits: bool = True, on_step=None, pp=None,
-                    split_prefill: int = 1, tbo: bool = False,
+                    split_prefill: int = 1, tbo: TboPolicy = TboPolicy.OFF,
                     variants: tuple = (BatchVariant.ORDINARY, BatchVariant.ORDINARY),
                     adapters: list[int] | None = None, bucket=None) -> Generation:
     """Greedy tokens (and each step's logits) of this rank's requests.
@@ -68,7 +71,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         keep_logits: keep each step's last-position logits.
         on_step: called with the step index before each forward.
         pp, split_prefill: pipeline parallelism (``pp``: the pipeline group).
-        tbo: every forward as two interleaved microbatches.
+        tbo: when a forward runs as two interleaved microbatches (``tbo_decision`` per
+            forward under ``AUTO``; each decision is kept in ``Generation.tbo``).
         variants: the batch variant of the prefill and of each decode step (CP for both
             on an attention-CP topology; a sequence-parallel prefill with ordinary decode).
         adapters: each request's LoRA adapter slot (-1: the base model), or None (every
@@ -87,7 +91,9 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
     mine = requests_of(dp_rank, dp, len(prompts))
     slots = max(1, len(mine)) + (bucket is not None)  # the last one the padding's
     cache = model.make_kv_cache(slots, max(len(p) for p in prompts) + max_new_tokens)
-    pad = bucket is not None and not tbo and declared(cache, "padded_batches", False)
+    pad = bucket is not None and declared(cache, "padded_batches", False)
+    decisions = []
+    backend = dist.get_backend() if dist.is_initialized() else None  # what AUTO asks
     new_tokens = [list(prompts[i]) for i in mine]
     prefix = [0] * len(mine)
     lens_of = lambda step: tuple(  # noqa: E731 - every DP rank's requests' tokens this step
@@ -105,7 +111,9 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         batch = ForwardBatch.build(mode, new_tokens, prefix,
                                    dp_token_counts=tuple(map(sum, lens)), kv_cache=cache,
                                    device=model.device)
-        batch.dp_request_lens, batch.tbo = lens, tbo
+        decision = tbo_decision(tbo, lens, backend)
+        decisions.append(decision)
+        batch.dp_request_lens, batch.tbo = lens, decision.split
         batch.logits_rows = LogitsRows.LAST  # the next token reads each request's last row
         batch.variant = variants[0] if step == 0 else variants[1]
         if adapters is not None:  # each token runs its request's adapter
@@ -114,7 +122,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         pp_input = link.receive()
         parts = split_prefill if step == 0 and stage is not None else 1
         run = batch
-        if pad and parts == 1:
+        if pad and parts == 1 and not decision.split:
             run = batch.padded(bucket(max(batch.dp_token_counts)), scratch_slot=slots - 1)
         for segment in (segments(stage.layers, parts) if parts > 1 else [None]):
             run.layer_segment = segment
@@ -135,4 +143,4 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
             generated[j].append(token)
         prefix = [p + len(t) for p, t in zip(prefix, new_tokens)]
         new_tokens = [[g[-1]] for g in generated]
-    return Generation(mine, generated, logits_out)
+    return Generation(mine, generated, logits_out, decisions)

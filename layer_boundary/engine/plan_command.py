@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
+from ..adapters.tbo import TboPolicy
 from .args import UsageError, tp_dp
 from .checks import check_pipeline
 from .logs import setup_logging
@@ -54,7 +55,8 @@ def cmd_plan(args) -> int:
                    cp=args.cp, pp=args.pp, pp_layers=args.pp_layers,
                    sequence_parallel=args.sequence_parallel,
                    attn_input_scattered=args.attn_input_scattered,
-                   moe_a2a_backend=args.moe_a2a_backend, tbo=args.tbo,
+                   moe_a2a_backend=args.moe_a2a_backend,
+                   tbo=TboPolicy.ALWAYS if args.tbo else TboPolicy.OFF,
                    boundary_reduction=args.boundary_reduction,
                    allreduce_fusion=not args.no_allreduce_fusion,
                    rs_padding=not args.no_rs_padding)

@@ -35,6 +35,18 @@ def _texts(args, spec, run) -> dict | None:
 
 
 
+def tbo_summary(spec, rank0) -> dict | None:
+    """Two-batch overlap's decisions on rank 0 (every rank decides alike): the policy, which
+    forwards split, and why each did or did not (None: the overlap is off)."""
+    from ..adapters.tbo import TboPolicy
+
+    decisions = rank0.generation.tbo
+    if spec.tbo is TboPolicy.OFF or not decisions:
+        return None
+    return {"policy": spec.tbo.value, "split": [d.split for d in decisions],
+            "reasons": sorted({d.reason for d in decisions})}
+
+
 def report(args, spec, results, reference) -> int:
     """Log the run's report from every rank's result (``reference``: the world-1 run, or None
     when parity is not checked); the exit status (1: parity failed)."""
@@ -57,6 +69,7 @@ def report(args, spec, results, reference) -> int:
             for i, steps in zip(run.request_ids, run.logits) for j, logit in enumerate(steps)}))
     ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
     texts = _texts(args, spec, run)
+    tbo = tbo_summary(spec, rank0)
     if args.json:
         log.info(json.dumps({
             "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
@@ -68,6 +81,7 @@ def report(args, spec, results, reference) -> int:
                         for i, g in zip(run.request_ids, run.generated)],
             "parity": verdict, "collectives": collectives,
             **({"speculative": speculative} if speculative else {}),
+            **({"tbo": tbo} if tbo else {}),
             **({"fusion_provider": spec.fusions, "fused_inputs": rank0.fused_inputs,
                 "fused_final_norms": rank0.fused_final_norms} if spec.fusions else {}),
             **({"cp": spec.cp} if spec.cp > 1 else {}),
@@ -98,6 +112,9 @@ def report(args, spec, results, reference) -> int:
                  "per request, %d verification forwards, %d reruns", spec.speculative_steps,
                  speculative["acceptance_rate"], speculative["tokens_per_target_forward"],
                  speculative["target_forwards"], speculative["reruns"])
+    if tbo:
+        log.info("two-batch overlap (%s): %d of %d forwards split: %s", tbo["policy"],
+                 sum(tbo["split"]), len(tbo["split"]), "; ".join(tbo["reasons"]))
     if spec.fusions:
         log.info("fusion provider %s on rank 0: %d inputs and %d final norms completed fused",
                  spec.fusions, rank0.fused_inputs, rank0.fused_final_norms)
@@ -157,8 +174,8 @@ def report(args, spec, results, reference) -> int:
 def _modes_on(spec) -> str:
     """The header's words for the run's other modes that are on."""
     words = []
-    if spec.tbo:
-        words.append("two-batch overlap")
+    if spec.tbo.value != "off":  # TboPolicy.OFF
+        words.append(f"two-batch overlap ({spec.tbo.value})")
     if spec.split_prefill > 1:
         words.append(f"prefill in {spec.split_prefill} segments")
     if spec.speculative:

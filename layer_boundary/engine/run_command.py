@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from ..adapters.tbo import TboPolicy
 from .args import UsageError, tokenizer, tp_dp
 from .checks import (check_ep, check_lengths, check_lora, check_pipeline,
                      check_speculative_steps, job_memory)
@@ -72,7 +73,8 @@ def spec_from_args(args):
                    attn_input_scattered=args.attn_input_scattered,
                    moe_a2a_backend=args.moe_a2a_backend, lora=tuple(args.lora or ()),
                    prompt_lora=tuple(args.prompt_lora or ()), pp=args.pp,
-                   pp_layers=args.pp_layers, split_prefill=args.split_prefill, tbo=args.tbo,
+                   pp_layers=args.pp_layers, split_prefill=args.split_prefill,
+                   tbo=TboPolicy(args.tbo) if args.tbo else TboPolicy.OFF,
                    draft_model=args.draft_model, speculative_algorithm=algorithm,
                    speculative_steps=args.speculative_steps,
                    speculative_boundary_reduction=args.speculative_boundary_reduction,
@@ -152,10 +154,10 @@ def _spawned_run(args, timeout) -> int:
     from ..runtime.launch import spawn
 
     spec = spec_from_args(args)
-    if spec.tbo and not args.json:  # spawned gloo ranks on this machine's shared cores
-        log.info("note: --tbo on gloo ranks that share CPU cores runs slower than the plain "
-                 "forward (docs/features.md, Two-batch overlap); it proves the overlapped "
-                 "schedule's numbers, not a speed-up here")
+    if spec.tbo is TboPolicy.ALWAYS and not args.json:  # gloo ranks share this machine's cores
+        log.info("note: --tbo always on gloo ranks that share CPU cores runs slower than the "
+                 "plain forward (docs/features.md, Two-batch overlap); it proves the "
+                 "overlapped schedule's numbers, not a speed-up here")
     world = spec.world_size
     if world > 1 and not args.json:  # before the wait: how many processes this starts
         log.info("starting %d rank processes (%stp %d)", world,
@@ -168,7 +170,8 @@ def _spawned_run(args, timeout) -> int:
         options["start_timeout_s"] = args.start_timeout
     results = [run_rank(spec)] if world == 1 else spawn(rank_entry, world, spec, **options)
     # world 1 needs no reference of itself, unless it ran compiled or in segments
-    own = (world == 1 and spec.compile is None and spec.split_prefill == 1 and not spec.tbo
+    own = (world == 1 and spec.compile is None and spec.split_prefill == 1
+           and spec.tbo is TboPolicy.OFF
            and not spec.speculative)
     reference = None if args.no_reference or own else reference_run(spec)
     return report(args, spec, results, reference)
@@ -218,7 +221,7 @@ def reference_run(spec):
     from .runner import merge, run_rank
 
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, pp_layers=None,
-                               split_prefill=1, tbo=False, draft_model=None,
+                               split_prefill=1, tbo=TboPolicy.OFF, draft_model=None,
                                draft_checkpoint=None, speculative_algorithm=None, compile=None),
                        world_size=1)])
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..adapters.tbo import TboPolicy
 from ..contracts import BatchVariant
 from ..layout import RowMode
 from ..models import Checkpoint, load_model, open_checkpoint
@@ -61,7 +62,9 @@ class RunSpec:
     pp: int = 1  # pipeline stages (world = pp x tp)
     pp_layers: tuple | None = None  # layers per stage (None: even split, remainder first)
     split_prefill: int = 1  # layer-range segments per stage for the prefill
-    tbo: bool = False  # two-batch overlap: every forward as two interleaved microbatches
+    # two-batch overlap: when a forward runs as two interleaved microbatches (AUTO: where
+    # ``tbo_decision`` says the overlap pays; ALWAYS: every forward)
+    tbo: TboPolicy = TboPolicy.OFF
     draft_model: str | None = None  # speculative decoding: the draft stack's checkpoint
     speculative_algorithm: str | None = None  # None | "draft" (draft_model) | "nextn"
     speculative_steps: int = 3  # draft tokens proposed per round

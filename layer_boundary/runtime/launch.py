@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import time
 
@@ -213,14 +214,22 @@ def _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
                                                      env, collective_timeout_s, join))
              for r in range(world_size)]
     try:
-        for p in procs:
-            p.start()
+        # a signal that ends the job while a rank starts (SIGTERM, Ctrl-C) waits until every
+        # rank has a pid here, so the cleanup below stops them all; none runs on unknown
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         for _, theirs in pipes:
             theirs.close()  # so a dead rank shows up as the end of its pipe here
         return _Watch(procs, [ours for ours, _ in pipes], timeout_s, silent_s,
                       start_timeout_s).collect()
     finally:
         for p in procs:
+            if p.pid is None:  # the job ended before this rank started
+                continue
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)

@@ -19,6 +19,7 @@ from distributed.pool import get_pool
 from oracle import TOL, hf_cached_decode
 
 from layer_boundary.engine.cli import main
+from layer_boundary.adapters.tbo import TboPolicy
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2), (4, 4, 1), (60, 2, 7))
@@ -88,7 +89,7 @@ def test_world1_matches_peft_for_each_prompts_adapter(qwen3_dir, adapters, world
 # (tp, attn_dp, policy, prompts, options): every row mode, attention DP with an empty DP rank,
 # a pipeline and two-batch overlap
 CASES = [(2, 1, "ar", 5, {}), (2, 1, "rs", 5, {}), (4, 2, "rsv", 5, {}), (4, 2, "rs", 5, {}),
-         (4, 2, "rsv", 1, {}), (2, 1, "rs", 5, {"pp": 2}), (4, 2, "rsv", 5, {"tbo": True})]
+         (4, 2, "rsv", 1, {}), (2, 1, "rs", 5, {"pp": 2}), (4, 2, "rsv", 5, {"tbo": TboPolicy.ALWAYS})]
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_every_row_mode_matches_world1(qwen3_dir, adapters, world1, tp, dp, poli
     spec = replace(spec_of(qwen3_dir, adapters, tp=tp, dp=dp, boundary_reduction=policy,
                            **options), prompts=PROMPTS[:prompts], prompt_lora=CHOICE[:prompts])
     results = get_pool(spec.world_size).run(run_rank, spec)
-    reference = merge([run_rank(replace(spec, tp=1, dp=1, pp=1, tbo=False,
+    reference = merge([run_rank(replace(spec, tp=1, dp=1, pp=1, tbo=TboPolicy.OFF,
                                         boundary_reduction="ar"), world_size=1)])
     assert_logits_match(merge(results), reference, prompts)
     # the deltas join their base linears' sums: the same collectives as without adapters,
@@ -130,7 +131,7 @@ def test_every_row_mode_matches_world1(qwen3_dir, adapters, world1, tp, dp, poli
             return e.dtype == torch.int64 and e.site.endswith("ffn.compute")
 
         slots = [e for e in r.ledger if is_slots(e)]
-        forwards = STEPS * (2 if spec.tbo else 1)
+        forwards = STEPS * (2 if spec.tbo is TboPolicy.ALWAYS else 1)
         assert len(slots) == (forwards if dp > 1 else 0), slots
         assert all(e.kind == "all_gather" for e in slots)
         assert [(e.site, e.kind, e.numel) for e in r.ledger if not is_slots(e)] == [

@@ -1,6 +1,7 @@
 """Two-batch overlap on the toy stack: the split, an operation-scheduled run (A attention,
 B attention, A FFN, B FFN, ...) whose FFNs run without exit() and hand on through
-postprocess(), on every row mode against world 1, and the misuse the spec names."""
+postprocess(), on every row mode against world 1, the misuse the spec names, and the gate
+that decides where a forward splits."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from distributed.pool import get_pool
 from toy import HIDDEN, DpBatch, ToyStack, runtime, seeded
 
-from layer_boundary.adapters.tbo import (EXIT_ACROSS_YIELD, interleave, split_batch,
-                                         split_counts, split_point)
+from layer_boundary.adapters.tbo import (EXIT_ACROSS_YIELD, ONE_RANK, ONE_SIDED, SHARED_CORES,
+                                         SPLITS, TboDecision, TboPolicy, interleave,
+                                         split_batch, split_counts, split_point, tbo_decision)
 from layer_boundary.fusions.reference import ReferenceFusions
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.stream import NOT_OURS, SHARED_STREAM, ResidualStream
@@ -276,3 +278,20 @@ def test_snapshot_of_a_finalize_handoff_under_tbo():
     with pytest.raises(RuntimeError) as info:
         residual_batch.snapshot(h, mb)
     assert str(info.value) == SNAPSHOT_NOT_PLAIN
+
+
+# ------------------------------------------------------------------ the gate (TboPolicy.AUTO)
+
+
+@pytest.mark.parametrize("policy,lens,backend,split,reason", [
+    (TboPolicy.OFF, ((4, 4), (4, 4)), "nccl", False, "off"),
+    (TboPolicy.ALWAYS, ((1,), (1,)), "gloo", True, "always"),
+    (TboPolicy.ALWAYS, ((3,),), None, True, "always"),
+    (TboPolicy.AUTO, ((4, 4), (4, 4)), "nccl", True, SPLITS),
+    (TboPolicy.AUTO, ((4, 4), (1,)), "nccl", False, ONE_SIDED),  # rank 1: one request
+    (TboPolicy.AUTO, ((1, 1), ()), "nccl", False, ONE_SIDED),  # an idle DP rank
+    (TboPolicy.AUTO, ((64, 64), (64, 64)), "gloo", False, SHARED_CORES),
+    (TboPolicy.AUTO, ((4, 4),), None, False, ONE_RANK),
+])
+def test_auto_splits_only_where_the_overlap_can_pay(policy, lens, backend, split, reason):
+    assert tbo_decision(policy, lens, backend) == TboDecision(split, reason)

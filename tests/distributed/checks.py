@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+from layer_boundary.adapters.tbo import TboPolicy
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .pool import get_pool
@@ -15,7 +16,7 @@ def world1(spec: RunSpec):
     """The same requests on one rank: no TP, DP, EP, pipeline or fusion provider (cached per
     spec, so the cases of a module share it)."""
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, pp_layers=None,
-                                   split_prefill=1, tbo=False, draft_model=None,
+                                   split_prefill=1, tbo=TboPolicy.OFF, draft_model=None,
                                    speculative_algorithm=None, boundary_reduction="ar",
                                    fusions=None),
                            world_size=1)])

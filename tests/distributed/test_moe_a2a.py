@@ -19,6 +19,7 @@ from ds_checkpoints import hf_deepseek_v3
 from lc_checkpoints import hf_longcat_flash
 from nh_checkpoints import hf_nemotron_h
 
+from layer_boundary.adapters.tbo import TboPolicy
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 from .checks import assert_logits_match, cli_ok, world1
@@ -41,7 +42,8 @@ def dirs(qwen3_moe_dir, tmp_path_factory) -> dict[str, str]:
 def check_run(spec: RunSpec) -> list:
     """The run's ranks, after its tokens, logits and MoE ledger are checked."""
     results = get_pool(spec.world_size).run(run_rank, spec)
-    assert_logits_match(merge(results), world1(replace(spec, moe_a2a_backend="none", tbo=False,
+    assert_logits_match(merge(results), world1(replace(spec, moe_a2a_backend="none",
+                                                       tbo=TboPolicy.OFF,
                                                        pp=1)), len(spec.prompts))
     for r in results:
         assert r.streams_released
@@ -53,7 +55,7 @@ def check_run(spec: RunSpec) -> list:
                          and e.site.startswith(f"{stage}.")]
                 assert (f"{stage}.prepare", "all_gather") not in sites, (stage, sites)
                 a2a = sites.count((f"{stage}.compute", "all_to_all"))
-                assert a2a == 4 * (2 if spec.tbo else 1), (stage, step, sites)
+                assert a2a == 4 * (2 if spec.tbo is TboPolicy.ALWAYS else 1), (stage, step, sites)
     return results
 
 
@@ -74,7 +76,7 @@ def test_all_to_all_moe_matches_world1(dirs, model, tp, dp, ep, policy, prompts)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("model,options", [("deepseek_v3", {"tbo": True}),
+@pytest.mark.parametrize("model,options", [("deepseek_v3", {"tbo": TboPolicy.ALWAYS}),
                                            ("qwen3_moe", {"pp": 2})], ids=["tbo", "pp2"])
 def test_all_to_all_moe_with_tbo_and_pp(dirs, model, options):
     tp, dp = (4, 2) if "tbo" in options else (2, 1)

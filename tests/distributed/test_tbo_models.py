@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from layer_boundary.adapters.tbo import split_counts
+from layer_boundary.adapters.tbo import TboPolicy, split_counts
 from layer_boundary.engine.generate import requests_of
 from layer_boundary.engine.runner import RunSpec, merge
 
@@ -39,7 +39,7 @@ def test_the_prefill_leaves_a_microbatch_empty_on_a_dp_rank():
 def test_tbo_matches_world1_and_transformers(model_dirs, model, case):
     tp, dp, ep, policy, mode = CASES[case]
     spec = RunSpec(model_dirs[model], tp=tp, dp=dp, ep=ep, boundary_reduction=policy,
-                   prompts=PROMPTS, max_new_tokens=STEPS, tbo=True)
+                   prompts=PROMPTS, max_new_tokens=STEPS, tbo=TboPolicy.ALWAYS)
     run = merge(run_matching_world1(spec, mode))
     for j, expected in enumerate(transformers_prefill(model, model_dirs[model])):
         diff = (run.logits[j][0] - expected).abs().max().item()
