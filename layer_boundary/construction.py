@@ -251,7 +251,10 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         _sum(runtime, SumGroup.MOE_OUT if decl.sparse else SumGroup.TP),
         handoff_rows(decl, layouts, mode),
         leaves_for_all_reduce=known and scoped and runtime.allreduce_fusion,
-        leaves_for_reduce_scatter=known,
+        # the final norm completes an owed sum on the residual's rows as an entry would (a
+        # reduce-scatter there, the norm on the slice, one gather to local rows): the
+        # analytic minimum under attention DP, where an all-reduce would move twice the rows
+        leaves_for_reduce_scatter=known or (decl.terminal and not at_producer),
         # a transform before the sum runs on compute's output at the exit: it must be a tensor
         hands_off_finalize=fusions is not None and decl.transform_first is None,
         provider_defers_all_reduce=(not scoped and known and fusions is not None),

@@ -60,7 +60,8 @@ def stack(tp: int, policy: str, provider: bool, tail_on_every_rank: bool = False
 @pytest.mark.parametrize("policy,provider,skips", [
     ("ar", False, [False, False, False]),  # never deferred without a provider
     ("ar", True, [True, True, False]),  # the provider lets non-terminal ones defer
-    ("rs", False, [True, True, False]),  # reduce-scatter permission is kept (not at the end)
+    # reduce-scatter permission is kept, at the end too (the final norm reduce-scatters)
+    ("rs", False, [True, True, True]),
 ])
 def test_local_tail_added_once(policy, provider, skips):
     ref = stack(1, "ar", False)["out"]

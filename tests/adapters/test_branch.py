@@ -107,8 +107,9 @@ CASES = [(2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 2, "ar", (5, 3)), (4, 2, "r
 
 def expected_sums(tp: int, dp: int, mode: str) -> list[tuple[str, str, str]]:
     """Each sum of a layer once: attention 0's at the source's input, the source's at the next
-    layer's attention (or in compute, last), FFN 0's at attention 1, attention 1's at FFN 1,
-    FFN 1's in branch_output (or in compute, last)."""
+    layer's attention (last: in compute under ``ar``; under ``rs``/``rsv`` the final norm's
+    reduce-scatter, the branch's output added on one rank before it), FFN 0's at attention 1,
+    attention 1's at FFN 1, FFN 1's in branch_output (last under ``ar``: in compute)."""
     attn_tp = tp // dp
     scatter = mode != "ar"
     out = []
@@ -120,7 +121,7 @@ def expected_sums(tp: int, dp: int, mode: str) -> list[tuple[str, str, str]]:
         if attn_tp > 1:
             out.append(("reduce_scatter" if scatter else "all_reduce",
                         "tp" if not scatter and dp > 1 else "attn_tp", f"layer{i}.ffn.prepare"))
-        if last:
+        if last and not scatter:
             out.append(("all_reduce", "tp", f"layer{i}.ffn.compute"))
         out.append(("reduce_scatter" if scatter else "all_reduce", "tp",
                     f"layer{i}.branch.attn.prepare"))
@@ -131,8 +132,11 @@ def expected_sums(tp: int, dp: int, mode: str) -> list[tuple[str, str, str]]:
         # onto local rows: all-reduce and slice, or where local rows are the scattered ones
         # (attention TP 1), the mode's reduce-scatter
         onto_local = "reduce_scatter" if scatter and attn_tp == 1 else "all_reduce"
-        out.append(("all_reduce" if last else onto_local, "tp",
-                    f"layer{i}.branch.ffn1." + ("compute" if last else "branch_output")))
+        in_compute = last and not scatter
+        out.append(("all_reduce" if in_compute else onto_local, "tp",
+                    f"layer{i}.branch.ffn1." + ("compute" if in_compute else "branch_output")))
+    if scatter:
+        out.append(("reduce_scatter", "tp", "final_norm"))
     return out
 
 

@@ -50,12 +50,10 @@ def expected_forward(cfg, mode: str, counts: tuple[int, ...], dp_rank: int,
         if i > 0:
             out += to_attn(f"layer{i}.attn.prepare")
         out += to_ffn(f"layer{i}.ffn.prepare")
-    # the terminal FFN completes its own sum before the final norm, in every mode
-    out.append(("all_reduce", "tp", total * h, f"layer{layers - 1}.ffn.compute"))
-    if mode == "rs":  # the final norm runs on the scattered residual, then gathers local rows
-        out.append(("all_gather", "attn_tp", seg * h, "final_norm"))
-    elif mode == "rsv" and local:
-        out.append(("all_gather", "attn_tp", local * h, "final_norm"))
+    if mode == "ar":  # the terminal FFN completes its own sum in compute
+        out.append(("all_reduce", "tp", total * h, f"layer{layers - 1}.ffn.compute"))
+    else:  # the final norm reduce-scatters it, normalizes the slice, gathers local rows
+        out += to_attn("final_norm")
     padded_vocab = -(-cfg.vocab_size // ATTN_TP) * ATTN_TP
     if local:
         out.append(("all_gather", "attn_tp", requests * padded_vocab, "lm_head"))

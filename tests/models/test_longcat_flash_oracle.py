@@ -150,6 +150,11 @@ def test_plan_shows_both_branches_and_the_merge(tmp_path, capsys, restore_logger
         f"layer{i}.branch.ffn1", f"layer{i}.branch.ffn1.merge")]
     assert stages["layer0.branch.ffn0"]["entry"].startswith("branch_input from the prepared")
     assert "before its moe_out sum" in stages["layer0.branch.ffn1.merge"]["entry"]
-    # the last layer's MoE completes in its compute: the merge is a plain add
-    assert stages["layer1.branch.ffn1.merge"]["entry"].endswith("added to layer1.ffn's output")
+    # under rsv the last layer's MoE leaves its sum to the final norm's reduce-scatter, so
+    # the merge joins before it too; under ar it completes in its compute: a plain add
+    assert "before its moe_out sum" in stages["layer1.branch.ffn1.merge"]["entry"]
     assert plan["mode"] == "rsv"
+    out = cli_ok(["plan", "--model", str(path), "--tp", "4", "--dp", "2",
+                  "--boundary-reduction", "ar", "--tokens", "5,0", "--json"], capsys)
+    stages = {s["stage"]: s for s in json.loads(out)["stages"]}
+    assert stages["layer1.branch.ffn1.merge"]["entry"].endswith("added to layer1.ffn's output")
