@@ -12,6 +12,10 @@ from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
 from layer_boundary.runtime.parallel import ParallelDims, build_parallel
 
 TOL = 1e-5
+# MLA runs on its latent (kv_b_proj absorbed into the queries and the output), summing the
+# same products in another order than transformers' expanded heads: on LongCat's tied-top3
+# decode (logits up to |9|) that reaches 1.07e-5, a relative 1.6e-6 (fp32 noise)
+MLA_TOL = 2e-5
 
 
 def world1() -> BoundaryRuntime:

@@ -9,7 +9,8 @@ Parallelism:
   ``qkv_latent_func``: the boundary applies them on the rows the residual read produces, before
   any row gather, so only the latent moves. ``q_b_proj``/``q_proj`` and ``kv_b_proj`` are
   column-parallel over heads, ``o_proj`` row-parallel without a reduction (PARTIAL contract).
-  The KV cache holds the up-projected per-head keys (nope + rope) and values of local heads.
+  ``kv_b_proj`` is absorbed into the queries and the output, so the KV cache holds the latent
+  (normalized latent + rotated key, one head) rather than every head's keys and values.
 * Dense FFN layers (``i < first_k_dense_replace``): a SwiGLU MLP over the full TP group.
 * MoE layers: a replicated fp32 router (``gate``), ``FusedMoE`` routed experts over
   ``moe_ep x moe_tp`` and a TP-sharded shared-expert MLP whose partial joins the routed output
@@ -238,6 +239,9 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
             group, dtype=dtype, name="kv_b_proj")
+        # forward absorbs kv_b_proj's weight into the queries and the output (the cache holds
+        # the latent), so it never runs as a linear: an adapter on it could not apply
+        self.kv_b_proj.absorbed = True
         # PARTIAL output contract: o_proj never reduces; the boundary owns the attn_tp sum.
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size,
                                         group, bias=bias, reduce_results=False, dtype=dtype,
@@ -264,13 +268,22 @@ class DeepseekV3Attention(nn.Module):
             return self.q_proj(q_lat)
         return self.q_b_proj(self.q_a_layernorm(q_lat))
 
-    def project_kv(self, kv_nope: torch.Tensor) -> torch.Tensor:
-        """kv latent -> this rank's heads' [T, local heads * (qk_nope_head_dim + v_head_dim)]."""
-        return self.kv_b_proj(self.kv_a_layernorm(kv_nope))
+    def latent(self, kv_nope: torch.Tensor) -> torch.Tensor:
+        """kv latent -> the normalized latent [T, kv_lora_rank] the cache holds, which
+        ``kv_b_proj`` would expand into this rank's heads' keys and values."""
+        return self.kv_a_layernorm(kv_nope)
 
     def forward(self, positions, latent, forward_batch):
         """latent: the attention rows' qkv latent (in a CP batch this CP rank's share of its
-        DP rank's tokens); positions: every token's of the DP rank."""
+        DP rank's tokens); positions: every token's of the DP rank.
+
+        Attention runs on the latent, as engines run MLA (``kv_b_proj`` absorbed): each head's
+        query takes the key projection in (q_nope W_k: [T, heads, kv_lora_rank]) and attends
+        over one shared head of keys [latent | rotated key] and values (the latent), which is
+        what the cache holds (``mla_kv_cache``: kv_lora_rank + qk_rope_head_dim values a
+        token, where expanded keys and values take heads x (qk_head_dim + v_head_dim)); the
+        value projection then maps each head's latent output to v_head_dim. The scores and
+        outputs are those of the expanded form."""
         cfg, cp = self.cfg, cp_view(forward_batch)
         q_lat, kv_nope, k_rot = latent.split(self.latent_split, dim=-1)
         q_positions = positions
@@ -278,20 +291,23 @@ class DeepseekV3Attention(nn.Module):
             q_positions = cp.share(positions)
             kv_nope, k_rot = cp.gather(torch.cat((kv_nope, k_rot), dim=-1)).split(
                 (cfg.kv_lora_rank, cfg.qk_rope_head_dim), dim=-1)
-        tokens, kv_tokens = q_lat.shape[0], kv_nope.shape[0]
+        tokens = q_lat.shape[0]
         q = self.project_q(q_lat).view(tokens, self.num_heads, cfg.qk_head_dim)
         q_nope, q_rot = q.split((cfg.qk_nope_head_dim, cfg.qk_rope_head_dim), dim=-1)
-        kv = self.project_kv(kv_nope)
-        kv = kv.view(kv_tokens, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        k_nope, v = kv.split((cfg.qk_nope_head_dim, cfg.v_head_dim), dim=-1)
+        # [local heads * (nope + v), rank] -> [local heads, nope + v, rank]
+        w = self.kv_b_proj.weight.view(self.num_heads, -1, cfg.kv_lora_rank)
+        w_k, w_v = w.split((cfg.qk_nope_head_dim, cfg.v_head_dim), dim=1)
+        q_nope = torch.einsum("thn,hnr->thr", q_nope, w_k)  # [T, heads, kv_lora_rank]
         cos, sin = rope_cos_sin(q_positions, self.inv_freq, latent.dtype)
         q_rot = apply_rope(q_rot, cos, sin, cfg.rope_interleave)
         cos, sin = rope_cos_sin(positions, self.inv_freq, latent.dtype)
         k_rot = apply_rope(k_rot[:, None, :], cos, sin, cfg.rope_interleave)  # [T, 1, rope]
+        c = self.latent(kv_nope)[:, None, :]  # [T, 1, kv_lora_rank]: one head for all
         q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1)), dim=-1)
-        out = cached_attention(self.layer_id, q, k, v, forward_batch, self.scaling,
+        k = torch.cat((c, k_rot), dim=-1)
+        out = cached_attention(self.layer_id, q, k, c, forward_batch, self.scaling,
                                queries=None if cp is None else cp.queries)
+        out = torch.einsum("thr,hvr->thv", out, w_v)  # [T, heads, v_head_dim]
         return self.o_proj(out.flatten(1))  # [T, H*Dv] -> [T, hidden] partial over attn_tp
 
 
@@ -413,12 +429,13 @@ def _is_moe(cfg: DeepseekV3Config, layer: int) -> bool:
     return cfg.is_moe(layer)
 
 
-def mla_kv_cache(model, layers, attn: DeepseekV3Attention, slots: int, max_len: int):
-    """The KV cache of MLA layers ``layers``: ``attn``'s local heads, keys of qk_head_dim and
-    values of v_head_dim."""
+def mla_kv_cache(model, layers, slots: int, max_len: int):
+    """The latent cache of MLA layers ``layers``: one head a token, keys [normalized latent |
+    rotated key] (kv_lora_rank + qk_rope_head_dim), values the keys' latent (stored once);
+    the same on every attention-TP rank."""
     cfg = model.config
-    return KVCache(layers, slots, max_len, attn.num_heads, cfg.qk_head_dim, model.dtype,
-                   device=model.device, v_head_dim=cfg.v_head_dim)
+    return KVCache(layers, slots, max_len, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                   model.dtype, device=model.device, values_from_keys=cfg.kv_lora_rank)
 
 
 def ffn_declaration(cfg: DeepseekV3Config, layer: int, runtime: BoundaryRuntime):
@@ -458,8 +475,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         return cfg.num_nextn_predict_layers
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        return mla_kv_cache(self, self.stage.layers, self.model.layers[0].self_attn, slots,
-                            max_len)
+        return mla_kv_cache(self, self.stage.layers, slots, max_len)
 
     def stacked_params(self) -> list:
         cfg = self.config

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear
-from .mamba2 import DepthwiseConv, ShardedLinear, _param, conv_per_request
+from .mamba2 import (DepthwiseConv, ShardedLinear, _param, conv_decode, conv_per_request,
+                     decode_step, slot_rows)
 
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule default
 
@@ -90,14 +91,15 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = CH
 
 
 def recurrent_gated_delta(q, k, v, g, beta, state):
-    """One token's step of ``state`` [h, dk, dv] (fp32, updated in place), as transformers'
-    torch recurrent form. q, k: [h, dk] (repeated, L2-normalised); v: [h, dv]; g, beta: [h].
-    Returns [h, dv]."""
+    """One token's step of ``state`` [..., h, dk, dv] (fp32, updated in place), as
+    transformers' torch recurrent form; the leading dims are requests (a decode batch) or
+    none. q, k: [..., h, dk] (repeated, L2-normalised); v: [..., h, dv]; g, beta: [..., h].
+    Returns [..., h, dv]."""
     q, k, v = q.float() / q.shape[-1] ** 0.5, k.float(), v.float()  # as transformers
-    new = state * g.float().exp()[:, None, None]
-    memory = (new * k[..., None]).sum(dim=-2)  # [h, dv]: the state's prediction of v
-    delta = (v - memory) * beta.float()[:, None]
-    new = new + k[..., None] * delta[:, None, :]
+    new = state * g.float().exp()[..., None, None]
+    memory = (new * k[..., None]).sum(dim=-2)  # [..., h, dv]: the state's prediction of v
+    delta = (v - memory) * beta.float()[..., None]
+    new = new + k[..., None] * delta[..., None, :]
     state.copy_(new)
     return (new * q[..., None]).sum(dim=-2)
 
@@ -194,6 +196,10 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent = state.conv[self.index], state.ssm[self.index]
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv], <= 0
+        if decode_step(forward_batch):
+            out = self._decode(qkv, g, beta, conv_state, recurrent, forward_batch)
+            y = self.norm(out.to(hidden_states.dtype), z)  # as below
+            return self.out_proj(y.reshape(tokens, self.value_dim))
         out = hidden_states.new_empty((tokens, self.v_heads, self.dv), dtype=torch.float32)
         for slot, prefix, start, end, conv in conv_per_request(self.conv1d, conv_state, qkv,
                                                                forward_batch):
@@ -213,3 +219,18 @@ class GatedDeltaNet(nn.Module):
         # transformers rounds the core output to the model dtype before the gated norm
         y = self.norm(out.to(hidden_states.dtype), z)  # [T, Hv, dv]
         return self.out_proj(y.reshape(tokens, self.value_dim))
+
+    def _decode(self, qkv, g, beta, conv_state, recurrent, forward_batch):
+        """A decode step over every request at once (one row each): [R, Hv, dv] fp32."""
+        rows = slot_rows(forward_batch, qkv.device)
+        r = qkv.shape[0]
+        q, k, v = conv_decode(self.conv1d, conv_state, qkv, rows).split(
+            [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # [R, Hk * dk] -> [R, Hv, dk]: each key head serves `ratio` consecutive value heads
+        q = l2norm(q.reshape(r, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
+        k = l2norm(k.reshape(r, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
+        state = recurrent[rows]  # [R, Hv, dk, dv]: a view, or a gathered copy written back
+        out = recurrent_gated_delta(q, k, v.reshape(r, self.v_heads, self.dv), g, beta, state)
+        if not isinstance(rows, slice):
+            recurrent[rows] = state
+        return out

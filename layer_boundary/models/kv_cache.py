@@ -14,7 +14,9 @@ class KVCache:
     ``window`` (sliding-window attention): a query sees only the last ``window`` positions,
     itself included, so the cache keeps ``min(max_len, window)`` rows per request as a ring
     (position p in row p mod rows). ``shared_kv``: one tensor read as both keys and values
-    (DeepSeek-V4's K=V attention), stored once.
+    (DeepSeek-V4's K=V attention), stored once. ``values_from_keys=n``: each value is its
+    key's first ``n`` dims, stored once (MLA's latent cache: keys [latent | rotated key],
+    values the latent).
     """
 
     # class defaults: a cache that shares another's tensors without running __init__ (such
@@ -24,7 +26,8 @@ class KVCache:
 
     def __init__(self, layers, slots: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device="cpu", v_head_dim: int | None = None,
-                 window: int | None = None, shared_kv: bool = False) -> None:
+                 window: int | None = None, shared_kv: bool = False,
+                 values_from_keys: int | None = None) -> None:
         if window is not None and window < 1:
             raise ValueError(f"sliding window must be positive, got {window}")
         rows = max_len if window is None else min(max_len, window)
@@ -32,8 +35,12 @@ class KVCache:
         v_shape = (slots, rows, kv_heads, v_head_dim or head_dim)
         layers = range(layers) if isinstance(layers, int) else layers
         self.k = {i: torch.zeros(k_shape, dtype=dtype, device=device) for i in layers}
-        self.v = self.k if shared_kv else {i: torch.zeros(v_shape, dtype=dtype, device=device)
-                                           for i in layers}
+        if shared_kv:
+            self.v = self.k
+        elif values_from_keys is not None:  # views: a value written is its key's first dims
+            self.v = {i: k[..., :values_from_keys] for i, k in self.k.items()}
+        else:
+            self.v = {i: torch.zeros(v_shape, dtype=dtype, device=device) for i in layers}
         self.max_len, self.window, self.rows, self.shared_kv = max_len, window, rows, shared_kv
 
     @property

@@ -205,8 +205,8 @@ class LongcatFlashAttention(DeepseekV3Attention):
     def project_q(self, q_lat: torch.Tensor) -> torch.Tensor:
         return super().project_q(q_lat) * self.mla_scale_q_lora
 
-    def project_kv(self, kv_nope: torch.Tensor) -> torch.Tensor:
-        return self.kv_b_proj(self.kv_a_layernorm(kv_nope) * self.mla_scale_kv_lora)
+    def latent(self, kv_nope: torch.Tensor) -> torch.Tensor:
+        return self.kv_a_layernorm(kv_nope) * self.mla_scale_kv_lora
 
 
 class LongcatFlashRouter(nn.Module):
@@ -338,7 +338,7 @@ class LongcatFlashForCausalLM(CausalLM):
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         # attention 2 i + k of decoder layer i owns KV-cache layer 2 i + k
         layers = [2 * i + k for i in self.stage.layers for k in range(2)]
-        return mla_kv_cache(self, layers, self.model.layers[0].self_attn[0], slots, max_len)
+        return mla_kv_cache(self, layers, slots, max_len)
 
     @staticmethod
     def decoder_layers(cfg: LongcatFlashConfig) -> int:

@@ -172,16 +172,17 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def recurrent_step(state, x, dt, A, B, C, D):
-    """One token's update of ``state`` [h, p, s] (fp32, in place), as transformers' torch
-    ``selective_state_update``. x: [h, p]; dt: [h] (softplus'd); B, C: [g, s]. Returns [h, p]."""
-    heads = x.shape[0]
-    dt = dt[:, None, None]  # [h, 1, 1]
-    dA = torch.exp(dt.float() * A.float()[:, None, None])  # [h, 1, 1]
-    B = B.repeat_interleave(heads // B.shape[0], dim=0)[:, None, :]  # [h, 1, s]
-    C = C.repeat_interleave(heads // C.shape[0], dim=0)  # [h, s]
-    new = state * dA + (dt * B) * x[..., None]  # [h, p, s]
+    """One token's update of ``state`` [..., h, p, s] (fp32, in place), as transformers' torch
+    ``selective_state_update``; the leading dims are requests (a decode batch) or none.
+    x: [..., h, p]; dt: [..., h] (softplus'd); B, C: [..., g, s]. Returns [..., h, p]."""
+    heads = x.shape[-2]
+    dt = dt[..., None, None]  # [..., h, 1, 1]
+    dA = torch.exp(dt.float() * A.float()[:, None, None])  # [..., h, 1, 1]
+    B = B.repeat_interleave(heads // B.shape[-2], dim=-2)[..., None, :]  # [..., h, 1, s]
+    C = C.repeat_interleave(heads // C.shape[-2], dim=-2)  # [..., h, s]
+    new = state * dA + (dt * B) * x[..., None]  # [..., h, p, s]
     state.copy_(new.to(state.dtype))
-    y = torch.bmm(new.to(C.dtype), C[..., None])[..., 0]  # [h, p]
+    y = torch.matmul(new.to(C.dtype), C[..., None])[..., 0]  # [..., h, p]
     return y + x * D[:, None]
 
 
@@ -215,6 +216,33 @@ def conv_per_request(conv1d, conv_state, x, forward_batch):
     if start != x.shape[0]:
         raise ValueError(f"the batch's extend_lens cover {start} rows; the mixer got "
                          f"{x.shape[0]}")
+
+
+def decode_step(forward_batch) -> bool:
+    """Whether every request of the batch adds one token to a cached prefix (a decode step):
+    the mixers then run each layer's conv and recurrent update once over all requests."""
+    return bool(forward_batch.extend_lens) and all(
+        n == 1 and p > 0 for n, p in zip(forward_batch.extend_lens, forward_batch.prefix_lens))
+
+
+def slot_rows(forward_batch, device):
+    """The batch's state rows: a slice where its slots are consecutive (a view), else an
+    index tensor (a gather; write back with ``state[rows] = ...``)."""
+    slots = forward_batch.req_slots
+    if all(s == slots[0] + i for i, s in enumerate(slots)):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, dtype=torch.long, device=device)
+
+
+def conv_decode(conv1d, conv_state, x, rows):
+    """A decode step's causal depthwise conv in one call: each request's cached window
+    (``conv_state[rows]`` [R, kernel - 1, C]) and its new row of ``x`` [R, C]; the window
+    moves on by one. Returns [R, C] after silu, as ``conv_per_request`` would per request."""
+    window = torch.cat([conv_state[rows], x[:, None]], dim=1)  # [R, kernel, C]
+    conv_state[rows] = window[:, 1:]
+    out = F.conv1d(window.transpose(1, 2), conv1d.weight, conv1d.bias,
+                   groups=window.shape[2])  # [R, C, 1]
+    return F.silu(out[..., 0])
 
 
 class Mamba2Mixer(nn.Module):
@@ -266,6 +294,10 @@ class Mamba2Mixer(nn.Module):
         conv_state, ssm_state = state.conv[self.index], state.ssm[self.index]
         A = -torch.exp(self.A_log.float())
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))  # [T, h_local]
+        if decode_step(forward_batch):
+            y = self._decode(xbc, dt, A, conv_state, ssm_state, forward_batch)
+            y = self.norm(y.view(tokens, self.inner), z)
+            return self.out_proj(y.to(hidden_states.dtype))
         y = hidden_states.new_empty((tokens, self.heads, self.head_dim), dtype=torch.float32)
         for slot, prefix, start, end, conv in conv_per_request(self.conv1d, conv_state, xbc,
                                                                forward_batch):
@@ -284,3 +316,17 @@ class Mamba2Mixer(nn.Module):
                     initial_state=ssm_state[slot] if prefix else None)
         y = self.norm(y.view(tokens, self.inner), z)
         return self.out_proj(y.to(hidden_states.dtype))
+
+    def _decode(self, xbc, dt, A, conv_state, ssm_state, forward_batch):
+        """A decode step over every request at once (one row each): [R, h_local, p] fp32."""
+        rows = slot_rows(forward_batch, xbc.device)
+        r = xbc.shape[0]
+        x, B, C = conv_decode(self.conv1d, conv_state, xbc, rows).split(
+            [self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
+        state = ssm_state[rows]  # [R, h, p, s]: a view, or a gathered copy written back
+        y = recurrent_step(state, x.reshape(r, self.heads, self.head_dim), dt, A,
+                           B.reshape(r, self.groups, self.state_size),
+                           C.reshape(r, self.groups, self.state_size), self.D)
+        if not isinstance(rows, slice):
+            ssm_state[rows] = state
+        return y

@@ -70,8 +70,8 @@ class DeepseekV3NextN(nn.Module):
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         cfg = self.config
-        return KVCache([self.index], slots, max_len, self.block.self_attn.num_heads,
-                       cfg.qk_head_dim, self.dtype, device=self.device, v_head_dim=cfg.v_head_dim)
+        return KVCache([self.index], slots, max_len, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                       self.dtype, device=self.device, values_from_keys=cfg.kv_lora_rank)
 
     def load_weights(self, weights) -> None:
         prefix = re.compile(rf"^model\.layers\.{self.index}\.(.+)$")

@@ -280,3 +280,24 @@ def test_a_refused_adapter_leaves_the_model_unadapted(qwen3_dir, saved, tmp_path
         attach_lora(model, [("a", str(saved["full"])), ("b", str(bad))])
     assert all(m.lora is None for m in model.modules()
                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+
+
+def test_an_adapter_on_an_absorbed_projection_is_refused_by_name(tmp_path):
+    """DeepSeek-V3's MLA absorbs kv_b_proj into its queries and output (its cache holds the
+    latent), so that linear never runs: peft can adapt it, this model cannot, and says so
+    before attaching anything."""
+    from ds_checkpoints import hf_deepseek_v3
+
+    from layer_boundary.adapters.lora import LoraError, attach_lora
+    from layer_boundary.models import load_model
+    from layer_boundary.runtime.args import BoundaryRuntime
+    from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+
+    base = hf_deepseek_v3(tmp_path / "ds")
+    folder = _peft_adapter(str(base), tmp_path / "a", 5, r=2, lora_alpha=4,
+                           target_modules=["q_proj", "kv_b_proj"])
+    model = load_model(base, BoundaryRuntime(build_parallel(ParallelDims(world_size=1))))
+    with pytest.raises(LoraError, match=r"kv_b_proj is a target, and the deepseek_v3 model "
+                                        r"absorbs that projection into its attention"):
+        attach_lora(model, [("a", str(folder))])
+    assert not [m for m in model.modules() if getattr(m, "lora", None) is not None]

@@ -72,5 +72,7 @@ def test_each_moe_output_is_summed_exactly_once(qwen3_moe_dir, tp, dp, policy, f
                 kind = "all_reduce" if policy == "ar" else "reduce_scatter"
                 assert last == (kind, "final_norm")
                 assert r.fused_final_norms == 0
-            else:  # a terminal FFN completes its output before the final norm
+            elif policy == "ar":  # a terminal FFN completes its output in compute
                 assert last == ("all_reduce", f"layer{layers - 1}.ffn.compute")
+            else:  # or leaves it to the final norm, which reduce-scatters it
+                assert last == ("reduce_scatter", "final_norm")

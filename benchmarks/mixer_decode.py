@@ -1,0 +1,68 @@
+"""The recurrent mixers' decode step over a batch: `python benchmarks/mixer_decode.py`.
+
+A Nemotron-H (Mamba2) and a Qwen3-Next (gated DeltaNet) of the tests' tiny sizes, world 1,
+one thread: after a prefill of 16 requests, one decode step of all 16, timed with each
+layer's conv and state update run once over the batch (what the mixers do) and with the
+per-request loop a prefill takes (``decode_step`` patched to say no), interleaved, minimum of
+30 each. Prints one JSON line per model: both times (ms) and ``loop_vs_batched``.
+"""
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tiny checkpoints
+
+from nh_checkpoints import hf_nemotron_h  # noqa: E402
+from oracle import world1  # noqa: E402
+from qwen3_next_checkpoints import hf_qwen3_next  # noqa: E402
+
+from layer_boundary.models import gated_deltanet, load_model, mamba2  # noqa: E402
+from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+
+REQUESTS, REPEATS = 16, 30
+
+
+def _set_decode_step(fn) -> None:
+    mamba2.decode_step = gated_deltanet.decode_step = fn
+
+
+def measure(model) -> dict:
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(5 + i % 4)] for i in range(REQUESTS)]
+    cache = model.make_kv_cache(REQUESTS, 64)
+    with torch.no_grad():
+        model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * REQUESTS, kv_cache=cache))
+    prefix = [len(p) for p in prompts]
+
+    def step() -> float:  # the same step each time: the cached prefix stays as it is
+        batch = ForwardBatch.build(ForwardMode.DECODE, [[3]] * REQUESTS, prefix,
+                                   kv_cache=cache)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(batch)
+        return time.perf_counter() - start
+
+    batched = mamba2.decode_step
+    times = {"batched": [], "loop": []}
+    try:
+        for _ in range(REPEATS):
+            for kind, fn in (("batched", batched), ("loop", lambda fb: False)):
+                _set_decode_step(fn)
+                times[kind].append(step())
+    finally:
+        _set_decode_step(batched)
+    out = {f"{k}_ms": min(v) * 1e3 for k, v in times.items()}
+    out["loop_vs_batched"] = out["loop_ms"] / out["batched_ms"]
+    return out
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp()
+    for name, make in (("nemotron_h", hf_nemotron_h), ("qwen3_next", hf_qwen3_next)):
+        model = load_model(make(Path(root) / name), world1())
+        print(json.dumps(dict(model=name, requests=REQUESTS, **measure(model))), flush=True)
