@@ -173,8 +173,10 @@ def report(args, spec, results, reference) -> int:
 
 def _modes_on(spec) -> str:
     """The header's words for the run's other modes that are on."""
+    from ..adapters.tbo import TboPolicy
+
     words = []
-    if spec.tbo.value != "off":  # TboPolicy.OFF
+    if spec.tbo is not TboPolicy.OFF:
         words.append(f"two-batch overlap ({spec.tbo.value})")
     if spec.split_prefill > 1:
         words.append(f"prefill in {spec.split_prefill} segments")

@@ -14,7 +14,6 @@ back as full copies.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
 import os
 import pickle
@@ -63,35 +62,32 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
-def _environ(extra: dict[str, str]):
-    # Spawned children copy os.environ at start, and OMP reads its settings
-    # while torch is imported, before any code of ours runs in the child.
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` is alive (not gone, not a zombie)."""
     try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _end_with(parent: int) -> None:
-    """A worker's daemon thread: exit as soon as the parent is gone, whatever ended it (a
-    SIGTERM or SIGKILL runs none of its cleanup), even in the middle of a case."""
-    while os.getppid() == parent:
+    """A worker's daemon thread: exit as soon as the parent (the test process, not the fork
+    server the worker comes from) is gone, whatever ended it (a SIGTERM or SIGKILL runs none
+    of its cleanup), even in the middle of a case."""
+    while _running(parent):
         time.sleep(0.5)
     os._exit(1)
 
 
 def _worker(rank: int, world_size: int, port: int, sys_path: list[str], conn,
-            parent: int) -> None:
+            parent: int, env: dict[str, str]) -> None:
     import threading
 
     threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
+    # a forked worker holds the fork server's environment: the settings gloo reads at
+    # init_process_group come from here (torch's thread count is set below)
+    os.environ.update(env)
     sys.path[:] = sys_path  # so the test module that defines fn imports here
     # Ctrl-C reaches the whole process group; the parent does the cleanup.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -155,22 +151,25 @@ class RankPool:
             self._start_once()
 
     def _start_once(self) -> None:
-        ctx = mp.get_context("spawn")
+        # workers fork from a server that imported torch once (a pool that restarts after a
+        # failed case starts in a fraction of a second, not a torch import per worker)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
         self.port = _free_port()
-        with _environ(_child_env()):
-            for rank in range(self.world_size):
-                parent_conn, child_conn = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_worker,
-                    args=(rank, self.world_size, self.port, list(sys.path), child_conn,
-                          os.getpid()),
-                    name=f"RankPool-{self.world_size}-rank{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                child_conn.close()  # so a dead child shows up as EOF here
-                self._procs.append(proc)
-                self._conns.append(parent_conn)
+        env = _child_env()
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, self.port, list(sys.path), child_conn,
+                      os.getpid(), env),
+                name=f"RankPool-{self.world_size}-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()  # so a dead child shows up as EOF here
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
         replies, pending = self._collect(time.monotonic() + self.start_timeout)
         failures = {r: msg for r, (kind, msg) in replies.items() if kind != "ready"}
         if failures or pending:
