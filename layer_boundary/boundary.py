@@ -56,8 +56,9 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
         leaves = output.leaves_for_reduce_scatter if scatter else output.leaves_for_all_reduce
         if leaves:
             how = "reduce-scatter" if scatter else "all-reduce"
+            consumer = "final norm" if output.terminal else "next input"
             default = ExitDecision(REDUCE_SCATTER if scatter else DEFER_ALL_REDUCE, group, rows,
-                                   f"{group.value} sum left to the next input ({how})")
+                                   f"{group.value} sum left to the {consumer} ({how})")
         else:
             compute_sum = table.lookup(group, rows, rows)
             default = complete(f"{compute_sum.name} in compute", compute_sum)

@@ -258,7 +258,7 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         # a transform before the sum runs on compute's output at the exit: it must be a tensor
         hands_off_finalize=fusions is not None and decl.transform_first is None,
         provider_defers_all_reduce=(not scoped and known and fusions is not None),
-        at_producer=at_producer, next_sparse=decl.next_sparse)
+        at_producer=at_producer, next_sparse=decl.next_sparse, terminal=decl.terminal)
 
 
 def resolve_input(decl, runtime, layouts: Layouts,

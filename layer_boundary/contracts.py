@@ -91,6 +91,7 @@ class StageOutput:
     linears_rows: Layout | None = None
     # a MoE that dispatched its routed tokens and combined them back itself (all-to-all)
     dispatches: bool = False
+    terminal: bool = False  # the stack's last stage: a sum it leaves, the final norm completes
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ PLAN_LEGEND = (
     "  replicated: every DP rank's rows on every rank; attn_dp: this DP rank's rows; "
     "attn_tp_scatter: a slice of them per attention-TP rank",
     "  partial: attn_tp sum owed: compute left its sum over attention TP to the next prepare; "
-    "X sum left to the next input: the same, by the exit's decision",
+    "X sum left to the next input (or the final norm): the same, by the exit's decision",
     "  all_reduce(g) / reduce_scatter(g) / all_gather(g): one collective over group g; _v: "
     "variable rows per rank; -> : the steps in order",
 )
