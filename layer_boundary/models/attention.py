@@ -56,10 +56,6 @@ class _Group:
         return all(f == self.firsts[0] + i * self.rows for i, f in enumerate(self.firsts))
 
     @property
-    def consecutive_slots(self) -> bool:
-        return all(s == self.slots[0] + i for i, s in enumerate(self.slots))
-
-    @property
     def uniform(self) -> bool:
         """Every request has the same prefix: each query sees the same key count."""
         return all(p == self.prefixes[0] for p in self.prefixes)
@@ -142,15 +138,20 @@ def _rows(g: _Group, device) -> torch.Tensor:
                         device=device)
 
 
+def slot_index(slots: tuple[int, ...], device):
+    """Index of cache (or state) rows ``slots``: a slice where they are consecutive (a view),
+    else an index tensor (a gather: write back through ``rows[index] = ...``)."""
+    if all(s == slots[0] + i for i, s in enumerate(slots)):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, dtype=torch.long, device=device)
+
+
 def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sinks):
     """One group: q [b, n, H, D], k/v [b, n, KVH, *] its new tokens. Writes them at their
     positions in the group's slots, then attends over the cache rows [0, longest)."""
     b, n, keys = len(g.slots), g.rows, g.keys
     device = q.device
-    if g.consecutive_slots:
-        slots = slice(g.slots[0], g.slots[0] + b)
-    else:
-        slots = torch.tensor(g.slots, dtype=torch.long, device=device)
+    slots = slot_index(g.slots, device)
     if g.uniform and n == 1:  # a decode step of equal lengths: every key is seen, no mask
         query_pos = None
     else:  # each new token's position, [b, n]: where it is written and what it may see

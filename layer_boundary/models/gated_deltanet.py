@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear
+from .attention import slot_index
 from .mamba2 import (DepthwiseConv, ShardedLinear, _param, conv_decode, conv_per_request,
-                     decode_step, slot_rows)
+                     decode_step)
 
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule default
 
@@ -198,39 +199,43 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv], <= 0
         if decode_step(forward_batch):
             out = self._decode(qkv, g, beta, conv_state, recurrent, forward_batch)
-            y = self.norm(out.to(hidden_states.dtype), z)  # as below
-            return self.out_proj(y.reshape(tokens, self.value_dim))
-        out = hidden_states.new_empty((tokens, self.v_heads, self.dv), dtype=torch.float32)
+        else:
+            out = self._per_request(qkv, g, beta, conv_state, recurrent, forward_batch)
+        # transformers rounds the core output to the model dtype before the gated norm
+        y = self.norm(out.to(hidden_states.dtype), z)  # [T, Hv, dv]
+        return self.out_proj(y.reshape(tokens, self.value_dim))
+
+    def _heads(self, conv: torch.Tensor):
+        """A conv output [n, C] -> q, k [n, Hv, dk] (L2-normalised; each key head serves
+        `ratio` consecutive value heads) and v [n, Hv, dv]."""
+        n = conv.shape[0]
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(n, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
+        k = l2norm(k.reshape(n, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
+        return q, k, v.reshape(n, self.v_heads, self.dv)
+
+    def _per_request(self, qkv, g, beta, conv_state, recurrent, forward_batch):
+        """Each request in turn (a prefill's chunked form, or a decode step's recurrent
+        one): [T, Hv, dv] fp32."""
+        out = qkv.new_empty((qkv.shape[0], self.v_heads, self.dv), dtype=torch.float32)
         for slot, prefix, start, end, conv in conv_per_request(self.conv1d, conv_state, qkv,
                                                                forward_batch):
-            n = end - start
-            q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            # [n, Hk * dk] -> [n, Hv, dk]: each key head serves `ratio` consecutive value heads
-            q = l2norm(q.reshape(n, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
-            k = l2norm(k.reshape(n, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
-            v = v.reshape(n, self.v_heads, self.dv)
-            if prefix and n == 1:  # a decode step: the recurrent form
+            q, k, v = self._heads(conv)
+            if prefix and end - start == 1:  # a decode step: the recurrent form
                 out[start] = recurrent_gated_delta(q[0], k[0], v[0], g[start], beta[start],
                                                    recurrent[slot])
             else:  # a prefill (or its continuation): the chunked form from the cached state
                 out[start:end], recurrent[slot] = chunk_gated_delta(
                     q, k, v, g[start:end], beta[start:end],
                     initial_state=recurrent[slot] if prefix else None)
-        # transformers rounds the core output to the model dtype before the gated norm
-        y = self.norm(out.to(hidden_states.dtype), z)  # [T, Hv, dv]
-        return self.out_proj(y.reshape(tokens, self.value_dim))
+        return out
 
     def _decode(self, qkv, g, beta, conv_state, recurrent, forward_batch):
         """A decode step over every request at once (one row each): [R, Hv, dv] fp32."""
-        rows = slot_rows(forward_batch, qkv.device)
-        r = qkv.shape[0]
-        q, k, v = conv_decode(self.conv1d, conv_state, qkv, rows).split(
-            [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # [R, Hk * dk] -> [R, Hv, dk]: each key head serves `ratio` consecutive value heads
-        q = l2norm(q.reshape(r, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
-        k = l2norm(k.reshape(r, self.k_heads, self.dk).float()).repeat_interleave(self.ratio, 1)
+        rows = slot_index(forward_batch.req_slots, qkv.device)
+        q, k, v = self._heads(conv_decode(self.conv1d, conv_state, qkv, rows))
         state = recurrent[rows]  # [R, Hv, dk, dv]: a view, or a gathered copy written back
-        out = recurrent_gated_delta(q, k, v.reshape(r, self.v_heads, self.dv), g, beta, state)
+        out = recurrent_gated_delta(q, k, v, g, beta, state)
         if not isinstance(rows, slice):
             recurrent[rows] = state
         return out

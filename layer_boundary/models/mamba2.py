@@ -22,6 +22,7 @@ from torch import nn
 
 from ..runtime import RowParallelLinear, all_reduce_rows
 from ..runtime.linear import expect_shape
+from .attention import slot_index
 
 
 def group_split(n_groups: int, num_heads: int, tp: int) -> tuple[int, int]:
@@ -225,15 +226,6 @@ def decode_step(forward_batch) -> bool:
         n == 1 and p > 0 for n, p in zip(forward_batch.extend_lens, forward_batch.prefix_lens))
 
 
-def slot_rows(forward_batch, device):
-    """The batch's state rows: a slice where its slots are consecutive (a view), else an
-    index tensor (a gather; write back with ``state[rows] = ...``)."""
-    slots = forward_batch.req_slots
-    if all(s == slots[0] + i for i, s in enumerate(slots)):
-        return slice(slots[0], slots[0] + len(slots))
-    return torch.tensor(slots, dtype=torch.long, device=device)
-
-
 def conv_decode(conv1d, conv_state, x, rows):
     """A decode step's causal depthwise conv in one call: each request's cached window
     (``conv_state[rows]`` [R, kernel - 1, C]) and its new row of ``x`` [R, C]; the window
@@ -296,9 +288,15 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))  # [T, h_local]
         if decode_step(forward_batch):
             y = self._decode(xbc, dt, A, conv_state, ssm_state, forward_batch)
-            y = self.norm(y.view(tokens, self.inner), z)
-            return self.out_proj(y.to(hidden_states.dtype))
-        y = hidden_states.new_empty((tokens, self.heads, self.head_dim), dtype=torch.float32)
+        else:
+            y = self._per_request(xbc, dt, A, conv_state, ssm_state, forward_batch)
+        y = self.norm(y.view(tokens, self.inner), z)
+        return self.out_proj(y.to(hidden_states.dtype))
+
+    def _per_request(self, xbc, dt, A, conv_state, ssm_state, forward_batch):
+        """Each request in turn (a prefill's chunked scan, or a decode step's recurrent
+        form): [T, h_local, p] fp32."""
+        y = xbc.new_empty((xbc.shape[0], self.heads, self.head_dim), dtype=torch.float32)
         for slot, prefix, start, end, conv in conv_per_request(self.conv1d, conv_state, xbc,
                                                                forward_batch):
             n = end - start
@@ -314,12 +312,11 @@ class Mamba2Mixer(nn.Module):
                 y[start:end], ssm_state[slot] = chunk_scan(
                     x, dt[start:end].clamp(min=self.dt_min), A, B, C, self.D, self.chunk_size,
                     initial_state=ssm_state[slot] if prefix else None)
-        y = self.norm(y.view(tokens, self.inner), z)
-        return self.out_proj(y.to(hidden_states.dtype))
+        return y
 
     def _decode(self, xbc, dt, A, conv_state, ssm_state, forward_batch):
         """A decode step over every request at once (one row each): [R, h_local, p] fp32."""
-        rows = slot_rows(forward_batch, xbc.device)
+        rows = slot_index(forward_batch.req_slots, xbc.device)
         r = xbc.shape[0]
         x, B, C = conv_decode(self.conv1d, conv_state, xbc, rows).split(
             [self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)

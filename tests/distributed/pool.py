@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from layer_boundary.runtime.launch import process_state
+
 # Once one rank has failed, the others are probably stuck in a collective that
 # will only error after the 60 s gloo timeout; this is how long they get to
 # report anyway before the pool is torn down.
@@ -62,20 +64,11 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` is alive (not gone, not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _end_with(parent: int) -> None:
     """A worker's daemon thread: exit as soon as the parent (the test process, not the fork
     server the worker comes from) is gone, whatever ended it (a SIGTERM or SIGKILL runs none
     of its cleanup), even in the middle of a case."""
-    while _running(parent):
+    while process_state(parent) not in (None, "Z", "X"):  # gone, or a zombie
         time.sleep(0.5)
     os._exit(1)
 
