@@ -1,14 +1,20 @@
 """``layer-boundary run`` end to end: real processes, real ranks, no mocks.
 
 Each job runs once per module (fixtures) and several tests read its output, because a
-multi-rank run costs seconds on a small CPU machine.  Bad-input cases that fail before any
-rank starts call ``main()`` in this process; one of them also runs as a subprocess so the
-console behaviour (exit status, bare stderr) is pinned as a user sees it.
+multi-rank run costs seconds on a small CPU machine. The default job, torchrun and a missing
+checkpoint run as subprocesses, so the console behaviour (exit status, bare stderr, the
+processes left behind) is pinned as a user sees it; the other jobs call ``main()`` in this
+process (``_in_process``: the same command, its ranks forked from this process's fork
+server, without an interpreter and a torch import per job). Bad-input cases that fail
+before any rank starts call ``main()`` too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import re
 import socket
@@ -47,6 +53,28 @@ def _cli(*args, cache: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "layer_boundary", "run", *map(str, args)],
                           cwd=REPO, env=_env(cache), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
+
+
+def _in_process(*args, cache: Path) -> subprocess.CompletedProcess:
+    """``layer-boundary run ARGS`` through ``main()`` here, its output captured as a
+    subprocess's would be (the cache folder set for the call, the package logger restored)."""
+    log = logging.getLogger("layer_boundary")
+    saved = log.handlers[:], log.propagate, log.level
+    before = os.environ.get("LAYER_BOUNDARY_CACHE")
+    os.environ["LAYER_BOUNDARY_CACHE"] = str(cache)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["run", *map(str, args)])
+    finally:
+        if before is None:
+            del os.environ["LAYER_BOUNDARY_CACHE"]
+        else:
+            os.environ["LAYER_BOUNDARY_CACHE"] = before
+        log.handlers[:], log.propagate = saved[0], saved[1]
+        log.setLevel(saved[2])
+    return subprocess.CompletedProcess(["layer-boundary", "run", *map(str, args)], code,
+                                       out.getvalue(), err.getvalue())
 
 
 def _free_port() -> int:
@@ -99,7 +127,7 @@ def default_json(builtin_dir, cache_dir):
     """The default job again, with ``--json``; the cached checkpoint must be reused as is."""
     weights = builtin_dir / "model.safetensors"
     before = weights.stat().st_mtime_ns
-    proc = _cli("--json", "--max-new-tokens", NEW_TOKENS, cache=cache_dir)
+    proc = _in_process("--json", "--max-new-tokens", NEW_TOKENS, cache=cache_dir)
     return proc, before, weights.stat().st_mtime_ns
 
 
@@ -110,8 +138,9 @@ def tp_runs(qwen3_dir, tmp_path_factory, cache_dir):
     runs = {}
     for tp, extra in ((2, []), (4, ["--no-reference"]), (1, [])):
         logits = out / f"tp{tp}.safetensors"
-        proc = _cli("--model", qwen3_dir, "--tp", tp, *PROMPT_ARGS, "--max-new-tokens",
-                    NEW_TOKENS, "--json", "--logits-out", logits, *extra, cache=cache_dir)
+        proc = _in_process("--model", qwen3_dir, "--tp", tp, *PROMPT_ARGS, "--max-new-tokens",
+                           NEW_TOKENS, "--json", "--logits-out", logits, *extra,
+                           cache=cache_dir)
         runs[tp] = (_one_json_object(proc), logits)
     return runs
 
@@ -256,8 +285,8 @@ def test_logits_out_agrees_across_tp(tp_runs):
 
 @pytest.mark.timeout(300)
 def test_bfloat16_runs_and_reports_its_dtype(qwen3_dir, cache_dir):
-    proc = _cli("--model", qwen3_dir, "--dtype", "bfloat16", "--prompt-ids", "1,2,3",
-                "--max-new-tokens", 2, "--json", cache=cache_dir)
+    proc = _in_process("--model", qwen3_dir, "--dtype", "bfloat16", "--prompt-ids", "1,2,3",
+                       "--max-new-tokens", 2, "--json", cache=cache_dir)
     # exit 1 is a legitimate parity FAIL for bf16; anything else is a crash or a usage error
     assert proc.returncode in (0, 1), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -284,8 +313,9 @@ def test_torchrun_four_processes_with_attention_dp_report_once_with_parity(built
 @pytest.mark.timeout(300)
 def test_attention_dp_with_an_empty_rank_generates_the_world1_tokens(qwen3_dir, cache_dir, tp_runs):
     # PROMPTS has 2 requests: on 4 DP ranks two ranks run no tokens, yet join every collective
-    proc = _cli("--model", qwen3_dir, "--tp", 4, "--dp", 4, "--boundary-reduction", "rs+rsv",
-                *PROMPT_ARGS, "--max-new-tokens", NEW_TOKENS, "--json", cache=cache_dir)
+    proc = _in_process("--model", qwen3_dir, "--tp", 4, "--dp", 4, "--boundary-reduction",
+                       "rs+rsv", *PROMPT_ARGS, "--max-new-tokens", NEW_TOKENS, "--json",
+                       cache=cache_dir)
     report = _one_json_object(proc)
     assert (report["tp"], report["dp"]) == (4, 4)
     assert report["parity"]["tokens_match"] is True and report["parity"]["max_abs_diff"] <= 1e-5
@@ -296,8 +326,8 @@ def test_attention_dp_with_an_empty_rank_generates_the_world1_tokens(qwen3_dir, 
 @pytest.mark.timeout(300)
 def test_moe_checkpoint_runs_with_expert_parallelism(qwen3_moe_dir, cache_dir):
     # the model type comes from config.json; ep splits the experts over the TP ranks
-    proc = _cli("--model", qwen3_moe_dir, "--tp", 4, "--dp", 2, "--ep", 2, *PROMPT_ARGS,
-                "--max-new-tokens", NEW_TOKENS, "--json", cache=cache_dir)
+    proc = _in_process("--model", qwen3_moe_dir, "--tp", 4, "--dp", 2, "--ep", 2, *PROMPT_ARGS,
+                       "--max-new-tokens", NEW_TOKENS, "--json", cache=cache_dir)
     report = _one_json_object(proc)
     assert (report["tp"], report["dp"], report["ep"]) == (4, 2, 2)
     assert report["parity"]["tokens_match"] is True and report["parity"]["max_abs_diff"] <= 1e-5
@@ -308,8 +338,8 @@ def test_deepseek_v3_checkpoint_runs_with_expert_parallelism(tmp_path_factory, c
     from ds_checkpoints import hf_deepseek_v3
 
     path = hf_deepseek_v3(tmp_path_factory.mktemp("ds_cli"))
-    proc = _cli("--model", path, "--tp", 2, "--ep", 2, *PROMPT_ARGS, "--max-new-tokens",
-                NEW_TOKENS, "--json", cache=cache_dir)
+    proc = _in_process("--model", path, "--tp", 2, "--ep", 2, *PROMPT_ARGS, "--max-new-tokens",
+                       NEW_TOKENS, "--json", cache=cache_dir)
     report = _one_json_object(proc)
     assert (report["tp"], report["dp"], report["ep"]) == (2, 1, 2)
     assert report["parity"]["tokens_match"] is True and report["parity"]["max_abs_diff"] <= 1e-5
