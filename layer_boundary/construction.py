@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .boundary import bind_entry, bind_exit
 from .contracts import (BatchVariant, EdgeDecl, ProducerReduction, StageDecl, StageInput,
                         StageKind, StageOutput)
@@ -323,6 +325,10 @@ class StagePlan:
         variant = forward_batch.variant
         # decided once per forward: no adapter runs and no sum is issued early
         state.plain = forward_batch.lora_ids is None and not forward_batch.overlap
+        # a static-shape trace (compile_forward(padded=True)) sees the counts as ints; under
+        # automatic dynamic shapes they may be symbolic, and no constant can be kept
+        if torch.compiler.is_compiling() and not torch._dynamo.config.automatic_dynamic_shapes:
+            self._place_while_tracing(variant, counts)
         placed = self._placed.get(counts)
         if (placed is not None and placed[0] is variant
                 and placed[1] == forward_batch.num_tokens):
@@ -353,6 +359,28 @@ class StagePlan:
                 self._placed.pop(next(iter(self._placed)))
             self._placed[counts] = (variant, forward_batch.num_tokens, facts, state.path_key)
         return facts
+
+    @torch.compiler.assume_constant_result
+    def _place_while_tracing(self, variant, counts: tuple) -> bool:
+        """Keep the placement of these counts before a compiled forward's trace reads the
+        kept ones, so the graph takes a kept placement: a miss traced into the graph would
+        rebuild the row facts and replay the insertion on every call (the boundary guard
+        filter drops the guards on this cache; the counts are guarded as the batch's). Runs
+        at trace time only, as a constant; counts the forward will refuse are left alone."""
+        dims = self.runtime.parallel.dims
+        if (variant is BatchVariant.CP or variant not in self.variants
+                or len(counts) != dims.attn_dp or counts in self._placed):
+            return False
+        mode, _ = select_mode(self.runtime, counts, None, cp=False, variant=variant)
+        table = self.tables.get((variant, mode))
+        if table is None:
+            return False
+        dp_rank = self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
+        if len(self._placed) >= self.PLACED_KEPT:
+            self._placed.pop(next(iter(self._placed)))
+        self._placed[counts] = (variant, counts[dp_rank], table.facts(counts),
+                                (variant.value, mode.value))
+        return True
 
     def select(self, forward_batch) -> tuple[StagePath, RowFacts]:
         """The prebuilt path of this forward's batch variant and row mode, and its facts."""

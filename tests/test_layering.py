@@ -11,6 +11,7 @@ nothing of the core imports it (only ``python -m layer_boundary`` delegates to i
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ def level(module: str) -> int:
     return LEVELS[best]
 
 
+@functools.cache  # the tree does not change during a run
 def modules() -> dict[str, Path]:
     out = {}
     for path in PACKAGE.rglob("*.py"):
@@ -51,7 +53,8 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports_of(module: str, path: Path) -> set[str]:
+@functools.cache
+def imports_of(module: str, path: Path) -> frozenset[str]:
     """Package modules ``module`` imports (relative to the package), anywhere in the file."""
     is_package = path.name == "__init__.py"
     found = set()
@@ -76,7 +79,7 @@ def imports_of(module: str, path: Path) -> set[str]:
                 if alias.name.startswith("layer_boundary"):
                     found.add(alias.name[len("layer_boundary"):].lstrip("."))
     found.discard(module)
-    return found
+    return frozenset(found)
 
 
 MODULES = modules()

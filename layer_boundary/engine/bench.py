@@ -10,12 +10,12 @@ import time
 
 import torch
 
-from .. import boundary_guard_filter
 from ..models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from ..runtime.args import BoundaryRuntime
 from ..runtime.collectives import all_reduce_rows
 from ..runtime.forward_batch import ForwardBatch, ForwardMode
 from ..runtime.parallel import ParallelDims, build_parallel
+from .compiled import compile_forward
 
 
 BENCH_HEADS = 8  # attention heads of the overhead benchmark's model
@@ -114,9 +114,9 @@ def _overhead_rank(hidden, layers, requests, prefix, repeats, compile, boundary_
 
     with_boundary = model
     if compile is not None:
-        with_boundary = torch.compile(model, fullgraph=True, backend=compile,
-                                      options={"guard_filter_fn": boundary_guard_filter(model)})
-        by_hand = torch.compile(by_hand, fullgraph=True, backend=compile)
+        # every forward has the same shapes: static, as a padded engine's graphs are
+        with_boundary = compile_forward(model, compile, padded=True)
+        by_hand = torch.compile(by_hand, fullgraph=True, backend=compile, dynamic=False)
     probe = step()
     torch.testing.assert_close(with_boundary(probe), by_hand(step()), atol=1e-5, rtol=0)
     mode = probe.rows.mode.value if probe.rows is not None else None

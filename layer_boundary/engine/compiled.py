@@ -23,7 +23,12 @@ def compile_forward(model, backend: str, padded: bool):
     recompile limit admits one graph per bucket.
 
     A model whose runtime's features, or adapters, do not combine with compiling is refused
-    (``capabilities.check_model``), before any tracing."""
+    (``capabilities.check_model``), before any tracing.
+
+    What is compiled is the model's bound ``forward``, called as ``compiled(forward_batch)``:
+    ``torch.compile(model)`` would wrap it in an ``OptimizedModule``, whose call runs module
+    hooks outside the graph at the cost of about a dozen Python calls a forward (our models
+    register none; a hook registered on the model does not run here)."""
     stack, config = getattr(model, "stack", None), getattr(model, "config", None)
     if stack is not None and config is not None:
         adapted = any(getattr(m, "lora", None) is not None for m in model.modules())
@@ -31,7 +36,7 @@ def compile_forward(model, backend: str, padded: bool):
                     {Feature.COMPILE} | ({Feature.LORA} if adapted else set()))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
-    return torch.compile(model, fullgraph=True, backend=backend,
+    return torch.compile(model.forward, fullgraph=True, backend=backend,
                          dynamic=False if padded else None,
                          options={"guard_filter_fn": boundary_guard_filter(model)})
 
