@@ -434,17 +434,24 @@ def boundary_guard_filter(model):
 
     A boundary's plan is built at construction and never changes afterwards, so re-checking it
     on every call (hundreds of guards in a few layers) only costs time. Guards on tensors, on
-    the batch and on the model's own modules stay.
+    the batch and on the model's own modules stay, and so does the check that a plan holds the
+    placement a static-shape trace kept (``StagePlan.place``): that graph reads it, so it is
+    that model's graph, never another instance's of the same class.
     """
     import re
 
     attrs = sorted({name for module in model.modules() for name, value in vars(module).items()
                     if isinstance(value, StageBoundary)})
     through = re.compile(r"\.(" + "|".join(map(re.escape, attrs)) + r")(\.|\[|$)") if attrs else None
+    # the kept placement's token count: another instance's plan has no such entry, so its
+    # forward fails this guard and traces its own graph
+    kept = re.compile(r"\._placed\[[^\]]*\]\[1\]$")
 
     def keep(entries):
         if through is None:
             return [True] * len(entries)
-        return [e.guard_type == "TENSOR_MATCH" or not through.search(e.name) for e in entries]
+        return [e.guard_type == "TENSOR_MATCH" or not through.search(e.name)
+                or (e.guard_type == "EQUALS_MATCH" and bool(kept.search(e.name)))
+                for e in entries]
 
     return keep

@@ -184,3 +184,32 @@ def test_padding_rows_are_the_scratch_slot_at_position_zero(model):
     assert padded.input_ids.tolist() == [4, 5, 6] + [0] * 13
     rows = [0, 1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 129, 5000]
     assert [token_bucket(n) for n in rows] == [1] + [ladder_bucket(n) for n in rows[1:]]
+
+
+@pytest.mark.timeout(300)
+def test_compiled_forwards_read_their_own_models_kept_placement(tmp_path_factory):
+    """A static-shape trace keeps a new shape's row placement on the model's first plan and
+    the graph reads it there (the facts of every call are that kept object, not rebuilt), so
+    a second instance of the same class cannot run the first one's graph: it traces its own
+    and gives its own eager numbers."""
+    path = hf_qwen3(tmp_path_factory.mktemp("two_instances"), seed=3)
+    runtime = BoundaryRuntime(build_parallel(ParallelDims()))
+    for instance in range(2):
+        model = load_model(path, runtime)
+        compiled = compile_forward(model, "eager", padded=True)
+        caches = [model.make_kv_cache(3, 8) for _ in range(2)]
+        plan, facts = model.model.layers[0].attn_boundary.plan, []
+        for step, (mode, tokens, prefix) in enumerate(
+                ((ForwardMode.EXTEND, [[5, 6], [7, 8]], [0, 0]),
+                 (ForwardMode.DECODE, [[9], [4]], [2, 2]),
+                 (ForwardMode.DECODE, [[3], [2]], [3, 3]))):
+            eager, padded = (ForwardBatch.build(mode, tokens, prefix, req_slots=[0, 1],
+                                                kv_cache=c) for c in caches)
+            padded = padded.padded(token_bucket(eager.num_tokens), scratch_slot=2)
+            with torch.no_grad():  # compiled first: nothing eager placed these counts
+                got = compiled(padded)
+                want = model(eager)
+            torch.testing.assert_close(got[:eager.num_tokens], want, atol=1e-5, rtol=0)
+            assert padded.row_facts is plan._placed[tuple(padded.dp_token_counts)][2]
+            facts.append(padded.row_facts)
+        assert facts[2] is facts[1]  # both decode steps run in the 2-row bucket
