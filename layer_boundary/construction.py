@@ -288,7 +288,7 @@ class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
     __slots__ = ("name", "declaration", "paths", "runtime", "tables", "by_key", "variants",
-                 "_mixer", "_placed")
+                 "_mixer", "_placed", "_traced")
 
     PLACED_KEPT = 64  # placements kept by DP token counts (the oldest leaves first)
 
@@ -304,6 +304,8 @@ class StagePlan:
         # counts -> (variant, tokens, facts, path key) of a forward placed before, outside CP:
         # the same counts place the same rows and the same mode
         self._placed: dict = {}
+        # the same, for the shapes a static-shape compiled forward traced (never evicted)
+        self._traced: dict = {}
 
     def place(self, forward_batch) -> RowFacts:
         """This forward's row facts; the first boundary of a forward places them for all."""
@@ -329,7 +331,9 @@ class StagePlan:
         # automatic dynamic shapes they may be symbolic, and no constant can be kept
         if torch.compiler.is_compiling() and not torch._dynamo.config.automatic_dynamic_shapes:
             self._place_while_tracing(variant, counts)
-        placed = self._placed.get(counts)
+            placed = self._traced.get(counts)
+        else:
+            placed = self._placed.get(counts)
         if (placed is not None and placed[0] is variant
                 and placed[1] == forward_batch.num_tokens):
             state.facts, state.runtime, state.path_key = placed[2], self.runtime, placed[3]
@@ -362,23 +366,24 @@ class StagePlan:
 
     @torch.compiler.assume_constant_result
     def _place_while_tracing(self, variant, counts: tuple) -> bool:
-        """Keep the placement of these counts before a compiled forward's trace reads the
-        kept ones, so the graph takes a kept placement: a miss traced into the graph would
+        """Keep the placement of these counts (in ``_traced``) before a static-shape trace
+        reads it, so the graph takes a kept placement: a miss traced into the graph would
         rebuild the row facts and replay the insertion on every call (the boundary guard
-        filter drops the guards on this cache; the counts are guarded as the batch's). Runs
-        at trace time only, as a constant; counts the forward will refuse are left alone."""
+        filter drops the guards on these caches but keeps the kept entry's token count). Runs
+        at trace time only, as a constant; counts the forward will refuse are left alone.
+        Never evicted, unlike eager placements: one entry per traced shape, which the
+        recompile limit bounds, and an eager forward of many other shapes cannot push out the
+        entry a graph reads."""
         dims = self.runtime.parallel.dims
         if (variant is BatchVariant.CP or variant not in self.variants
-                or len(counts) != dims.attn_dp or counts in self._placed):
+                or len(counts) != dims.attn_dp or counts in self._traced):
             return False
         mode, _ = select_mode(self.runtime, counts, None, cp=False, variant=variant)
         table = self.tables.get((variant, mode))
         if table is None:
             return False
         dp_rank = self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
-        if len(self._placed) >= self.PLACED_KEPT:
-            self._placed.pop(next(iter(self._placed)))
-        self._placed[counts] = (variant, counts[dp_rank], table.facts(counts),
+        self._traced[counts] = (variant, counts[dp_rank], table.facts(counts),
                                 (variant.value, mode.value))
         return True
 

@@ -445,7 +445,7 @@ def boundary_guard_filter(model):
     through = re.compile(r"\.(" + "|".join(map(re.escape, attrs)) + r")(\.|\[|$)") if attrs else None
     # the kept placement's token count: another instance's plan has no such entry, so its
     # forward fails this guard and traces its own graph
-    kept = re.compile(r"\._placed\[[^\]]*\]\[1\]$")
+    kept = re.compile(r"\._traced\[[^\]]*\]\[1\]$")
 
     def keep(entries):
         if through is None:

@@ -19,6 +19,7 @@ import torch
 from checkpoints import hf_qwen3
 from torch._dynamo.utils import counters
 
+from layer_boundary.construction import StagePlan
 from layer_boundary.models import load_model
 from layer_boundary.engine.generate import takes_padded_batches
 from layer_boundary.engine.compiled import compile_forward
@@ -191,7 +192,8 @@ def test_compiled_forwards_read_their_own_models_kept_placement(tmp_path_factory
     """A static-shape trace keeps a new shape's row placement on the model's first plan and
     the graph reads it there (the facts of every call are that kept object, not rebuilt), so
     a second instance of the same class cannot run the first one's graph: it traces its own
-    and gives its own eager numbers."""
+    and gives its own eager numbers. Eager forwards of many other shapes do not push the
+    kept entry out (no new graph after them)."""
     path = hf_qwen3(tmp_path_factory.mktemp("two_instances"), seed=3)
     runtime = BoundaryRuntime(build_parallel(ParallelDims()))
     for instance in range(2):
@@ -210,6 +212,17 @@ def test_compiled_forwards_read_their_own_models_kept_placement(tmp_path_factory
                 got = compiled(padded)
                 want = model(eager)
             torch.testing.assert_close(got[:eager.num_tokens], want, atol=1e-5, rtol=0)
-            assert padded.row_facts is plan._placed[tuple(padded.dp_token_counts)][2]
+            assert padded.row_facts is plan._traced[tuple(padded.dp_token_counts)][2]
             facts.append(padded.row_facts)
         assert facts[2] is facts[1]  # both decode steps run in the 2-row bucket
+    # eager forwards of more shapes than the eager placements keep: the graph's entry stays
+    long = model.make_kv_cache(1, StagePlan.PLACED_KEPT + 3)
+    with torch.no_grad():
+        for n in range(3, StagePlan.PLACED_KEPT + 4):  # never the decode's 2 rows
+            model(ForwardBatch.build(ForwardMode.EXTEND, [[1] * n], [0], kv_cache=long))
+        assert (2,) not in plan._placed  # the eager placement of the decode shape is gone
+        before = _graphs()
+        again = ForwardBatch.build(ForwardMode.DECODE, [[9], [4]], [2, 2], req_slots=[0, 1],
+                                   kv_cache=caches[1]).padded(2, scratch_slot=2)
+        compiled(again)
+    assert _graphs() == before and again.row_facts is facts[1]
