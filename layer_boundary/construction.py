@@ -339,7 +339,7 @@ class StagePlan:
             state.facts, state.runtime, state.path_key = placed[2], self.runtime, placed[3]
             return placed[2]
         dims = self.runtime.parallel.dims
-        dp_rank = self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
+        dp_rank = self._dp_rank()
         if len(counts) != dims.attn_dp or counts[dp_rank] != forward_batch.num_tokens:
             raise ValueError(
                 f"ForwardBatch.dp_token_counts {counts} does not describe this rank: it needs "
@@ -351,18 +351,32 @@ class StagePlan:
         if variant is BatchVariant.CP:
             lens = cp_request_lens(forward_batch, counts, dp_rank)
             parts = tuple(n for per_dp in lens for n in cp_share_sizes(per_dp, dims.attn_cp))
+        placed = self._placement(variant, counts, forward_batch.num_tokens, parts, lens)
+        if placed is None:
+            raise no_path_error(variant)
+        state.facts, state.runtime, state.path_key = placed[2], self.runtime, placed[3]
+        if lens is None:
+            if len(self._placed) >= self.PLACED_KEPT:
+                self._placed.pop(next(iter(self._placed)))
+            self._placed[counts] = placed
+        return placed[2]
+
+    def _dp_rank(self) -> int:
+        """This rank's attention-DP rank (0 without attention DP)."""
+        dims = self.runtime.parallel.dims
+        return self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
+
+    def _placement(self, variant, counts: tuple, tokens: int, parts=None,
+                   lens=None) -> tuple | None:
+        """(variant, tokens, row facts, path key) of a forward of these counts (``tokens``
+        of them this rank's; a CP batch's ``parts`` and ``lens``) in the row mode chosen for
+        them, or None where this stage has no path for that mode."""
         mode, _ = select_mode(self.runtime, counts, parts, cp=lens is not None,
                               variant=variant)
         table = self.tables.get((variant, mode))
         if table is None:
-            raise no_path_error(variant)
-        state.facts = facts = table.facts(counts, lens)
-        state.runtime, state.path_key = self.runtime, (variant.value, mode.value)
-        if lens is None:
-            if len(self._placed) >= self.PLACED_KEPT:
-                self._placed.pop(next(iter(self._placed)))
-            self._placed[counts] = (variant, forward_batch.num_tokens, facts, state.path_key)
-        return facts
+            return None
+        return variant, tokens, table.facts(counts, lens), (variant.value, mode.value)
 
     @torch.compiler.assume_constant_result
     def _place_while_tracing(self, variant, counts: tuple) -> bool:
@@ -378,13 +392,10 @@ class StagePlan:
         if (variant is BatchVariant.CP or variant not in self.variants
                 or len(counts) != dims.attn_dp or counts in self._traced):
             return False
-        mode, _ = select_mode(self.runtime, counts, None, cp=False, variant=variant)
-        table = self.tables.get((variant, mode))
-        if table is None:
+        placed = self._placement(variant, counts, counts[self._dp_rank()])
+        if placed is None:
             return False
-        dp_rank = self.runtime.parallel.attn_dp_rank if dims.attn_dp > 1 else 0
-        self._traced[counts] = (variant, counts[dp_rank], table.facts(counts),
-                                (variant.value, mode.value))
+        self._traced[counts] = placed
         return True
 
     def select(self, forward_batch) -> tuple[StagePath, RowFacts]:

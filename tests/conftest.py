@@ -34,10 +34,7 @@ def qwen3_moe_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def restore_logger():
     """main() points the package logger at the current stdout; later tests must not inherit it."""
-    import logging
+    from distributed.checks import package_logger_kept
 
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    yield
-    log.handlers[:], log.propagate = saved[0], saved[1]
-    log.setLevel(saved[2])
+    with package_logger_kept():
+        yield

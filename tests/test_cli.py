@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 import os
 import re
 import socket
@@ -27,7 +26,7 @@ import pytest
 from layer_boundary.adapters.tbo import SHARED_CORES
 from safetensors.torch import load_file
 
-from distributed.checks import cli_ok
+from distributed.checks import cli_ok, package_logger_kept
 from layer_boundary.engine.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,21 +57,18 @@ def _cli(*args, cache: Path) -> subprocess.CompletedProcess:
 def _in_process(*args, cache: Path) -> subprocess.CompletedProcess:
     """``layer-boundary run ARGS`` through ``main()`` here, its output captured as a
     subprocess's would be (the cache folder set for the call, the package logger restored)."""
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
     before = os.environ.get("LAYER_BOUNDARY_CACHE")
     os.environ["LAYER_BOUNDARY_CACHE"] = str(cache)
     out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with (package_logger_kept(), contextlib.redirect_stdout(out),
+              contextlib.redirect_stderr(err)):
             code = main(["run", *map(str, args)])
     finally:
         if before is None:
             del os.environ["LAYER_BOUNDARY_CACHE"]
         else:
             os.environ["LAYER_BOUNDARY_CACHE"] = before
-        log.handlers[:], log.propagate = saved[0], saved[1]
-        log.setLevel(saved[2])
     return subprocess.CompletedProcess(["layer-boundary", "run", *map(str, args)], code,
                                        out.getvalue(), err.getvalue())
 

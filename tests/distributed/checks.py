@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 from dataclasses import replace
 
 from layer_boundary.adapters.tbo import TboPolicy
@@ -26,18 +28,12 @@ def cli(args, capsys) -> tuple[int, str]:
     """``layer-boundary`` in this process: its exit code and what rank 0 printed (the
     logger's handlers restored afterwards). What it wrote to stderr goes back to stderr, so
     a failing test shows it."""
-    import logging
     import sys
 
     from layer_boundary.engine.cli import main
 
-    log = logging.getLogger("layer_boundary")
-    saved = log.handlers[:], log.propagate, log.level
-    try:
+    with package_logger_kept():
         code = main(args)
-    finally:
-        log.handlers[:], log.propagate = saved[0], saved[1]
-        log.setLevel(saved[2])
     captured = capsys.readouterr()
     sys.stderr.write(captured.err)
     return code, captured.out
@@ -94,3 +90,16 @@ def run_matching_world1(spec: RunSpec, mode: str) -> list:
         if r.dp_rank >= n:
             assert r.generation.request_ids == [], r.rank
     return results
+
+
+@contextlib.contextmanager
+def package_logger_kept():
+    """``main()`` points the package logger at the current stdout; put its handlers,
+    propagation and level back afterwards, so later tests do not inherit them."""
+    log = logging.getLogger("layer_boundary")
+    saved = log.handlers[:], log.propagate, log.level
+    try:
+        yield
+    finally:
+        log.handlers[:], log.propagate = saved[0], saved[1]
+        log.setLevel(saved[2])
