@@ -22,7 +22,6 @@ row of ``TRANSITIONS``; the table test runs every row on real ranks.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 
@@ -255,10 +254,14 @@ class MovementTable:
                 for m in self._moves.values()]
 
 
-@functools.lru_cache(maxsize=None)
 def movement_table(parallel: Parallel, mode: RowMode, cp: bool = False) -> MovementTable:
-    """The table of one topology, mode and variant (resolved once per topology: a memo)."""
-    return MovementTable(parallel, mode, cp)
+    """The table of one topology, mode and variant (resolved once per topology: a memo kept
+    on the topology, released with it)."""
+    key = ("movement_table", mode, cp)
+    table = parallel.memo.get(key)
+    if table is None:
+        table = parallel.memo[key] = MovementTable(parallel, mode, cp)
+    return table
 
 
 def table_rows(parallel: Parallel, mode: RowMode, cp: bool = False) -> list[dict]:

@@ -76,16 +76,17 @@ def build_without(primitive: str, policy: str) -> str:
     """Build a toy layer with the table rows of one primitive (``ops.<primitive>``) removed;
     the construction error, or ''."""
     saved = ops.TRANSITIONS
+    rt = runtime(2, boundary_reduction=policy)
     ops.TRANSITIONS = tuple(t for t in saved if t.primitive is not getattr(ops, primitive))
-    ops.movement_table.cache_clear()
+    rt.parallel.memo.clear()  # the tables resolved from the full TRANSITIONS
     try:
-        ToyStack(runtime(2, boundary_reduction=policy), 2)
+        ToyStack(rt, 2)
         return ""
     except UnsupportedBoundary as exc:
         return str(exc)
     finally:
         ops.TRANSITIONS = saved
-        ops.movement_table.cache_clear()
+        rt.parallel.memo.clear()
 
 
 @pytest.mark.timeout(60)

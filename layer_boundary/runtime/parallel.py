@@ -105,6 +105,9 @@ class Parallel:
     attn_cp_group: Group = field(default=None)
     # same attention-TP index across every (DP, CP) rank: a CP batch's row partitions
     dp_cp_group: Group = field(default=None)
+    # what is resolved once per topology (ops.movement_table), kept on the topology so that it
+    # goes with it: a process-wide memo would keep released groups (and their threads) alive
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.pp_group is None:
@@ -114,6 +117,11 @@ class Parallel:
         if self.dp_cp_group is None:  # no CP: the partitions are the DP ranks
             object.__setattr__(self, "dp_cp_group", self.attn_dp_group)
 
+
+    def groups(self) -> tuple[Group, ...]:
+        """This rank's groups of the topology (size-1 groups included)."""
+        return tuple(dict.fromkeys((self.tp_group, self.attn_tp_group, self.attn_dp_group,
+                                    self.pp_group, self.attn_cp_group, self.dp_cp_group)))
 
     @property
     def pp_rank(self) -> int:
@@ -174,6 +182,7 @@ def _new_groups(name: str, all_ranks: list[list[int]], rank: int) -> Group:
     return mine
 
 
+# every topology built in this process, least recently built or reused first
 _PARALLEL_CACHE: dict[ParallelDims, Parallel] = {}
 
 
@@ -202,8 +211,9 @@ _CP_GROUPS = ("attn_cp", "dp_cp")
 
 def build_parallel(dims: ParallelDims) -> Parallel:
     """Groups for ``dims``; built once per process and topology, then reused."""
-    cached = _PARALLEL_CACHE.get(dims)
+    cached = _PARALLEL_CACHE.pop(dims, None)
     if cached is not None:
+        _PARALLEL_CACHE[dims] = cached  # now the most recent
         return cached
     if dims.world_size == 1:
         par = Parallel(dims, 0, _local_group("tp"), _local_group("attn_tp"), _local_group("attn_dp"))
@@ -222,6 +232,37 @@ def build_parallel(dims: ParallelDims) -> Parallel:
                    groups.get("attn_cp"), groups.get("dp_cp"))
     _PARALLEL_CACHE[dims] = par
     return par
+
+
+def built_topologies() -> tuple[ParallelDims, ...]:
+    """The topologies whose groups this process holds, least recently built or reused first."""
+    return tuple(_PARALLEL_CACHE)
+
+
+def release_parallel(dims: ParallelDims) -> None:
+    """Destroy the process groups ``build_parallel(dims)`` made in this process.
+
+    Each gloo group keeps a thread that wakes every few milliseconds for as long as the group
+    lives, so a process that moves between topologies (an engine that re-shards, a test pool)
+    releases the ones it is done with. Every rank of the world releases the same topologies in
+    the same order, as it built them: a later ``build_parallel(dims)`` creates the groups
+    again, which all ranks must join. A model built on the topology must not run afterwards.
+
+    Args:
+        dims: a topology ``build_parallel`` returned groups for; one it never built (or
+            already released) is left as it is.
+    """
+    par = _PARALLEL_CACHE.pop(dims, None)
+    if par is None:
+        return
+    for group in par.groups():
+        if group.pg is not None:
+            dist.destroy_process_group(group.pg)
+    # another topology may hold a group of the same ranks under the same key: the keys
+    # point at the most recent holder's group again
+    _PROCESS_GROUPS.clear()
+    for kept in _PARALLEL_CACHE.values():
+        _PROCESS_GROUPS.update((g.key, g.pg) for g in kept.groups() if g.pg is not None)
 
 
 def virtual_parallel(dims: ParallelDims, rank: int = 0) -> Parallel:

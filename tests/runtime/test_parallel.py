@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +17,9 @@ from hypothesis import strategies as st
 from distributed.pool import get_pool
 from layer_boundary.runtime.collectives import all_reduce_rows, gather_last_dim
 from layer_boundary.runtime.ledger import LEDGER
-from layer_boundary.runtime.parallel import ParallelDims, TopologyError, build_parallel
+from layer_boundary.runtime.parallel import (ParallelDims, TopologyError, build_parallel,
+                                             built_topologies, process_group,
+                                             release_parallel)
 
 FACTORS = ("world_size", "pp", "tp", "attn_dp", "attn_cp")
 
@@ -210,3 +215,52 @@ def test_group_layout_on_4_ranks(kwargs):
     expected = _expected_layout(4, **kwargs)
     for r, got in enumerate(results):
         assert got == expected[r], f"rank {r}"
+
+
+# ------------------------------------------------------------------ release
+
+
+def _gloo_threads() -> int:
+    """This process's gloo I/O threads: one for each live gloo group."""
+    gc.collect()
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    return sum((t / "comm").read_text().strip() == "gloo_tcp_loop" for t in tasks.iterdir())
+
+
+def _release_and_rebuild() -> dict:
+    dp2, tp4 = ParallelDims(world_size=4, tp=4, attn_dp=2), ParallelDims(world_size=4, tp=4)
+    for dims in (dp2, tp4):  # whatever earlier cases left
+        release_parallel(dims)
+    a = build_parallel(dp2)
+    b = build_parallel(tp4)
+    out = {"same_key": a.tp_group.key == b.tp_group.key,
+           "key_is_latest": process_group(b.tp_group.key) is b.tp_group.pg,
+           "hit_is_same": build_parallel(dp2) is a,
+           "order": built_topologies()[-2:] == (tp4, dp2)}  # the hit made dp2 the most recent
+    b_groups = sum(g.pg is not None for g in b.groups())
+    threads = _gloo_threads()
+    del b
+    release_parallel(tp4)
+    release_parallel(tp4)  # no longer built: nothing happens
+    out["threads_ended"] = threads - _gloo_threads() == b_groups
+    out["kept"] = tp4 not in built_topologies() and dp2 in built_topologies()
+    out["key_back"] = process_group(a.tp_group.key) is a.tp_group.pg
+    with pytest.raises(KeyError):  # a group only the released topology held
+        process_group("attn_tp:0,1,2,3")
+    sums = []
+    for par in (a, build_parallel(tp4)):  # the kept groups still sum, and rebuilt ones too
+        t = torch.ones(1)
+        dist.all_reduce(t, group=par.tp_group.pg)
+        sums.append(int(t))
+    out["sums"] = sums
+    for dims in (dp2, tp4):
+        release_parallel(dims)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_release_parallel_ends_a_topologys_groups_and_keeps_the_rest():
+    for got in get_pool(4).run(_release_and_rebuild):
+        assert got == {"same_key": True, "key_is_latest": True, "hit_is_same": True,
+                       "order": True, "threads_ended": True, "kept": True, "key_back": True,
+                       "sums": [4, 4]}, got
