@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import gc
 import os
 import pickle
 import signal
@@ -37,7 +36,6 @@ from layer_boundary.runtime.launch import process_state
 _GRACE_S = 3.0
 _JOIN_S = 10.0
 _GLOO_TIMEOUT = datetime.timedelta(seconds=60)
-_KEEP_TOPOLOGIES = 2
 _STOP = b"stop"  # never a valid pickle, so it cannot be mistaken for a task
 
 
@@ -73,22 +71,6 @@ def _end_with(parent: int) -> None:
     while process_state(parent) not in (None, "Z", "X"):  # gone, or a zombie
         time.sleep(0.5)
     os._exit(1)
-
-
-def _release_old_topologies() -> None:
-    """Keep the groups of the ``_KEEP_TOPOLOGIES`` topologies cases used last, release the
-    rest. Every gloo group holds a thread that wakes every 10 ms while it lives; a worker
-    that kept every topology of the session (dozens, for hours of cases, in five pools)
-    spent a large share of two cores in those threads, taken from every later case. All
-    ranks of a pool run the same cases, so they build and release the same topologies in
-    the same order."""
-    from layer_boundary.runtime.parallel import built_topologies, release_parallel
-
-    old = built_topologies()[:-_KEEP_TOPOLOGIES]
-    for dims in old:
-        release_parallel(dims)
-    if old:
-        gc.collect()  # a released group's thread ends when the last model holding it goes
 
 
 def _worker(rank: int, world_size: int, port: int, sys_path: list[str], conn,
@@ -129,7 +111,6 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], conn,
             except BaseException:  # SystemExit from fn must not end the worker silently
                 reply = pickle.dumps(("err", traceback.format_exc()))
             conn.send_bytes(reply)
-            _release_old_topologies()
     finally:
         dist.destroy_process_group()
 
