@@ -159,18 +159,18 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
             + torch.arange(n, device=device)
     if g.uniform:
         p = g.prefixes[0]
-        cache.k[layer][slots, p:p + n] = k
+        cache.k[layer][slots, :, p:p + n] = k.transpose(1, 2)  # [b, KVH, n, D]
         if not cache.shared_kv:
-            cache.v[layer][slots, p:p + n] = v
+            cache.v[layer][slots, :, p:p + n] = v.transpose(1, 2)
     else:
         rows = slots if isinstance(slots, torch.Tensor) else torch.arange(
             slots.start, slots.stop, device=device)
-        index = (rows[:, None].expand(b, n), query_pos)
-        cache.k[layer].index_put_(index, k)
+        # the two index tensors [b, n] select (request, position); each pair takes [KVH, D]
+        cache.k[layer][rows[:, None].expand(b, n), :, query_pos] = k
         if not cache.shared_kv:
-            cache.v[layer].index_put_(index, v)
-    key_rows = cache.k[layer][slots, :keys]  # [b, L, KVH, D] (a view for consecutive slots)
-    value_rows = key_rows if cache.shared_kv else cache.v[layer][slots, :keys]
+            cache.v[layer][rows[:, None].expand(b, n), :, query_pos] = v
+    key_rows = cache.k[layer][slots, :, :keys]  # [b, KVH, L, D] (a view for consecutive slots)
+    value_rows = key_rows if cache.shared_kv else cache.v[layer][slots, :, :keys]
     if query_pos is None:
         return _attend_chunk(q, key_rows, value_rows, None, None, scaling, sinks, False, None)
     return _attend(q, key_rows, value_rows, query_pos, torch.arange(keys, device=device),
@@ -180,7 +180,8 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
 
 def _attend(q, keys, values, query_pos, key_pos, scaling: float, sinks, *, window,
             causal: bool = False):
-    """q [b, n, H, D] over keys [b, L, KVH, D] / values [b, L, KVH, Dv] -> [b, n, H, Dv].
+    """q [b, n, H, D] over keys [b, KVH, L, D] / values [b, KVH, L, Dv] (the cache's
+    head-major layout) -> [b, n, H, Dv].
 
     query_pos [b, n] and key_pos [L] or [b, L] (negative: an empty row) give the mask: a
     query sees keys at positions <= its own (and > its own - ``window``). ``causal``: the
@@ -209,7 +210,7 @@ def _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, causal, w
         if window is not None:
             seen = seen & (key_pos > query_pos[:, :, None] - window)
         mask = seen[:, None]  # [b, 1, n, L], one mask for every head
-    q4, k4, v4 = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [b, h, *, d]
+    q4, k4, v4 = q.transpose(1, 2), keys, values  # [b, h, *, d]
     if sinks is not None:
         out = _sink_attention(q4, k4, v4, mask, scaling, sinks)
     else:
@@ -243,10 +244,10 @@ def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
     is its own one-query request over its slot's cache rows. Nothing reads the per-request
     tuples, so the work and the graph depend on the row count alone."""
     slots, positions = forward_batch.token_slots, forward_batch.positions
-    cache.k[layer].index_put_((slots, positions), k)
+    cache.k[layer][slots, :, positions] = k  # each (slot, position) pair takes [KVH, D]
     if not cache.shared_kv:
-        cache.v[layer].index_put_((slots, positions), v)
-    keys = cache.k[layer][slots]  # [T, rows, KVH, D]
+        cache.v[layer][slots, :, positions] = v
+    keys = cache.k[layer][slots]  # [T, KVH, rows, D]
     values = keys if cache.shared_kv else cache.v[layer][slots]
     key_pos = torch.arange(cache.rows, device=q.device)
     return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling, sinks,
@@ -262,10 +263,10 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         slots = torch.tensor(forward_batch.req_slots, dtype=torch.long, device=device)
         positions = forward_batch.positions  # [B], one per request
         ring = positions % rows
-        cache.k[layer].index_put_((slots, ring), k)
+        cache.k[layer][slots, :, ring] = k  # each (slot, ring row) pair takes [KVH, D]
         if not cache.shared_kv:
-            cache.v[layer].index_put_((slots, ring), v)
-        keys = cache.k[layer][slots]  # [B, rows, KVH, D]
+            cache.v[layer][slots, :, ring] = v
+        keys = cache.k[layer][slots]  # [B, KVH, rows, D]
         values = keys if cache.shared_kv else cache.v[layer][slots]
         r = torch.arange(rows, device=device)[None, :]
         key_pos = positions[:, None] - (positions[:, None] - r) % rows  # [B, rows]; < 0: empty
@@ -279,7 +280,7 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         first, keys, values = _window_keys(cache, layer, slot, prefix, k[start:end],
                                            v[start:end])
         query_pos = torch.arange(prefix, prefix + n, device=q.device)[None]
-        key_pos = torch.arange(first, first + keys.shape[0], device=q.device)
+        key_pos = torch.arange(first, first + keys.shape[1], device=q.device)
         out[start:end] = _attend(q[None, start:end], keys[None], values[None], query_pos,
                                  key_pos, scaling, sinks, causal=False, window=cache.window)[0]
         start = end
@@ -293,13 +294,15 @@ def _window_keys(cache, layer: int, slot: int, prefix: int, k, v):
     n, rows = k.shape[0], cache.rows
     first = max(0, prefix - (cache.window - 1))
     past = torch.arange(first, prefix, device=k.device) % rows
-    keys = torch.cat((cache.k[layer][slot, past], k))  # [prefix - first + n, KVH, D]
-    values = keys if cache.shared_kv else torch.cat((cache.v[layer][slot, past], v))
+    # the slot first (a view [KVH, rows, D]), then its ring rows: [KVH, prefix - first + n, D]
+    keys = torch.cat((cache.k[layer][slot][:, past], k.transpose(0, 1)), dim=1)
+    values = keys if cache.shared_kv else torch.cat(
+        (cache.v[layer][slot][:, past], v.transpose(0, 1)), dim=1)
     keep = min(n, rows)  # only the last ``rows`` new positions can be seen again
     ring = torch.arange(prefix + n - keep, prefix + n, device=k.device) % rows
-    cache.k[layer][slot, ring] = k[n - keep:]
+    cache.k[layer][slot][:, ring] = k[n - keep:].transpose(0, 1)
     if not cache.shared_kv:
-        cache.v[layer][slot, ring] = v[n - keep:]
+        cache.v[layer][slot][:, ring] = v[n - keep:].transpose(0, 1)
     return first, keys, values
 
 
@@ -313,15 +316,15 @@ def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, 
     for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
                                forward_batch.extend_lens):
         end, total = start + n, prefix + n
-        cache.k[layer][slot, prefix:total] = k[start:end]
+        cache.k[layer][slot, :, prefix:total] = k[start:end].transpose(0, 1)  # [KVH, n, D]
         if not cache.shared_kv:
-            cache.v[layer][slot, prefix:total] = v[start:end]
+            cache.v[layer][slot, :, prefix:total] = v[start:end].transpose(0, 1)
         lo, hi = (int(i) for i in torch.searchsorted(
             queries, torch.tensor([start, end], device=q.device)))
         if hi > lo:
             query_pos = (prefix + queries[lo:hi] - start)[None]  # [1, rows]
-            keys = cache.k[layer][slot:slot + 1, :total]
-            values = keys if cache.shared_kv else cache.v[layer][slot:slot + 1, :total]
+            keys = cache.k[layer][slot:slot + 1, :, :total]
+            values = keys if cache.shared_kv else cache.v[layer][slot:slot + 1, :, :total]
             out[lo:hi] = _attend(q[None, lo:hi], keys, values, query_pos,
                                  torch.arange(total, device=q.device), scaling, sinks,
                                  causal=False, window=None)[0]

@@ -1,4 +1,4 @@
-"""A plain per-request KV cache: [slots, rows, kv_heads, head_dim] per layer, or a ring for a
+"""A plain per-request KV cache: [slots, kv_heads, rows, head_dim] per layer, or a ring for a
 sliding window (``attention.cached_attention`` reads and writes it)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import torch
 
 class KVCache:
     """k/v for ``layers`` (a count, or the global indices a pipeline stage holds): [slots,
-    rows, kv_heads, head_dim] each (v may have its own head dim, as MLA's does), indexed by
-    the layer's global index.
+    kv_heads, rows, head_dim] each (v may have its own head dim, as MLA's does), indexed by
+    the layer's global index. Head-major, as attention reads it: a request's keys of one head
+    are consecutive rows, so a batch's keys are a view in the layout attention kernels take.
 
     ``window`` (sliding-window attention): a query sees only the last ``window`` positions,
     itself included, so the cache keeps ``min(max_len, window)`` rows per request as a ring
@@ -31,8 +32,8 @@ class KVCache:
         if window is not None and window < 1:
             raise ValueError(f"sliding window must be positive, got {window}")
         rows = max_len if window is None else min(max_len, window)
-        k_shape = (slots, rows, kv_heads, head_dim)
-        v_shape = (slots, rows, kv_heads, v_head_dim or head_dim)
+        k_shape = (slots, kv_heads, rows, head_dim)
+        v_shape = (slots, kv_heads, rows, v_head_dim or head_dim)
         layers = range(layers) if isinstance(layers, int) else layers
         self.k = {i: torch.zeros(k_shape, dtype=dtype, device=device) for i in layers}
         if shared_kv:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
     from .norm import GemmaRMSNorm, RMSNorm
     from .launch import RankError, init_distributed, launched_by_torchrun, spawn
     from .parallel import (Group, Parallel, ParallelDims, TopologyError, build_parallel,
-                           virtual_parallel)
+                           built_topologies, release_parallel, virtual_parallel)
 
 # each public name -> its module, imported on first use (PEP 562): the command line reads
 # `defaults` without importing torch
@@ -78,6 +78,8 @@ _EXPORTS = {
     'RankError': '.launch',
     'TopologyError': '.parallel',
     'build_parallel': '.parallel',
+    'built_topologies': '.parallel',
+    'release_parallel': '.parallel',
     'init_distributed': '.launch',
     'launched_by_torchrun': '.launch',
     'spawn': '.launch',
@@ -86,7 +88,8 @@ _EXPORTS = {
 
 __all__ = [
     # topology and process start-up
-    "ParallelDims", "TopologyError", "Group", "Parallel", "build_parallel", "virtual_parallel",
+    "ParallelDims", "TopologyError", "Group", "Parallel", "build_parallel", "built_topologies",
+    "release_parallel", "virtual_parallel",
     "init_distributed", "launched_by_torchrun", "spawn", "RankError",
     # what boundary construction reads
     "BoundaryRuntime", "resolve_boundary_reduction", "set_runtime", "get_runtime",
