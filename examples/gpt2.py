@@ -338,5 +338,5 @@ def run_rank(path: str, prompts, steps: int, *, tp: int = 1, dp: int = 1,
                               dp_rank=par.attn_dp_rank)
     return {"rank": par.rank, "attn_tp_rank": par.attn_tp_rank, "requests": gen.request_ids,
             "generated": gen.generated, "logits": gen.logits, "modes": model.modes,
-            "released": model.released, "heads": model.make_kv_cache(1, 1).k[0].shape[2],
+            "released": model.released, "heads": model.make_kv_cache(1, 1).k[0].shape[1],
             "collectives": sorted({(e.kind, e.group, e.site) for e in collectives})}
