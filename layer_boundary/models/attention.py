@@ -166,9 +166,10 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
         rows = slots if isinstance(slots, torch.Tensor) else torch.arange(
             slots.start, slots.stop, device=device)
         # the two index tensors [b, n] select (request, position); each pair takes [KVH, D]
-        cache.k[layer][rows[:, None].expand(b, n), :, query_pos] = k
+        requests = rows[:, None].expand(b, n)
+        cache.k[layer][requests, :, query_pos] = k
         if not cache.shared_kv:
-            cache.v[layer][rows[:, None].expand(b, n), :, query_pos] = v
+            cache.v[layer][requests, :, query_pos] = v
     key_rows = cache.k[layer][slots, :, :keys]  # [b, KVH, L, D] (a view for consecutive slots)
     value_rows = key_rows if cache.shared_kv else cache.v[layer][slots, :, :keys]
     if query_pos is None:
