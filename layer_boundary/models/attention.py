@@ -30,35 +30,32 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..residual.batch import per_forward
+
 CHUNK = 512  # query rows per masked call: the mask and any fallback scores stay O(rows x keys)
 
 
 @dataclass(frozen=True)
 class _Group:
-    """Requests of one forward that bring the same number of query rows."""
+    """Requests of one forward that bring the same number of query rows (made once per
+    forward: every layer's attention reads the same groups)."""
 
     rows: int  # query rows (new tokens) of each
     slots: tuple[int, ...]
     prefixes: tuple[int, ...]
     firsts: tuple[int, ...]  # each request's first token row in this forward
+    keys: int  # cache rows the group reads: its longest request's
+    contiguous: bool  # its tokens are one run of the batch, request after request (a view)
+    uniform: bool  # every request has the same prefix: each query sees the same key count
 
-    @property
-    def keys(self) -> int:
-        """Cache rows the group reads: its longest request's."""
-        longest = 0
-        for p in self.prefixes:
-            longest = p if p > longest else longest
-        return longest + self.rows
 
-    @property
-    def contiguous(self) -> bool:
-        """Its tokens are one run of the batch, request after request (a view, not a gather)."""
-        return all(f == self.firsts[0] + i * self.rows for i, f in enumerate(self.firsts))
-
-    @property
-    def uniform(self) -> bool:
-        """Every request has the same prefix: each query sees the same key count."""
-        return all(p == self.prefixes[0] for p in self.prefixes)
+def _group(rows: int, slots: tuple, prefixes: tuple, firsts: tuple) -> _Group:
+    longest = 0
+    for p in prefixes:
+        longest = p if p > longest else longest
+    return _Group(rows, slots, prefixes, firsts, longest + rows,
+                  all(f == firsts[0] + i * rows for i, f in enumerate(firsts)),
+                  all(p == prefixes[0] for p in prefixes))
 
 
 def _groups(forward_batch) -> list[_Group]:
@@ -78,7 +75,7 @@ def _groups(forward_batch) -> list[_Group]:
         else:
             by_rows.append((n, [i]))
     prefixes = forward_batch.prefix_lens
-    return [_Group(n, tuple(forward_batch.req_slots[i] for i in reqs),
+    return [_group(n, tuple(forward_batch.req_slots[i] for i in reqs),
                    tuple(prefixes[i] for i in reqs), tuple(firsts[i] for i in reqs))
             for n, reqs in by_rows]
 
@@ -119,7 +116,7 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return _share_attention(cache, layer, q, k, v, forward_batch, scaling, sinks, queries)
     if cache.window is not None:
         return _ring_attention(cache, layer, q, k, v, forward_batch, scaling, sinks)
-    groups = _groups(forward_batch)
+    groups = per_forward(forward_batch, "attention groups", lambda: _groups(forward_batch))
     if len(groups) == 1 and groups[0].contiguous:  # a decode step, equal prompts: no gather
         g = groups[0]
         return _group_attention(cache, layer, g, q.view(len(g.slots), g.rows, *q.shape[1:]),
@@ -152,7 +149,10 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
     b, n, keys = len(g.slots), g.rows, g.keys
     device = q.device
     slots = slot_index(g.slots, device)
-    if g.uniform and n == 1:  # a decode step of equal lengths: every key is seen, no mask
+    # SDPA's own causal mask is exact for equal prompts with no prefix (query i sees keys
+    # 0..i, n == L): the flash kernel runs it blockwise with no mask at all
+    causal = g.uniform and g.prefixes[0] == 0 and n > 1 and sinks is None
+    if (g.uniform and n == 1) or causal:  # every key is seen, or SDPA masks: no positions
         query_pos = None
     else:  # each new token's position, [b, n]: where it is written and what it may see
         query_pos = torch.tensor(g.prefixes, dtype=torch.long, device=device)[:, None] \
@@ -173,24 +173,18 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
     key_rows = cache.k[layer][slots, :, :keys]  # [b, KVH, L, D] (a view for consecutive slots)
     value_rows = key_rows if cache.shared_kv else cache.v[layer][slots, :, :keys]
     if query_pos is None:
-        return _attend_chunk(q, key_rows, value_rows, None, None, scaling, sinks, False, None)
+        return _attend_chunk(q, key_rows, value_rows, None, None, scaling, sinks, causal, None)
     return _attend(q, key_rows, value_rows, query_pos, torch.arange(keys, device=device),
-                   scaling, sinks, window=None,
-                   causal=g.uniform and g.prefixes[0] == 0)  # SDPA's own mask is exact there
+                   scaling, sinks, window=None)
 
 
-def _attend(q, keys, values, query_pos, key_pos, scaling: float, sinks, *, window,
-            causal: bool = False):
+def _attend(q, keys, values, query_pos, key_pos, scaling: float, sinks, *, window):
     """q [b, n, H, D] over keys [b, KVH, L, D] / values [b, KVH, L, Dv] (the cache's
     head-major layout) -> [b, n, H, Dv].
 
     query_pos [b, n] and key_pos [L] or [b, L] (negative: an empty row) give the mask: a
-    query sees keys at positions <= its own (and > its own - ``window``). ``causal``: the
-    same mask is SDPA's own (query i sees keys 0..i: no prefix, n == L), so the flash kernel
-    runs it blockwise with no mask at all."""
+    query sees keys at positions <= its own (and > its own - ``window``)."""
     n = q.shape[1]
-    if causal and sinks is None:
-        return _attend_chunk(q, keys, values, None, None, scaling, None, True, None)
     if n <= CHUNK:
         return _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, False, window)
     # chunks of queries: the mask (and the sink path's scores) stay [chunk, keys]
@@ -283,7 +277,7 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         query_pos = torch.arange(prefix, prefix + n, device=q.device)[None]
         key_pos = torch.arange(first, first + keys.shape[1], device=q.device)
         out[start:end] = _attend(q[None, start:end], keys[None], values[None], query_pos,
-                                 key_pos, scaling, sinks, causal=False, window=cache.window)[0]
+                                 key_pos, scaling, sinks, window=cache.window)[0]
         start = end
     return out
 
@@ -328,6 +322,6 @@ def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, 
             values = keys if cache.shared_kv else cache.v[layer][slot:slot + 1, :, :total]
             out[lo:hi] = _attend(q[None, lo:hi], keys, values, query_pos,
                                  torch.arange(total, device=q.device), scaling, sinks,
-                                 causal=False, window=None)[0]
+                                 window=None)[0]
         start = end
     return out

@@ -22,7 +22,7 @@ from ..runtime.context import sequence_parallel_scope
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .attention import cached_attention
-from .rope import apply_rope, rope_cos_sin
+from .rope import forward_cos_sin, rope_key, rotate_half
 
 
 class GqaAttention(nn.Module):
@@ -59,6 +59,7 @@ class GqaAttention(nn.Module):
         self.rotary = inv_freq is not None
         if self.rotary:
             self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.rope_key = rope_key(inv_freq)
         self.scaling = head_dim ** -0.5
 
     def forward(self, positions, hidden_states, forward_batch):
@@ -78,10 +79,9 @@ class GqaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
-            cos, sin = rope_cos_sin(positions if cp is None else cp.share(positions),
-                                    self.inv_freq, q.dtype)
-            q = apply_rope(q, cos, sin, interleave=False)
-            k = apply_rope(k, cos, sin, interleave=False)
+            cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
+                                       q.dtype, None if cp is None else cp.share)
+            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         if cp is not None:  # every token of the DP rank as keys and values, in token order
             k, v = cp.gather(torch.cat((k, v), dim=-1)).split(self.head_dim, dim=-1)
         out = cached_attention(self.index, q, k, v, forward_batch, self.scaling,

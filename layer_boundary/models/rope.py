@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..residual.batch import per_forward
+
 
 def inverse_frequencies(theta: float, dim: int) -> torch.Tensor:
     """[dim/2] rotation frequencies of the default rope type (uninitialized on the meta
@@ -20,6 +22,49 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+def rope_key(inv_freq: torch.Tensor) -> tuple:
+    """What identifies a rotary table across layers: its frequencies' values (layers whose
+    frequencies are equal share one table per forward; a meta tensor has no values, and a
+    model on the meta device never runs a forward)."""
+    if inv_freq.device.type == "meta":
+        return ("meta", inv_freq.shape[0])
+    return tuple(inv_freq.tolist())
+
+
+def forward_cos_sin(forward_batch, key: tuple, positions: torch.Tensor, inv_freq: torch.Tensor,
+                    dtype, share=None):
+    """The rotate-half form's full-width cos/sin [T, D] of ``positions`` (``share(positions)``
+    under CP), computed by the first layer of a forward that asks and reused by the rest, as
+    transformers computes its position embeddings once per forward.
+
+    Args:
+        forward_batch: the batch (the table lives as long as its forward: ``per_forward``).
+        key: ``rope_key(inv_freq)``, taken at construction.
+        positions: the batch's positions, every token's of the DP rank; the table is reused
+            only for this very tensor.
+        inv_freq: the frequencies [D / 2].
+        dtype: the table's dtype (q's).
+        share: a CP share of the rows (``CpView.share``), or None.
+    """
+    def table():
+        cos, sin = rope_cos_sin(positions if share is None else share(positions), inv_freq,
+                                dtype)
+        return positions, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    made_for, cos, sin = per_forward(forward_batch, ("rope", key, dtype, share is None), table)
+    if made_for is not positions:  # a layer given other positions than the forward's own
+        _, cos, sin = table()
+    return cos, sin
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotate-half RoPE over x [T, H, D] with full-width cos/sin [T, D]
+    (``forward_cos_sin``)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                interleave: bool) -> torch.Tensor:
     """RoPE over x [T, H, D] with cos/sin [T, D/2].
@@ -29,10 +74,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     the same layout, so their dot products are those of the interleaved rotation. Otherwise
     the rotate-half form.
     """
-    cos, sin = cos[:, None, :], sin[:, None, :]
     if interleave:
+        cos, sin = cos[:, None, :], sin[:, None, :]
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return rotate_half(x, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))

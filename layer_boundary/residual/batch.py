@@ -46,6 +46,27 @@ def start(forward_batch: ForwardBatch) -> ResidualStream:
     return ResidualStream.arrive(forward_batch)
 
 
+def per_forward(forward_batch: ForwardBatch, key, compute):
+    """What one forward's layers compute once and share: ``compute()`` on the first call with
+    ``key`` after the stack's entry, the same object on later calls of that forward (a
+    microbatch of two-batch overlap is a forward of its own). Outside a stack (no state on
+    the batch) it is computed on every call.
+
+    Args:
+        forward_batch: the batch the stack runs.
+        key: what names the value (hashable, fixed at construction: never a tensor).
+        compute: makes the value; called with no arguments.
+    """
+    state = forward_batch.boundary
+    if state is None:
+        return compute()
+    memo = state.memo
+    value = memo.get(key)
+    if value is None:
+        value = memo[key] = compute()
+    return value
+
+
 def _checked(hidden_states, forward_batch) -> ResidualStream:
     stream = stream_of(forward_batch)
     stream.check(hidden_states)

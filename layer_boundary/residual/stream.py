@@ -108,7 +108,9 @@ class ForwardState:
     ``microbatches``: a two-batch-overlap forward's two microbatches;
     ``plain``: decided once per forward, where its rows are placed: no LoRA adapter runs
     and no sum is issued early (two-batch overlap), so a stage's fixed exit opens without
-    an exit object.
+    an exit object;
+    ``memo``: what the model's layers compute once per forward and share (the rotary cos/sin
+    of its positions: ``models.rope.forward_cos_sin``), gone with the forward.
     """
 
     stream: "ResidualStream | None" = None
@@ -118,6 +120,7 @@ class ForwardState:
     plain: bool = True
     segment: tuple | None = None
     moved: dict = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)
     microbatches: list | None = None
 
 
