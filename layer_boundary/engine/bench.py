@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from ..residual import batch as residual_batch
 from ..runtime.args import BoundaryRuntime
 from ..runtime.collectives import all_reduce_rows
 from ..runtime.forward_batch import ForwardBatch, ForwardMode
@@ -27,6 +28,9 @@ def hand_written(model: Qwen3ForCausalLM, fb: ForwardBatch) -> torch.Tensor:
     itself outside a boundary's scope)."""
     m = model.model
     attn_tp = m.layers[0].self_attn.o_proj.group  # the group its partial is a sum over
+    # the forward's own state, as the stack's entry makes it: the layers share their
+    # per-forward tables (rotary cos/sin, attention groups) as in the boundary's forward
+    residual_batch.start(fb)
     residual = m.embed_tokens(fb.input_ids)
     x = m.layers[0].input_layernorm(residual)
     for i, layer in enumerate(m.layers):

@@ -50,7 +50,7 @@ def per_forward(forward_batch: ForwardBatch, key, compute):
     """What one forward's layers compute once and share: ``compute()`` on the first call with
     ``key`` after the stack's entry, the same object on later calls of that forward (a
     microbatch of two-batch overlap is a forward of its own). Outside a stack (no state on
-    the batch) it is computed on every call.
+    the batch, or a forward that has left it) it is computed on every call.
 
     Args:
         forward_batch: the batch the stack runs.
@@ -58,7 +58,7 @@ def per_forward(forward_batch: ForwardBatch, key, compute):
         compute: makes the value; called with no arguments.
     """
     state = forward_batch.boundary
-    if state is None:
+    if state is None or state.stream is None:
         return compute()
     memo = state.memo
     value = memo.get(key)

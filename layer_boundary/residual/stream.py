@@ -205,8 +205,11 @@ class ResidualStream:
 
 
 def release(forward_batch) -> None:
-    """The stack has left: the forward holds no stream (its row facts stay, for reports)."""
-    forward_batch.boundary.stream = None
+    """The stack has left: the forward holds no stream (its row facts stay, for reports) and
+    no per-forward tables (a compiled forward hands none back)."""
+    state = forward_batch.boundary
+    state.stream = None
+    state.memo.clear()
 
 
 def stream_of(forward_batch) -> ResidualStream:
