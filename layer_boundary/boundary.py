@@ -114,7 +114,7 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
     read = decl.residual.read
     candidates = ()
     if fusions is not None:
-        plan = InputPlan(name, decl.kind, mode, layouts, target, compute, parallel)
+        plan = InputPlan(name, decl.kind, mode, layouts, target, compute, parallel, table)
         offer = fusions.attention_input if decl.kind is StageKind.ATTN else fusions.ffn_input
         candidates = tuple(offer(plan))
     arrivals, producer_keys = {}, []
@@ -125,11 +125,16 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
             producer_keys.append(key)
             arrivals[key] = _arrival(key, decision, target, mode, table, layouts, candidates,
                                      declared_plain, read, decl)
-    # complete values: what accessors leave (local rows) and captures complete (update rows)
+    # complete values: what accessors and output transforms leave (local rows) and captures
+    # complete (update rows); a candidate that takes a complete value from those rows is
+    # offered them too
     for rows in (local, target):
         key = arrival_key(None, rows, False)
         if key not in arrivals:
-            arrivals[key] = ArrivalPath(key, table.lookup(None, rows, target))
+            applying = tuple(c for c in candidates
+                             if c.applies(None, rows, False, target, mode, declared_plain,
+                                          read_kind(read)))
+            arrivals[key] = ArrivalPath(key, table.lookup(None, rows, target), applying)
     # the residual arrives where the edge says (local rows at stack entry), or on local rows
     # where the model wrote it itself (written())
     align = {rows.key: table.lookup(None, rows, target)

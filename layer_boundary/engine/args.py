@@ -115,12 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "(inductor); parity is checked against eager world 1")
     run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
                      default=None, help="the torch.compile backend (implies --compile)")
-    run.add_argument("--fusion-provider", choices=("reference", "reference-terminal", "decline"),
-                     default=None, help="install a CPU reference fusion provider on every "
-                                        "rank's model: reference (fused all-reduce + add + "
-                                        "norm candidates), reference-terminal (also the "
-                                        "final norm's terminal service), decline (asked, "
-                                        "declines every candidate)")
+    run.add_argument("--fusions", "--fusion-provider", dest="fusion_provider",
+                     choices=("reference", "reference-terminal", "decline", "triton"),
+                     default=None, help="install a fusion provider on every rank's model: "
+                                        "triton (add + RMSNorm kernels after each arriving "
+                                        "sum, on every row mode, and the terminal service; "
+                                        "on the CPU under the Triton interpreter), reference "
+                                        "(torch-op all-reduce + add + norm candidates), "
+                                        "reference-terminal (also the final norm's terminal "
+                                        "service), decline (asked, declines every candidate)")
     _pipeline_args(run)
     run.add_argument("--split-prefill", type=_positive, default=1,
                      help="run each stage's prefill in this many layer-range segments")

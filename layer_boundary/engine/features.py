@@ -8,7 +8,7 @@ from ..adapters.tbo import TboPolicy
 from ..capabilities import CapabilityError, Feature, Setup, check
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-FUSION_PROVIDERS = ("reference", "reference-terminal", "decline")
+FUSION_PROVIDERS = ("reference", "reference-terminal", "decline", "triton")
 SPECULATIVE_ALGORITHMS = ("draft", "nextn")
 
 

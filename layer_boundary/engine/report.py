@@ -83,7 +83,8 @@ def report(args, spec, results, reference) -> int:
             **({"speculative": speculative} if speculative else {}),
             **({"tbo": tbo} if tbo else {}),
             **({"fusion_provider": spec.fusions, "fused_inputs": rank0.fused_inputs,
-                "fused_final_norms": rank0.fused_final_norms} if spec.fusions else {}),
+                "fused_final_norms": rank0.fused_final_norms,
+                "fused_stages": rank0.fused_stages} if spec.fusions else {}),
             **({"cp": spec.cp} if spec.cp > 1 else {}),
             **({"moe_a2a_backend": spec.moe_a2a_backend}
                if spec.moe_a2a_backend != "none" else {}),
@@ -116,8 +117,9 @@ def report(args, spec, results, reference) -> int:
         log.info("two-batch overlap (%s): %d of %d forwards split: %s", tbo["policy"],
                  sum(tbo["split"]), len(tbo["split"]), "; ".join(tbo["reasons"]))
     if spec.fusions:
-        log.info("fusion provider %s on rank 0: %d inputs and %d final norms completed fused",
-                 spec.fusions, rank0.fused_inputs, rank0.fused_final_norms)
+        log.info("fusion provider %s on rank 0: %d inputs and %d final norms completed fused "
+                 "(stages: %s)", spec.fusions, rank0.fused_inputs, rank0.fused_final_norms,
+                 ", ".join(rank0.fused_stages) or "none")
     if verdict is None:
         log.info("parity: not checked")
     else:

@@ -101,6 +101,7 @@ class RankResult:
     traces: list = field(default_factory=list)
     fused_inputs: int = 0  # inputs a fusion provider's candidate completed
     fused_final_norms: int = 0  # final norms the provider's handoff service completed
+    fused_stages: list = field(default_factory=list)  # stages whose inputs it completed
     pp_rank: int = 0
     last_stage: bool = True  # this rank's logits are the model's (the last pipeline stage)
     layers: tuple = ()  # the global layers this rank's pipeline stage holds
@@ -261,6 +262,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     if provider is not None:
         result.fused_inputs = provider.accepted
         result.fused_final_norms = 0 if provider.service is None else provider.service.calls
+        result.fused_stages = provider.fused_stages
     return result
 
 
@@ -286,9 +288,16 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
 
 
 def make_fusions(name: str | None):
-    """The fusion provider a run spec names (reference providers run on CPU)."""
+    """The fusion provider a run spec names (reference providers run on CPU; the Triton one
+    compiles its kernels for CUDA, or runs them under the Triton interpreter on the CPU)."""
     if name is None:
         return None
+    if name == "triton":  # FUSION_PROVIDERS
+        from ..fusions import triton_provider
+
+        if not torch.cuda.is_available():
+            triton_provider.use_interpreter()
+        return triton_provider.TritonFusions(terminal_finalize=True)
     from ..fusions.reference import ReferenceFusions
 
     options = {"reference": {}, "reference-terminal": {"terminal_finalize": True},

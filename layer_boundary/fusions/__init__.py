@@ -37,6 +37,10 @@ class InputPlan:
     update_rows: Layout  # where the residual update and read run (the residual's layout)
     compute_rows: Layout  # where compute consumes its input
     parallel: object
+    # the consumer's movement table in this variant and mode (``ops.MovementTable``): how
+    # an arrival owing a sum on some rows is completed onto ``update_rows`` by the built-in
+    # path, for a provider that runs the same movement before its kernel (None: not given)
+    moves: object = None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class ReferenceFusions:
         self.defer_finalize, self.terminal_finalize = defer_finalize, terminal_finalize
         self.defer_all_reduce, self.decline = defer_all_reduce, decline
         self.candidates: list[FusedInput] = []
+        self.offered: list[tuple[str, FusedInput]] = []  # (stage, candidate), as offered
         self.service: TerminalFinalizeNorm | None = None  # once handoff_norm() made it
         self._parallel = None  # the topology of the plans it was offered to
 
@@ -77,6 +78,7 @@ class ReferenceFusions:
         candidate = fused_finalize_all_reduce_add_norm(
             plan, Counted(_declining) if self.decline else None)
         self.candidates.append(candidate)
+        self.offered.append((plan.stage, candidate))
         return [candidate]
 
     def attention_input(self, plan: InputPlan):
@@ -109,6 +111,11 @@ class ReferenceFusions:
     @property
     def accepted(self) -> int:
         return sum(c.run.calls for c in self.candidates)
+
+    @property
+    def fused_stages(self) -> list[str]:
+        """The stages whose input a candidate completed at least once, in build order."""
+        return list(dict.fromkeys(name for name, c in self.offered if c.run.calls))
 
 
 def _declining(arrival: Arrival):

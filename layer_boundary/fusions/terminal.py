@@ -34,10 +34,19 @@ SITE = "final_norm.fused"  # the ledger site of the service's all-reduce
 class TerminalFinalizeNorm:
     """finalize + all-reduce over ``group`` + residual add + GemmaRMSNorm (epsilon ``eps``;
     None: the final norm has none, and the service declines), in one call; ``calls`` counts
-    the completions it performed."""
+    the completions it performed.
 
-    def __init__(self, group, eps: float | None) -> None:
+    Args:
+        group: the TP group the handoff is a partial over.
+        eps: the final norm's epsilon (None: decline every call).
+        add_norm: ``add_norm(value, residual, gamma, eps) -> (normed, residual)``, a kernel
+            for the add and the zero-centered norm after the sum (None: torch ops).
+        dtypes: the residual dtypes ``add_norm`` takes (None: any); others are declined.
+    """
+
+    def __init__(self, group, eps: float | None, add_norm=None, dtypes=None) -> None:
         self.group, self.eps, self.calls = group, eps, 0
+        self.add_norm, self.dtypes = add_norm, dtypes
 
     def finalize(self, handoff, residual: torch.Tensor, gamma: torch.Tensor | None):
         """(normed output, new residual) on the residual's rows, or None to decline (before
@@ -49,10 +58,14 @@ class TerminalFinalizeNorm:
             residual: the residual stream on the same rows.
             gamma: the final norm's ``gemma_weight`` (None: not a zero-centered norm).
         """
-        if gamma is None or self.eps is None:
+        if gamma is None or self.eps is None or (
+                self.dtypes is not None and residual.dtype not in self.dtypes):
             return None
         value = handoff.complete() if isinstance(handoff, HandoffOutput) else handoff
         value = all_reduce_rows(value, self.group, site=SITE)
+        if self.add_norm is not None:
+            self.calls += 1
+            return self.add_norm(value, residual, gamma, self.eps)
         acc = accumulate_dtype(residual.dtype)
         total = residual.to(dtype=acc) + value.to(dtype=acc)
         self.calls += 1

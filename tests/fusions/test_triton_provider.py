@@ -1,0 +1,103 @@
+"""The Triton provider: its add+norm kernel against the unfused torch ops (under the Triton
+interpreter on the CPU: ``tests/conftest.py`` chooses it), its candidates declared from the
+consumer's movement table and offered to exactly the arrivals they complete, and a toy stack
+on every row mode matching world 1 run without a provider, every stage input after the first
+completed by the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed.pool import get_pool
+from toy import HIDDEN, DpBatch, ToyStack, runtime, seeded
+
+from layer_boundary.fusions.triton_provider import TritonFusions
+from layer_boundary.residual import batch as residual_batch
+from layer_boundary.runtime.norm import GemmaRMSNorm, RMSNorm, gemma_rms_fp32
+
+pytest.importorskip("triton")
+from layer_boundary.fusions import kernels  # noqa: E402 - after the interpreter is chosen
+
+LAYERS = 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["rmsnorm", "gemma"])
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_the_kernel_computes_the_unfused_add_and_norm(dtype, zero_centered, rows):
+    gen = torch.Generator().manual_seed(rows)
+    width = 48  # not a power of two: the kernel's padding columns must not count
+    full = torch.randn(rows, 2 * width, generator=gen).to(dtype)
+    value = full[:, :width]  # strided rows, as a slice of a wider output
+    residual = torch.randn(rows, width, generator=gen).to(dtype)
+    weight = (torch.randn(width, generator=gen) * 0.1 + (0 if zero_centered else 1)).to(dtype)
+    normed, new_residual = kernels.add_rms_norm(value, residual, weight, 1e-6, zero_centered)
+    total = residual.float() + value.float()
+    if zero_centered:
+        norm = GemmaRMSNorm(width, 1e-6, dtype=dtype)
+        expect = gemma_rms_fp32(total, weight, 1e-6, dtype)
+    else:
+        norm = RMSNorm(width, 1e-6, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        expect = norm.normalize_fp32(total, dtype)
+    assert normed.dtype == new_residual.dtype == dtype
+    assert torch.equal(new_residual, total.to(dtype))  # the residual rounded once
+    if dtype is torch.float32:
+        torch.testing.assert_close(normed, expect, atol=2e-6, rtol=2e-6)
+    else:  # the fp32 statistic may differ in its last bit: at most one bf16 step apart
+        step = expect.float().abs() * 2 ** -7
+        assert ((normed.float() - expect.float()).abs() <= step + 1e-30).all()
+
+
+def run(tp: int, dp: int, policy: str, counts, provider: bool) -> dict:
+    rt = runtime(tp, dp, boundary_reduction=policy)
+    fusions = TritonFusions() if provider else None
+    stack = ToyStack(rt, LAYERS, fusions=fusions)
+    b = DpBatch(counts, rt)
+    residual_batch.start(b.fb)
+    h = b.mine(seeded((sum(counts), HIDDEN), 4))
+    for layer in stack.layers:
+        h = layer.forward_layer(h, b.fb)
+    out = stack.final(h, b.fb)
+    offered = {}
+    if provider:
+        mode = b.fb.rows.mode
+        stages = [s for layer in stack.layers for s in (layer.attn, layer.ffn)]
+        for stage in stages[1:]:  # the stack's entry has no producer: no update to fuse
+            path = next(p for (v, m), p in stage.plan.paths.items() if m is mode)
+            mine = [c for name, c in fusions.offered  # its candidates in this mode
+                    if name == stage.name and c.collective is mode
+                    and c.target == path.entry.update_rows]
+            # each arrival is offered the one candidate declared for its owed sum and rows
+            offered[stage.name] = [
+                (arrival.candidates == tuple(
+                    c for c in mine if c.completes == frozenset({arrival.complete.owed})
+                    and c.source == arrival.complete.src), len(arrival.candidates))
+                for arrival in path.entry.arrivals.values()]
+    return {"out": out, "rows": (b.rows.start, b.rows.stop), "mode": b.fb.rows.mode.value,
+            "fused": fusions.fused_stages if provider else [], "offered": offered}
+
+
+CASES = [(1, 1, "ar", (5,)), (2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 2, "ar", (5, 3)),
+         (4, 2, "rs", (5, 3)), (4, 2, "rsv", (3, 5)), (4, 2, "ar", (0, 5)),
+         (4, 2, "rsv", (5, 0))]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp,dp,policy,counts", CASES,
+                         ids=[f"tp{t}-dp{d}-{p}-{'_'.join(map(str, c))}" for t, d, p, c in CASES])
+def test_every_row_mode_fuses_each_input_and_matches_world1(tp, dp, policy, counts):
+    ref = run(1, 1, "ar", counts, False)["out"]
+    results = get_pool(tp).run(run, tp, dp, policy, counts, True) if tp > 1 else [
+        run(1, 1, policy, counts, True)]
+    inputs = [f"layer{i}.{s}" for i in range(LAYERS) for s in ("attn", "ffn")][1:]
+    for rank, r in enumerate(results):
+        assert r["mode"] == policy
+        torch.testing.assert_close(r["out"], ref[slice(*r["rows"])], atol=1e-5, rtol=0,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        if r["rows"][1] > r["rows"][0]:  # a rank with no tokens runs no kernel
+            assert r["fused"] == inputs, rank
+        for stage, arrivals in r["offered"].items():
+            assert all(exact for exact, _ in arrivals), (rank, stage, arrivals)
+            assert all(n <= 1 for _, n in arrivals), (rank, stage, arrivals)
