@@ -114,7 +114,8 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
     read = decl.residual.read
     candidates = ()
     if fusions is not None:
-        plan = InputPlan(name, decl.kind, mode, layouts, target, compute, parallel, table)
+        plan = InputPlan(name, decl.kind, mode, layouts, target, compute, parallel, table,
+                         read)
         offer = fusions.attention_input if decl.kind is StageKind.ATTN else fusions.ffn_input
         candidates = tuple(offer(plan))
     arrivals, producer_keys = {}, []

@@ -41,6 +41,7 @@ class InputPlan:
     # an arrival owing a sum on some rows is completed onto ``update_rows`` by the built-in
     # path, for a provider that runs the same movement before its kernel (None: not given)
     moves: object = None
+    read: object = None  # the consumer's read (its ``kind``, a quantized read's ``group``)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,79 @@ def _add_rms_norm(value_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_
     tl.store(normed_ptr + row * n_cols + cols, out, mask=inside)
 
 
+@triton.jit
+def _rounded_e4m3(x):
+    """fp32 ``x`` (|x| <= 448) rounded to nearest-even among float8_e4m3fn values, still in
+    fp32 (the cast that follows is exact). By hand: the interpreter's fp8 cast does not
+    carry a rounded-up mantissa into the exponent."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = (bits + (((bits >> 20) & 1) + 0x7FFFF)) & 0xFFF00000  # 3 mantissa bits
+    normal = normal.to(tl.float32, bitcast=True)
+    # below 2^-6 the values are multiples of 2^-9: fp32's own nearest-even addition rounds
+    # |x| * 2^9 to an integer (2^23: the first fp32 with no fraction bits)
+    tiny = ((tl.abs(x) * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
+    tiny = tl.where(x < 0, -tiny, tiny)
+    return tl.where(tl.abs(x) < 0.015625, tiny, normal)
+
+
+@triton.jit
+def _add_rms_norm_fp8(value_ptr, residual_ptr, weight_ptr, values_ptr, scales_ptr,
+                      residual_out_ptr, n_cols, n_groups, value_stride, residual_stride, eps,
+                      ZERO_CENTERED: tl.constexpr, BF16: tl.constexpr, GROUP: tl.constexpr,
+                      GROUPS: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, GROUPS * GROUP)
+    inside = cols < n_cols
+    value = tl.load(value_ptr + row * value_stride + cols, mask=inside, other=0.0)
+    residual = tl.load(residual_ptr + row * residual_stride + cols, mask=inside, other=0.0)
+    total = value.to(tl.float32) + residual.to(tl.float32)
+    out_ty = residual_out_ptr.dtype.element_ty
+    tl.store(residual_out_ptr + row * n_cols + cols, _rounded(total, out_ty, BF16), mask=inside)
+    variance = tl.sum(total * total, axis=0) / n_cols
+    normed = total * (1.0 / tl.sqrt(variance + eps))
+    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        x = _rounded(normed * (1.0 + weight), out_ty, BF16).to(tl.float32)
+    else:
+        x = _rounded(_rounded(normed, out_ty, BF16).to(tl.float32) * weight, out_ty,
+                     BF16).to(tl.float32)
+    # per group of GROUP channels (padding columns are 0: a partial group's amax is its own)
+    x = tl.reshape(x, (GROUPS, GROUP))
+    amax = tl.max(tl.abs(x), axis=1)
+    scales = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
+                      1.0)
+    q = tl.math.div_rn(x, tl.broadcast_to(scales[:, None], (GROUPS, GROUP)))
+    q = _rounded_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+    q = tl.reshape(q, (GROUPS * GROUP,))
+    tl.store(values_ptr + row * n_cols + cols, q.to(values_ptr.dtype.element_ty), mask=inside)
+    groups = tl.arange(0, GROUPS)
+    tl.store(scales_ptr + row * n_groups + groups, scales, mask=groups < n_groups)
+
+
+def add_rms_norm_fp8(value: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float, group: int, zero_centered: bool = False):
+    """``add_rms_norm`` with its normalized output quantized to FP8 per token and ``group``
+    channels, as ``runtime.quant.quantize_groups`` does: ``(values [T, D] float8_e4m3fn,
+    scales [T, ceil(D / group)] float32, new residual)``. ``group`` is a power of two."""
+    rows, width = residual.shape
+    n_groups = -(-width // group)
+    values = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=residual.device)
+    scales = torch.empty((rows, n_groups), dtype=torch.float32, device=residual.device)
+    new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    if rows == 0:
+        return values, scales, new_residual
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    _add_rms_norm_fp8[(rows,)](value, residual, weight.contiguous(), values, scales,
+                               new_residual, width, n_groups, value.stride(0),
+                               residual.stride(0), eps, ZERO_CENTERED=zero_centered,
+                               BF16=residual.dtype == torch.bfloat16, GROUP=group,
+                               GROUPS=triton.next_power_of_2(n_groups))
+    return values, scales, new_residual
+
+
 def add_rms_norm(value: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(value + residual), value + residual)``, the sum formed in fp32, both outputs in

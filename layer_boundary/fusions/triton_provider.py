@@ -9,6 +9,9 @@ row mode (``ar``; ``rs``/``rsv`` with attention TP, whose residual is scattered)
 DP and a rank with no tokens, CP batches, and after an output transform (which leaves a
 complete value). What each candidate completes and from which rows is its table row's owed
 sum and source, declared on the ``FusedInput``; the consumer offers it to those arrivals only.
+Each stands in for the consumer's read by its kind: the add+norm read, or the quantized read
+(``QuantizedRead``, a power-of-two group), whose kernel also quantizes the normalized output
+to FP8 per token and group; a stage with any other read is offered nothing.
 
 At run time a candidate declines (before moving anything) where the kernel does not apply:
 an update that is not a plain add, no residual yet, a residual on other rows, a norm other
@@ -17,8 +20,10 @@ service (``handoff_norm``) runs the same kernel in its zero-centered form after 
 finalize's all-reduce.
 
 On a machine without CUDA the kernels run under the Triton interpreter, which has to be chosen
-before ``triton`` is imported: ``use_interpreter()`` does that (the command line calls it for
-``--fusions triton`` on the CPU).
+before ``triton`` is imported, and importing this package imports it (through torch's
+compiler): set ``TRITON_INTERPRET=1`` in the environment, as the command line does for
+``--fusions triton`` on the CPU and the tests do. ``use_interpreter()`` sets it where
+``triton`` is not imported yet and refuses by name where it is.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import sys
 
 import torch
 
-from ..residual import ReadKind, is_plain
+from ..residual import ReadKind, is_plain, read_kind
 from ..runtime.norm import GemmaRMSNorm, RMSNorm
+from ..runtime.quant import QuantizedInput
 from . import Arrival, FusedInput, InputPlan
 from .reference import Counted, ReferenceFusions
 from .terminal import TerminalFinalizeNorm
@@ -56,6 +62,10 @@ def _kernels():
     return kernels
 
 
+def _power_of_two(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
 def _norm_form(norm) -> tuple[torch.Tensor, bool] | None:
     """(weight, zero_centered) of a norm the kernel computes exactly as the module does."""
     if type(norm) is RMSNorm:
@@ -65,10 +75,11 @@ def _norm_form(norm) -> tuple[torch.Tensor, bool] | None:
     return None
 
 
-def fused_add_norm(movement, local, kernels, arrival: Arrival):
+def fused_add_norm(movement, local, kernels, group, arrival: Arrival):
     """``movement`` (the consumer's own completion onto the update rows), then the add+norm
-    kernel; None (declined, nothing touched) where the kernel does not apply. ``local``: the
-    rows a residual with no recorded rows is on (the model's own)."""
+    kernel (with ``group``: the quantized read's, its output FP8 per token and group); None
+    (declined, nothing touched) where the kernel does not apply. ``local``: the rows a
+    residual with no recorded rows is on (the model's own)."""
     residual = arrival.residual
     form = _norm_form(arrival.norm)
     rows = local if arrival.residual_rows is None else arrival.residual_rows
@@ -82,7 +93,11 @@ def fused_add_norm(movement, local, kernels, arrival: Arrival):
     if movement.moves:
         value = movement.move(arrival.facts, value)
     weight, zero_centered = form
-    return kernels.add_rms_norm(value, residual, weight, arrival.norm.eps, zero_centered)
+    if group is None:
+        return kernels.add_rms_norm(value, residual, weight, arrival.norm.eps, zero_centered)
+    values, scales, residual = kernels.add_rms_norm_fp8(value, residual, weight,
+                                                        arrival.norm.eps, group, zero_centered)
+    return QuantizedInput(values, scales, group, residual.dtype), residual
 
 
 class TritonFusions(ReferenceFusions):
@@ -104,21 +119,27 @@ class TritonFusions(ReferenceFusions):
                  defer_all_reduce: bool = False) -> None:
         super().__init__(defer_finalize=defer_finalize, terminal_finalize=terminal_finalize,
                          defer_all_reduce=defer_all_reduce)
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(NOT_INTERPRETED)  # its kernels could run nowhere
         self.kernels = _kernels()
 
     def _input(self, plan: InputPlan) -> list[FusedInput]:
         self._parallel = plan.parallel
-        if plan.moves is None:
-            return []
+        kind, group = read_kind(plan.read), getattr(plan.read, "group", None)
+        if plan.moves is None or kind is None or (
+                kind is ReadKind.FP8_ADD_NORM and not _power_of_two(group)):
+            return []  # a read the kernels do not compute: nothing to offer
+        if kind is ReadKind.ADD_NORM:
+            group = None
         out = []
         for (owed, _, _), movement in plan.moves.items():
             if movement.dst != plan.update_rows:
                 continue
-            run = Counted(lambda arrival, m=movement, local=plan.layouts.local:
-                          fused_add_norm(m, local, self.kernels, arrival))
+            run = Counted(lambda arrival, m=movement, local=plan.layouts.local, g=group:
+                          fused_add_norm(m, local, self.kernels, g, arrival))
             out.append(FusedInput(run=run, completes=frozenset({owed}), source=movement.src,
                                   target=movement.dst, finalizes=True, collective=plan.mode,
-                                  read=ReadKind.ADD_NORM))
+                                  read=kind))
         self.candidates.extend(out)
         self.offered.extend((plan.stage, c) for c in out)
         return out

@@ -77,6 +77,9 @@ class ReadKind(str, enum.Enum):
     ``kind = "add_norm"`` names the same kind."""
 
     ADD_NORM = "add_norm"  # the plain add+norm read: fp32 sum, rounded residual, norm
+    # the add+norm read, its output then quantized to FP8 per token and group of channels
+    # (``residual.quant.QuantizedRead``)
+    FP8_ADD_NORM = "fp8_add_norm"
 
 
 def read_kind(read) -> ReadKind | None:

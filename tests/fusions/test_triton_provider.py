@@ -14,6 +14,7 @@ from toy import HIDDEN, DpBatch, ToyStack, runtime, seeded
 from layer_boundary.fusions.triton_provider import TritonFusions
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.runtime.norm import GemmaRMSNorm, RMSNorm, gemma_rms_fp32
+from layer_boundary.runtime.quant import quantize_groups
 
 pytest.importorskip("triton")
 from layer_boundary.fusions import kernels  # noqa: E402 - after the interpreter is chosen
@@ -101,3 +102,35 @@ def test_every_row_mode_fuses_each_input_and_matches_world1(tp, dp, policy, coun
         for stage, arrivals in r["offered"].items():
             assert all(exact for exact, _ in arrivals), (rank, stage, arrivals)
             assert all(n <= 1 for _, n in arrivals), (rank, stage, arrivals)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["rmsnorm", "gemma"])
+@pytest.mark.parametrize("width,group", [(64, 16), (40, 16)], ids=["whole", "partial-group"])
+def test_the_fp8_kernel_quantizes_what_the_quantized_read_does(dtype, zero_centered, width,
+                                                                group):
+    gen = torch.Generator().manual_seed(width)
+    value = (torch.randn(6, width, generator=gen) * 3).to(dtype)
+    residual = torch.randn(6, width, generator=gen).to(dtype)
+    # a row spanning seven decades in each group: fp8's subnormals (below 2^-6 of 448 x scale)
+    residual[5] = 0
+    value[5] = (10.0 ** -torch.linspace(0, 7, group)).repeat(4)[:width].to(dtype)
+    weight = (torch.randn(width, generator=gen) * 0.1 + (0 if zero_centered else 1)).to(dtype)
+    values, scales, new_residual = kernels.add_rms_norm_fp8(value, residual, weight, 1e-6,
+                                                            group, zero_centered)
+    total = residual.float() + value.float()
+    if zero_centered:
+        x = gemma_rms_fp32(total, weight, 1e-6, dtype)
+    else:
+        norm = RMSNorm(width, 1e-6, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        x = norm.normalize_fp32(total, dtype)
+    want = quantize_groups(x, group)
+    assert torch.equal(new_residual, total.to(dtype))
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == want.scales.shape
+    assert (want.values.float().abs() < 2 ** -6).any()  # the subnormal range is exercised
+    torch.testing.assert_close(scales, want.scales, atol=0, rtol=2e-7)  # the statistic's bit
+    assert torch.equal(values.float(), want.values.float())
+    empty = kernels.add_rms_norm_fp8(value[:0], residual[:0], weight, 1e-6, group)
+    assert [t.shape[0] for t in empty] == [0, 0, 0]

@@ -1,0 +1,51 @@
+"""``--fusions triton`` on the reference models, its kernels under the Triton interpreter:
+every parallel run matches world 1 run without a provider, and the kernels completed every
+stage input after the stack's entry (the FP8 checkpoint's through its quantized read, the
+MoE one's final norm through the terminal service)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from distributed.checks import assert_logits_match
+from distributed.pool import get_pool
+from fp8_checkpoints import fp8_checkpoint
+from qwen3_next_checkpoints import hf_qwen3_next
+
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
+
+pytest.importorskip("triton")
+
+PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(qwen3_dir, qwen3_moe_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("triton_models")
+    return {"qwen3": str(qwen3_dir), "qwen3_moe": str(qwen3_moe_dir),
+            "qwen3_fp8": str(fp8_checkpoint(qwen3_dir, root / "fp8", block=(16, 16))),
+            "qwen3_5_moe": str(hf_qwen3_next(root / "q35moe", "qwen3_5_moe"))}
+
+
+# (model, tp, dp, ep, boundary reduction)
+CASES = [("qwen3", 2, 1, 1, "ar"), ("qwen3", 4, 2, 1, "rs+rsv"), ("qwen3_moe", 2, 1, 2, "ar"),
+         ("qwen3_fp8", 4, 2, 1, "rs+rsv"), ("qwen3_5_moe", 2, 1, 1, "ar")]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model,tp,dp,ep,policy", CASES,
+                         ids=[f"{m}-tp{t}-dp{d}-ep{e}-{p}" for m, t, d, e, p in CASES])
+def test_triton_fusions_match_world1_and_fuse_every_input(checkpoints, model, tp, dp, ep,
+                                                          policy):
+    spec = RunSpec(checkpoints[model], tp=tp, dp=dp, ep=ep, boundary_reduction=policy,
+                   prompts=PROMPTS, max_new_tokens=2, fusions="triton")
+    results = get_pool(tp).run(run_rank, spec)
+    world1 = merge([run_rank(replace(spec, tp=1, dp=1, ep=1, fusions=None), world_size=1)])
+    assert_logits_match(merge(results), world1, len(PROMPTS))
+    layers = len(results[0].layers)
+    inputs = [f"layer{i}.{s}" for i in range(layers) for s in ("attn", "ffn")][1:]
+    for rank, r in enumerate(results):
+        assert r.fused_stages == inputs, (rank, r.fused_stages)
+        if model == "qwen3_5_moe":  # its last layer's MoE hands its finalize to the final norm
+            assert r.fused_final_norms > 0, rank
