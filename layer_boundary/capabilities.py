@@ -82,7 +82,7 @@ _NAMES = {
                           "speculative_generate", "spec"),
     Feature.LORA: ("--lora", "attach_lora", "LoRA"),
     Feature.FP8: ("an FP8 checkpoint", "config.json quantization_config", "FP8"),
-    Feature.FUSIONS: ("--fusion-provider", "install_fusion", "fusions"),
+    Feature.FUSIONS: ("--fusions", "install_fusion", "fusions"),
 }
 
 

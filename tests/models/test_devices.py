@@ -1,0 +1,78 @@
+"""Every tensor a forward makes is made on its inputs' device: each reference model's prefill
+and decode run with the default device set to ``meta``, so a tensor made without naming its
+device would be a meta tensor, and any op mixing it with the model's CPU tensors raises (a
+meta value reaching the logits would leave them on ``meta``). At world 1 for every model and
+on real gloo ranks, where the collectives' buffers are made, for the row modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed.pool import get_pool
+from model_configs import CONFIGS, config
+
+from layer_boundary.runtime import BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims
+from layer_boundary.runtime.parallel import build_parallel
+
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+
+
+def _model(model_type: str, tp: int, dp: int, policy: str):
+    model_cls, cfg = config(model_type)
+    runtime = BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=dp)),
+                              boundary_reduction=policy)
+    torch.manual_seed(0)
+    model = model_cls(cfg, runtime).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point():
+                p.copy_(1 + 0.1 * torch.randn(p.shape) if "norm" in name
+                        else torch.randn(p.shape) * 0.05)
+    for name, b in model.named_buffers():
+        assert b.device.type == "cpu", name
+    return model
+
+
+@torch.no_grad()
+def forward_on_meta_default(model_type: str, tp: int = 1, dp: int = 1, policy: str = "ar"):
+    """A ragged prefill and a decode step, run twice on fresh caches: with the CPU as the
+    default device, then with ``meta``. Returns [(logits device, same numbers as with the CPU
+    default)] per forward (this rank's share of the prompts under attention DP): a meta index
+    tensor is silently ignored by an index write, so the numbers are compared too."""
+    model = _model(model_type, tp, dp, policy)
+    rank = torch.distributed.get_rank() if tp > 1 else 0
+    parts = [PROMPTS] if dp == 1 else [PROMPTS[:2], PROMPTS[2:]]
+    mine = parts[rank // (tp // dp)]
+    runs = []
+    for default in ("cpu", "meta"):
+        cache = model.make_kv_cache(len(mine), 16)
+        logits = []
+        for mode, ids, prefix, counts in (
+                (ForwardMode.EXTEND, mine, [0] * len(mine),
+                 tuple(sum(map(len, part)) for part in parts)),
+                (ForwardMode.DECODE, [[1]] * len(mine), [len(p) for p in mine],
+                 tuple(len(part) for part in parts))):
+            fb = ForwardBatch.build(mode, ids, prefix, counts, kv_cache=cache)
+            with torch.device(default):
+                logits.append(model(fb))
+        runs.append(logits)
+    return [(meta.device.type, bool(torch.equal(meta, cpu)))
+            for cpu, meta in zip(*runs)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_a_forward_makes_every_tensor_on_its_inputs_device(model_type):
+    assert forward_on_meta_default(model_type) == [("cpu", True), ("cpu", True)]
+
+
+CASES = [(2, 1, "ar"), (4, 2, "rs+rsv")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,dp,policy", CASES, ids=[f"tp{t}-dp{d}-{p}" for t, d, p in CASES])
+@pytest.mark.parametrize("model_type", ["qwen3_moe"])  # a dense layer, then MoE layers
+def test_the_collectives_make_their_buffers_on_the_inputs_device(model_type, tp, dp, policy):
+    for rank, out in enumerate(get_pool(tp).run(forward_on_meta_default, model_type, tp, dp,
+                                                policy)):
+        assert out == [("cpu", True), ("cpu", True)], rank
