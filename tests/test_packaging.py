@@ -41,3 +41,16 @@ def test_runtime_dependencies_are_ranges_and_extras_name_the_optional_ones():
     assert project["dependencies"] and not any("==" in d for d in project["dependencies"])
     extras = project["optional-dependencies"]
     assert extras["tokenizer"] == ["tokenizers"] and "peft" in extras["test"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU runs the checks")
+def test_the_gpu_check_refuses_clearly_without_a_gpu():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("gpu_check: needs a CUDA device, and none is visible "
+                                   "(torch.cuda.is_available() is False); run it on a machine "
+                                   "with an NVIDIA GPU")

@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(inductor); parity is checked against eager world 1")
     run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
                      default=None, help="the torch.compile backend (implies --compile)")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="where each rank runs: cpu (gloo), or cuda (each rank on the GPU "
+                          "LOCAL_RANK names; NCCL where every rank has one, else gloo with "
+                          "CUDA tensors)")
     run.add_argument("--fusions", "--fusion-provider", dest="fusion_provider",
                      choices=("reference", "reference-terminal", "decline", "triton"),
                      default=None, help="install a fusion provider on every rank's model: "

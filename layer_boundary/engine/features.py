@@ -4,12 +4,15 @@ line both make before anything is built, loaded or sent."""
 
 from __future__ import annotations
 
+import torch
+
 from ..adapters.tbo import TboPolicy
 from ..capabilities import CapabilityError, Feature, Setup, check
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 FUSION_PROVIDERS = ("reference", "reference-terminal", "decline", "triton")
 SPECULATIVE_ALGORITHMS = ("draft", "nextn")
+DEVICES = ("cpu", "cuda")
 
 
 def features_of(spec) -> frozenset:
@@ -54,6 +57,11 @@ def check_spec(spec) -> None:
     if spec.fusions is not None and spec.fusions not in FUSION_PROVIDERS:
         raise ValueError(f"unknown fusion provider {spec.fusions!r} (known: "
                          f"{', '.join(FUSION_PROVIDERS)})")
+    if spec.device not in DEVICES:
+        raise ValueError(f"device {spec.device!r} is not one of {', '.join(DEVICES)}")
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible "
+                         "(torch.cuda.is_available() is False)")
     algorithm = spec.speculative_algorithm
     if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
         raise ValueError(f"speculative_algorithm {algorithm!r} is not one of "

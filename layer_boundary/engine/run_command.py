@@ -82,6 +82,7 @@ def spec_from_args(args):
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
                    rs_padding=not args.no_rs_padding, fusions=args.fusion_provider,
+                   device=args.device,
                    compile=args.compile_backend or ("inductor" if args.compile else None))
     check_spec(spec)  # the combination table: what run_rank asks first, asked here first
     check_pipeline(args, checkpoint)
@@ -123,7 +124,8 @@ def cmd_run(args) -> int:
         # no spawner watches these ranks: a silent peer is found by the collective timeout,
         # and torchrun then needs about half a minute to stop the group
         rank, world = init_distributed(timeout_s=timeout or TORCHRUN_COLLECTIVE_TIMEOUT_S,
-                                       join_timeout_s=args.start_timeout)
+                                       join_timeout_s=args.start_timeout,
+                                       backend=_torchrun_backend(args.device))
         setup_logging(rank)
         if args.tp is None:
             args.tp = world // args.pp
@@ -147,10 +149,22 @@ def cmd_run(args) -> int:
         return _spawned_run(args, timeout)
 
 
+def _torchrun_backend(device: str) -> str:
+    """NCCL where this host's ranks each have a GPU of their own, else gloo."""
+    import os
+
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available() and (
+            torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))):
+        return "nccl"
+    return "gloo"
+
+
 def _spawned_run(args, timeout) -> int:
     """``run`` on ranks this process spawns, then the reference and the report."""
     from .report import report
-    from .runner import run_rank
+    from .runner import backend_for, run_rank
     from ..runtime.launch import spawn
 
     spec = spec_from_args(args)
@@ -168,7 +182,9 @@ def _spawned_run(args, timeout) -> int:
     options = {"collective_timeout_s": timeout} if timeout else {}
     if args.start_timeout:
         options["start_timeout_s"] = args.start_timeout
-    results = [run_rank(spec)] if world == 1 else spawn(rank_entry, world, spec, **options)
+    results = [run_rank(spec)] if world == 1 else spawn(rank_entry, world, spec,
+                                                        backend=backend_for(spec, world),
+                                                        **options)
     # world 1 needs no reference of itself, unless it ran compiled or in segments
     own = (world == 1 and spec.compile is None and spec.split_prefill == 1
            and spec.tbo is TboPolicy.OFF

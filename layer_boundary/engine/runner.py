@@ -7,6 +7,7 @@ The command line and the multi-rank tests both use this, so what the tests prove
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -54,7 +55,8 @@ class RunSpec:
     allreduce_fusion: bool = True
     rs_padding: bool = True
     trace: bool = False  # record the residual stream after every boundary call
-    fusions: str | None = None  # None | "reference" | "reference-terminal" | "decline"
+    fusions: str | None = None  # None | "reference" | "reference-terminal" | "decline" | "triton"
+    device: str = "cpu"  # "cuda": each rank on its own GPU (LOCAL_RANK), or sharing one
     model_options: tuple = ()  # (name, value) engine options of the model
     # run each forward under torch.compile(fullgraph=True) with this backend ("inductor",
     # "aot_eager", "eager"); a graph break anywhere in the forward is an error
@@ -124,6 +126,24 @@ def with_checkpoints(spec: RunSpec) -> RunSpec:
     if checkpoint is spec.checkpoint and draft is spec.draft_checkpoint:
         return spec
     return replace(spec, checkpoint=checkpoint, draft_checkpoint=draft)
+
+
+def rank_device(spec: RunSpec) -> torch.device:
+    """This rank's device: the CPU, or with ``device="cuda"`` the GPU ``LOCAL_RANK`` names
+    (modulo the GPUs visible: ranks share them when there are fewer), made current."""
+    if spec.device == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def backend_for(spec: RunSpec, world_size: int) -> str:
+    """The ranks' backend: NCCL where every rank has a GPU of its own, else gloo (CPU
+    tensors, or CUDA tensors of ranks that share a GPU)."""
+    if spec.device == "cuda" and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
@@ -208,8 +228,9 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     par = runtime.parallel
     provider = make_fusions(spec.fusions)
     read = ReadBytes()
+    device = rank_device(spec)
     model = load_model(spec.checkpoint, runtime, dtype=DTYPES[spec.dtype],
-                       options=spec.model_options, read=read)
+                       options=spec.model_options, read=read, device=device)
     if provider is not None:  # installed on the built model, as an engine installs a backend's
         model.install_fusion(provider)
     adapters = None
@@ -245,6 +266,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                                   split_prefill=spec.split_prefill, tbo=spec.tbo,
                                   variants=forward_variants(spec), adapters=adapters,
                                   bucket=token_bucket if pads else None)
+    if device.type != "cpu":  # the report reads them on the CPU, after the forwards
+        gen.logits = [[row.cpu() for row in rows] for rows in gen.logits]
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
                         plan_rows(model, RowMode(checked.modes[0]), forward_variants(spec)[0]),
                         checked.released,
@@ -279,12 +302,13 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
         runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                                   allreduce_fusion=spec.allreduce_fusion,
                                   rs_padding=spec.rs_padding)
-        return load_nextn(spec.model_dir, runtime, target, dtype=DTYPES[spec.dtype])
+        with torch.device(target.device):  # beside the target it shares modules with
+            return load_nextn(spec.model_dir, runtime, target, dtype=DTYPES[spec.dtype])
     draft = spec.draft_checkpoint
     policy = draft.boundary_reduction(spec.speculative_boundary_reduction)
     runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                               allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
-    return load_model(draft, runtime, dtype=DTYPES[spec.dtype])
+    return load_model(draft, runtime, dtype=DTYPES[spec.dtype], device=target.device)
 
 
 def make_fusions(name: str | None):

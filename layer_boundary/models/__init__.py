@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import torch
@@ -40,7 +42,8 @@ def boundary_reduction(value: str, checkpoint) -> str:
     return open_checkpoint(checkpoint).boundary_reduction(value)
 
 
-def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), read=None):
+def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), read=None,
+               device=None):
     """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard.
 
     Args:
@@ -53,6 +56,9 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
             not set (such as DeepSeek-V3's ``shared_experts_tp1``).
         read: a ``runtime.shards.ReadBytes`` that counts the bytes this rank reads (each
             sharded layer reads only its shard).
+        device: where the parameters (and so the KV cache and every tensor a forward makes)
+            live (None: the default device, the CPU); each shard is read on the CPU and
+            copied into its parameter there.
     """
     import dataclasses
 
@@ -67,7 +73,8 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
     # a config.json asking for more than its checkpoint holds is refused before any memory
     # is allocated (a meta build and the safetensors headers; once per Checkpoint)
     check_sizes(checkpoint)
-    model = model_cls(cfg, runtime, dtype=dtype, **kwargs)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = model_cls(cfg, runtime, dtype=dtype, **kwargs)
     # an FP8 checkpoint's weights dequantized as they stream in (CPU: the matmuls run on them)
     model.load_weights(dequantized(iter_weights(path, lazy=True, read=read),
                                    getattr(cfg, "fp8_block", None)))

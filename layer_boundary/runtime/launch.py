@@ -118,18 +118,20 @@ class _Reporter:
             time.sleep(HEARTBEAT_S)
 
 
-def _spawn_entry(rank, world_size, port, fn, args, conn, env, timeout_s, join_timeout_s):
+def _spawn_entry(rank, world_size, port, fn, args, conn, env, timeout_s, join_timeout_s,
+                 backend):
     import traceback
 
     # a forked rank holds its server's environment: take the spawner's, as a spawned one would
     os.environ.clear()
     os.environ.update(env)
+    os.environ["LOCAL_RANK"] = str(rank)  # one host: which device is this rank's
     # the process that started this one (the spawner, or its fork server, which exits with it)
     reporter = _Reporter(conn, os.getppid())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
-                         join_timeout_s=join_timeout_s)
+        init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", backend=backend,
+                         timeout_s=timeout_s, join_timeout_s=join_timeout_s)
     except Exception as exc:  # nothing ran yet: the spawner may start the job again
         reporter.send(("rendezvous", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
@@ -149,8 +151,10 @@ def _spawn_entry(rank, world_size, port, fn, args, conn, env, timeout_s, join_ti
 
 def spawn(fn, world_size: int, *args, timeout_s: float = 600.0,
           collective_timeout_s: float = 45.0, silent_s: float = SILENT_S,
-          start_timeout_s: float = START_TIMEOUT_S, start_method: str = "forkserver") -> list:
-    """Run ``fn(*args)`` on ``world_size`` local CPU ranks over gloo; return per-rank results.
+          start_timeout_s: float = START_TIMEOUT_S, start_method: str = "forkserver",
+          backend: str = "gloo") -> list:
+    """Run ``fn(*args)`` on ``world_size`` local ranks; return per-rank results. Each rank
+    has ``LOCAL_RANK`` (its rank) in its environment, as under torchrun.
 
     Args:
         fn: a module-level function (the ranks import it by reference).
@@ -164,6 +168,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0,
             imported torch and ``fn``'s module, so a job's ranks start in a fraction of a
             second instead of each importing torch again) or "spawn" (a fresh interpreter
             per rank).
+        backend: the ranks' torch.distributed backend ("gloo"; "nccl" with a GPU per rank).
 
     The job ends, and every rank with it, when a rank fails (its peers are not waited for),
     dies before reporting, is stopped (the OS says so, or it falls silent), or does not start
@@ -174,7 +179,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0,
     for attempt in range(2):
         try:
             return _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
-                               start_timeout_s, start_method)
+                               start_timeout_s, start_method, backend)
         except _RendezvousFailed as failed:
             if attempt:
                 raise RankError(f"rank {failed.rank} could not join the other ranks (twice): "
@@ -203,7 +208,7 @@ def _context(start_method: str, fn):
 
 
 def _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
-                start_timeout_s, start_method) -> list:
+                start_timeout_s, start_method, backend) -> list:
     ctx = _context(start_method, fn)
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (parent's end, rank's end)
@@ -211,7 +216,7 @@ def _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
     join = max(JOIN_TIMEOUT_S, start_timeout_s)
     env = dict(os.environ)
     procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, pipes[r][1],
-                                                     env, collective_timeout_s, join))
+                                                     env, collective_timeout_s, join, backend))
              for r in range(world_size)]
     try:
         # a signal that ends the job while a rank starts (SIGTERM, Ctrl-C) waits until every

@@ -76,3 +76,24 @@ def test_the_collectives_make_their_buffers_on_the_inputs_device(model_type, tp,
     for rank, out in enumerate(get_pool(tp).run(forward_on_meta_default, model_type, tp, dp,
                                                 policy)):
         assert out == [("cpu", True), ("cpu", True)], rank
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys, restore_logger):
+    from layer_boundary.engine.cli import main
+
+    assert main(["run", "--device", "cuda", "--tp", "1", "--no-reference"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["layer-boundary: error: --device cuda: no CUDA device is visible "
+                   "(torch.cuda.is_available() is False)"]
+
+
+def test_ranks_take_nccl_only_with_a_gpu_each(monkeypatch):
+    """The backend rule (what gpu_check.sh runs for real): NCCL where every rank has its own
+    GPU, gloo where ranks share one or run on the CPU."""
+    from layer_boundary.engine.runner import RunSpec, backend_for
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert backend_for(RunSpec("m", device="cuda"), 2) == "nccl"
+    assert backend_for(RunSpec("m", device="cuda"), 4) == "gloo"
+    assert backend_for(RunSpec("m"), 2) == "gloo"

@@ -1,0 +1,248 @@
+"""The checks that need a CUDA device (scripts/gpu_check.sh runs this): one table, exit 1 if a
+check fails, exit 2 (saying so) where no CUDA device is visible.
+
+Rows:
+- world 1 against transformers on CUDA, fp32 and bf16, on the reference checkpoints (Qwen3,
+  Qwen3-MoE, Qwen3.5-MoE): max |logit diff| against the logits' scale;
+- `layer-boundary run --device cuda` at tp 2 (NCCL with a GPU per rank, else two ranks
+  sharing one GPU over gloo with CUDA tensors), and with `--fusions triton`: its parity
+  verdict against world 1;
+- the Triton kernels compiled for the GPU against the same kernels under the interpreter
+  (CPU), and each kernel's achieved bandwidth against the device's measured copy bandwidth;
+- a decode step captured as a CUDA graph and replayed, against the eager step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+
+ROWS: list[tuple[str, str, str]] = []  # (check, verdict, detail)
+
+
+def row(check: str, ok: bool, detail: str) -> None:
+    ROWS.append((check, "PASS" if ok else "FAIL", detail))
+    print(f"  {check}: {'PASS' if ok else 'FAIL'}  {detail}", flush=True)
+
+
+def guarded(check: str):
+    def wrap(fn):
+        def run(*args):
+            try:
+                fn(*args)
+            except Exception as exc:  # a check that cannot run is a failed check, named
+                row(check, False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        return run
+    return wrap
+
+
+def checkpoints(root: Path) -> dict:
+    from checkpoints import hf_qwen3, hf_qwen3_moe
+    from qwen3_next_checkpoints import hf_qwen3_next
+
+    return {"qwen3": hf_qwen3(root / "qwen3"), "qwen3_moe": hf_qwen3_moe(root / "qwen3_moe"),
+            "qwen3_5_moe": hf_qwen3_next(root / "qwen3_5_moe", "qwen3_5_moe")}
+
+
+@torch.no_grad()
+def world1_against_transformers(name: str, path: Path) -> None:
+    import transformers
+
+    from layer_boundary.models import load_model
+    from layer_boundary.runtime import BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims
+    from layer_boundary.runtime.parallel import build_parallel
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5], [8, 9, 7, 9, 3, 2]]
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 4e-2)):
+        check = f"world 1 vs transformers, {name}, {str(dtype).split('.')[-1]}"
+
+        @guarded(check)
+        def one():
+            runtime = BoundaryRuntime(build_parallel(ParallelDims()), boundary_reduction="ar")
+            ours = load_model(str(path), runtime, dtype=dtype, device="cuda")
+            fb = ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * len(prompts),
+                                    kv_cache=ours.make_kv_cache(len(prompts), 16),
+                                    device="cuda")
+            mine = ours(fb).float()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda()
+            theirs = torch.cat([hf(input_ids=torch.tensor([p], device="cuda")).logits[0]
+                                for p in prompts]).float()
+            scale = theirs.abs().max().item()
+            diff = (mine - theirs).abs().max().item()
+            row(check, diff <= tol * max(scale, 1.0), f"max |diff| {diff:.2e}, scale {scale:.2f}")
+        one()
+
+
+def cli_run(check: str, path: Path, *extra: str) -> None:
+    @guarded(check)
+    def one():
+        proc = subprocess.run(
+            [sys.executable, "-m", "layer_boundary", "run", "--model", str(path), "--device",
+             "cuda", "--json", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr else
+                               f"exit {proc.returncode}")
+        report = json.loads(proc.stdout)
+        parity = report["parity"] or {}
+        detail = (f"tokens match {parity.get('tokens_match')}, max |diff| "
+                  f"{parity.get('max_abs_diff', float('nan')):.2e}")
+        if "fused_stages" in report:
+            detail += f", fused {len(report['fused_stages'])} stage inputs"
+        row(check, bool(parity.get("tokens_match")) and report.get("verdict", "PASS") == "PASS",
+            detail)
+    one()
+
+
+KERNEL_SHAPES = ((7, 48), (33, 4096))
+
+
+def kernel_cases(device: str) -> list:
+    """The inputs both modes run: (name, args) per kernel, dtype and shape."""
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, width in KERNEL_SHAPES:
+            gen = torch.Generator().manual_seed(rows)
+            value = torch.randn(rows, width, generator=gen).to(dtype).to(device)
+            residual = torch.randn(rows, width, generator=gen).to(dtype).to(device)
+            weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype).to(device)
+            tag = f"{str(dtype).split('.')[-1]} {rows}x{width}"
+            cases.append((f"add_rms_norm {tag}", "add_rms_norm",
+                          (value, residual, weight, 1e-6, False)))
+            cases.append((f"add_rms_norm gemma {tag}", "add_rms_norm",
+                          (value, residual, weight - 1, 1e-6, True)))
+            cases.append((f"add_rms_norm_fp8 {tag}", "add_rms_norm_fp8",
+                          (value, residual, weight, 1e-6, 16, False)))
+    return cases
+
+
+def interpreted_outputs(out: Path) -> None:
+    """In a process with TRITON_INTERPRET=1: every case's outputs on the CPU, saved."""
+    from layer_boundary.fusions import kernels
+
+    torch.save({name: [t.float() for t in getattr(kernels, fn)(*args)]
+                for name, fn, args in kernel_cases("cpu")}, out)
+
+
+@guarded("Triton kernels compiled vs interpreter")
+def kernels_against_interpreter(work: Path) -> None:
+    from layer_boundary.fusions import kernels
+
+    saved = work / "interpreted.pt"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    subprocess.run([sys.executable, __file__, "--interpreted", str(saved)], cwd=ROOT, env=env,
+                   check=True, timeout=300)
+    interpreted = torch.load(saved)
+    for name, fn, args in kernel_cases("cuda"):
+        compiled = [t.float().cpu() for t in getattr(kernels, fn)(*args)]
+        # fp32 statistics may differ in the last bit between the GPU and numpy; a rounded
+        # value then moves by one step of its dtype
+        worst = max(((c - i).abs() / i.abs().clamp_min(1e-6)).max().item()
+                    for c, i in zip(compiled, interpreted[name]))
+        limit = 1e-6 if "float32" in name and "fp8" not in name else 2 ** -7 + 1e-6
+        if "fp8" in name:
+            limit = 2 ** -3 + 1e-6  # one e4m3 step
+        row(f"kernel {name}", worst <= limit, f"max relative diff {worst:.1e}")
+
+
+def _timed(fn, repeats: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+@guarded("kernel bandwidth")
+def kernel_bandwidth() -> None:
+    from layer_boundary.fusions import kernels
+
+    rows, width = 16384, 4096
+    value = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(value)
+    weight = torch.ones(width, device="cuda", dtype=torch.bfloat16)
+    copy_s = _timed(lambda: value.clone())
+    copy_bw = 2 * value.numel() * 2 / copy_s  # read + write
+    for name, fn, moved in (
+            ("add_rms_norm", lambda: kernels.add_rms_norm(value, residual, weight, 1e-6),
+             4 * value.numel() * 2),
+            ("add_rms_norm_fp8", lambda: kernels.add_rms_norm_fp8(value, residual, weight,
+                                                                  1e-6, 128),
+             3 * value.numel() * 2 + value.numel())):
+        bw = moved / _timed(fn)
+        row(f"bandwidth {name} bf16 {rows}x{width}", bw >= 0.5 * copy_bw,
+            f"{bw / 1e9:.0f} GB/s against copy {copy_bw / 1e9:.0f} GB/s ({bw / copy_bw:.2f})")
+
+
+@guarded("captured decode step vs eager")
+@torch.no_grad()
+def captured_decode(path: Path) -> None:
+    from layer_boundary.models import load_model
+    from layer_boundary.runtime import BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims
+    from layer_boundary.runtime.parallel import build_parallel
+
+    runtime = BoundaryRuntime(build_parallel(ParallelDims()), boundary_reduction="ar")
+    model = load_model(str(path), runtime, device="cuda")
+    cache = model.make_kv_cache(5, 32)
+    prompts = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
+    model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0, 0, 0], kv_cache=cache,
+                             device="cuda"))
+    step = ForwardBatch.build(ForwardMode.DECODE, [[7], [8], [9]], [3, 2, 4], kv_cache=cache,
+                              device="cuda").padded(4, scratch_slot=4)
+    eager = model(step).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up outside the capture
+            model(step)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = model(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    diff = (captured - eager).abs().max().item()
+    row("captured decode step vs eager", diff <= 1e-5, f"max |diff| {diff:.2e}")
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--interpreted":
+        interpreted_outputs(Path(sys.argv[2]))
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_check: needs a CUDA device, and none is visible (torch.cuda.is_available() "
+              "is False); run it on a machine with an NVIDIA GPU", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count()
+    print(f"gpu_check on {torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}")
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    paths = checkpoints(work)
+    for name, path in paths.items():
+        world1_against_transformers(name, path)
+    transport = "nccl" if gpus >= 2 else "gloo, 2 ranks on one GPU"
+    cli_run(f"run --device cuda --tp 2 ({transport})", paths["qwen3"], "--tp", "2")
+    cli_run(f"run --device cuda --tp 2 --fusions triton ({transport})", paths["qwen3_5_moe"],
+            "--tp", "2", "--fusions", "triton")
+    kernels_against_interpreter(work)
+    kernel_bandwidth()
+    captured_decode(paths["qwen3"])
+    width = max(len(c) for c, _, _ in ROWS)
+    print("\n| check | verdict | detail |\n| --- | --- | --- |")
+    for check, verdict, detail in ROWS:
+        print(f"| {check.ljust(width)} | {verdict} | {detail} |")
+    return 0 if all(v == "PASS" for _, v, _ in ROWS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
