@@ -9,7 +9,8 @@ Rows:
   verdict against world 1;
 - the Triton kernels compiled for the GPU against the same kernels under the interpreter
   (CPU), and each kernel's achieved bandwidth against the device's measured copy bandwidth;
-- a decode step captured as a CUDA graph and replayed, against the eager step.
+- a decode step captured as a CUDA graph and replayed, against the eager step, and
+  `run --device cuda --compile` (inductor with CUDA graphs per bucket) against eager.
 """
 
 from __future__ import annotations
@@ -234,6 +235,8 @@ def main() -> int:
     cli_run(f"run --device cuda --tp 2 ({transport})", paths["qwen3"], "--tp", "2")
     cli_run(f"run --device cuda --tp 2 --fusions triton ({transport})", paths["qwen3_5_moe"],
             "--tp", "2", "--fusions", "triton")
+    cli_run("run --device cuda --compile (inductor, CUDA graphs per bucket)", paths["qwen3"],
+            "--tp", "1", "--compile")
     kernels_against_interpreter(work)
     kernel_bandwidth()
     captured_decode(paths["qwen3"])

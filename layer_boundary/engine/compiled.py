@@ -28,7 +28,10 @@ def compile_forward(model, backend: str, padded: bool):
     What is compiled is the model's bound ``forward``, called as ``compiled(forward_batch)``:
     ``torch.compile(model)`` would wrap it in an ``OptimizedModule``, whose call runs module
     hooks outside the graph at the cost of about a dozen Python calls a forward (our models
-    register none; a hook registered on the model does not run here)."""
+    register none; a hook registered on the model does not run here).
+
+    On a CUDA device an inductor graph of a padded bucket also runs as a captured CUDA graph
+    (what ``mode="reduce-overhead"`` asks; the two cannot both be passed)."""
     stack, config = getattr(model, "stack", None), getattr(model, "config", None)
     if stack is not None and config is not None:
         adapted = any(getattr(m, "lora", None) is not None for m in model.modules())
@@ -36,9 +39,18 @@ def compile_forward(model, backend: str, padded: bool):
                     {Feature.COMPILE} | ({Feature.LORA} if adapted else set()))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
+    options = {"guard_filter_fn": boundary_guard_filter(model)}
+    if backend == "inductor" and padded and _device(model).type == "cuda":
+        # mode="reduce-overhead": each bucket's graph is captured as a CUDA graph and
+        # replayed (static shapes per bucket; nothing in a forward syncs with the host)
+        options["triton.cudagraphs"] = True
     return torch.compile(model.forward, fullgraph=True, backend=backend,
-                         dynamic=False if padded else None,
-                         options={"guard_filter_fn": boundary_guard_filter(model)})
+                         dynamic=False if padded else None, options=options)
+
+
+def _device(model) -> torch.device:
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None else param.device
 
 
 def compiled_graphs() -> int:
