@@ -29,8 +29,9 @@ def checkpoints(qwen3_dir, qwen3_moe_dir, tmp_path_factory) -> dict:
 
 
 # (model, tp, dp, ep, boundary reduction)
-CASES = [("qwen3", 2, 1, 1, "ar"), ("qwen3", 4, 2, 1, "rs+rsv"), ("qwen3_moe", 2, 1, 2, "ar"),
-         ("qwen3_fp8", 4, 2, 1, "rs+rsv"), ("qwen3_5_moe", 2, 1, 1, "ar")]
+CASES = [(model, *topology) for model, ep in (("qwen3", 1), ("qwen3_moe", 2), ("qwen3_fp8", 1),
+                                              ("qwen3_5_moe", 1))
+         for topology in ((2, 1, ep, "ar"), (4, 2, ep, "rs+rsv"))]
 
 
 @pytest.mark.timeout(240)
@@ -47,5 +48,5 @@ def test_triton_fusions_match_world1_and_fuse_every_input(checkpoints, model, tp
     inputs = [f"layer{i}.{s}" for i in range(layers) for s in ("attn", "ffn")][1:]
     for rank, r in enumerate(results):
         assert r.fused_stages == inputs, (rank, r.fused_stages)
-        if model == "qwen3_5_moe":  # its last layer's MoE hands its finalize to the final norm
-            assert r.fused_final_norms > 0, rank
+        if model == "qwen3_5_moe" and dp == 1:  # its last MoE hands its finalize to the final
+            assert r.fused_final_norms > 0, rank  # norm, on the residual's rows without DP

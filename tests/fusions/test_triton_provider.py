@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed.pool import get_pool
-from toy import HIDDEN, DpBatch, ToyStack, runtime, seeded
+from toy import HIDDEN, DpBatch, ToyStack, cp_case_id, runtime, seeded
 
 from layer_boundary.fusions.triton_provider import TritonFusions
 from layer_boundary.residual import batch as residual_batch
@@ -51,11 +51,12 @@ def test_the_kernel_computes_the_unfused_add_and_norm(dtype, zero_centered, rows
         assert ((normed.float() - expect.float()).abs() <= step + 1e-30).all()
 
 
-def run(tp: int, dp: int, policy: str, counts, provider: bool) -> dict:
-    rt = runtime(tp, dp, boundary_reduction=policy)
+def run(tp: int, dp: int, policy: str, counts, provider: bool, cp: int = 1,
+        lens=None) -> dict:
+    rt = runtime(tp, dp, cp, boundary_reduction=policy)
     fusions = TritonFusions() if provider else None
     stack = ToyStack(rt, LAYERS, fusions=fusions)
-    b = DpBatch(counts, rt)
+    b = DpBatch(counts, rt, lens)
     residual_batch.start(b.fb)
     h = b.mine(seeded((sum(counts), HIDDEN), 4))
     for layer in stack.layers:
@@ -66,7 +67,7 @@ def run(tp: int, dp: int, policy: str, counts, provider: bool) -> dict:
         mode = b.fb.rows.mode
         stages = [s for layer in stack.layers for s in (layer.attn, layer.ffn)]
         for stage in stages[1:]:  # the stack's entry has no producer: no update to fuse
-            path = next(p for (v, m), p in stage.plan.paths.items() if m is mode)
+            path = stage.plan.paths[(b.fb.variant, mode)]
             mine = [c for name, c in fusions.offered  # its candidates in this mode
                     if name == stage.name and c.collective is mode
                     and c.target == path.entry.update_rows]
@@ -77,7 +78,8 @@ def run(tp: int, dp: int, policy: str, counts, provider: bool) -> dict:
                     and c.source == arrival.complete.src), len(arrival.candidates))
                 for arrival in path.entry.arrivals.values()]
     return {"out": out, "rows": (b.rows.start, b.rows.stop), "mode": b.fb.rows.mode.value,
-            "fused": fusions.fused_stages if provider else [], "offered": offered}
+            "fused": fusions.fused_stages if provider else [], "offered": offered,
+            "variant": b.fb.variant.value}
 
 
 CASES = [(1, 1, "ar", (5,)), (2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 2, "ar", (5, 3)),
@@ -85,13 +87,7 @@ CASES = [(1, 1, "ar", (5,)), (2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 2, "ar"
          (4, 2, "rsv", (5, 0))]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp,dp,policy,counts", CASES,
-                         ids=[f"tp{t}-dp{d}-{p}-{'_'.join(map(str, c))}" for t, d, p, c in CASES])
-def test_every_row_mode_fuses_each_input_and_matches_world1(tp, dp, policy, counts):
-    ref = run(1, 1, "ar", counts, False)["out"]
-    results = get_pool(tp).run(run, tp, dp, policy, counts, True) if tp > 1 else [
-        run(1, 1, policy, counts, True)]
+def check(results, ref, policy: str) -> None:
     inputs = [f"layer{i}.{s}" for i in range(LAYERS) for s in ("attn", "ffn")][1:]
     for rank, r in enumerate(results):
         assert r["mode"] == policy
@@ -102,6 +98,31 @@ def test_every_row_mode_fuses_each_input_and_matches_world1(tp, dp, policy, coun
         for stage, arrivals in r["offered"].items():
             assert all(exact for exact, _ in arrivals), (rank, stage, arrivals)
             assert all(n <= 1 for _, n in arrivals), (rank, stage, arrivals)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp,dp,policy,counts", CASES,
+                         ids=[f"tp{t}-dp{d}-{p}-{'_'.join(map(str, c))}" for t, d, p, c in CASES])
+def test_every_row_mode_fuses_each_input_and_matches_world1(tp, dp, policy, counts):
+    ref = run(1, 1, "ar", counts, False)["out"]
+    check(get_pool(tp).run(run, tp, dp, policy, counts, True) if tp > 1 else [
+        run(1, 1, policy, counts, True)], ref, policy)
+
+
+# CP batches: each DP rank's requests (one shorter than 2 x cp; an empty DP rank)
+CP_CASES = [(2, 1, 2, "ar", ((7, 2),)), (4, 1, 2, "rs", ((9, 3),)),
+            (4, 2, 2, "rsv", ((5, 3), ())), (4, 2, 2, "ar", ((5, 3), (2,)))]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp,dp,cp,policy,lens", CP_CASES,
+                         ids=[cp_case_id(*case) for case in CP_CASES])
+def test_cp_batches_fuse_each_input_and_match_world1(tp, dp, cp, policy, lens):
+    counts = tuple(map(sum, lens))
+    ref = run(1, 1, "ar", counts, False)["out"]
+    results = get_pool(tp).run(run, tp, dp, policy, counts, True, cp, lens)
+    assert {r["variant"] for r in results} == {"CP"}
+    check(results, ref, policy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
