@@ -36,18 +36,18 @@ def _rounded(x, out_ty: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm(value_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr,
-                  n_cols, value_stride, residual_stride, eps,
-                  ZERO_CENTERED: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
+def _add_and_norm(value_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, cols, n_cols,
+                  value_stride, residual_stride, eps, ZERO_CENTERED: tl.constexpr,
+                  BF16: tl.constexpr):
+    """One row: the fp32 sum, the residual stored rounded, and the norm's output (rounded to
+    the residual's dtype, returned in fp32); ``cols`` past ``n_cols`` load as 0."""
     inside = cols < n_cols
     value = tl.load(value_ptr + row * value_stride + cols, mask=inside, other=0.0)
     residual = tl.load(residual_ptr + row * residual_stride + cols, mask=inside, other=0.0)
     total = value.to(tl.float32) + residual.to(tl.float32)
     out_ty = residual_out_ptr.dtype.element_ty
     tl.store(residual_out_ptr + row * n_cols + cols, _rounded(total, out_ty, BF16), mask=inside)
-    variance = tl.sum(total * total, axis=0) / n_cols  # padding columns load as 0
+    variance = tl.sum(total * total, axis=0) / n_cols  # padding columns add nothing
     normed = total * (1.0 / tl.sqrt(variance + eps))
     weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     if ZERO_CENTERED:  # scaled in fp32, rounded once
@@ -55,7 +55,19 @@ def _add_rms_norm(value_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_
     else:  # rounded, then scaled in the model dtype: the product of two rounded values
         # is exact in fp32, so rounding it once is the model dtype's own multiply
         out = _rounded(_rounded(normed, out_ty, BF16).to(tl.float32) * weight, out_ty, BF16)
-    tl.store(normed_ptr + row * n_cols + cols, out, mask=inside)
+    return out.to(tl.float32)
+
+
+@triton.jit
+def _add_rms_norm(value_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr,
+                  n_cols, value_stride, residual_stride, eps,
+                  ZERO_CENTERED: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    out = _add_and_norm(value_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, cols,
+                        n_cols, value_stride, residual_stride, eps, ZERO_CENTERED, BF16)
+    tl.store(normed_ptr + row * n_cols + cols, out.to(normed_ptr.dtype.element_ty),
+             mask=cols < n_cols)
 
 
 @triton.jit
@@ -81,19 +93,8 @@ def _add_rms_norm_fp8(value_ptr, residual_ptr, weight_ptr, values_ptr, scales_pt
     row = tl.program_id(0)
     cols = tl.arange(0, GROUPS * GROUP)
     inside = cols < n_cols
-    value = tl.load(value_ptr + row * value_stride + cols, mask=inside, other=0.0)
-    residual = tl.load(residual_ptr + row * residual_stride + cols, mask=inside, other=0.0)
-    total = value.to(tl.float32) + residual.to(tl.float32)
-    out_ty = residual_out_ptr.dtype.element_ty
-    tl.store(residual_out_ptr + row * n_cols + cols, _rounded(total, out_ty, BF16), mask=inside)
-    variance = tl.sum(total * total, axis=0) / n_cols
-    normed = total * (1.0 / tl.sqrt(variance + eps))
-    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        x = _rounded(normed * (1.0 + weight), out_ty, BF16).to(tl.float32)
-    else:
-        x = _rounded(_rounded(normed, out_ty, BF16).to(tl.float32) * weight, out_ty,
-                     BF16).to(tl.float32)
+    x = _add_and_norm(value_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, cols, n_cols,
+                      value_stride, residual_stride, eps, ZERO_CENTERED, BF16)
     # per group of GROUP channels (padding columns are 0: a partial group's amax is its own)
     x = tl.reshape(x, (GROUPS, GROUP))
     amax = tl.max(tl.abs(x), axis=1)

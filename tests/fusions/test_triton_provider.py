@@ -13,13 +13,23 @@ from toy import HIDDEN, DpBatch, ToyStack, cp_case_id, runtime, seeded
 
 from layer_boundary.fusions.triton_provider import TritonFusions
 from layer_boundary.residual import batch as residual_batch
-from layer_boundary.runtime.norm import GemmaRMSNorm, RMSNorm, gemma_rms_fp32
+from layer_boundary.runtime.norm import RMSNorm, gemma_rms_fp32
 from layer_boundary.runtime.quant import quantize_groups
 
 pytest.importorskip("triton")
 from layer_boundary.fusions import kernels  # noqa: E402 - after the interpreter is chosen
 
 LAYERS = 3
+
+
+def unfused_norm(total, weight, dtype, zero_centered: bool) -> torch.Tensor:
+    """What the model's norm module makes of the fp32 sum ``total``."""
+    if zero_centered:
+        return gemma_rms_fp32(total, weight, 1e-6, dtype)
+    norm = RMSNorm(total.shape[-1], 1e-6, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm.normalize_fp32(total, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,14 +44,7 @@ def test_the_kernel_computes_the_unfused_add_and_norm(dtype, zero_centered, rows
     weight = (torch.randn(width, generator=gen) * 0.1 + (0 if zero_centered else 1)).to(dtype)
     normed, new_residual = kernels.add_rms_norm(value, residual, weight, 1e-6, zero_centered)
     total = residual.float() + value.float()
-    if zero_centered:
-        norm = GemmaRMSNorm(width, 1e-6, dtype=dtype)
-        expect = gemma_rms_fp32(total, weight, 1e-6, dtype)
-    else:
-        norm = RMSNorm(width, 1e-6, dtype=dtype)
-        with torch.no_grad():
-            norm.weight.copy_(weight)
-        expect = norm.normalize_fp32(total, dtype)
+    expect = unfused_norm(total, weight, dtype, zero_centered)
     assert normed.dtype == new_residual.dtype == dtype
     assert torch.equal(new_residual, total.to(dtype))  # the residual rounded once
     if dtype is torch.float32:
@@ -140,13 +143,7 @@ def test_the_fp8_kernel_quantizes_what_the_quantized_read_does(dtype, zero_cente
     values, scales, new_residual = kernels.add_rms_norm_fp8(value, residual, weight, 1e-6,
                                                             group, zero_centered)
     total = residual.float() + value.float()
-    if zero_centered:
-        x = gemma_rms_fp32(total, weight, 1e-6, dtype)
-    else:
-        norm = RMSNorm(width, 1e-6, dtype=dtype)
-        with torch.no_grad():
-            norm.weight.copy_(weight)
-        x = norm.normalize_fp32(total, dtype)
+    x = unfused_norm(total, weight, dtype, zero_centered)
     want = quantize_groups(x, group)
     assert torch.equal(new_residual, total.to(dtype))
     assert values.dtype == torch.float8_e4m3fn and scales.shape == want.scales.shape
