@@ -118,7 +118,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         batch.variant = variants[0] if step == 0 else variants[1]
         if adapters is not None:  # each token runs its request's adapter
             batch.lora_ids = torch.tensor(
-                [adapters[i] for i, t in zip(mine, new_tokens) for _ in t], dtype=torch.long)
+                [adapters[i] for i, t in zip(mine, new_tokens) for _ in t], dtype=torch.long,
+                device=model.device)
         pp_input = link.receive()
         parts = split_prefill if step == 0 and stage is not None else 1
         run = batch

@@ -43,8 +43,8 @@ class SpeculativeStats:
 class _Agreement:
     """The collectives that keep every rank on the same forward (none at world 1)."""
 
-    def __init__(self, parallel) -> None:
-        self.parallel = parallel
+    def __init__(self, parallel, device) -> None:
+        self.parallel, self.device = parallel, device  # NCCL sums tensors on the GPU
 
     @staticmethod
     def _site() -> None:
@@ -55,13 +55,13 @@ class _Agreement:
     def dp_counts(self, tokens: int) -> tuple[int, ...]:
         self._site()
         group = self.parallel.attn_dp_group
-        mine = torch.tensor([tokens], dtype=torch.long)
+        mine = torch.tensor([tokens], dtype=torch.long, device=self.device)
         return tuple(gather_rows(mine, group).tolist()) if group.size > 1 else (tokens,)
 
     def any(self, flag: bool) -> bool:
         self._site()
         group = self.parallel.tp_group
-        x = torch.tensor([int(flag)], dtype=torch.long)
+        x = torch.tensor([int(flag)], dtype=torch.long, device=self.device)
         return bool(all_reduce_rows(x, group).item()) if group.size > 1 else flag
 
 
@@ -77,7 +77,7 @@ def _forward(model, agree, mode, requests, prefix, slots, cache, hidden=False, p
     fb.variant = variant
     if adapters is not None:  # each token runs its request's adapter
         fb.lora_ids = torch.tensor([adapters[j] for j, toks in zip(slots, requests)
-                                    for _ in toks], dtype=torch.long)
+                                    for _ in toks], dtype=torch.long, device=model.device)
     if prev is not None:
         return model(fb, prev)
     if hidden:
@@ -121,7 +121,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     # a proposal past the tokens a request emits is never used, and each one is a draft
     # forward and a cache row: 100,000 steps for 4 tokens would run for ever
     steps = min(steps, max_new_tokens)
-    agree = _Agreement(parallel)
+    agree = _Agreement(parallel, target.device)
     mine = requests_of(dp_rank, dp, len(prompts))
     n = len(mine)
     # the target's adapter slot of each of this rank's requests, by its cache slot
