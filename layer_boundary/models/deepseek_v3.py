@@ -35,7 +35,7 @@ from .base import CausalLM
 from .attention import cached_attention
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP
-from .rope import apply_rope, inverse_frequencies, rope_cos_sin
+from .rope import apply_rope, forward_cos_sin, inverse_frequencies, rope_key
 from .config import (DECODER, EXPERTS, GROUPED_ROUTER, MLA, NON_NEGATIVE_INT, CheckedConfig,
                      CheckpointError, check_divisible, check_grouped_router,
                      check_unquantized_silu, fp8_quantization, quantized_read, require,
@@ -248,6 +248,7 @@ class DeepseekV3Attention(nn.Module):
                                         name="o_proj")
         rope = cfg.qk_rope_head_dim
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, rope), persistent=False)
+        self.rope_key = rope_key(self.inv_freq)
         self.scaling = cfg.softmax_scale
         self.latent_split = (cfg.q_latent_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
@@ -286,9 +287,7 @@ class DeepseekV3Attention(nn.Module):
         outputs are those of the expanded form."""
         cfg, cp = self.cfg, cp_view(forward_batch)
         q_lat, kv_nope, k_rot = latent.split(self.latent_split, dim=-1)
-        q_positions = positions
         if cp is not None:  # every token's kv latent (not its heads) as keys and values
-            q_positions = cp.share(positions)
             kv_nope, k_rot = cp.gather(torch.cat((kv_nope, k_rot), dim=-1)).split(
                 (cfg.kv_lora_rank, cfg.qk_rope_head_dim), dim=-1)
         tokens = q_lat.shape[0]
@@ -298,9 +297,13 @@ class DeepseekV3Attention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, -1, cfg.kv_lora_rank)
         w_k, w_v = w.split((cfg.qk_nope_head_dim, cfg.v_head_dim), dim=1)
         q_nope = torch.einsum("thn,hnr->thr", q_nope, w_k)  # [T, heads, kv_lora_rank]
-        cos, sin = rope_cos_sin(q_positions, self.inv_freq, latent.dtype)
+        # the forward's tables (a CP share's for the queries), computed by its first layer
+        cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
+                                   latent.dtype, None if cp is None else cp.share,
+                                   full_width=False)
         q_rot = apply_rope(q_rot, cos, sin, cfg.rope_interleave)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, latent.dtype)
+        cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
+                                   latent.dtype, full_width=False)
         k_rot = apply_rope(k_rot[:, None, :], cos, sin, cfg.rope_interleave)  # [T, 1, rope]
         c = self.latent(kv_nope)[:, None, :]  # [T, 1, kv_lora_rank]: one head for all
         q = torch.cat((q_nope, q_rot), dim=-1)

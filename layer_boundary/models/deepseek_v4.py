@@ -55,7 +55,7 @@ from .kv_cache import KVCache
 from .layers import DecoderLayer
 from .registry import NO_QKV_LATENT, register_model
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params
-from .rope import inverse_frequencies, rope_cos_sin
+from .rope import forward_cos_sin, inverse_frequencies, rope_key
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of x [T, H, D]: pairs
@@ -104,6 +104,7 @@ class DeepseekV4Attention(nn.Module):
         self.rank, self.tp = group.rank, group.size
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, cfg.rope_head_dim),
                              persistent=False)
+        self.rope_key = rope_key(self.inv_freq)
         self.latent_split = (cfg.q_lora_rank, cfg.head_dim)
 
     def _head_slice_loader(self, param, loaded: torch.Tensor) -> None:
@@ -120,7 +121,8 @@ class DeepseekV4Attention(nn.Module):
         q_lat, kv = latent.split(self.latent_split, dim=-1)
         q = self.q_b_proj(self.q_a_norm(q_lat)).view(tokens, self.num_heads, cfg.head_dim)
         q = unweighted_rms(q, cfg.rms_norm_eps)  # per head
-        cos, sin = rope_cos_sin(positions, self.inv_freq, latent.dtype)
+        cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
+                                   latent.dtype, full_width=False)
         q = rope_tail(q, cos, sin)
         kv = rope_tail(self.kv_norm(kv)[:, None, :], cos, sin)  # [T, 1, head_dim]
         out = cached_attention(self.layer_id, q, kv, kv, forward_batch, cfg.softmax_scale,

@@ -47,7 +47,7 @@ from .nemotron_h import HybridCache
 from .qwen3 import check_heads
 from .qwen3_moe import Qwen3MoeRouter
 from .registry import NO_QKV_LATENT, register_model
-from .rope import apply_rope, inverse_frequencies, rope_cos_sin
+from .rope import apply_rope, forward_cos_sin, inverse_frequencies, rope_key
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -239,6 +239,7 @@ class Qwen3NextAttention(nn.Module):
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
                              persistent=False)
+        self.rope_key = rope_key(self.inv_freq)
         self.scaling = d ** -0.5
 
     def rope(self, x, cos, sin):
@@ -256,7 +257,8 @@ class Qwen3NextAttention(nn.Module):
         k = k.view(tokens, kv_heads, d)  # [T, KVH, D]
         v = v.view(tokens, kv_heads, d)
         q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+        cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
+                                   q.dtype, full_width=False)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         out = cached_attention(self.index, q, k, v, forward_batch, self.scaling)  # [T, H, D]
         out = out * torch.sigmoid(gate)

@@ -32,10 +32,11 @@ def rope_key(inv_freq: torch.Tensor) -> tuple:
 
 
 def forward_cos_sin(forward_batch, key: tuple, positions: torch.Tensor, inv_freq: torch.Tensor,
-                    dtype, share=None):
+                    dtype, share=None, full_width: bool = True):
     """The rotate-half form's full-width cos/sin [T, D] of ``positions`` (``share(positions)``
     under CP), computed by the first layer of a forward that asks and reused by the rest, as
-    transformers computes its position embeddings once per forward.
+    transformers computes its position embeddings once per forward; with ``full_width=False``
+    the [T, D/2] tables ``rope_cos_sin`` makes (what ``apply_rope`` takes).
 
     Args:
         forward_batch: the batch (the table lives as long as its forward: ``per_forward``).
@@ -45,13 +46,17 @@ def forward_cos_sin(forward_batch, key: tuple, positions: torch.Tensor, inv_freq
         inv_freq: the frequencies [D / 2].
         dtype: the table's dtype (q's).
         share: a CP share of the rows (``CpView.share``), or None.
+        full_width: the full-width tables (False: the half-width ones).
     """
     def table():
         cos, sin = rope_cos_sin(positions if share is None else share(positions), inv_freq,
                                 dtype)
-        return positions, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        if full_width:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return positions, cos, sin
 
-    made_for, cos, sin = per_forward(forward_batch, ("rope", key, dtype, share is None), table)
+    slot = ("rope", key, dtype, share is None, full_width)
+    made_for, cos, sin = per_forward(forward_batch, slot, table)
     if made_for is not positions:  # a layer given other positions than the forward's own
         _, cos, sin = table()
     return cos, sin

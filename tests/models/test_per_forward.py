@@ -92,3 +92,34 @@ def test_a_table_is_reused_only_for_the_forwards_own_positions(model):
     assert rope.forward_cos_sin(fb, rope.rope_key(inv_freq * 2), fb.positions, inv_freq * 2,
                                 torch.float32)[0] is not cos
     assert rope.rope_key(inv_freq) == key != rope.rope_key(inv_freq * 2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v3", "deepseek_v4"])
+def test_partial_and_mla_rotary_is_one_table_per_forward(model_type, monkeypatch):
+    """Qwen3-Next's partial rotary and the MLA models' rotary key and queries: one table a
+    forward, the same logits as every layer computing its own."""
+    from model_configs import config
+
+    from layer_boundary.runtime import BoundaryRuntime, ParallelDims
+    from layer_boundary.runtime.parallel import build_parallel
+
+    model_cls, cfg = config(model_type)
+    torch.manual_seed(0)
+    net = model_cls(cfg, BoundaryRuntime(build_parallel(ParallelDims()),
+                                         boundary_reduction="ar")).eval()
+    for name, p in net.named_parameters():
+        p.copy_(1 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) * 0.05)
+
+    def prefill():
+        fb = ForwardBatch.build(ForwardMode.EXTEND, [[1, 2, 3], [4, 5]], [0, 0],
+                                kv_cache=net.make_kv_cache(2, 8))
+        return net(fb)
+
+    tables = _counting(monkeypatch, rope, "rope_cos_sin")
+    shared = prefill()
+    assert len(tables) == 1
+    tables.clear()
+    monkeypatch.setattr(rope, "per_forward", lambda fb, key, compute: compute())
+    assert torch.equal(prefill(), shared)
+    assert len(tables) > 1  # each attention layer its own (and each of its q and k)
