@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from distributed.checks import assert_logits_match
 from distributed.pool import get_pool
+from ds_checkpoints import hf_deepseek_v3
 from fp8_checkpoints import fp8_checkpoint
 from qwen3_next_checkpoints import hf_qwen3_next
 
@@ -25,7 +26,8 @@ def checkpoints(qwen3_dir, qwen3_moe_dir, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("triton_models")
     return {"qwen3": str(qwen3_dir), "qwen3_moe": str(qwen3_moe_dir),
             "qwen3_fp8": str(fp8_checkpoint(qwen3_dir, root / "fp8", block=(16, 16))),
-            "qwen3_5_moe": str(hf_qwen3_next(root / "q35moe", "qwen3_5_moe"))}
+            "qwen3_5_moe": str(hf_qwen3_next(root / "q35moe", "qwen3_5_moe")),
+            "deepseek_v3": str(hf_deepseek_v3(root / "dsv3"))}
 
 
 # (model, tp, dp, ep, boundary reduction)
@@ -50,3 +52,25 @@ def test_triton_fusions_match_world1_and_fuse_every_input(checkpoints, model, tp
         assert r.fused_stages == inputs, (rank, r.fused_stages)
         if model == "qwen3_5_moe" and dp == 1:  # its last MoE hands its finalize to the final
             assert r.fused_final_norms > 0, rank  # norm, on the residual's rows without DP
+
+
+# the other batch variants: a sequence-parallel prefill (its stages complete on scattered
+# rows), input-scattered forwards of an MLA model (its latent runs before the gather)
+VARIANTS = [("qwen3", dict(sequence_parallel=True)), ("deepseek_v3", dict(attn_input_scattered=True))]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model,variant", VARIANTS, ids=[m for m, _ in VARIANTS])
+def test_triton_fusions_in_the_scattered_variants(checkpoints, model, variant):
+    # one forward (the prefill: the variant's own batch), so the fused stages are its
+    spec = RunSpec(checkpoints[model], tp=4, dp=2, boundary_reduction="rs+rsv",
+                   prompts=PROMPTS, max_new_tokens=1, fusions="triton", **variant)
+    results = get_pool(4).run(run_rank, spec)
+    world1 = merge([run_rank(replace(spec, tp=1, dp=1, fusions=None, sequence_parallel=False,
+                                     attn_input_scattered=False), world_size=1)])
+    assert_logits_match(merge(results), world1, len(PROMPTS))
+    layers = len(results[0].layers)
+    inputs = [f"layer{i}.{s}" for i in range(layers) for s in ("attn", "ffn")][1:]
+    for rank, r in enumerate(results):
+        assert len(r.modes) == 1
+        assert r.fused_stages == inputs, (rank, r.fused_stages)
