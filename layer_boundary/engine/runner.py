@@ -230,7 +230,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     read = ReadBytes()
     device = rank_device(spec)
     model = load_model(spec.checkpoint, runtime, dtype=DTYPES[spec.dtype],
-                       options=spec.model_options, read=read, device=device)
+                       options=spec.model_options, read=read,
+                       device=None if device.type == "cpu" else device)  # CPU: as before
     if provider is not None:  # installed on the built model, as an engine installs a backend's
         model.install_fusion(provider)
     adapters = None
