@@ -53,22 +53,17 @@ def _stop_helpers() -> None:
                 pass
 
 
-def _choose_triton_mode() -> None:
-    """Without CUDA the Triton kernels run under the interpreter, which must be chosen before
-    anything imports triton: the package's own imports reach torch's compiler, which does.
-    The ranks inherit the choice."""
-    import os
-
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
-
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "fusion_provider", None) == "triton":
-        _choose_triton_mode()
+        # without CUDA the kernels run under the interpreter, chosen before anything imports
+        # triton (the package's imports reach torch's compiler, which does); ranks inherit it
+        import torch
+
+        if not torch.cuda.is_available():
+            from ..fusions.triton_provider import use_interpreter  # imports no triton
+
+            use_interpreter()
     from ..construction import UnsupportedBoundary
     from ..models.loader import CheckpointError
     from ..runtime.parallel import TopologyError

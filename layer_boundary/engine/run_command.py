@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 from ..adapters.tbo import TboPolicy
 from .args import UsageError, tokenizer, tp_dp
@@ -116,7 +117,7 @@ def cmd_run(args) -> int:
     from ..runtime.parallel import TopologyError
     from ..runtime.launch import init_distributed, launched_by_torchrun
     from .report import report
-    from .runner import run_rank
+    from .runner import backend_for, run_rank
 
     timeout = args.collective_timeout or (
         COMPILE_COLLECTIVE_TIMEOUT_S if (args.compile or args.compile_backend) else None)
@@ -125,7 +126,8 @@ def cmd_run(args) -> int:
         # and torchrun then needs about half a minute to stop the group
         rank, world = init_distributed(timeout_s=timeout or TORCHRUN_COLLECTIVE_TIMEOUT_S,
                                        join_timeout_s=args.start_timeout,
-                                       backend=_torchrun_backend(args.device))
+                                       backend=backend_for(args.device, int(os.environ.get(
+                                           "LOCAL_WORLD_SIZE", "1"))))
         setup_logging(rank)
         if args.tp is None:
             args.tp = world // args.pp
@@ -147,18 +149,6 @@ def cmd_run(args) -> int:
     setup_logging(0)
     with _stop_on_sigterm():
         return _spawned_run(args, timeout)
-
-
-def _torchrun_backend(device: str) -> str:
-    """NCCL where this host's ranks each have a GPU of their own, else gloo."""
-    import os
-
-    import torch
-
-    if device == "cuda" and torch.cuda.is_available() and (
-            torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))):
-        return "nccl"
-    return "gloo"
 
 
 def _spawned_run(args, timeout) -> int:
@@ -183,7 +173,7 @@ def _spawned_run(args, timeout) -> int:
     if args.start_timeout:
         options["start_timeout_s"] = args.start_timeout
     results = [run_rank(spec)] if world == 1 else spawn(rank_entry, world, spec,
-                                                        backend=backend_for(spec, world),
+                                                        backend=backend_for(spec.device, world),
                                                         **options)
     # world 1 needs no reference of itself, unless it ran compiled or in segments
     own = (world == 1 and spec.compile is None and spec.split_prefill == 1

@@ -15,7 +15,7 @@ import torch
 from ..adapters.tbo import TboPolicy
 from ..contracts import BatchVariant
 from ..layout import RowMode
-from ..models import Checkpoint, load_model, open_checkpoint
+from ..models import Checkpoint, building_on, load_model, open_checkpoint
 from ..runtime.args import BoundaryRuntime
 from ..runtime.forward_batch import token_bucket
 from ..runtime.ledger import LEDGER, LedgerEntry
@@ -138,10 +138,10 @@ def rank_device(spec: RunSpec) -> torch.device:
     return device
 
 
-def backend_for(spec: RunSpec, world_size: int) -> str:
-    """The ranks' backend: NCCL where every rank has a GPU of its own, else gloo (CPU
-    tensors, or CUDA tensors of ranks that share a GPU)."""
-    if spec.device == "cuda" and torch.cuda.device_count() >= world_size:
+def backend_for(device: str, ranks_here: int) -> str:
+    """The ranks' backend: NCCL where each of this host's ``ranks_here`` ranks has a GPU of
+    its own, else gloo (CPU tensors, or CUDA tensors of ranks that share a GPU)."""
+    if device == "cuda" and torch.cuda.device_count() >= ranks_here:
         return "nccl"
     return "gloo"
 
@@ -230,8 +230,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     read = ReadBytes()
     device = rank_device(spec)
     model = load_model(spec.checkpoint, runtime, dtype=DTYPES[spec.dtype],
-                       options=spec.model_options, read=read,
-                       device=None if device.type == "cpu" else device)  # CPU: as before
+                       options=spec.model_options, read=read, device=device)
     if provider is not None:  # installed on the built model, as an engine installs a backend's
         model.install_fusion(provider)
     adapters = None
@@ -303,7 +302,7 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
         runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                                   allreduce_fusion=spec.allreduce_fusion,
                                   rs_padding=spec.rs_padding)
-        with torch.device(target.device):  # beside the target it shares modules with
+        with building_on(target.device):  # beside the target it shares modules with
             return load_nextn(spec.model_dir, runtime, target, dtype=DTYPES[spec.dtype])
     draft = spec.draft_checkpoint
     policy = draft.boundary_reduction(spec.speculative_boundary_reduction)
@@ -318,11 +317,9 @@ def make_fusions(name: str | None):
     if name is None:
         return None
     if name == "triton":  # FUSION_PROVIDERS
-        from ..fusions import triton_provider
+        from ..fusions.triton_provider import TritonFusions
 
-        if not torch.cuda.is_available():
-            triton_provider.use_interpreter()
-        return triton_provider.TritonFusions(terminal_finalize=True)
+        return TritonFusions(terminal_finalize=True)
     from ..fusions.reference import ReferenceFusions
 
     options = {"reference": {}, "reference-terminal": {"terminal_finalize": True},

@@ -68,7 +68,6 @@ class ReferenceFusions:
                  defer_all_reduce: bool = False, decline: bool = False) -> None:
         self.defer_finalize, self.terminal_finalize = defer_finalize, terminal_finalize
         self.defer_all_reduce, self.decline = defer_all_reduce, decline
-        self.candidates: list[FusedInput] = []
         self.offered: list[tuple[str, FusedInput]] = []  # (stage, candidate), as offered
         self.service: TerminalFinalizeNorm | None = None  # once handoff_norm() made it
         self._parallel = None  # the topology of the plans it was offered to
@@ -77,7 +76,6 @@ class ReferenceFusions:
         self._parallel = plan.parallel
         candidate = fused_finalize_all_reduce_add_norm(
             plan, Counted(_declining) if self.decline else None)
-        self.candidates.append(candidate)
         self.offered.append((plan.stage, candidate))
         return [candidate]
 
@@ -109,8 +107,13 @@ class ReferenceFusions:
         return self.service
 
     @property
+    def candidates(self) -> list[FusedInput]:
+        """Every candidate offered, in the order offered."""
+        return [c for _, c in self.offered]
+
+    @property
     def accepted(self) -> int:
-        return sum(c.run.calls for c in self.candidates)
+        return sum(c.run.calls for _, c in self.offered)
 
     @property
     def fused_stages(self) -> list[str]:

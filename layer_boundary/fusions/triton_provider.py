@@ -140,7 +140,6 @@ class TritonFusions(ReferenceFusions):
             out.append(FusedInput(run=run, completes=frozenset({owed}), source=movement.src,
                                   target=movement.dst, finalizes=True, collective=plan.mode,
                                   read=kind))
-        self.candidates.extend(out)
         self.offered.extend((plan.stage, c) for c in out)
         return out
 

@@ -42,6 +42,14 @@ def boundary_reduction(value: str, checkpoint) -> str:
     return open_checkpoint(checkpoint).boundary_reduction(value)
 
 
+def building_on(device):
+    """Where a model's constructor makes its parameters: ``device`` (a context), or the
+    default device where ``device`` is None or the CPU (built as it always was)."""
+    if device is None or torch.device(device).type == "cpu":
+        return contextlib.nullcontext()
+    return torch.device(device)
+
+
 def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), read=None,
                device=None):
     """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard.
@@ -73,7 +81,7 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
     # a config.json asking for more than its checkpoint holds is refused before any memory
     # is allocated (a meta build and the safetensors headers; once per Checkpoint)
     check_sizes(checkpoint)
-    with torch.device(device) if device is not None else contextlib.nullcontext():
+    with building_on(device):
         model = model_cls(cfg, runtime, dtype=dtype, **kwargs)
     # an FP8 checkpoint's weights dequantized as they stream in (CPU: the matmuls run on them)
     model.load_weights(dequantized(iter_weights(path, lazy=True, read=read),

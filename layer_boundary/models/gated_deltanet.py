@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear
+from ..runtime.norm import rms_fp32
 from .attention import slot_index
 from .mamba2 import (DepthwiseConv, ShardedLinear, _param, conv_decode, conv_per_request,
                      decode_step)
@@ -116,8 +117,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
-        h = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        h = self.weight * rms_fp32(x.float(), self.eps).to(dtype)
         return (h * F.silu(z.float())).to(dtype)
 
 

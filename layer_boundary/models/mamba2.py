@@ -22,6 +22,7 @@ from torch import nn
 
 from ..runtime import RowParallelLinear, all_reduce_rows
 from ..runtime.linear import expect_shape
+from ..runtime.norm import rms_fp32
 from .attention import slot_index
 
 
@@ -105,7 +106,7 @@ class GatedRMSNorm(nn.Module):
         if self.ranks_per_group == 1:  # whole groups here: as transformers
             # [T, C] -> [T, local groups, group_size] (no -1: T may be 0)
             grouped = h.view(h.shape[0], h.shape[1] // self.group_size, self.group_size)
-            grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+            grouped = rms_fp32(grouped, self.eps)
             h = grouped.view(h.shape)
         else:  # one group over several ranks: its squares summed over attn_tp
             sums = h.new_zeros((h.shape[0], self.n_groups))  # [T, n_groups], ours only

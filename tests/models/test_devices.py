@@ -94,6 +94,6 @@ def test_ranks_take_nccl_only_with_a_gpu_each(monkeypatch):
     from layer_boundary.engine.runner import RunSpec, backend_for
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert backend_for(RunSpec("m", device="cuda"), 2) == "nccl"
-    assert backend_for(RunSpec("m", device="cuda"), 4) == "gloo"
-    assert backend_for(RunSpec("m"), 2) == "gloo"
+    assert backend_for(RunSpec("m", device="cuda").device, 2) == "nccl"
+    assert backend_for(RunSpec("m", device="cuda").device, 4) == "gloo"
+    assert backend_for(RunSpec("m").device, 2) == "gloo"
