@@ -8,6 +8,8 @@ table for each. Everything here runs at construction.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .contracts import EdgeDecl, ProducerReduction, StageKind, StageOutput
 from .exit import ExitDecision, ExitPath, OutputPlan
 from .fusions import InputPlan
@@ -34,7 +36,7 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
     """The decisions a producer's exit may take in ``mode``, from its output contract."""
     group, rows = output.sum_group, output.rows
     if output.linears_sum is not None:
-        return _sequence_parallel_exit(output, table)
+        return _sequence_parallel_exit(output, table, fusions, OutputPlan(name, declaration, mode))
     handoff = table.lookup(None, rows, output.handoff_rows)
     finish_move = handoff if handoff.moves else None
 
@@ -84,11 +86,12 @@ def bind_exit(output: StageOutput, mode: RowMode, table: dict, *, fusions=None,
                     completed=completed, issues_early=False)
 
 
-def _sequence_parallel_exit(output: StageOutput, table) -> ExitPath:
+def _sequence_parallel_exit(output: StageOutput, table, fusions, plan: OutputPlan) -> ExitPath:
     """A sequence-parallel stage's exit: its scope publishes the two movements its linears
     run (gather the scattered input onto the linears' rows, reduce-scatter the partial
     output back); the output is complete on the scattered rows, so nothing is owed after
-    it, and no provider question applies."""
+    it. An FFN with a provider asks ``can_defer_finalize`` (spec: every FFN exit); a yes
+    lets compute return its finalize on the scattered rows, handed on complete."""
     parallel = table.parallel
     group = sum_group(parallel, output.linears_sum)
     owed = output.linears_sum if group.size > 1 else None
@@ -98,7 +101,14 @@ def _sequence_parallel_exit(output: StageOutput, table) -> ExitPath:
     decision = ExitDecision(flags, None, output.rows,
                             f"sequence-parallel compute: {gather.name} in, {scatter.name} out")
     completed = ExitDecision(NO_FLAGS, None, output.rows, "complete in compute (postprocess)")
-    return ExitPath(decision, at_producer=output.at_producer, completed=completed)
+    if not output.hands_off_finalize:
+        return ExitPath(decision, at_producer=output.at_producer, completed=completed)
+    handoff = ExitDecision(replace(flags, defer_moe_finalize=True), None, output.rows,
+                           decision.label + "; finalize handed to the next input",
+                           hands_off=True)
+    choices = ((lambda fb: fusions.can_defer_finalize(plan, fb), handoff),)
+    return ExitPath(decision, choices, at_producer=output.at_producer, completed=completed,
+                    issues_early=False)
 
 
 def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, norm,

@@ -223,14 +223,15 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         return StageOutput(decl.kind, layouts.scattered, decl.reduction, None, layouts.scattered,
                            at_producer=at_producer, next_sparse=decl.next_sparse,
                            linears_sum=SumGroup.ATTN_TP if attn else SumGroup.TP,
-                           linears_rows=layouts.attention if attn else layouts.replicated)
+                           linears_rows=layouts.attention if attn else layouts.replicated,
+                           hands_off_finalize=fusions is not None and not attn)
     if decl.dispatches:
         # the combine brings every expert's contribution back to the row it came from:
-        # complete on the residual's rows, nothing owed, no handoff to offer
+        # complete on the residual's rows, nothing owed; a provider may take its finalize
         rows = layouts.residual(mode)
         return StageOutput(StageKind.FFN, rows, decl.reduction, None, rows,
                            at_producer=at_producer, next_sparse=decl.next_sparse,
-                           dispatches=True)
+                           hands_off_finalize=fusions is not None, dispatches=True)
     known = following is not None and not decl.terminal  # a consumer that can finish a sum
     if decl.kind is StageKind.ATTN:
         if decl.reduction is ProducerReduction.PARTIAL:
@@ -257,8 +258,9 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         # reduce-scatter there, the norm on the slice, one gather to local rows): the
         # analytic minimum under attention DP, where an all-reduce would move twice the rows
         leaves_for_reduce_scatter=known or (decl.terminal and not at_producer),
-        # a transform before the sum runs on compute's output at the exit: it must be a tensor
-        hands_off_finalize=fusions is not None and decl.transform_first is None,
+        # every FFN exit with a provider asks it (spec); a transform before the sum then
+        # runs on the handoff's completion (``step.TransformedHandoff``)
+        hands_off_finalize=fusions is not None,
         provider_defers_all_reduce=(not scoped and known and fusions is not None),
         at_producer=at_producer, next_sparse=decl.next_sparse, terminal=decl.terminal)
 

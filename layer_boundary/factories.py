@@ -207,7 +207,7 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
             sum after it).
         output_transform: processing of its contribution before the residual update
             (``OutputTransform``; its ``before_reduce_scatter`` states the order kept; a
-            stage with one before the sum takes no finalize handoff).
+            finalize handoff from a stage with one before the sum completes through it).
     """
     _check_transform(output_transform)
     if dispatches and not sparse:

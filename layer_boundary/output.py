@@ -18,6 +18,18 @@ class HandoffOutput:
         raise NotImplementedError
 
 
+class TransformedHandoff(HandoffOutput):
+    """A handoff from a stage whose ``OutputTransform`` runs before the sum: the transform
+    runs on the completed value, on the producer's rows and before any sum, exactly where
+    it would have run on a tensor output (it is row-wise and, before a sum, linear)."""
+
+    def __init__(self, handoff: HandoffOutput, transform) -> None:
+        self.handoff, self.transform = handoff, transform
+
+    def complete(self) -> torch.Tensor:
+        return self.transform(self.handoff.complete())
+
+
 class OutputTransform:
     """Processing of a stage's contribution before the residual update: ``fn(x)``, acting on
     each row by itself (a scale, a soft cap, a post-norm), so it may run on whatever rows the
@@ -31,8 +43,8 @@ class OutputTransform:
       plain add: no fused add+norm and no add-before-sum shortcut stands in for it.
     * True: ``fn`` runs on compute's output as the exit receives it, each rank's partial
       before the sum. That is exact only where ``fn`` is linear, which the declaring model
-      asserts; it is not a permission to move other work across a reduction, and such a
-      stage takes no finalize handoff (its output must be a tensor at the exit).
+      asserts; it is not a permission to move other work across a reduction. A finalize handoff
+      from such a stage carries the transform into its completion (``TransformedHandoff``).
 
     ``portable`` states that a copy of the transform built elsewhere (the declaration a
     pipeline receiver rebuilds for its producer on another rank) computes the same ``fn``: a

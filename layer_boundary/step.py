@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .exit import ExitDecision
-from .output import HandoffOutput
+from .output import HandoffOutput, TransformedHandoff
 from .residual.access import start_completion
 from .residual.batch import fold_stream
 from .runtime.context import NO_ADAPTERS, SequenceParallelScope
@@ -125,7 +125,8 @@ class StageStep:
             if observer is not None:
                 observer.enter(self.stage.sites.finish)
         if self.transform is not None:
-            value = self.transform(value)
+            value = (TransformedHandoff(value, self.transform)
+                     if isinstance(value, HandoffOutput) else self.transform(value))
         if decision.hands_off and isinstance(value, HandoffOutput):  # under its own key
             handle = stream.leave(value, decision.owed, self.update, decision.rows, True,
                                   decision.declared)

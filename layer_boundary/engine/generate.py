@@ -130,12 +130,13 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
             out = model(run, pp_input) if stage is not None else model(run)
         if not link.last:
             link.send(out)
-            tokens = torch.zeros(len(mine), dtype=torch.long)
+            tokens = torch.zeros(len(mine), dtype=torch.long, device=model.device)
         else:
             # [requests, vocab]: the model computed the last rows only, or every row (a padded
             # batch, a model that ignores logits_rows)
             picked = batch.last_rows(out).float()
-            tokens = picked.argmax(-1) if len(mine) else torch.zeros(0, dtype=torch.long)
+            tokens = (picked.argmax(-1) if len(mine)
+                      else torch.zeros(0, dtype=torch.long, device=picked.device))
             if keep_logits:
                 for j in range(len(mine)):
                     logits_out[j].append(picked[j].clone())

@@ -22,11 +22,14 @@ class PipelineLink:
     Args:
         group: the runtime's pipeline group (None: no pipeline parallelism).
         first, last: whether this rank's stage is the first / the last.
+        device: the model's device, where what the previous stage sent is put (None: where
+            the group's backend received it).
     """
 
     group: object = None
     first: bool = True
     last: bool = True
+    device: object = None  # the model's device (what arrives is moved there)
 
     @classmethod
     def of(cls, model, group) -> "PipelineLink":
@@ -34,11 +37,12 @@ class PipelineLink:
         stage = getattr(model, "stage", None)
         if stage is None:
             return cls(group)
-        return cls(group, stage.first, stage.last)
+        return cls(group, stage.first, stage.last, getattr(model, "device", None))
 
     def receive(self):
         """What the previous stage sent for this forward (None on the first stage)."""
-        return None if self.first else recv_from_prev_stage(self.group, site="pp_recv")
+        return None if self.first else recv_from_prev_stage(self.group, site="pp_recv",
+                                                            device=self.device)
 
     def send(self, out) -> None:
         """This stage's output tensors to the next stage."""

@@ -12,7 +12,8 @@ dim split over moe_tp. Two ways to reach them:
   residual's rows, which no other rank holds. Each token goes once to every rank holding one
   of its chosen experts (all moe_tp shards of that EP rank), with its ids and weights; the
   rank returns the weighted sum of its experts' outputs for the token, and the source adds
-  the returns: the output is complete on the source's rows.
+  the returns: the output is complete on the source's rows. Under ``defer_moe_finalize`` that
+  last add is handed to the next input (``CombineFinalize``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,25 @@ class MoeFinalize(HandoffOutput):
     def complete(self) -> torch.Tensor:
         out = finalize(self.expert_out, self.weights)
         return out if self.extra is None else out + self.extra
+
+
+class CombineFinalize(HandoffOutput):
+    """The all-to-all MoE's combined rows before they are summed per token: each EP rank's
+    router-weighted partial for the tokens it served (``back``, in ``index`` order), plus the
+    identity experts' and replicated shared experts' complete terms. ``complete()`` adds them
+    onto the token rows; nothing is owed after it (the combine already crossed the ranks)."""
+
+    def __init__(self, shape, index: torch.Tensor, back: torch.Tensor,
+                 identity: torch.Tensor | None, shared: torch.Tensor | None) -> None:
+        self.shape, self.index, self.back = shape, index, back  # [T, H], [N], [N, H]
+        self.identity, self.shared = identity, shared  # [T, H] each, or None
+
+    def complete(self) -> torch.Tensor:
+        out = self.back.new_zeros(self.shape).index_add_(0, self.index, self.back)
+        for term in (self.identity, self.shared):
+            if term is not None:
+                out = out + term
+        return out
 
 
 def finalize(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -157,7 +177,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared_output: torch.Tensor | None = None):
         """x: [T, H]; topk_ids/weights: [T, k]. Returns [T, H] (summed over the TP group unless
-        the exit skips it), or a ``MoeFinalize`` handoff under ``defer_moe_finalize``.
+        the exit skips it), or a ``MoeFinalize`` handoff under ``defer_moe_finalize`` (a
+        ``CombineFinalize`` when dispatched).
 
         ``shared_output``: another partial over the TP group (shared experts sharded like the
         routed ones) added before the one reduction, wherever that runs. Dispatched: the
@@ -188,7 +209,9 @@ class FusedMoE(nn.Module):
         return out
 
     def _dispatched(self, x, topk_ids, topk_weights, shared_output):
-        """The all-to-all path: [T, H] on this rank's rows -> [T, H] complete on them."""
+        """The all-to-all path: [T, H] on this rank's rows -> [T, H] complete on them, or
+        their ``CombineFinalize`` under ``defer_moe_finalize`` (the per-token sums left to
+        the next input)."""
         if torch.compiler.is_compiling():
             raise RuntimeError("the all-to-all MoE sizes its dispatch by the routing (host "
                                "counts): it does not run under torch.compile yet")
@@ -197,7 +220,7 @@ class FusedMoE(nn.Module):
         bad = topk_ids[(topk_ids < 0) | (topk_ids >= limit)]  # refused on every rank below
         routed = (topk_ids >= 0) & (topk_ids < self.num_experts)
         owner = torch.where(routed, topk_ids // self.local, 0)  # [T, k] EP rank
-        hits = torch.zeros((rows, self.moe_ep), dtype=torch.long).scatter_add_(
+        hits = torch.zeros((rows, self.moe_ep), dtype=torch.long, device=x.device).scatter_add_(
             1, owner, routed.long()) > 0  # [T, moe_ep]: the token goes to that EP rank
         # ranks are ep-major over the TP group: rank d holds EP rank d // moe_tp's experts
         tokens = [torch.nonzero(hits[:, d // self.moe_tp]).squeeze(1) for d in range(group.size)]
@@ -215,11 +238,11 @@ class FusedMoE(nn.Module):
                 y = self._expert(x_in[token], e)
                 partial.index_add_(0, token, y * weights_in[token, slot].unsqueeze(-1).to(y.dtype))
         back = all_to_all_rows(partial, group, recv, send)  # [N, H] in ``index`` order
-        out = x.new_zeros(x.shape).index_add_(0, index, back)
+        identity = None
         if self.zero_experts:
-            identity = (~routed).to(x.dtype) * topk_weights.to(x.dtype)  # [T, k]
-            out = out + identity.sum(dim=1, keepdim=True) * x
-        return out if shared_output is None else out + shared_output
+            identity = ((~routed).to(x.dtype) * topk_weights.to(x.dtype)).sum(1, keepdim=True) * x
+        combined = CombineFinalize(x.shape, index, back, identity, shared_output)
+        return combined if get_forward().defer_moe_finalize else combined.complete()
 
     def _exchange(self, send: list[int], bad: int | None) -> list[int]:
         """The row counts every rank sends this one, with each rank's check of its router's

@@ -259,8 +259,10 @@ def add_to_output(hidden_states, forward_batch: ForwardBatch, extra: torch.Tenso
     return stream.leave(c.value + extra, None, c.update, local)
 
 
-# the owed sums a terminal service completes: its one all-reduce spans the TP group
-_TERMINAL_SUMS = (None, SumGroup.TP, SumGroup.MOE_OUT)
+# the owed sums a terminal service completes: its one all-reduce spans the TP group (a
+# handoff that owes nothing only where that group is one rank: an all-to-all MoE's combine
+# completed it, and a second sum would add it tp times)
+_TERMINAL_SUMS = (SumGroup.TP, SumGroup.MOE_OUT)
 
 
 def _finalize_in_norm(service, c, stream, facts, local, norm_module):
@@ -268,8 +270,10 @@ def _finalize_in_norm(service, c, stream, facts, local, norm_module):
     on the residual's own rows (a zero-centered final norm, the residual on local rows, the
     handoff on as many rows); None where it does not apply or the service declines."""
     gamma = getattr(norm_module, "gemma_weight", None)
-    if (gamma is None or stream.residual is None or c.owed not in _TERMINAL_SUMS
-            or facts is None or c.rows is None or stream.residual_rows not in (None, local)
+    if gamma is None or stream.residual is None or facts is None or c.rows is None:
+        return None
+    sums = c.owed in _TERMINAL_SUMS or (c.owed is None and facts.parallel.tp_group.size == 1)
+    if (not sums or stream.residual_rows not in (None, local)
             or facts.count(c.rows) != facts.count(local)):
         return None
     return service.finalize(c.value, stream.residual, gamma)

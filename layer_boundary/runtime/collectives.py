@@ -150,13 +150,21 @@ def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torc
     return torch.cat([out[i * widest: i * widest + n] for i, n in enumerate(sizes)])
 
 
+def wire_device(group: Group) -> torch.device:
+    """Where a tensor made on the host (counts, headers, a receive buffer) must be to cross
+    ``group``: NCCL moves CUDA tensors only (this rank's GPU), gloo CPU ones."""
+    if dist.get_backend(group.pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def exchange_counts(counts: list, group: Group) -> list:
     """Rank i sends ``counts[j]`` (an int, or a list of ints of one length) to rank j;
     returns what every rank sent this one, in group rank order (the sizes an uneven
     all-to-all needs on both sides, and whatever else every pair must agree on first)."""
     if group.size == 1:
         return list(counts)
-    send = torch.tensor(counts, dtype=torch.int64)
+    send = torch.tensor(counts, dtype=torch.int64, device=wire_device(group))
     recv = torch.empty_like(send)
     _observe("all_to_all", group, send.numel() // group.size * (group.size - 1), send.dtype,
              None)
@@ -207,28 +215,31 @@ def send_to_next_stage(tensors: dict, group: Group, site: str | None = None) -> 
     """
     if group.rank + 1 >= group.size:
         raise RuntimeError("the last pipeline stage has no next stage to send to")
-    dst = group.ranks[group.rank + 1]
+    dst, wire = group.ranks[group.rank + 1], wire_device(group)
     header = [len(tensors)]
     for name, t in tensors.items():
         code = list(name.encode())
         header += [len(code), *code, _WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    header = torch.tensor(header, dtype=torch.int64)
-    dist.send(torch.tensor([header.numel()], dtype=torch.int64), dst=dst, group=group.pg)
+    header = torch.tensor(header, dtype=torch.int64, device=wire)
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=wire), dst=dst,
+              group=group.pg)
     dist.send(header, dst=dst, group=group.pg)
     for t in tensors.values():
         if t.numel():
             _observe("send", group, t.numel(), t.dtype, site)
-            dist.send(t.contiguous(), dst=dst, group=group.pg)
+            dist.send(t.to(wire).contiguous(), dst=dst, group=group.pg)
 
 
-def recv_from_prev_stage(group: Group, site: str | None = None) -> dict:
-    """The named tensors the previous pipeline stage's same TP position sent, in its order."""
+def recv_from_prev_stage(group: Group, site: str | None = None,
+                         device: torch.device | None = None) -> dict:
+    """The named tensors the previous pipeline stage's same TP position sent, in its order,
+    on ``device`` (default: where ``group``'s backend receives them)."""
     if group.rank == 0:
         raise RuntimeError("the first pipeline stage has no previous stage to receive from")
-    src = group.ranks[group.rank - 1]
-    size = torch.empty(1, dtype=torch.int64)
+    src, wire = group.ranks[group.rank - 1], wire_device(group)
+    size = torch.empty(1, dtype=torch.int64, device=wire)
     dist.recv(size, src=src, group=group.pg)
-    header = torch.empty(int(size.item()), dtype=torch.int64)
+    header = torch.empty(int(size.item()), dtype=torch.int64, device=wire)
     dist.recv(header, src=src, group=group.pg)
     fields, i, out = header.tolist(), 1, {}
     for _ in range(fields[0]):
@@ -238,11 +249,11 @@ def recv_from_prev_stage(group: Group, site: str | None = None) -> dict:
         dtype, ndim = _WIRE_DTYPES[fields[i]], fields[i + 1]
         shape = fields[i + 2:i + 2 + ndim]
         i += 2 + ndim
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=wire)
         if t.numel():
             _observe("recv", group, t.numel(), t.dtype, site)
             dist.recv(t, src=src, group=group.pg)
-        out[name] = t
+        out[name] = t if device is None else t.to(device)
     return out
 
 

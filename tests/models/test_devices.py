@@ -17,10 +17,12 @@ from layer_boundary.runtime.parallel import build_parallel
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 
 
-def _model(model_type: str, tp: int, dp: int, policy: str):
+def _model(model_type: str, tp: int, dp: int, policy: str, a2a: bool = False):
     model_cls, cfg = config(model_type)
-    runtime = BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=dp)),
-                              boundary_reduction=policy)
+    runtime = BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp, attn_dp=dp,
+                                                          moe_ep=tp if a2a else 1)),
+                              boundary_reduction=policy,
+                              moe_a2a_backend="all_to_all" if a2a else "none")
     torch.manual_seed(0)
     model = model_cls(cfg, runtime).eval()
     with torch.no_grad():
@@ -34,12 +36,13 @@ def _model(model_type: str, tp: int, dp: int, policy: str):
 
 
 @torch.no_grad()
-def forward_on_meta_default(model_type: str, tp: int = 1, dp: int = 1, policy: str = "ar"):
+def forward_on_meta_default(model_type: str, tp: int = 1, dp: int = 1, policy: str = "ar",
+                            a2a: bool = False):
     """A ragged prefill and a decode step, run twice on fresh caches: with the CPU as the
     default device, then with ``meta``. Returns [(logits device, same numbers as with the CPU
     default)] per forward (this rank's share of the prompts under attention DP): a meta index
     tensor is silently ignored by an index write, so the numbers are compared too."""
-    model = _model(model_type, tp, dp, policy)
+    model = _model(model_type, tp, dp, policy, a2a)
     rank = torch.distributed.get_rank() if tp > 1 else 0
     parts = [PROMPTS] if dp == 1 else [PROMPTS[:2], PROMPTS[2:]]
     mine = parts[rank // (tp // dp)]
@@ -66,16 +69,49 @@ def test_a_forward_makes_every_tensor_on_its_inputs_device(model_type):
     assert forward_on_meta_default(model_type) == [("cpu", True), ("cpu", True)]
 
 
-CASES = [(2, 1, "ar"), (4, 2, "rs+rsv")]
+# the all-to-all MoE's case: its routing counts cross the ranks (host-made tensors, on the
+# device the group's backend moves)
+CASES = [(2, 1, "ar", False), (4, 2, "rs+rsv", False), (2, 2, "ar", True)]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp,dp,policy", CASES, ids=[f"tp{t}-dp{d}-{p}" for t, d, p in CASES])
+@pytest.mark.parametrize("tp,dp,policy,a2a", CASES,
+                         ids=[f"tp{t}-dp{d}-{p}" + "-a2a" * a for t, d, p, a in CASES])
 @pytest.mark.parametrize("model_type", ["qwen3_moe"])  # a dense layer, then MoE layers
-def test_the_collectives_make_their_buffers_on_the_inputs_device(model_type, tp, dp, policy):
+def test_the_collectives_make_their_buffers_on_the_inputs_device(model_type, tp, dp, policy,
+                                                                 a2a):
     for rank, out in enumerate(get_pool(tp).run(forward_on_meta_default, model_type, tp, dp,
-                                                policy)):
+                                                policy, a2a)):
         assert out == [("cpu", True), ("cpu", True)], rank
+
+
+def pipeline_round_trip() -> list:
+    """Stage 0 sends two named tensors (one empty) and stage 1 receives them, then both take
+    stage 1's tokens, all with ``meta`` as the default device: the headers, counts and
+    receive buffers name the device the group's backend moves."""
+    from layer_boundary.runtime import (broadcast_from_last_stage, recv_from_prev_stage,
+                                        send_to_next_stage)
+    from layer_boundary.runtime.parallel import Group
+
+    rank = torch.distributed.get_rank()
+    group = Group("pp", (0, 1), rank, torch.distributed.group.WORLD)
+    sent = {"hidden": torch.arange(6.0).reshape(2, 3), "none": torch.zeros((0, 3))}
+    with torch.device("meta"):
+        if rank == 0:
+            send_to_next_stage(sent, group)
+            got = None
+        else:
+            got = recv_from_prev_stage(group, device=torch.device("cpu"))
+        tokens = broadcast_from_last_stage(torch.tensor([rank, 7], device="cpu"), group)
+    if got is not None:
+        assert list(got) == list(sent)
+        assert all(got[k].device.type == "cpu" and torch.equal(got[k], sent[k]) for k in sent)
+    return tokens.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_the_pipeline_transport_names_its_device():
+    assert get_pool(2).run(pipeline_round_trip) == [[1, 7], [1, 7]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
