@@ -43,9 +43,10 @@ def boundary_reduction(value: str, checkpoint) -> str:
 
 
 def building_on(device):
-    """Where a model's constructor makes its parameters: ``device`` (a context), or the
-    default device where ``device`` is None or the CPU (built as it always was)."""
-    if device is None or torch.device(device).type == "cpu":
+    """Where a model's constructor makes its parameters: ``device`` (a context, the CPU
+    included, so an ambient default device does not decide), or the ambient default where
+    ``device`` is None."""
+    if device is None:
         return contextlib.nullcontext()
     return torch.device(device)
 

@@ -76,8 +76,9 @@ class TensorFile:
         self.close()
 
     def read_bytes(self, offset: int, size: int) -> torch.Tensor:
-        """``size`` bytes at ``offset`` into a new uint8 tensor (no copy through Python bytes)."""
-        out = torch.empty(size, dtype=torch.uint8)
+        """``size`` bytes at ``offset`` into a new uint8 tensor in host memory (no copy through
+        Python bytes); the loader copies what it keeps onto the parameter's device."""
+        out = torch.empty(size, dtype=torch.uint8, device="cpu")
         view, done = out.numpy(), 0
         while done < size:
             n = os.preadv(self.fd, [view[done:]], offset + done)

@@ -2,7 +2,9 @@
 and decode run with the default device set to ``meta``, so a tensor made without naming its
 device would be a meta tensor, and any op mixing it with the model's CPU tensors raises (a
 meta value reaching the logits would leave them on ``meta``). At world 1 for every model and
-on real gloo ranks, where the collectives' buffers are made, for the row modes."""
+on real gloo ranks, where the collectives' buffers are made, for the row modes; then the
+engine's whole job (the loader, the generation loop, the pipeline transport, the all-to-all
+MoE's routing counts) the same way."""
 
 from __future__ import annotations
 
@@ -133,3 +135,39 @@ def test_ranks_take_nccl_only_with_a_gpu_each(monkeypatch):
     assert backend_for(RunSpec("m", device="cuda").device, 2) == "nccl"
     assert backend_for(RunSpec("m", device="cuda").device, 4) == "gloo"
     assert backend_for(RunSpec("m").device, 2) == "gloo"
+
+
+def run_on_meta_default(spec) -> list:
+    """The engine's whole job on this rank (load, generation loop, pipeline transport, KV
+    cache, batch metadata), with the CPU default and then ``meta``: [(same tokens, same
+    logits)] on a rank that has the logits, else []."""
+    from layer_boundary.engine.runner import run_rank
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    cpu = run_rank(spec, world_size=world)
+    with torch.device("meta"):
+        meta = run_rank(spec, world_size=world)
+    if not cpu.last_stage:
+        return []
+    a, b = cpu.generation, meta.generation
+    return [(a.generated == b.generated,
+             all(torch.equal(x, y) for p, q in zip(a.logits, b.logits) for x, y in zip(p, q)))]
+
+
+ENGINE_CASES = [("qwen3", {}), ("qwen3", {"tp": 2, "pp": 2}),
+                ("qwen3_moe", {"tp": 2, "dp": 2, "ep": 2, "moe_a2a_backend": "all_to_all"})]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model,layout", ENGINE_CASES,
+                         ids=[f"{m}-" + "-".join(f"{k}{v}" for k, v in lay.items()) for m, lay
+                              in ENGINE_CASES])
+def test_the_engine_names_every_device_it_uses(model, layout, qwen3_dir, qwen3_moe_dir):
+    from layer_boundary.engine.runner import RunSpec
+
+    spec = RunSpec(str(qwen3_dir if model == "qwen3" else qwen3_moe_dir),
+                   prompts=[[1, 2, 3], [4, 5]], max_new_tokens=3, **layout)
+    world = layout.get("tp", 1) * layout.get("pp", 1)
+    results = (get_pool(world).run(run_on_meta_default, spec) if world > 1
+               else [run_on_meta_default(spec)])
+    assert [r for r in results if r] and all(r == [(True, True)] for r in results if r)
