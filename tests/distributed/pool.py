@@ -53,6 +53,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# what the fork server imports before its first fork (the launcher's own list, and what the
+# test modules' cases import on every rank: the engine and transformers' configs)
+PRELOAD = ["torch", "torch.distributed", "layer_boundary.runtime.launch",
+           "layer_boundary.engine.runner", "transformers", "distributed.pool"]
+
+
 def _child_env() -> dict[str, str]:
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     # Gloo otherwise picks the interface the hostname resolves to, which in
@@ -144,10 +150,14 @@ class RankPool:
             self._start_once()
 
     def _start_once(self) -> None:
-        # workers fork from a server that imported torch once (a pool that restarts after a
-        # failed case starts in a fraction of a second, not a torch import per worker)
+        # workers (and the ranks a command run in this process spawns: one fork server per
+        # process, whoever starts it first sets what it imports) fork from a server that
+        # imported torch, the package and its engine once: a rank that imports them itself
+        # spends seconds of CPU on it (torch's compiler, which the package's construction
+        # imports, the most), and a pool that restarts after a failed case starts in a
+        # fraction of a second
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(PRELOAD)
         self.port = _free_port()
         env = _child_env()
         for rank in range(self.world_size):
