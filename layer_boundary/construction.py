@@ -286,6 +286,15 @@ def resolve_input(decl, runtime, layouts: Layouts,
     return StageInput(layouts.replicated, static)
 
 
+def _constant_result(fn):
+    """``torch.compiler.assume_constant_result``, without importing torch's compiler with the
+    package (about 1.7 s of CPU in every process that imports it: each rank, the command
+    line): it sets the mark dynamo reads (torch 2.13; tests/test_compile.py checks it is
+    the one torch's decorator sets)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 class StagePlan:
     """Every path a stage supports, per batch variant and row mode, built once."""
 
@@ -380,7 +389,7 @@ class StagePlan:
             return None
         return variant, tokens, table.facts(counts, lens), (variant.value, mode.value)
 
-    @torch.compiler.assume_constant_result
+    @_constant_result
     def _place_while_tracing(self, variant, counts: tuple) -> bool:
         """Keep the placement of these counts (in ``_traced``) before a static-shape trace
         reads it, so the graph takes a kept placement: a miss traced into the graph would

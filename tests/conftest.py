@@ -9,9 +9,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/checkpoints.py for the r
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 os.environ.setdefault("LAYER_BOUNDARY_CACHE", str(Path(__file__).parent.parent / ".cache"))
 # the suite's tensors are on the CPU, so the Triton provider's kernels run under the
-# interpreter; it is chosen before anything imports triton (importing the package reaches
-# torch's compiler, which does), here and in every rank worker, which inherits the
-# environment (scripts/gpu_check.sh compiles them for real)
+# interpreter; it is chosen before anything imports triton (torch's compiler does, and the
+# fork server that rank workers come from imports the engine), here and in every rank
+# worker, which inherits the environment (scripts/gpu_check.sh compiles them for real)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from checkpoints import hf_qwen3  # noqa: E402

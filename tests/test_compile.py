@@ -8,9 +8,12 @@ kernels, so they pin fullgraph cheaply; one inductor run shows the real path end
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
+import torch
 from distributed.checks import assert_logits_match
 from distributed.pool import get_pool
 
@@ -109,3 +112,29 @@ def test_run_compile_reports_one_graph_per_bucket(qwen3_dir, capsys):
                   "--max-new-tokens", "3", "--json"], capsys)
     report = json.loads(out.strip().splitlines()[-1])
     assert report["compiled_graphs"] == 2 and report["parity"]["tokens_match"]
+
+
+def test_the_constant_mark_is_the_one_torch_sets():
+    """The package marks its trace-time placement as a constant result without importing
+    torch's compiler: the mark must be exactly what ``torch.compiler`` sets."""
+    from layer_boundary.construction import _constant_result
+
+    def theirs():
+        pass
+
+    def ours():
+        pass
+
+    torch.compiler.assume_constant_result(theirs)
+    _constant_result(ours)
+    assert vars(ours) == vars(theirs) != {}
+
+
+def test_importing_the_engine_leaves_torch_compiler_and_triton_unimported():
+    """Every rank and the command line import the package: torch's compiler (and triton,
+    which it imports) cost seconds of CPU there, and decide the Triton interpreter too early."""
+    code = ("import sys, layer_boundary, layer_boundary.engine.runner, layer_boundary.engine.cli; "
+            "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]"

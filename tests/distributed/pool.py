@@ -54,9 +54,10 @@ def _free_port() -> int:
 
 
 # what the fork server imports before its first fork (the launcher's own list, and what the
-# test modules' cases import on every rank: the engine and transformers' configs)
+# test modules' cases import on every rank: the engine, transformers' configs, and torch's
+# compiler for the compiled cases)
 PRELOAD = ["torch", "torch.distributed", "layer_boundary.runtime.launch",
-           "layer_boundary.engine.runner", "transformers", "distributed.pool"]
+           "layer_boundary.engine.runner", "transformers", "torch._dynamo", "distributed.pool"]
 
 
 def _child_env() -> dict[str, str]:
