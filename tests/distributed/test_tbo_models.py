@@ -33,9 +33,14 @@ def test_the_prefill_leaves_a_microbatch_empty_on_a_dp_rank():
     assert first == (9, 2) and second == (5, 0)
 
 
+# auto resolves from the layout and the batch, not the model: its choice under two-batch
+# overlap is shown on a dense model and a dense-first MoE (DeepSeek-V3)
+RUNS = [(model, case) for model in MODELS for case in CASES
+        if not case.endswith("auto") or model in ("qwen3", "deepseek_v3")]
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,case", RUNS, ids=[f"{m}-{c}" for m, c in RUNS])
 def test_tbo_matches_world1_and_transformers(model_dirs, model, case):
     tp, dp, ep, policy, mode = CASES[case]
     spec = RunSpec(model_dirs[model], tp=tp, dp=dp, ep=ep, boundary_reduction=policy,

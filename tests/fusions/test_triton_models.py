@@ -12,6 +12,7 @@ from distributed.checks import assert_logits_match
 from distributed.pool import get_pool
 from ds_checkpoints import hf_deepseek_v3
 from fp8_checkpoints import fp8_checkpoint
+from offers import offers_not_as_declared
 from qwen3_next_checkpoints import hf_qwen3_next
 
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
@@ -74,3 +75,20 @@ def test_triton_fusions_in_the_scattered_variants(checkpoints, model, variant):
     for rank, r in enumerate(results):
         assert len(r.modes) == 1
         assert r.fused_stages == inputs, (rank, r.fused_stages)
+    # and on every path the model's plans built (the variant's, the ordinary batch's; every
+    # row mode), each arrival is offered the one candidate declared for its movement
+    assert get_pool(4).run(paths_not_as_declared, spec) == [[]] * 4
+
+
+def paths_not_as_declared(spec) -> list:
+    """The model of ``spec`` on this rank with the provider installed, as ``run`` builds it:
+    its stages' arrivals offered anything but their declared candidate."""
+    import torch
+
+    from layer_boundary.engine.runner import make_fusions, make_runtime, with_checkpoints
+    from layer_boundary.models import load_model
+
+    spec = with_checkpoints(spec)
+    model = load_model(spec.checkpoint, make_runtime(spec, torch.distributed.get_world_size()))
+    model.install_fusion(make_fusions(spec.fusions))
+    return offers_not_as_declared(model.stack.stages)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed.pool import get_pool
+from offers import offers_not_as_declared
 from toy import HIDDEN, DpBatch, ToyStack, cp_case_id, runtime, seeded
 
 from layer_boundary.fusions.triton_provider import TritonFusions
@@ -80,9 +81,11 @@ def run(tp: int, dp: int, policy: str, counts, provider: bool, cp: int = 1,
                     c for c in mine if c.completes == frozenset({arrival.complete.owed})
                     and c.source == arrival.complete.src), len(arrival.candidates))
                 for arrival in path.entry.arrivals.values()]
+    every_path = offers_not_as_declared(
+        [s for layer in stack.layers for s in (layer.attn, layer.ffn)]) if provider else []
     return {"out": out, "rows": (b.rows.start, b.rows.stop), "mode": b.fb.rows.mode.value,
             "fused": fusions.fused_stages if provider else [], "offered": offered,
-            "variant": b.fb.variant.value}
+            "variant": b.fb.variant.value, "every_path": every_path}
 
 
 CASES = [(1, 1, "ar", (5,)), (2, 1, "ar", (5,)), (2, 1, "rs", (5,)), (4, 2, "ar", (5, 3)),
@@ -98,6 +101,7 @@ def check(results, ref, policy: str) -> None:
                                    msg=lambda m: f"rank {rank}: {m}")
         if r["rows"][1] > r["rows"][0]:  # a rank with no tokens runs no kernel
             assert r["fused"] == inputs, rank
+        assert r["every_path"] == [], rank  # every variant and mode the plans built
         for stage, arrivals in r["offered"].items():
             assert all(exact for exact, _ in arrivals), (rank, stage, arrivals)
             assert all(n <= 1 for _, n in arrivals), (rank, stage, arrivals)
