@@ -6,7 +6,8 @@ an input-scattered batch runs the qkv latent (q_a 1536, kv_a 512 + rope 64) on t
 rows first and gathers only that: 2112 channels, 0.29 of the bytes. The checkpoint is a
 transformers save_pretrained DeepseekV3ForCausalLM with the real hidden and latent widths
 (few heads, experts and layers, since only the widths set the gather's size), run at tp 2 on
-gloo. Both runs must give the same tokens (the logits' largest difference is printed); the figures are the ledger's, from one run each.
+gloo. Both runs must give the same tokens (the logits' largest difference is printed); the
+figures are the ledger's, from one run each.
 """
 
 import json

@@ -2,7 +2,8 @@
 and batches: `python benchmarks/peers.py [--hidden 256] [--tp 2] [--repeats 9]`.
 
 Peers: plain transformers at world 1; at tp > 1, transformers' own tensor parallelism
-(``from_pretrained(distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))``) and a DTensor plan (``parallelize_module``: q/k/v,
+(``from_pretrained(distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))``) and a
+DTensor plan (``parallelize_module``: q/k/v,
 gate/up column-wise, o/down row-wise, the LM head column-wise with its output gathered), on
 the same gloo ranks. Workloads: a prefill of 4 x 64 tokens (each request's last logits, as
 an engine needs: ``logits_to_keep=1`` for transformers), a decode step of 1 request and of

@@ -78,7 +78,7 @@ class GPT2Config(CheckedConfig):
         return self.n_embd // self.n_head
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "GPT2Config":
+    def from_dict(cls, cfg: dict) -> GPT2Config:
         # what this model does not compute is refused by name, never silently ignored
         if cfg.get("quantization_config"):
             raise CheckpointError("config.json quantization_config is not supported")
@@ -224,7 +224,8 @@ class GPT2Model(nn.Module):
     def __init__(self, cfg: GPT2Config, runtime: BoundaryRuntime, dtype):
         super().__init__()
         par = runtime.parallel
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, par.attn_tp_group, dtype=dtype)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, par.attn_tp_group,
+                                          dtype=dtype)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd, dtype=dtype)  # replicated
         self.wpe.weight.requires_grad_(False)
         # inside a layer stack each layer's ``previous`` is checked against the stage built
@@ -340,3 +341,81 @@ def run_rank(path: str, prompts, steps: int, *, tp: int = 1, dp: int = 1,
             "generated": gen.generated, "logits": gen.logits, "modes": model.modes,
             "released": model.released, "heads": model.make_kv_cache(1, 1).k[0].shape[1],
             "collectives": sorted({(e.kind, e.group, e.site) for e in collectives})}
+
+
+# -- run on its own: a tiny random GPT-2 (or --model's), on --tp ranks, against transformers
+
+TINY = dict(vocab_size=97, n_positions=32, n_embd=64, n_layer=3, n_head=4, bos_token_id=0,
+            eos_token_id=0)
+
+
+def randomize(model) -> None:
+    """Every weight random at unit-scale activations. GPT-2's names defeat a generic
+    randomizer: its norms are ``ln_*`` (no "norm" in the name) and a Conv1D's fan-in is its
+    weight's first dim, not its last."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ln_" in name:  # LayerNorm weight ~1, bias ~0
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+            elif name.endswith(("wte.weight", "wpe.weight")):
+                p.normal_(0.0, 0.3)
+            elif name.endswith("weight"):  # Conv1D [in, out]
+                p.normal_(0.0, p.shape[0] ** -0.5)
+            else:  # projection biases
+                p.normal_(0.0, 0.1)
+
+
+def tiny_checkpoint(path, *, seed: int = 0, **overrides) -> str:
+    """A random tiny GPT-2 (``TINY`` with ``overrides``) written by transformers'
+    ``save_pretrained``, the layout of a hub checkpoint."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**dict(TINY, **overrides)))
+    randomize(model)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def transformers_greedy(path: str, prompt, steps: int) -> list[int]:
+    """What transformers' GPT-2 generates greedily for ``prompt``."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=steps,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _tp_rank(path: str, prompts, steps: int, tp: int) -> dict:
+    return run_rank(path, prompts, steps, tp=tp)
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+
+    from layer_boundary.runtime import spawn
+
+    parser = argparse.ArgumentParser(description="GPT-2 on layer boundaries, against "
+                                     "transformers' GPT-2")
+    parser.add_argument("--model", help="a GPT-2 checkpoint (default: a tiny random one)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    args = parser.parse_args()
+    prompts, steps = ((1, 2, 3, 4, 5), (7, 8, 9)), 4
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or tiny_checkpoint(tmp)
+        ranks = ([run_rank(path, prompts, steps)] if args.tp == 1
+                 else spawn(_tp_rank, args.tp, path, prompts, steps, args.tp))
+        ours = dict(zip(ranks[0]["requests"], ranks[0]["generated"]))
+        print(f"GPT-2 at tp {args.tp} ({'random tiny checkpoint' if args.model is None else path}"
+              f"), row modes {ranks[0]['modes']}:")
+        for i, prompt in enumerate(prompts):
+            theirs = transformers_greedy(path, prompt, steps)
+            print(f"prompt {list(prompt)} -> {ours[i]} (transformers: "
+                  f"{'the same' if ours[i] == theirs else theirs})")
+
+
+if __name__ == "__main__":
+    main()

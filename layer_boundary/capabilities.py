@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from .runtime.forward_batch import BatchVariant
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 from .layout import Layout, SumGroup
 from .ops import Movement
@@ -34,7 +35,7 @@ class ExitDecision:
 
     # what a plain (non-handoff) output leaves pending: what it owes, on which rows, and
     # whether that is the producer's declared sum, and the arrival key of such an output
-    leaves: "Leaves" = field(init=False, repr=False, compare=False)
+    leaves: Leaves = field(init=False, repr=False, compare=False)
     key: ArrivalKey = field(init=False, repr=False, compare=False)
     hands_off: bool = field(default=False, kw_only=True)  # compute may return a HandoffOutput
     # finish() moves its rows (a finish_move that is not the identity)

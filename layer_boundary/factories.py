@@ -42,8 +42,8 @@ class StageDeclaration:
     # sum it is also folded into ``residual.update``
     output_transform: OutputTransform | None = None
     residual: LayerResidual = field(default_factory=default_layer_residual)
-    previous: "StageDeclaration | None" = None
-    prepared_from: "StageDeclaration | None" = None
+    previous: StageDeclaration | None = None
+    prepared_from: StageDeclaration | None = None
     terminal: bool = False
     # what the compute is, as plans name it (e.g. "mamba2" for a single-stage Mamba2 mixer);
     # None: its kind says it. A label only: no path depends on it, neighbours need not say it
@@ -90,7 +90,7 @@ class UpdateFacts:
     at_producer: bool
 
     @classmethod
-    def of(cls, update) -> "UpdateFacts":
+    def of(cls, update) -> UpdateFacts:
         kind = type(update).__name__
         if isinstance(update, TransformedUpdate):
             kind = f"{kind}({type(update.update).__name__})"
@@ -102,7 +102,7 @@ class UpdateFacts:
         return f"{self.kind} [{', '.join(said) or 'no capability declared'}]"
 
 
-def fact_differences(declared: "StageDeclaration", built: "StageDeclaration") -> str:
+def fact_differences(declared: StageDeclaration, built: StageDeclaration) -> str:
     """The facts in which two declarations of one stage differ, each as declared vs built
     (empty: they describe the same stage)."""
     said, real = declared.facts(), built.facts()

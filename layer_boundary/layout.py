@@ -32,7 +32,7 @@ class Layout:
         object.__setattr__(self, "key", name)
 
     @classmethod
-    def of(cls, *axes: TokenAxis, sizes: dict[TokenAxis, int]) -> "Layout":
+    def of(cls, *axes: TokenAxis, sizes: dict[TokenAxis, int]) -> Layout:
         return cls(frozenset(a for a in axes if sizes.get(a, 1) > 1))
 
     def __str__(self) -> str:
@@ -98,7 +98,7 @@ class Layouts:
     attention: Layout  # this DP rank's rows, or its CP share in a CP batch
 
     @classmethod
-    def of(cls, parallel: Parallel, cp: bool = False) -> "Layouts":
+    def of(cls, parallel: Parallel, cp: bool = False) -> Layouts:
         sizes = token_axis_sizes(parallel, cp)
         dp, cpx, ts = TokenAxis.ATTN_DP, TokenAxis.ATTN_CP, TokenAxis.ATTN_TP_SCATTER
         return cls(REPLICATED, Layout.of(dp, sizes=sizes), Layout.of(dp, cpx, ts, sizes=sizes),

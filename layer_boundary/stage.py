@@ -416,7 +416,7 @@ class StageBoundary:
         return self.plan.describe() if mode is None else self.plan.describe(mode)
 
 
-def stage_boundaries(module) -> list["StageBoundary"]:
+def stage_boundaries(module) -> list[StageBoundary]:
     """Every stage boundary a model (or one layer) holds, in the order they were built: each
     layer stack's stages in stack order (the stacks in the order their stages are found),
     then stages built outside any stack, as found."""
@@ -442,7 +442,8 @@ def boundary_guard_filter(model):
 
     attrs = sorted({name for module in model.modules() for name, value in vars(module).items()
                     if isinstance(value, StageBoundary)})
-    through = re.compile(r"\.(" + "|".join(map(re.escape, attrs)) + r")(\.|\[|$)") if attrs else None
+    through = (re.compile(r"\.(" + "|".join(map(re.escape, attrs)) + r")(\.|\[|$)")
+               if attrs else None)
     # the kept placement's token count: another instance's plan has no such entry, so its
     # forward fails this guard and traces its own graph
     kept = re.compile(r"\._traced\[[^\]]*\]\[1\]$")

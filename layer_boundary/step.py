@@ -36,7 +36,7 @@ class Sites(NamedTuple):
     finish: str
 
     @classmethod
-    def of(cls, name: str) -> "Sites":
+    def of(cls, name: str) -> Sites:
         return cls(f"{name}.prepare", f"{name}.compute", f"{name}.finish")
 
 

@@ -43,3 +43,39 @@ def restore_logger():
 
     with package_logger_kept():
         yield
+
+
+# Test tiers (pytest -m): each test is marked by what it runs, so a developer can run a fast
+# tier (``scripts/test.sh -m "not slow and not distributed"``); the suite runs them all.
+TIERS = {
+    "distributed": "runs cases on a pool of gloo rank processes (tests/distributed/pool.py)",
+    "oracle": "compares with transformers or peft",
+    "slow": "compiles (torch.compile) or starts a command or a script in its own processes",
+}
+
+
+def pytest_configure(config):
+    for name, what in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def _tiers(item) -> set:
+    module, name = item.module, item.name
+    path = Path(str(item.fspath))
+    tiers = set()
+    if hasattr(module, "get_pool") or path.parent.name == "distributed":
+        tiers.add("distributed")
+    if path.stem.endswith("_oracle") or "transformers" in name or "peft" in name or any(
+            hasattr(module, helper) for helper in ("hf_oracle", "hf_reference",
+                                                   "transformers_prefill")):
+        tiers.add("oracle")
+    if ("compile" in path.stem or "compile" in name or hasattr(module, "subprocess")
+            or hasattr(module, "cli_ok") or path.parent.name == "examples"):
+        tiers.add("slow")
+    return tiers
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for tier in _tiers(item):
+            item.add_marker(tier)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from layer_boundary import OutputTransform, append_stages, declare_attn, declare_ffn
@@ -57,7 +56,7 @@ class OlmoConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def read(cls, path) -> "OlmoConfig":
+    def read(cls, path) -> OlmoConfig:
         import json
 
         raw = json.loads((Path(path) / "config.json").read_text())
@@ -224,7 +223,7 @@ class OlmoLike(nn.Module):
                              h, mb, self.norm, skip_empty=True)),
                          pp_input=pp_input)
 
-    def load(self, path) -> "OlmoLike":
+    def load(self, path) -> OlmoLike:
         """This rank's shard of the checkpoint at ``path``."""
         stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
                    ("qkv_proj", "v_proj", "v")]

@@ -13,8 +13,9 @@ from checkpoints import hf_oracle, randomize
 # Two consecutive DeltaNets (0-1), gated attention (2, 4), a dense layer (1) among MoEs, a
 # terminal attention layer. DeltaNet: 4 key heads of 32 serving 8 value heads of 16 (each key
 # head two value heads), so attention tp 4 holds one key head per rank; heads this wide keep
-# a random DeltaNet's fp32 rounding near 1e-5 of the logits (narrower ones amplify it). Attention: 8 heads of
-# 16 (4 rotary dims), 2 kv heads (replicated at attention tp 4). MoE: 8 experts, top 2.
+# a random DeltaNet's fp32 rounding near 1e-5 of the logits (narrower ones amplify it).
+# Attention: 8 heads of 16 (4 rotary dims), 2 kv heads (replicated at attention tp 4). MoE: 8
+# experts, top 2.
 COMMON = dict(
     vocab_size=96, hidden_size=64, num_hidden_layers=5,
     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention",

@@ -5,7 +5,6 @@ and checks the report; no timing is asserted."""
 import pytest
 from distributed.checks import cli_ok
 from layer_boundary.engine.bench import overhead
-from layer_boundary.engine.cli import main
 
 
 def test_overhead_benchmark_runs_the_same_math_both_ways():

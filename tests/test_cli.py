@@ -31,8 +31,8 @@ from layer_boundary.engine.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240
-JSON_KEYS = {"tp", "dp", "ep", "pp", "boundary_reduction", "dtype", "prompts", "parity",
-             "collectives"}
+JSON_KEYS = {"verdict", "reason", "tp", "dp", "ep", "pp", "boundary_reduction", "dtype",
+             "prompts", "parity", "collectives"}
 RESOLVED_REDUCTIONS = {"ar", "rs", "rsv", "rs+rsv"}
 PROMPTS = [[1, 2, 3], [9, 8]]
 PROMPT_ARGS = ["--prompt-ids", "1,2,3", "--prompt-ids", "9,8"]
@@ -186,6 +186,8 @@ def test_json_report_has_the_documented_shape_and_passes_parity(default_json, bu
     vocab = json.loads((builtin_dir / "config.json").read_text())["vocab_size"]
 
     assert set(report) == JSON_KEYS
+    assert list(report)[0] == "verdict" and report["verdict"] == "PASS"
+    assert report["reason"].startswith("tokens match, max |logit diff| ")
     assert report["tp"] == 4 and _is_int(report["tp"])
     assert report["dp"] == 2 and _is_int(report["dp"])
     assert report["boundary_reduction"] in RESOLVED_REDUCTIONS
@@ -387,7 +389,8 @@ def test_plan_reports_mode_rows_and_one_row_per_stage(qwen3_dir, capsys, restore
 
 def test_plan_token_counts_must_match_dp(qwen3_dir, capsys, restore_logger):
     assert main(["plan", "--model", str(qwen3_dir), "--dp", "2", "--tokens", "1,2,3"]) == 2
-    assert "--tokens gives 3 DP token counts but --dp is 2" in _one_line_error(capsys.readouterr().err)
+    err = _one_line_error(capsys.readouterr().err)
+    assert "--tokens gives 3 DP token counts but --dp is 2" in err
 
 
 def test_dp_that_does_not_divide_tp_is_a_one_line_error(qwen3_dir, capsys, restore_logger):

@@ -18,7 +18,6 @@ from distributed.checks import assert_logits_match
 from distributed.pool import get_pool
 
 from distributed.checks import cli_ok
-from layer_boundary.engine.cli import main
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
 PROMPTS = ((1, 2, 3, 4, 5), (7, 11, 13), (42, 17, 5, 9))

@@ -162,15 +162,15 @@ def test_a_misdeclared_neighbour_is_rejected_naming_both_stages():
     rt = runtime()
     with layer_stack(rt):  # the stack knows which stage was built before which
         kept = _block(MIXER, None, declare_ffn(), rt, 0)  # a model holds its stages
-        with pytest.raises(UnsupportedBoundary, match="stage block0.attn declares following=ffn "
-                                                      "\\(SCOPED\\), but the next stage, block1.attn, is "
-                                                      "attention \\(SCOPED\\)"):
+        with pytest.raises(UnsupportedBoundary,
+                           match="stage block0.attn declares following=ffn \\(SCOPED\\), but "
+                                 "the next stage, block1.attn, is attention \\(SCOPED\\)"):
             _block(MIXER, MIXER, None, rt, 1, terminal=True)
     with layer_stack(rt):
         kept = _block(MIXER, None, MIXER, rt, 0)
-        with pytest.raises(UnsupportedBoundary, match="stage block1.attn declares previous=ffn "
-                                                      "\\(SCOPED\\), but its producer, stage block0.attn, "
-                                                      "is attention \\(SCOPED\\)"):
+        with pytest.raises(UnsupportedBoundary,
+                           match="stage block1.attn declares previous=ffn \\(SCOPED\\), but "
+                                 "its producer, stage block0.attn, is attention \\(SCOPED\\)"):
             _block(MIXER, declare_ffn(), None, rt, 1, terminal=True)
     with layer_stack(rt):
         # neighbours that describe each other build; a new stack starts afresh

@@ -53,7 +53,7 @@ def test_flags_restored_when_compute_raises_and_finish_refuses():
     scope = layer.ffn.exit(fb)
     with pytest.raises(ZeroDivisionError):
         with scope:
-            1 / 0
+            _ = 1 / 0
     assert get_forward().fuse_mlp_allreduce is False
     with pytest.raises(RuntimeError, match="after the exit's computation raised"):
         scope.finish(h)

@@ -28,7 +28,8 @@ def _interleaved(rt):
     for i in range(TARGET):
         layers["target"].append(ToyLayer(rt, i, TARGET, stack=target))
         if i < DRAFT:
-            layers["draft"].append(ToyLayer(rt, 10 + i, DRAFT, ffn_sparse=True, stack=draft, first=10))
+            layers["draft"].append(ToyLayer(rt, 10 + i, DRAFT, ffn_sparse=True, stack=draft,
+                                            first=10))
     target.close()
     draft.close()
     return layers, (target, draft)

@@ -104,7 +104,8 @@ class ToyLayer(nn.Module):
         par = rt.parallel
         self.attn_norm, self.ffn_norm = toy_norm(100 + layer_id), toy_norm(200 + layer_id)
         # four fixed parts dealt over the attention-TP ranks: the same sum at every topology
-        self.a = attn_weights(4, seed=layer_id)[par.attn_tp_group.rank::par.attn_tp_group.size].sum(0)
+        group = par.attn_tp_group
+        self.a = attn_weights(4, seed=layer_id)[group.rank::group.size].sum(0)
         self.down = RowParallelLinear(2 * HIDDEN, HIDDEN, par.tp_group)
         full = attn_weights(2, seed=50 + layer_id).transpose(0, 1).reshape(HIDDEN, 2 * HIDDEN)
         self.down.weight_loader(self.down.weight, full)  # the same [H, 2H] weight at every tp

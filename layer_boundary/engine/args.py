@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     _topology_args(run)
     _variant_args(run)
     _policy_arg(run)
-    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                     help="the dtype weights and activations run in")
+    run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                     help="the dtype weights and activations run in (auto: the checkpoint's "
+                          "config.json dtype, float32 where it names none)")
     run.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
                      help='token ids of one prompt, e.g. "1,2,3" (repeatable)')
     run.add_argument("--prompt", action="append", default=None,
@@ -189,13 +190,23 @@ def build_parser() -> argparse.ArgumentParser:
 def _topology_args(parser) -> None:
     parser.add_argument("--model",
                         help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
-    parser.add_argument("--tp", type=_positive, default=None,
-                        help="tensor-parallel size (default 4)")
+    parser.add_argument("--tp", "--tensor-parallel-size", "--tp-size", dest="tp",
+                        type=_positive, default=None, help="tensor-parallel size (default 4)")
     parser.add_argument("--dp", type=_positive, default=None,
                         help="attention data-parallel size, dividing tp (default 2 with the "
-                             "default tp, else 1); prompt i runs on DP rank i mod dp")
-    parser.add_argument("--ep", type=_positive, default=1,
-                        help="expert parallelism of MoE layers over the TP ranks (dividing tp)")
+                             "default tp, else 1); prompt i runs on DP rank i mod dp "
+                             "(SGLang: --enable-dp-attention --dp-size N)")
+    parser.add_argument("--dp-size", type=_positive, default=None,
+                        help="SGLang's name: with --enable-dp-attention the same as --dp")
+    parser.add_argument("--enable-dp-attention", action="store_true",
+                        help="SGLang's switch: --dp-size is attention data parallelism")
+    parser.add_argument("--data-parallel-size", type=_positive, default=None,
+                        help="vLLM's engine replicas: refused, this runs one engine (see --dp)")
+    parser.add_argument("--ep", "--ep-size", dest="ep", type=_positive, default=None,
+                        help="expert parallelism of MoE layers over the TP ranks (dividing "
+                             "tp; default 1)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="vLLM's switch: experts spread over every TP rank (--ep = tp)")
     parser.add_argument("--cp", type=_positive, default=1,
                         help="attention context parallelism: each DP rank's tokens split over "
                              "this many ranks of its attention group (dp x cp divides tp)")
@@ -222,6 +233,36 @@ def _variant_args(parser) -> None:
                              "the attention rows and dispatches each routed token)")
 
 
+def engine_names(args) -> None:
+    """Resolve the parallelism flags engine users type (vLLM's and SGLang's names) onto ours,
+    in place, or refuse by name where the meaning differs."""
+    if getattr(args, "data_parallel_size", None) is not None:
+        raise UsageError("--data-parallel-size is vLLM's number of engine replicas; this "
+                         "runs one engine. Attention data parallelism inside the TP group is "
+                         "--dp N (SGLang: --enable-dp-attention --dp-size N)")
+    dp_size = getattr(args, "dp_size", None)
+    if dp_size is not None:
+        if not args.enable_dp_attention:
+            raise UsageError("--dp-size without --enable-dp-attention is SGLang's number of "
+                             "data-parallel replicas; this runs one engine. For attention "
+                             "data parallelism inside the TP group add --enable-dp-attention "
+                             "(or pass --dp)")
+        if args.dp is not None and args.dp != dp_size:
+            raise UsageError(f"--dp {args.dp} and --dp-size {dp_size} disagree; pass one")
+        args.dp = dp_size
+    elif getattr(args, "enable_dp_attention", False) and args.dp is None:
+        raise UsageError("--enable-dp-attention needs --dp-size N (or --dp N): the attention "
+                         "data-parallel size")
+    if getattr(args, "enable_expert_parallel", False):
+        tp = tp_dp(args)[0]
+        if args.ep is not None and args.ep != tp:
+            raise UsageError(f"--enable-expert-parallel spreads experts over every TP rank "
+                             f"(--ep {tp}); --ep {args.ep} says otherwise: pass one")
+        args.ep = tp
+    if hasattr(args, "ep") and args.ep is None:
+        args.ep = 1
+
+
 def compiling(args) -> bool:
     return bool(getattr(args, "compile", False) or getattr(args, "compile_backend", None))
 
@@ -237,7 +278,8 @@ def tp_dp(args) -> tuple[int, int]:
 
 
 def _pipeline_args(parser) -> None:
-    parser.add_argument("--pp", type=_positive, default=1,
+    parser.add_argument("--pp", "--pipeline-parallel-size", "--pp-size", dest="pp",
+                        type=_positive, default=1,
                         help="pipeline stages (world = pp x tp, stage-major ranks)")
     parser.add_argument("--pp-layers", type=_layer_counts, default=None,
                         help='layers per stage, e.g. "3,2,2" (default: an even split, the '

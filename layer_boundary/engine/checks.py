@@ -44,7 +44,10 @@ def check_ep(args, checkpoint) -> None:
     to split), so it is no combination rule, but the flag does nothing here and is refused as
     a usage error."""
     cfg = checkpoint.config
-    if args.ep > 1 and not (getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0)):
+    dense = not (getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0))
+    if dense and getattr(args, "enable_expert_parallel", False):
+        args.ep = 1  # vLLM's switch: MoE layers only, a dense model is served as it is
+    if args.ep > 1 and dense:
         raise UsageError(f"--ep {args.ep} splits MoE experts over ranks; the "
                          f"{checkpoint.model_type} checkpoint {checkpoint.folder} has none")
 

@@ -56,4 +56,5 @@ def write(path: str, data: bytes) -> None:
         os.replace(tmp, target)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise UsageError(f"--logits-out {path}: could not write it: {exc.strerror or exc}") from None
+        raise UsageError(f"--logits-out {path}: could not write it: "
+                         f"{exc.strerror or exc}") from None

@@ -32,7 +32,7 @@ class PipelineLink:
     device: object = None  # the model's device (what arrives is moved there)
 
     @classmethod
-    def of(cls, model, group) -> "PipelineLink":
+    def of(cls, model, group) -> PipelineLink:
         """The links of ``model``'s pipeline stage (a model without ``stage`` is whole)."""
         stage = getattr(model, "stage", None)
         if stage is None:

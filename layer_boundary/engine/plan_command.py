@@ -7,7 +7,7 @@ import json
 import logging
 
 from ..adapters.tbo import TboPolicy
-from .args import UsageError, tp_dp
+from .args import UsageError, engine_names, tp_dp
 from .checks import check_pipeline
 from .logs import setup_logging
 from .report import a2a_note, asked, plan_table
@@ -47,6 +47,7 @@ def cmd_plan(args) -> int:
     from .runner import RunSpec, forward_variants, runtime_of
 
     setup_logging(0)
+    engine_names(args)
     args.tp, args.dp = tp_dp(args)
     model_dir = args.model or str(builtin_checkpoint())
     checkpoint = open_checkpoint(model_dir)

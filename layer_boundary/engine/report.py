@@ -71,7 +71,14 @@ def report(args, spec, results, reference) -> int:
     texts = _texts(args, spec, run)
     tbo = tbo_summary(spec, rank0)
     if args.json:
+        # what a script reads first: PASS/FAIL (or NOT_CHECKED) and why
+        outcome = ("NOT_CHECKED" if verdict is None else "PASS" if ok else "FAIL")
+        reason = (("--no-reference" if args.no_reference else "a plain world-1 run is its own "
+                   "reference") + ": nothing compared" if verdict is None else
+                  f"tokens {'match' if verdict['tokens_match'] else 'differ'}, max |logit diff| "
+                  f"{verdict['max_abs_diff']:.3g}, {how}")
         log.info(json.dumps({
+            "verdict": outcome, "reason": reason,
             "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
             "boundary_reduction": rank0.resolved_reduction,
             "dtype": spec.dtype,

@@ -9,7 +9,7 @@ import logging
 import os
 
 from ..adapters.tbo import TboPolicy
-from .args import UsageError, tokenizer, tp_dp
+from .args import UsageError, engine_names, tokenizer, tp_dp
 from .checks import (check_ep, check_lengths, check_lora, check_pipeline,
                      check_speculative_steps, job_memory)
 from .logs import setup_logging
@@ -41,6 +41,7 @@ def spec_from_args(args):
     from .features import check_spec
     from .runner import RunSpec
 
+    engine_names(args)
     model_dir = args.model or str(builtin_checkpoint())
     checkpoint = open_checkpoint(model_dir)
     cfg = checkpoint.config
@@ -79,7 +80,8 @@ def spec_from_args(args):
                    draft_model=args.draft_model, speculative_algorithm=algorithm,
                    speculative_steps=args.speculative_steps,
                    speculative_boundary_reduction=args.speculative_boundary_reduction,
-                   boundary_reduction=args.boundary_reduction, dtype=args.dtype,
+                   boundary_reduction=args.boundary_reduction,
+                   dtype=checkpoint.run_dtype() if args.dtype == "auto" else args.dtype,
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
                    rs_padding=not args.no_rs_padding, fusions=args.fusion_provider,

@@ -19,7 +19,8 @@ path can still run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
 
 from ..contracts import StageKind
 from ..layout import Layout, Layouts, RowMode, SumGroup
@@ -62,7 +63,7 @@ class Arrival:
 class FusedInput:
     """A provider's completion of an arrival fused with the update and the read."""
 
-    run: Callable[[Arrival], "tuple | None"]
+    run: Callable[[Arrival], tuple | None]
     completes: frozenset  # the owed sums it performs (None: takes a complete value)
     source: Layout  # the rows the arriving value is on
     target: Layout  # the rows it leaves the residual on

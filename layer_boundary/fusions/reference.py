@@ -31,7 +31,8 @@ def finalize_all_reduce_add_norm(arrival: Arrival):
     value = move.move(facts, value)
     acc = accumulate_dtype(arrival.residual.dtype)
     total = arrival.residual.to(acc) + value.to(acc)
-    return arrival.norm.normalize_fp32(total, arrival.residual.dtype), total.to(arrival.residual.dtype)
+    dtype = arrival.residual.dtype
+    return arrival.norm.normalize_fp32(total, dtype), total.to(dtype)
 
 
 class Counted:

@@ -69,4 +69,5 @@ class TerminalFinalizeNorm:
         acc = accumulate_dtype(residual.dtype)
         total = residual.to(dtype=acc) + value.to(dtype=acc)
         self.calls += 1
-        return gemma_rms_fp32(total, gamma, self.eps, residual.dtype), total.to(dtype=residual.dtype)
+        return (gemma_rms_fp32(total, gamma, self.eps, residual.dtype),
+                total.to(dtype=residual.dtype))

@@ -32,6 +32,16 @@ class Checkpoint:
     def model_type(self) -> str:
         return self.model_class.model_type
 
+    def run_dtype(self) -> str:
+        """What ``--dtype auto`` runs in: config.json's ``dtype`` (``torch_dtype`` in older
+        files), float32 where it names none; another dtype (float16) is refused by name:
+        auto means the checkpoint's own dtype, which this library does not compute in."""
+        named = self.raw.get("dtype", self.raw.get("torch_dtype"))
+        if named in (None, "float32", "bfloat16"):
+            return named or "float32"
+        raise ValueError(f"{self.folder}/config.json: dtype {named!r}; --dtype auto runs float32 "
+                         "or bfloat16 checkpoints: pass --dtype float32 (or bfloat16)")
+
     def auto_policy(self) -> tuple[str, str]:
         """What ``--boundary-reduction auto`` resolves to, and what decided it
         (``registry.auto_policy``)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import ClassVar
+from collections.abc import Callable
 
 
 # a missing, malformed or mismatched checkpoint; the message names the file or tensor

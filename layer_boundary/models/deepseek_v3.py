@@ -137,7 +137,7 @@ class DeepseekV3Config(CheckedConfig):
         return self.first_k_dense_replace <= layer < self.num_hidden_layers
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "DeepseekV3Config":
+    def from_dict(cls, cfg: dict) -> DeepseekV3Config:
         rope = mla_rope(cfg, fp8=True)
         block, skip = fp8_quantization(cfg)
         scoring = cfg.get("scoring_func", "sigmoid")
@@ -247,7 +247,8 @@ class DeepseekV3Attention(nn.Module):
                                         group, bias=bias, reduce_results=False, dtype=dtype,
                                         name="o_proj")
         rope = cfg.qk_rope_head_dim
-        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, rope), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope_theta, rope),
+                             persistent=False)
         self.rope_key = rope_key(self.inv_freq)
         self.scaling = cfg.softmax_scale
         self.latent_split = (cfg.q_latent_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
@@ -490,4 +491,5 @@ class DeepseekV3ForCausalLM(CausalLM):
         # multi-token-prediction layers are stored as extra layers after the stack
         cfg = self.config
         return super().skipped_params() + tuple(
-            f"model.layers.{cfg.num_hidden_layers + j}." for j in range(cfg.num_nextn_predict_layers))
+            f"model.layers.{cfg.num_hidden_layers + j}."
+            for j in range(cfg.num_nextn_predict_layers))

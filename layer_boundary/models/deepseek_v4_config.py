@@ -137,7 +137,7 @@ class DeepseekV4Config(CheckedConfig):
         return self.mlp_layer_types[layer] == "hash_moe"
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "DeepseekV4Config":
+    def from_dict(cls, cfg: dict) -> DeepseekV4Config:
         check_unquantized_silu(cfg)
         scoring = cfg.get("scoring_func", "sqrtsoftplus")
         if scoring not in SCORING:

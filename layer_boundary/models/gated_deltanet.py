@@ -146,10 +146,12 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.k_heads * dk, self.v_heads * dv  # local channels
         self.conv_channels = 2 * self.key_dim + self.value_dim
         self.split = cfg.split_projections
-        q_rows, v_rows = (rank * self.key_dim, self.key_dim), (rank * self.value_dim, self.value_dim)
+        q_rows = (rank * self.key_dim, self.key_dim)
+        v_rows = (rank * self.value_dim, self.value_dim)
         heads_rows = (rank * self.v_heads, self.v_heads)
         # conv channels: [q | k | v] of the full [K dk | K dk | V dv]
-        conv = [q_rows, (K * dk + q_rows[0], self.key_dim), (2 * K * dk + v_rows[0], self.value_dim)]
+        conv = [q_rows, (K * dk + q_rows[0], self.key_dim),
+                (2 * K * dk + v_rows[0], self.value_dim)]
         conv_dim = 2 * K * dk + V * dv
         if self.split:
             self.in_proj_qkv = ShardedLinear(cfg.hidden_size, conv, False, dtype, full=conv_dim)

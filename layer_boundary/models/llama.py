@@ -51,7 +51,7 @@ class Llama3Rope:
     original_max_position_embeddings: int
 
     @classmethod
-    def read(cls, rope: dict, cfg: dict) -> "Llama3Rope":
+    def read(cls, rope: dict, cfg: dict) -> Llama3Rope:
         low = _rope_number(rope, "low_freq_factor")
         high = _rope_number(rope, "high_freq_factor")
         if high <= low:
@@ -114,7 +114,7 @@ class LlamaConfig(Qwen3Config):
               "original_max_position_embeddings": POSITIVE_INT}
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "LlamaConfig":
+    def from_dict(cls, cfg: dict) -> LlamaConfig:
         return cls(**cls.read(cfg))
 
     @classmethod

@@ -34,7 +34,8 @@ def safetensors_files(path) -> list[Path]:
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{path} holds no *.safetensors weights (pickle checkpoints are not loaded)")
+        raise CheckpointError(f"{path} holds no *.safetensors weights (pickle checkpoints are "
+                              "not loaded)")
     for f in files:
         if not f.exists():
             raise CheckpointError(f"{f} is listed in the index but missing" if index.is_file()
@@ -186,7 +187,7 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
     params = dict(module.named_parameters(remove_duplicate=False))
     expected = {n for n, p in module.named_parameters()}
     shards_needed: dict[str, set] = {}
-    for fused, part, shard in stacked:
+    for fused, _part, shard in stacked:
         for n in params:
             if f".{fused}." in f".{n}.":
                 shards_needed.setdefault(n, set()).add(shard)

@@ -119,7 +119,7 @@ class LongcatFlashConfig(CheckedConfig):
         return self.qk_head_dim ** -0.5
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "LongcatFlashConfig":
+    def from_dict(cls, cfg: dict) -> LongcatFlashConfig:
         rope = mla_rope(cfg)
         if cfg.get("router_bias"):
             raise CheckpointError(

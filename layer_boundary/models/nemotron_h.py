@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .. import ProducerReduction, append_stages, declare_attn, declare_ffn
@@ -121,7 +120,7 @@ class NemotronHConfig(CheckedConfig):
         return kind in self.layers_block_type
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "NemotronHConfig":
+    def from_dict(cls, cfg: dict) -> NemotronHConfig:
         cfg = dict(cfg)
         for old, new in LEGACY_FIELDS.items():
             if old in cfg:

@@ -53,7 +53,7 @@ class PipelineStage:
     total: int  # layers of the whole stack
 
     @classmethod
-    def of(cls, runtime, num_layers: int) -> "PipelineStage":
+    def of(cls, runtime, num_layers: int) -> PipelineStage:
         par = runtime.parallel
         ranges = split_layers(num_layers, par.dims.pp, runtime.pp_layers)
         return cls(par.pp_rank, par.dims.pp, ranges[par.pp_rank], num_layers)

@@ -40,11 +40,12 @@ class Qwen3Config(CheckedConfig):
     fields = DECODER
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "Qwen3Config":
+    def from_dict(cls, cfg: dict) -> Qwen3Config:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported (default only)")
+            raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
+                                  "(default only)")
         if cfg.get("use_sliding_window"):
             raise CheckpointError("config.json use_sliding_window=true is not supported")
         heads = require(cfg, "num_attention_heads")

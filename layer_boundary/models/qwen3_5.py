@@ -53,7 +53,7 @@ class Qwen3_5Config(Qwen3NextConfig):
         super().validate(text_config(raw))
 
     @classmethod
-    def from_dict(cls, cfg: dict, **forced) -> "Qwen3_5Config":
+    def from_dict(cls, cfg: dict, **forced) -> Qwen3_5Config:
         return super().from_dict(text_config(cfg), **cls.FIXED, **forced)
 
 

@@ -32,7 +32,7 @@ class Qwen3MoeConfig(Qwen3Config):
     expert_fields, top_k_fields = ("num_experts", "num_local_experts"), ("num_experts_per_tok",)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "Qwen3MoeConfig":
+    def from_dict(cls, cfg: dict) -> Qwen3MoeConfig:
         base = Qwen3Config.from_dict(cfg).__dict__
         base.pop("model_type")
         return cls(**base,

@@ -141,7 +141,7 @@ class Qwen3NextConfig(CheckedConfig):
                 and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
-    def from_dict(cls, cfg: dict, **forced) -> "Qwen3NextConfig":
+    def from_dict(cls, cfg: dict, **forced) -> Qwen3NextConfig:
         """``forced``: fields the architecture fixes whatever config.json says (Qwen3.5)."""
         check_unquantized_silu(cfg)
         types = layer_types(cfg)

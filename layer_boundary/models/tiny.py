@@ -80,7 +80,8 @@ def write_tiny_qwen3(path, seed: int = 0, **overrides) -> Path:
     tensors = {k: v.contiguous() for k, v in qwen3_tensors(cfg, seed).items()}
     # per-process temporary names: several ranks may write the same folder at once, and
     # each rename is atomic; the weights land last, so a half-written folder is never used
-    tmp_cfg, tmp_weights = path / f"config.json.{os.getpid()}", path / f"model.safetensors.{os.getpid()}"
+    pid = os.getpid()
+    tmp_cfg, tmp_weights = path / f"config.json.{pid}", path / f"model.safetensors.{pid}"
     tmp_cfg.write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
     os.replace(tmp_cfg, path / "config.json")

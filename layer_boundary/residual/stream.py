@@ -88,7 +88,7 @@ class OwedOutput:
 
     __slots__ = ("_stream",)
 
-    def __init__(self, stream: "ResidualStream") -> None:
+    def __init__(self, stream: ResidualStream) -> None:
         self._stream = stream
 
     def __repr__(self) -> str:
@@ -113,7 +113,7 @@ class ForwardState:
     of its positions: ``models.rope.forward_cos_sin``), gone with the forward.
     """
 
-    stream: "ResidualStream | None" = None
+    stream: ResidualStream | None = None
     facts: object = None
     runtime: object = None  # the BoundaryRuntime that placed the facts
     path_key: tuple = ()  # (batch variant, row mode): what the stages' plans select on
@@ -132,7 +132,7 @@ class ResidualStream:
     __slots__ = ("residual", "residual_rows", "contribution", "handle", "stage", "step",
                  "prepared_input", "parent", "branch_output", "owner", "pending", "made_by")
 
-    def __init__(self, parent: "ResidualStream | None" = None) -> None:
+    def __init__(self, parent: ResidualStream | None = None) -> None:
         self.residual: torch.Tensor | None = None
         self.residual_rows: Layout | None = None
         self.contribution: Contribution | None = None
@@ -152,7 +152,7 @@ class ResidualStream:
         self.made_by = None
 
     @classmethod
-    def arrive(cls, forward_batch) -> "ResidualStream":
+    def arrive(cls, forward_batch) -> ResidualStream:
         """A microbatch's own stream (two-batch overlap): fresh, owned by ``forward_batch``,
         with fresh row facts. Its stack input enters through the first stage's prepare()."""
         stream = cls()

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 from .lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the names are, for type checkers; imported on first use
-    from .args import (BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime, resolve_boundary_reduction,
-                       set_runtime)
+    from .args import (BOUNDARY_REDUCTIONS, BoundaryRuntime, get_runtime,
+                       resolve_boundary_reduction, set_runtime)
     from .collectives import (all_reduce_rows, all_to_all_rows, broadcast_from_last_stage,
-                              exchange_counts, gather_last_dim, gather_rows, gather_rows_v, recv_from_prev_stage, reduce_scatter_rows,
+                              exchange_counts, gather_last_dim, gather_rows, gather_rows_v,
+                              recv_from_prev_stage, reduce_scatter_rows,
                               reduce_scatter_rows_v, send_to_next_stage)
     from .context import NO_FLAGS, ForwardFlags, get_forward, get_parallel
     from .embedding import ParallelLMHead, VocabParallelEmbedding
@@ -95,7 +96,8 @@ __all__ = [
     "BoundaryRuntime", "resolve_boundary_reduction", "set_runtime", "get_runtime",
     "BOUNDARY_REDUCTIONS",
     # a batch and the flags compute reads
-    "ForwardBatch", "ForwardMode", "TwoBatch", "BatchVariant", "LogitsRows", "ForwardFlags", "NO_FLAGS", "get_forward",
+    "ForwardBatch", "ForwardMode", "TwoBatch", "BatchVariant", "LogitsRows", "ForwardFlags",
+    "NO_FLAGS", "get_forward",
     "get_parallel", "token_bucket", "SMALLEST_BUCKET",
     # collectives (row contracts in collectives.py)
     "all_reduce_rows", "reduce_scatter_rows", "reduce_scatter_rows_v", "gather_rows",

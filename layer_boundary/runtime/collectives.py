@@ -73,7 +73,8 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group.size == 1:
         return x
     if x.shape[0] % group.size:
-        raise ValueError(f"reduce_scatter_rows needs rows divisible by {group.size}, got {x.shape[0]}")
+        raise ValueError(f"reduce_scatter_rows needs rows divisible by {group.size}, "
+                         f"got {x.shape[0]}")
     out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
     if x.numel() == 0:
         return out
@@ -85,7 +86,8 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def reduce_scatter_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
-    """Rows split into consecutive blocks of ``sizes[i]`` rows; rank i gets the group sum of block i."""
+    """Rows split into consecutive blocks of ``sizes[i]`` rows; rank i gets the group sum of
+    block i."""
     if group.size == 1:
         return x
     if sum(sizes) == 0:
@@ -133,7 +135,8 @@ def gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
-    """Rank i contributes ``sizes[i]`` rows; every rank gets them all, concatenated in rank order."""
+    """Rank i contributes ``sizes[i]`` rows; every rank gets them all, concatenated in rank
+    order."""
     if group.size == 1:
         return x
     widest = max(sizes)
@@ -190,7 +193,8 @@ def all_to_all_rows(x: torch.Tensor, group: Group, send: list[int],
 
 
 def gather_last_dim(x: torch.Tensor, group: Group, site: str | None = None) -> torch.Tensor:
-    """Rows unchanged; the last dim becomes the concatenation of every rank's slice in rank order."""
+    """Rows unchanged; the last dim becomes the concatenation of every rank's slice in rank
+    order."""
     if group.size == 1:
         return x
     if x.numel() == 0:  # no rows anywhere in this group: nothing to move

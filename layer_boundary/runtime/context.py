@@ -20,7 +20,7 @@ class ForwardFlags:
     defer_moe_finalize: bool = False  # a MoE may return a HandoffOutput
     # compute runs on scattered rows: its linears gather and reduce-scatter (the scope's
     # movements, ``sequence_parallel_scope()``); the boundary owes nothing after it
-    sequence_parallel: "SequenceParallelMoves | None" = None
+    sequence_parallel: SequenceParallelMoves | None = None
 
     @property
     def skips_reduction(self) -> bool:

@@ -21,7 +21,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group, self.vocab_size = group, vocab_size
         self.per_rank = -(-vocab_size // group.size)
-        self.start = min(group.rank * self.per_rank, vocab_size)  # trailing ranks may hold only padding
+        # trailing ranks may hold only padding
+        self.start = min(group.rank * self.per_rank, vocab_size)
         self.end = min(self.start + self.per_rank, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=dtype),
                                    requires_grad=False)

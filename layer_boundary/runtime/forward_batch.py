@@ -166,7 +166,7 @@ class ForwardBatch:
     def prefix_lens(self) -> tuple[int, ...]:
         return tuple(s - e for s, e in zip(self.seq_lens, self.extend_lens))
 
-    def padded(self, tokens: int, scratch_slot: int) -> "ForwardBatch":
+    def padded(self, tokens: int, scratch_slot: int) -> ForwardBatch:
         """This batch with ``tokens`` rows on every attention-DP rank (a compiled forward's
         bucket), its own rows first.
 
@@ -207,8 +207,9 @@ class ForwardBatch:
     @classmethod
     def build(cls, forward_mode: ForwardMode, requests: list[list[int]], prefix_lens: list[int],
               dp_token_counts: tuple[int, ...] | None = None, req_slots=None, kv_cache=None,
-              device: torch.device | str = "cpu") -> "ForwardBatch":
-        """Batch of ``requests`` (token ids new in this forward) after ``prefix_lens`` cached ones."""
+              device: torch.device | str = "cpu") -> ForwardBatch:
+        """Batch of ``requests`` (token ids new in this forward) after ``prefix_lens`` cached
+        ones."""
         ids = [t for r in requests for t in r]
         pos = [p + i for r, p in zip(requests, prefix_lens) for i in range(len(r))]
         extend = tuple(len(r) for r in requests)

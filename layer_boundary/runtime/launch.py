@@ -144,7 +144,8 @@ def _spawn_entry(rank, world_size, port, fn, args, conn, env, timeout_s, join_ti
             payload = pickle.dumps(exc)
         except Exception:
             payload = None
-        reporter.send(("error", (payload, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        reporter.send(("error", (payload, text)))
     finally:
         dist.destroy_process_group()
 
@@ -339,7 +340,7 @@ class _Watch:
             # a bad input on any rank is the cause (its peers then fail on the dead rank, e.g.
             # a pipeline stage's send): the same one-line error as in-process; otherwise the
             # errors in the order they arrived, the first one most likely the cause
-            for rank, exc, text in self.errors:
+            for _rank, exc, _text in self.errors:
                 exc = pickle.loads(exc) if exc is not None else None
                 if isinstance(exc, ValueError):
                     raise exc

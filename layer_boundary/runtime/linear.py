@@ -46,7 +46,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype),
+                                     requires_grad=False)
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -216,7 +216,8 @@ def build_parallel(dims: ParallelDims) -> Parallel:
         _PARALLEL_CACHE[dims] = cached  # now the most recent
         return cached
     if dims.world_size == 1:
-        par = Parallel(dims, 0, _local_group("tp"), _local_group("attn_tp"), _local_group("attn_dp"))
+        par = Parallel(dims, 0, _local_group("tp"), _local_group("attn_tp"),
+                       _local_group("attn_dp"))
         _PARALLEL_CACHE[dims] = par
         return par
     if not dist.is_initialized():

@@ -38,7 +38,7 @@ class QuantizedInput:
         """Zeros in the activations' dtype (a rank's empty contribution, as a tensor's)."""
         return torch.zeros(shape, dtype=self.dtype, device=self.values.device)
 
-    def map_rows(self, move) -> "QuantizedInput":
+    def map_rows(self, move) -> QuantizedInput:
         """Both parts through one row movement ``move(tensor)`` (the values as bytes)."""
         values = move(self.values.view(torch.uint8)).view(FP8)
         return QuantizedInput(values, move(self.scales), self.group, self.dtype)

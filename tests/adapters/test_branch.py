@@ -31,7 +31,8 @@ class ToyLongCatLayer(nn.Module):
         par, last = rt.parallel, i == layers - 1
         self.norms = [toy_norm(10 * i + k) for k in range(4)]
         self.attn_c = [ToyAttn(par, 100 + 10 * i + k) for k in range(2)]
-        self.src_c, self.ffn_c = ToyFfn(par, 300 + i), [ToyFfn(par, 400 + 10 * i + k) for k in range(2)]
+        self.src_c = ToyFfn(par, 300 + i)
+        self.ffn_c = [ToyFfn(par, 400 + 10 * i + k) for k in range(2)]
         src_decl = declare_ffn()
         following = None if last else declare_attn()
         self.attn0, self.src = make_stages(
@@ -161,7 +162,8 @@ def _layer_up_to_source(tokens=3):
         layer = ToyLongCatLayer(rt, 0, 2)
     fb = batch(tokens)
     residual_batch.start(fb)
-    h = layer.attn0.finish(layer.attn_c[0](layer.attn0.prepare(seeded((tokens, HIDDEN), 1), fb)), fb)
+    x = layer.attn0.prepare(seeded((tokens, HIDDEN), 1), fb)
+    h = layer.attn0.finish(layer.attn_c[0](x), fb)
     return layer, fb, layer.src.prepare(h, fb)
 
 

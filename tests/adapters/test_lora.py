@@ -89,7 +89,8 @@ def test_world1_matches_peft_for_each_prompts_adapter(qwen3_dir, adapters, world
 # (tp, attn_dp, policy, prompts, options): every row mode, attention DP with an empty DP rank,
 # a pipeline and two-batch overlap
 CASES = [(2, 1, "ar", 5, {}), (2, 1, "rs", 5, {}), (4, 2, "rsv", 5, {}), (4, 2, "rs", 5, {}),
-         (4, 2, "rsv", 1, {}), (2, 1, "rs", 5, {"pp": 2}), (4, 2, "rsv", 5, {"tbo": TboPolicy.ALWAYS})]
+         (4, 2, "rsv", 1, {}), (2, 1, "rs", 5, {"pp": 2}),
+         (4, 2, "rsv", 5, {"tbo": TboPolicy.ALWAYS})]
 
 
 @pytest.fixture(scope="module")

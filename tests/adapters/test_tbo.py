@@ -5,6 +5,8 @@ that decides where a forward splits."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from distributed.pool import get_pool
@@ -181,7 +183,7 @@ def test_a_stream_shared_between_microbatches_raises():
     stack, (a, b), xa, xb = _two()
     b.boundary.stream = a.residual_stream  # one stream reached through both batches
     stack.layers[0].attn_half(xa, a)
-    with pytest.raises(RuntimeError, match=f"^{SHARED_STREAM.replace('(', '[(]').replace(')', '[)]')}$"):
+    with pytest.raises(RuntimeError, match=f"^{re.escape(SHARED_STREAM)}$"):
         stack.layers[0].attn_half(xb, b)
 
 
@@ -196,7 +198,7 @@ def test_an_exit_scope_open_across_a_yield_raises():
         scope.__enter__()  # the FFN's exit scope left open at the switch to B
         state["scope"] = scope
 
-    with pytest.raises(RuntimeError, match=f"^{EXIT_ACROSS_YIELD.replace('(', '[(]').replace(')', '[)]')}$"):
+    with pytest.raises(RuntimeError, match=f"^{re.escape(EXIT_ACROSS_YIELD)}$"):
         interleave([[a_attn_then_open_exit], [lambda: layer.attn_half(xb, b)]])
     state["scope"].__exit__(None, None, None)
 

@@ -13,7 +13,7 @@ from layer_boundary.engine.runner import RunSpec, merge, run_rank
 from .pool import get_pool
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world1(spec: RunSpec):
     """The same requests on one rank: no TP, DP, EP, pipeline or fusion provider (cached per
     spec, so the cases of a module share it)."""

@@ -34,7 +34,7 @@ def write_all(root) -> dict[str, str]:
     return {name: str(write(root / name, **kw)) for name, (write, _, kw) in MODELS.items()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformers_prefill(model: str, path: str) -> list[torch.Tensor]:
     """transformers' logits at the last position of every prompt."""
     ref = MODELS[model][1](path)

@@ -113,5 +113,5 @@ def test_moe_ledger_is_what_the_plan_says(qwen3_moe_dir, tp, dp, ep, policy):
     spec = RunSpec(str(qwen3_moe_dir), tp=tp, dp=dp, ep=ep, boundary_reduction=policy,
                    prompts=prompts_for("skewed", dp), max_new_tokens=STEPS)
     for rank, steps in enumerate(get_pool(tp).run(compare, spec)):
-        for step, mode, got, want in steps:
+        for step, _mode, got, want in steps:
             assert got == want, (rank, step)

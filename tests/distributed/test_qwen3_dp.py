@@ -33,7 +33,7 @@ def prompts_for(load: str, dp: int) -> tuple:
     return tuple((5 + i, 60 + i, 7) for i in range(max(1, dp - 1)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world1(spec: RunSpec):
     (result,) = [run_rank(replace(spec, tp=1, dp=1, boundary_reduction="ar"), world_size=1)]
     return result

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from .checks import cli_ok
-from layer_boundary.engine.cli import main
 from layer_boundary.models import load_config
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 
@@ -25,7 +24,8 @@ def expected_forward(cfg, mode: str, counts: tuple[int, ...], dp_rank: int,
     """``requests``: this DP rank's, whose last rows the LM head computes and gathers."""
     h, layers = cfg.hidden_size, cfg.num_hidden_layers
     total, local = sum(counts), counts[dp_rank]
-    seg = -(-max(counts) // ATTN_TP) * ATTN_TP  # rs: each DP segment padded to a multiple of attn_tp
+    # rs: each DP segment padded to a multiple of attn_tp
+    seg = -(-max(counts) // ATTN_TP) * ATTN_TP
     out = [("all_reduce", "attn_tp", local * h, "embed")] if local else []
 
     def to_ffn(site):  # attention output (partial over attn_tp) to the FFN's global rows

@@ -23,7 +23,7 @@ FUSIONS = [None, "reference", "decline"]
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))  # skewed over DP ranks
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world1(spec: RunSpec):
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, boundary_reduction="ar",
                                    fusions=None), world_size=1)])

@@ -17,7 +17,7 @@ PROMPTS = ((1, 2, 3, 4, 5), (7, 8, 9), (50, 3, 17, 88, 2, 61, 33))
 STEPS = 3  # step 0 is the prefill, the rest are KV-cache decode steps
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world1(spec: RunSpec):
     return merge([run_rank(replace(spec, tp=1, dp=1), world_size=1)])
 

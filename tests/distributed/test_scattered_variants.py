@@ -80,7 +80,7 @@ def sp_expected(cfg, tp: int, dp: int, mode: str, dp_tokens: list[int], dense: l
     attn_tp, hidden = tp // dp, cfg.hidden_size
     chunk = -(-max(dp_tokens) // attn_tp)
     out = []
-    for d, mine in enumerate(dp_tokens):
+    for mine in dp_tokens:
         local = chunk * attn_tp if mode == "rs" else mine
         total = chunk * attn_tp * dp if mode == "rs" else sum(dp_tokens)
         layers = []

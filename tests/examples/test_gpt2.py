@@ -17,38 +17,14 @@ from layer_boundary.models.loader import iter_weights
 from layer_boundary.runtime.args import BoundaryRuntime
 from layer_boundary.runtime.parallel import ParallelDims, build_parallel
 
-TINY = dict(vocab_size=97, n_positions=32, n_embd=64, n_layer=3, n_head=4,
-            bos_token_id=0, eos_token_id=0)
+TINY = gpt2.TINY
 PROMPTS = ((1, 2, 3, 4, 5), (7, 8, 9), (50, 3, 17, 88, 2, 61, 33))
 STEPS = 4  # step 0 is the prefill, the rest are KV-cache decode steps
 
 
-def randomize(model) -> None:
-    """Every weight random at unit-scale activations. GPT-2's names defeat the shared
-    ``checkpoints.randomize``: its norms are ``ln_*`` (no "norm" in the name) and a Conv1D's
-    fan-in is its weight's first dim, not its last."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln_" in name or ".ln_f." in name:  # LayerNorm weight ~1, bias ~0
-                base = 1.0 if name.endswith("weight") else 0.0
-                p.copy_(base + 0.2 * torch.randn_like(p))
-            elif name.endswith(("wte.weight", "wpe.weight")):
-                p.normal_(0.0, 0.3)
-            elif name.endswith("weight"):  # Conv1D [in, out]
-                p.normal_(0.0, p.shape[0] ** -0.5)
-            else:  # projection biases
-                p.normal_(0.0, 0.1)
-
-
 def hf_gpt2(path: Path, *, seed: int = 0, **overrides) -> Path:
-    """save_pretrained of a random transformers GPT2LMHeadModel."""
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**dict(TINY, **overrides)))
-    randomize(model)
-    model.save_pretrained(path)
-    return Path(path)
+    """save_pretrained of a random transformers GPT2LMHeadModel (the example's own)."""
+    return Path(gpt2.tiny_checkpoint(path, seed=seed, **overrides))
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +141,7 @@ def test_check_parallel_names_the_field():
 # -- multi-rank against world 1, on real gloo ranks
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world1(path: str, prompts: tuple) -> dict:
     return gpt2.run_rank(path, prompts, STEPS)
 
@@ -202,3 +178,14 @@ def test_tp2_matches_world1(gpt2_dir, dp, policy, mode):
             diff = (a - b).abs().max().item()
             assert diff <= 1e-5, f"request {j} step {step}: max abs diff {diff}"
         assert generated == ref["generated"][j]
+
+
+@pytest.mark.timeout(120)
+def test_the_example_says_what_it_did_when_run_on_its_own():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, gpt2.__file__, "--tp", "2"], capture_output=True,
+                         text=True, check=True, timeout=100).stdout.splitlines()
+    assert out[0] == "GPT-2 at tp 2 (random tiny checkpoint), row modes ['ar', 'ar', 'ar', 'ar']:"
+    assert len(out) == 3 and all(line.endswith("(transformers: the same)") for line in out[1:])

@@ -57,7 +57,8 @@ def test_triton_fusions_match_world1_and_fuse_every_input(checkpoints, model, tp
 
 # the other batch variants: a sequence-parallel prefill (its stages complete on scattered
 # rows), input-scattered forwards of an MLA model (its latent runs before the gather)
-VARIANTS = [("qwen3", dict(sequence_parallel=True)), ("deepseek_v3", dict(attn_input_scattered=True))]
+VARIANTS = [("qwen3", dict(sequence_parallel=True)),
+            ("deepseek_v3", dict(attn_input_scattered=True))]
 
 
 @pytest.mark.timeout(240)

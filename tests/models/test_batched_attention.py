@@ -58,7 +58,8 @@ def _run(steps, *, slots=None, dv=D, sinks=None, window=None, max_len=64, seed=0
         batch = ForwardBatch.build(ForwardMode.EXTEND, [[1] * counts[i] for i in live], prefix,
                                    req_slots=[slots[i] for i in live], kv_cache=cache)
         tokens = sum(counts)
-        q, k, v = torch.randn(tokens, H, D), torch.randn(tokens, KVH, D), torch.randn(tokens, KVH, dv)
+        q, k = torch.randn(tokens, H, D), torch.randn(tokens, KVH, D)
+        v = torch.randn(tokens, KVH, dv)
         out = cached_attention(0, q, k, v, batch, D ** -0.5, sinks=sinks)
         history, start = [], 0
         for i in live:

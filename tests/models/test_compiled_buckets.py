@@ -196,12 +196,12 @@ def test_compiled_forwards_read_their_own_models_kept_placement(tmp_path_factory
     kept entry out (no new graph after them)."""
     path = hf_qwen3(tmp_path_factory.mktemp("two_instances"), seed=3)
     runtime = BoundaryRuntime(build_parallel(ParallelDims()))
-    for instance in range(2):
+    for _instance in range(2):
         model = load_model(path, runtime)
         compiled = compile_forward(model, "eager", padded=True)
         caches = [model.make_kv_cache(3, 8) for _ in range(2)]
         plan, facts = model.model.layers[0].attn_boundary.plan, []
-        for step, (mode, tokens, prefix) in enumerate(
+        for mode, tokens, prefix in (
                 ((ForwardMode.EXTEND, [[5, 6], [7, 8]], [0, 0]),
                  (ForwardMode.DECODE, [[9], [4]], [2, 2]),
                  (ForwardMode.DECODE, [[3], [2]], [3, 3]))):

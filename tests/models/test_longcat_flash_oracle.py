@@ -13,7 +13,6 @@ from lc_checkpoints import TINY_LC, hf_longcat_flash, hf_longcat_flash_reference
 from oracle import MLA_TOL, assert_decode_matches, assert_prefill_matches, world1
 
 from distributed.checks import cli_ok
-from layer_boundary.engine.cli import main
 from layer_boundary.models import load_model
 from layer_boundary.models.loader import CheckpointError
 from layer_boundary.models.longcat_flash import LongcatFlashConfig, check_parallel

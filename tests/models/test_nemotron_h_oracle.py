@@ -12,7 +12,6 @@ from nh_checkpoints import TINY_NH, hf_nemotron_h, hf_nemotron_h_reference
 from oracle import TOL, hf_cached_decode, world1
 
 from distributed.checks import cli_ok
-from layer_boundary.engine.cli import main
 from layer_boundary.models import load_model
 from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.models.loader import CheckpointError

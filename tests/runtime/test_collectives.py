@@ -108,7 +108,8 @@ def test_no_rows_anywhere_skip_the_collective_but_keep_the_shapes(world, kwargs,
 def _size1_in_world(x):
     par = build_parallel(ParallelDims(world_size=dist.get_world_size(), tp=4, attn_dp=4))
     with LEDGER.recording() as entries:
-        same = all_reduce_rows(x, par.attn_tp_group) is x and gather_last_dim(x, par.attn_tp_group) is x
+        group = par.attn_tp_group
+        same = all_reduce_rows(x, group) is x and gather_last_dim(x, group) is x
     return par.attn_tp_group.size, same, len(entries)
 
 

@@ -146,7 +146,7 @@ def test_row_parallel_reduces_under_flags_that_do_not_skip(tp):
     flags = ForwardFlags(defer_moe_finalize=True)
     results = get_pool(tp).run(_row, weight, bias, x, True, flags)
     dense = F.linear(x, weight, bias)
-    for group_rank, y, entries, restored in results:
+    for _group_rank, y, entries, restored in results:
         assert restored
         torch.testing.assert_close(y, dense, **TOL)
         assert [e[0] for e in entries] == ["all_reduce"]

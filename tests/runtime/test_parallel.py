@@ -181,7 +181,7 @@ def _expected_layout(world, tp, pp=1, attn_dp=1, attn_cp=1):
                      if all(coords[r][i] == coords[rank][i] for i in same))
 
     expected = {}
-    for r, (p, d, c, a) in coords.items():
+    for r, (_p, d, c, a) in coords.items():
         groups = {"tp": members(r, (0,)), "attn_tp": members(r, (0, 1, 2)),
                   "attn_dp": members(r, (0, 2, 3)), "pp": members(r, (1, 2, 3))}
         expected[r] = {
