@@ -11,6 +11,7 @@ everything else in the file is written by hand. ``tests/test_docs.py`` runs ``--
 
 from __future__ import annotations
 
+import enum
 import inspect
 import os
 import re
@@ -24,7 +25,9 @@ HELP_WIDTH = "96"
 
 
 def _summary(obj) -> str:
-    doc = inspect.getdoc(obj) or ""
+    # a class's own docstring, never one inherited (an enum's would be Enum's)
+    doc = (inspect.cleandoc(obj.__dict__.get("__doc__") or "") if inspect.isclass(obj)
+           else inspect.getdoc(obj) or "")
     first = doc.split("\n\n")[0].replace("\n", " ").strip()
     return first or "(no docstring)"
 
@@ -56,7 +59,10 @@ def api_reference() -> str:
         out.append(f"### `{module_name}`\n")
         for name in sorted(_public(module_name), key=str.lower):
             obj = getattr(module, name)
-            if inspect.isclass(obj) or inspect.isfunction(obj):
+            if isinstance(obj, enum.EnumMeta):
+                members = ", ".join(m.name for m in obj)
+                out.append(f"- `{name}` (enum: {members}): {_summary(obj)}")
+            elif inspect.isclass(obj) or inspect.isfunction(obj):
                 kind = "class" if inspect.isclass(obj) else "function"
                 out.append(f"- `{_signature(name, obj)}` ({kind}): {_summary(obj)}")
             else:

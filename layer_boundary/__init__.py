@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
                             make_attn_stage, make_ffn_stage, make_stages)
     from .layout import Layout, SumGroup, TokenAxis
     from .output import HandoffOutput, OutputTransform
+    from .residual import StageRead, StageUpdate
     from .residual.stream import OwedOutput, ResidualStream
     from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
     from .stack import LayerStack, append_stages, layer_stack
@@ -46,6 +47,8 @@ _EXPORTS = {
     'TokenAxis': '.layout',
     'HandoffOutput': '.output',
     'OutputTransform': '.output',
+    'StageRead': '.residual',
+    'StageUpdate': '.residual',
     'OwedOutput': '.residual.stream',
     'ResidualStream': '.residual.stream',
     'StageBoundary': '.stage',
@@ -71,6 +74,7 @@ __all__ = [
     "BatchVariant", "FfnExit", "HandoffOutput", "OutputTransform", "Layout", "MixerExit", "Owed",
     "OwedOutput",
     "ProducerReduction", "ResidualStream", "StageBoundary", "StageDeclaration", "StageKind",
+    "StageRead", "StageUpdate",
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
     "make_ffn_stage", "make_stages", "install_fusion", "boundary_guard_filter",
     "stage_boundaries",

@@ -440,9 +440,13 @@ class StagePlan:
         if path.branch_in is not None:
             entry = (f"branch_input from the prepared {self.declaration.prepared_from.describe()}"
                      f" input: {path.branch_in.name}")
+        exit_ = " | ".join(d.label for d in path.exit.decisions)
+        transform = self.declaration.output_transform
+        if transform is not None:  # where the contribution is processed before the update
+            exit_ = f"{transform.name} {transform.order}; {exit_}"
         return {"stage": self.name, **self._mixer, "kind": self.declaration.describe(),
                 "residual": str(path.edge.residual_dst), "compute": str(path.decl.input.rows),
-                "entry": entry, "exit": " | ".join(d.label for d in path.exit.decisions)}
+                "entry": entry, "exit": exit_}
 
 
 def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func=None,

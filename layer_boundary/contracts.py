@@ -32,6 +32,8 @@ class ProducerReduction(enum.Enum):
 
 
 class StageKind(enum.Enum):
+    """What a stage is: an attention (or another token mixer) or an FFN (dense or MoE)."""
+
     ATTN = "attention"
     FFN = "ffn"
 

@@ -15,6 +15,9 @@ from .runtime.parallel import Group, Parallel
 
 
 class TokenAxis(enum.Enum):
+    """A way token rows are split over ranks; a ``Layout`` is the set of axes its rows are
+    split on."""
+
     ATTN_DP = "attn_dp"  # different attention data-parallel token sets
     ATTN_CP = "attn_cp"  # context-parallel partitions of an active CP batch
     ATTN_TP_SCATTER = "attn_tp_scatter"  # token slices spread over attention-TP ranks
@@ -43,6 +46,9 @@ REPLICATED = Layout()
 
 
 class SumGroup(enum.Enum):
+    """The group a partial output is summed over: attention TP, the full TP group, or the MoE
+    output's reduction group (the TP group's ranks)."""
+
     ATTN_TP = "attn_tp"  # attention tensor parallelism
     TP = "tp"  # the full tensor-parallel group
     MOE_OUT = "moe_out"  # the MoE output reduction group

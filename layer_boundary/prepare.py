@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .fusions import Arrival
 from .layout import Layout
 from .ops import Movement
@@ -219,8 +221,11 @@ class EntryPath:
     def describe(self) -> str:
         """What this path does to each input its declared producer can leave."""
         kind = read_kind(self.read)
-        read = (f"{'add+norm' if kind is ReadKind.ADD_NORM else 'update+read'} on "
-                f"{self.update_rows}")
+        norm = getattr(self.norm, "norm", self.norm)  # through Fp32Norm's adapter
+        normless = norm is None or isinstance(norm, torch.nn.Identity)
+        what = ("update+read" if kind is not ReadKind.ADD_NORM
+                else "add" if normless else "add+norm")
+        read = f"{what} on {self.update_rows}"
         if self.stack_entry:
             text = f"enter: norm on {self.local}"
             text += self._compute_steps(self.enter_input)

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from safetensors.torch import load_file
 
 from distributed.checks import cli_ok, package_logger_kept
 from layer_boundary.engine.cli import main
+from layer_boundary.runtime.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240
@@ -71,12 +71,6 @@ def _in_process(*args, cache: Path) -> subprocess.CompletedProcess:
             os.environ["LAYER_BOUNDARY_CACHE"] = before
     return subprocess.CompletedProcess(["layer-boundary", "run", *map(str, args)], code,
                                        out.getvalue(), err.getvalue())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_json_object(proc: subprocess.CompletedProcess) -> dict:
@@ -174,6 +168,10 @@ def test_default_run_prints_tokens_parity_plan_and_collectives(default_run, buil
         for part in ("attn", "ffn"):
             assert re.search(rf"^\s+layer{i}\.{part}\s+\S", out, re.M), f"no row layer{i}.{part}"
 
+    # the table's notation, explained after it (plan prints the same legend)
+    from layer_boundary.engine.report import PLAN_LEGEND
+
+    assert "\n".join(PLAN_LEGEND) in out
     per_forward = out[out.index("collectives per forward"):]
     assert re.search(r"step 0:", per_forward)
     assert re.search(r"\d+x all_reduce \d+ B", per_forward), per_forward
@@ -300,7 +298,7 @@ def test_torchrun_processes_with_attention_dp_report_once_with_parity(builtin_di
     # Two processes (each a torch import): tp is the world, and dp 2 splits its attention
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), "-m", "layer_boundary", "run", "--json",
+         "--master-port", str(free_port()), "-m", "layer_boundary", "run", "--json",
          "--dp", "2", "--max-new-tokens", str(NEW_TOKENS)],
         cwd=REPO, env=_env(cache_dir), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     report = _one_json_object(proc)

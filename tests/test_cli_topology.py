@@ -26,7 +26,7 @@ def test_run_says_how_many_processes_it_starts(capsys, restore_logger):
 
 
 def test_the_plan_explains_its_notation(capsys, restore_logger):
-    from layer_boundary.engine.plan_command import PLAN_LEGEND
+    from layer_boundary.engine.report import PLAN_LEGEND
 
     out = cli_ok(["plan", "--tp", "4", "--dp", "2"], capsys)
     lines = out.splitlines()
@@ -104,3 +104,13 @@ def test_dtype_auto_is_the_checkpoints(qwen3_dir, tmp_path):
         spec_from_args(build_parser().parse_args(["run", "--model", str(half)]))
     assert spec_from_args(build_parser().parse_args(
         ["run", "--model", str(half), "--dtype", "float32"])).dtype == "float32"
+
+
+def test_log_level_quiets_what_the_run_says_while_it_works_not_its_report(capsys,
+                                                                         restore_logger):
+    args = ["run", "--pp", "2", "--tp", "1", "--max-new-tokens", "1"]
+    loud = cli_ok(args, capsys)
+    quiet = cli_ok([*args, "--log-level", "WARNING"], capsys)
+    assert loud.splitlines()[0] == "starting 2 rank processes (pp 2 x tp 1)"
+    assert "starting" not in quiet and "each loads its shard" not in quiet
+    assert "parity vs world 1: PASS" in quiet

@@ -59,3 +59,10 @@ def test_the_readme_is_a_front_page():
     for page in ("concepts", "features", "models", "adding-a-model", "engine-integration",
                  "api", "cli", "benchmarks"):
         assert f"(docs/{page}.md)" in text
+
+
+def test_every_public_name_is_documented():
+    """Every entry of the API reference says what it is (its own docstring)."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert "(no docstring)" not in text
+    assert "Create a collection of name/value pairs" not in text  # an enum's inherited one

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..runtime.defaults import BOUNDARY_REDUCTIONS, START_TIMEOUT_S
+from .logs import LEVELS
 
 
 class UsageError(ValueError):
@@ -84,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"layer-boundary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", formatter_class=_HelpFormatter,
+    log_level = argparse.ArgumentParser(add_help=False)  # every command takes it
+    log_level.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower,
+                           help="what the command says while it works (its report always "
+                                "prints)")
+    run = sub.add_parser("run", formatter_class=_HelpFormatter, parents=[log_level],
                          help="generate on parallel CPU ranks and check parity with world 1")
     _topology_args(run)
     _variant_args(run)
@@ -156,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--speculative-boundary-reduction", choices=BOUNDARY_REDUCTIONS,
                      default="auto", help="the draft stack's own boundary-reduction policy")
 
-    plan = sub.add_parser("plan", formatter_class=_HelpFormatter,
+    plan = sub.add_parser("plan", formatter_class=_HelpFormatter, parents=[log_level],
                           help="print the per-stage boundary paths for a batch shape")
     _topology_args(plan)  # the same flags as run's: plan shows the topology run would run
     _variant_args(plan)
@@ -173,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "DP rank's tokens taken as one-token requests)")
     _pipeline_args(plan)
 
-    bench = sub.add_parser("bench", formatter_class=_HelpFormatter,
+    bench = sub.add_parser("bench", formatter_class=_HelpFormatter, parents=[log_level],
                            help="boundary overhead against a hand-written decoder")
     bench.add_argument("--hidden", type=_positive, default=256,
                        help="the benchmark model's hidden size (a multiple of 8)")
@@ -189,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _topology_args(parser) -> None:
     parser.add_argument("--model",
-                        help="Hugging Face checkpoint folder (default: built-in tiny Qwen3)")
+                        help="a Hugging Face checkpoint folder or repo id (the hub's cache "
+                             "first; default: the built-in tiny Qwen3)")
     parser.add_argument("--tp", "--tensor-parallel-size", "--tp-size", dest="tp",
                         type=_positive, default=None, help="tensor-parallel size (default 4)")
     parser.add_argument("--dp", type=_positive, default=None,
@@ -311,6 +317,45 @@ def _lora_arg(text: str) -> tuple[str, str]:
     if not sep or not name or not folder:
         raise argparse.ArgumentTypeError(f"--lora {text!r} must be NAME=DIR")
     return name, folder
+
+
+# what a checkpoint needs of a hub repository (weights, config, tokenizer)
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*"]
+
+
+def model_folder(name: str | None, what: str = "--model") -> str | None:
+    """The checkpoint folder ``name`` means: a folder as it is, else a Hugging Face repo id
+    (``org/name``) resolved through ``huggingface_hub``: the local cache first (``HF_HOME``,
+    ``HF_HUB_CACHE``), then a download of its config, weights and tokenizer unless
+    ``HF_HUB_OFFLINE`` is set. Anything else is a one-line error naming ``what``."""
+    import os
+    import re
+
+    if name is None or os.path.isdir(name):
+        return name
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", name) or ".." in name:
+        return name  # not a repo id: the checkpoint reader names the missing folder
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise UsageError(f"{what} {name}: no such folder, and a repo id needs huggingface_hub "
+                         "(pip install huggingface_hub)") from None
+    cache = os.environ.get("HF_HUB_CACHE")  # read now: the hub library reads it at import
+    try:
+        return snapshot_download(name, local_files_only=True, allow_patterns=HUB_FILES,
+                                 cache_dir=cache)
+    except LocalEntryNotFoundError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        raise UsageError(f"{what} {name}: no such folder, and the repo id is not in the Hugging "
+                         "Face cache (HF_HUB_OFFLINE is set, so nothing is downloaded)")
+    try:
+        return snapshot_download(name, allow_patterns=HUB_FILES, cache_dir=cache)
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"{what} {name}: no such folder, not in the Hugging Face cache, and "
+                         f"not downloaded: {reason}") from None
 
 
 def tokenizer(model_dir):

@@ -14,9 +14,10 @@ import sys
 # only what parsing needs: a command imports torch and the package when it runs, so --help
 # and --version answer before torch loads
 from .args import UsageError, build_parser
-from .logs import setup_logging
+from .logs import set_level, setup_logging
 
-log = logging.getLogger("layer_boundary")
+log = logging.getLogger("layer_boundary")  # what bench says while it works
+report = logging.getLogger("layer_boundary.report")  # its result
 
 
 def main(argv=None) -> int:
@@ -55,6 +56,7 @@ def _stop_helpers() -> None:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
+    set_level(getattr(args, "log_level", "info"))
     if getattr(args, "fusion_provider", None) == "triton":
         # without CUDA the kernels run under the interpreter, chosen before anything imports
         # triton (the package's imports reach torch's compiler, which does); ranks inherit it
@@ -110,16 +112,16 @@ def cmd_bench(args) -> int:
              f", compiling with {args.compile} first" if args.compile else "")
     result = overhead_with_noise(args.hidden, args.layers, args.requests,
                                  repeats=args.repeats, compile=args.compile)
-    log.info("decode step, world 1, hidden %d, %d layers, %d requests%s: boundary %.3f "
+    report.info("decode step, world 1, hidden %d, %d layers, %d requests%s: boundary %.3f "
              "ms, hand-written %.3f ms, overhead %+.1f%% (%.1f us per stage)",
              result["hidden"], result["layers"], result["requests"],
              f", compiled ({args.compile})" if args.compile else ", eager",
              result["boundary_ms"], result["hand_written_ms"], 100 * result["overhead"],
              result["per_stage_us"])
     for kind, (low, mid, high) in result["spread_ms"].items():
-        log.info("  %-12s min %.3f / median %.3f / max %.3f ms", kind, low, mid, high)
+        report.info("  %-12s min %.3f / median %.3f / max %.3f ms", kind, low, mid, high)
     if abs(result["overhead"]) <= result["noise"]:
-        log.info("warning: the overhead is within the noise (the hand-written forward's "
+        log.warning("warning: the overhead is within the noise (the hand-written forward's "
                  "interquartile range is %.1f%% of its median): raise --repeats or run "
                  "on an idle machine", 100 * result["noise"])
     return 0

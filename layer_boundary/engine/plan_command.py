@@ -7,25 +7,12 @@ import json
 import logging
 
 from ..adapters.tbo import TboPolicy
-from .args import UsageError, engine_names, tp_dp
+from .args import UsageError, engine_names, model_folder, tp_dp
 from .checks import check_pipeline
 from .logs import setup_logging
-from .report import a2a_note, asked, plan_table
+from .report import PLAN_LEGEND, a2a_note, asked, plan_table
 
-log = logging.getLogger("layer_boundary")
-
-
-PLAN_LEGEND = (
-    "legend:",
-    "  rows per rank a/b/c: this rank's local rows (its DP rank's tokens) / its scattered "
-    "slice of them / every DP rank's rows (CP: local / share / scattered / global)",
-    "  replicated: every DP rank's rows on every rank; attn_dp: this DP rank's rows; "
-    "attn_tp_scatter: a slice of them per attention-TP rank",
-    "  partial: attn_tp sum owed: compute left its sum over attention TP to the next prepare; "
-    "X sum left to the next input (or the final norm): the same, by the exit's decision",
-    "  all_reduce(g) / reduce_scatter(g) / all_gather(g): one collective over group g; _v: "
-    "variable rows per rank; -> : the steps in order",
-)
+log = logging.getLogger("layer_boundary.report")
 
 
 def cmd_plan(args) -> int:
@@ -49,7 +36,7 @@ def cmd_plan(args) -> int:
     setup_logging(0)
     engine_names(args)
     args.tp, args.dp = tp_dp(args)
-    model_dir = args.model or str(builtin_checkpoint())
+    model_dir = model_folder(args.model) or str(builtin_checkpoint())
     checkpoint = open_checkpoint(model_dir)
     cfg, model_cls = checkpoint.config, checkpoint.model_class
     spec = RunSpec(model_dir, checkpoint=checkpoint, tp=args.tp, dp=args.dp, ep=args.ep,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
-log = logging.getLogger("layer_boundary")
+log = logging.getLogger("layer_boundary.report")
 
 
 def asked(value: str, checkpoint) -> str:
@@ -140,6 +140,8 @@ def report(args, spec, results, reference) -> int:
             log.info("pipeline stage %d (ranks %d-%d): layers %d-%d", head.pp_rank, head.rank,
                      head.rank + spec.tp - 1, head.layers[0], head.layers[-1])
         plan_table(head.plan)
+    for line in PLAN_LEGEND:
+        log.info("%s", line)
     if spec.compile:
         log.info("\ncollectives: not observed (a compiled forward runs no Python to report "
                  "from; run without --compile for the ledger)")
@@ -205,6 +207,20 @@ def _span(steps: list[int]) -> str:
     if steps == list(range(steps[0], steps[-1] + 1)) and len(steps) > 1:
         return f"{steps[0]}-{steps[-1]}"
     return ", ".join(map(str, steps))
+
+
+# what the paths tables (run's and plan's) write, in words
+PLAN_LEGEND = (
+    "legend:",
+    "  rows per rank a/b/c: this rank's local rows (its DP rank's tokens) / its scattered "
+    "slice of them / every DP rank's rows (CP: local / share / scattered / global)",
+    "  replicated: every DP rank's rows on every rank; attn_dp: this DP rank's rows; "
+    "attn_tp_scatter: a slice of them per attention-TP rank",
+    "  partial: attn_tp sum owed: compute left its sum over attention TP to the next prepare; "
+    "X sum left to the next input (or the final norm): the same, by the exit's decision",
+    "  all_reduce(g) / reduce_scatter(g) / all_gather(g): one collective over group g; _v: "
+    "variable rows per rank; -> : the steps in order",
+)
 
 
 def plan_table(rows) -> None:

@@ -9,7 +9,7 @@ import logging
 import os
 
 from ..adapters.tbo import TboPolicy
-from .args import UsageError, engine_names, tokenizer, tp_dp
+from .args import UsageError, engine_names, model_folder, tokenizer, tp_dp
 from .checks import (check_ep, check_lengths, check_lora, check_pipeline,
                      check_speculative_steps, job_memory)
 from .logs import setup_logging
@@ -42,7 +42,8 @@ def spec_from_args(args):
     from .runner import RunSpec
 
     engine_names(args)
-    model_dir = args.model or str(builtin_checkpoint())
+    args.draft_model = model_folder(args.draft_model, "--draft-model")
+    model_dir = model_folder(args.model) or str(builtin_checkpoint())
     checkpoint = open_checkpoint(model_dir)
     cfg = checkpoint.config
     safetensors_files(model_dir)  # a missing weights file is a one-line error before any rank

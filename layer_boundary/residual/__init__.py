@@ -17,6 +17,12 @@ import torch
 
 @runtime_checkable
 class StageUpdate(Protocol):
+    """How a producer's contribution changes the residual: ``apply(residual, contribution)``
+    (the plain add, ``PlainAdd``, by default; mHC's hyper-connection update, a transform after
+    the sum). Declared on the producer (``declare_attn``/``declare_ffn(update=)``), it travels
+    with the contribution to the next input, which applies it, fused with its read where the
+    update declares ``plain``."""
+
     # Capabilities (``plain``, ``portable``) count only where the update's own class (or the
     # object itself) declares them: a subclass that changes ``apply`` does not inherit a fast
     # path promised for its parent (see ``declared``).
@@ -34,6 +40,12 @@ class StageUpdate(Protocol):
 
 @runtime_checkable
 class StageRead(Protocol):
+    """How a consumer turns the residual into its compute input, returning (input, residual):
+    ``enter`` at the stack's entry, ``read`` where the update was applied already,
+    ``update_and_read`` to apply the producer's update and read in one step (the plain
+    add + norm, ``AddNormRead``, by default; FP8's quantized read; mHC's). Declared on the
+    consumer (``declare_attn``/``declare_ffn(read=)``)."""
+
     # Reads that must run on the source rows before a DP gather.
     before_gather: bool
     # What fused kernels may stand in for it (``ReadKind``; "add_norm" for the plain add+norm

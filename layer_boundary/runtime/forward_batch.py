@@ -12,6 +12,8 @@ import torch
 
 
 class ForwardMode(enum.Enum):
+    """What a forward computes: a prefill (``EXTEND``) or one token per request (``DECODE``)."""
+
     EXTEND = "extend"  # prefill (possibly continuing a cached prefix)
     DECODE = "decode"  # one new token per request
 

@@ -22,6 +22,9 @@ import torch
 
 
 class Observer(Protocol):
+    """What watches a forward's collectives (the ledger, traces): ``enter(site)`` as a
+    boundary call starts, ``collective(kind, group, numel, dtype, site)`` for each one."""
+
     def enter(self, site: str) -> None: ...
 
     def collective(self, kind: str, group, numel: int, dtype, site: str | None) -> None: ...

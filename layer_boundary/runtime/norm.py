@@ -20,6 +20,9 @@ def rms_fp32(x32: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm as transformers computes it (Llama, Qwen3): normalise in fp32, round to the
+    input dtype, then scale by ``weight``; ``normalize_fp32`` takes the boundary's fp32 sum."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32):
         super().__init__()
         self.eps = eps

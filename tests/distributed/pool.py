@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from layer_boundary.runtime.launch import process_state
+from layer_boundary.runtime.launch import free_port, process_state
 
 # Once one rank has failed, the others are probably stuck in a collective that
 # will only error after the 60 s gloo timeout; this is how long they get to
@@ -45,12 +45,6 @@ class RankFailure(RuntimeError):
 
 class RankTimeout(RuntimeError):
     """A case did not finish in time; the pool was killed and will restart."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # what the fork server imports before its first fork (the launcher's own list, and what the
@@ -159,7 +153,7 @@ class RankPool:
         # fraction of a second
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
-        self.port = _free_port()
+        self.port = free_port()
         env = _child_env()
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()

@@ -5,25 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from layer_boundary.runtime.launch import free_port
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "torchrun_two_nodes.sh"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(300)
 def test_the_two_node_example_passes_on_one_host():
-    env = dict(os.environ, LOCAL="1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, LOCAL="1", MASTER_PORT=str(free_port()),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     out = subprocess.run(["bash", str(SCRIPT), "--json", "--max-new-tokens", "2"], env=env,
                          capture_output=True, text=True, timeout=280)

@@ -5,6 +5,8 @@ object per layer, neighbours that agree by what they do."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from checkpoints import hf_oracle
@@ -59,3 +61,15 @@ def test_each_layer_holds_its_own_transform_and_neighbours_agree(olmo_dir):
             assert not built.declaration.residual.update.portable
     for before, after in zip(stages, stages[1:]):
         assert after.declaration.previous.facts() == before.declaration.facts()
+
+
+def test_the_paths_table_says_add_and_names_the_transform(olmo_dir):
+    """A stage without a norm of its own (nn.Identity) reads by an add alone, and its exit
+    names the post-norm that runs on its contribution after the sum."""
+    from layer_boundary.engine.describe import plan_rows
+
+    rows = plan_rows(world1(olmo_dir))
+    later = [row for row in rows if row["stage"] != "layer0.attn"]  # the entry reads no sum
+    assert later and all(row["entry"].startswith("add on ") for row in later), later
+    assert all(re.match(r"layer\d+\.post_\w+_layernorm after the sum; ", row["exit"])
+               for row in rows), rows

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from layer_boundary.runtime.launch import HEARTBEAT_S, SILENT_S, RankError, spawn
+from layer_boundary.runtime.launch import HEARTBEAT_S, SILENT_S, RankError, free_port, spawn
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -131,7 +131,7 @@ def test_a_stopped_rank_under_torchrun_ends_the_job(tmp_path):
     for _ in range(3):  # a free port can be taken before torchrun binds it (a parallel suite)
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(_free_port()),
+             "--master-port", str(free_port()),
              str(REPO / "tests/runtime/torchrun_stopped_rank.py")],
             cwd=REPO, env={**os.environ, "PIDS": pids}, capture_output=True, text=True,
             timeout=240)
@@ -150,12 +150,6 @@ def test_a_stopped_rank_under_torchrun_ends_the_job(tmp_path):
     assert not any(_alive(pid) for pid in ranks)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------ start-up is not silence
