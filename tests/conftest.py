@@ -46,9 +46,11 @@ def restore_logger():
 
 
 # Test tiers (pytest -m): each test is marked by what it runs, so a developer can run a fast
-# tier (``scripts/test.sh -m "not slow and not distributed"``); the suite runs them all.
+# tier (``scripts/test.sh -m "not slow and not models"``: the toy stacks on every row mode,
+# on rank pools too); the suite runs them all.
 TIERS = {
     "distributed": "runs cases on a pool of gloo rank processes (tests/distributed/pool.py)",
+    "models": "builds reference models from checkpoints (the engine's runs, model files)",
     "oracle": "compares with transformers or peft",
     "slow": "compiles (torch.compile) or starts a command or a script in its own processes",
 }
@@ -65,6 +67,9 @@ def _tiers(item) -> set:
     tiers = set()
     if hasattr(module, "get_pool") or path.parent.name == "distributed":
         tiers.add("distributed")
+    if (path.parent.name in ("distributed", "models", "examples")
+            or any(hasattr(module, name) for name in ("RunSpec", "run_rank", "load_model"))):
+        tiers.add("models")
     if path.stem.endswith("_oracle") or "transformers" in name or "peft" in name or any(
             hasattr(module, helper) for helper in ("hf_oracle", "hf_reference",
                                                    "transformers_prefill")):
