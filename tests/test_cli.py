@@ -169,9 +169,9 @@ def test_default_run_prints_tokens_parity_plan_and_collectives(default_run, buil
             assert re.search(rf"^\s+layer{i}\.{part}\s+\S", out, re.M), f"no row layer{i}.{part}"
 
     # the table's notation, explained after it (plan prints the same legend)
-    from layer_boundary.engine.report import PLAN_LEGEND
+    from layer_boundary.engine.report import PATHS_LEGEND
 
-    assert "\n".join(PLAN_LEGEND) in out
+    assert "\n".join(PATHS_LEGEND) in out
     per_forward = out[out.index("collectives per forward"):]
     assert re.search(r"step 0:", per_forward)
     assert re.search(r"\d+x all_reduce \d+ B", per_forward), per_forward

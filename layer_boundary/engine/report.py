@@ -140,7 +140,7 @@ def report(args, spec, results, reference) -> int:
             log.info("pipeline stage %d (ranks %d-%d): layers %d-%d", head.pp_rank, head.rank,
                      head.rank + spec.tp - 1, head.layers[0], head.layers[-1])
         plan_table(head.plan)
-    for line in PLAN_LEGEND:
+    for line in PATHS_LEGEND:
         log.info("%s", line)
     if spec.compile:
         log.info("\ncollectives: not observed (a compiled forward runs no Python to report "
@@ -210,10 +210,9 @@ def _span(steps: list[int]) -> str:
 
 
 # what the paths tables (run's and plan's) write, in words
-PLAN_LEGEND = (
+# the notation of a paths table (run prints it after its table)
+PATHS_LEGEND = (
     "legend:",
-    "  rows per rank a/b/c: this rank's local rows (its DP rank's tokens) / its scattered "
-    "slice of them / every DP rank's rows (CP: local / share / scattered / global)",
     "  replicated: every DP rank's rows on every rank; attn_dp: this DP rank's rows; "
     "attn_tp_scatter: a slice of them per attention-TP rank",
     "  partial: attn_tp sum owed: compute left its sum over attention TP to the next prepare; "
@@ -221,6 +220,11 @@ PLAN_LEGEND = (
     "  all_reduce(g) / reduce_scatter(g) / all_gather(g): one collective over group g; _v: "
     "variable rows per rank; -> : the steps in order",
 )
+# plan's table also gives the rows per rank
+PLAN_LEGEND = (PATHS_LEGEND[0],
+               "  rows per rank a/b/c: this rank's local rows (its DP rank's tokens) / its "
+               "scattered slice of them / every DP rank's rows (CP: local / share / scattered "
+               "/ global)", *PATHS_LEGEND[1:])
 
 
 def plan_table(rows) -> None:
