@@ -259,7 +259,7 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
         # analytic minimum under attention DP, where an all-reduce would move twice the rows
         leaves_for_reduce_scatter=known or (decl.terminal and not at_producer),
         # every FFN exit with a provider asks it (spec); a transform before the sum then
-        # runs on the handoff's completion (``step.TransformedHandoff``)
+        # runs on the handoff's completion (``output.TransformedHandoff``)
         hands_off_finalize=fusions is not None,
         provider_defers_all_reduce=(not scoped and known and fusions is not None),
         at_producer=at_producer, next_sparse=decl.next_sparse, terminal=decl.terminal)
