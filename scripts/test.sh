@@ -17,9 +17,7 @@ trap 'kill "$faults" 2>/dev/null || true; rm -rf "$work"' EXIT
 python -m pytest -q -p no:cacheprovider --basetemp "$work/tmp" "$FAULTS" > "$work/faults.log" 2>&1 &
 faults=$!
 status=0
-# two pytest workers, each test file on one of them (its module fixtures and rank pools
-# stay its own): while one waits on its ranks' collectives the other computes
-python -m pytest -q -n 2 --dist loadfile --durations=15 --ignore "$FAULTS" || status=$?
+python -m pytest -q --durations=15 --ignore "$FAULTS" || status=$?
 fault_status=0
 wait "$faults" || fault_status=$?
 echo "--- $FAULTS (run beside the rest) ---"
