@@ -40,9 +40,14 @@ def run(spec: RunSpec):
     return results, merge(results)
 
 
+# every model at world 1 and under attention DP with rsv; plain tp 2 (target and draft
+# resolving auto to ar) once, on the dense model
+RUNS = [(model, topology) for model in MODELS for topology in TOPOLOGIES
+        if topology != "tp2" or model == "qwen3"]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("topology", list(TOPOLOGIES))
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,topology", RUNS, ids=[f"{m}-{t}" for m, t in RUNS])
 def test_output_is_the_targets_greedy_decoding(model_dirs, draft_dir, model, topology):
     tp, dp, policy, draft_policy = TOPOLOGIES[topology]
     spec = RunSpec(model_dirs[model], tp=tp, dp=dp, boundary_reduction=policy,
