@@ -59,7 +59,7 @@ def _main(argv) -> int:
     set_level(getattr(args, "log_level", "info"))
     if getattr(args, "fusion_provider", None) == "triton":
         # without CUDA the kernels run under the interpreter, chosen before anything imports
-        # triton (the package's imports reach torch's compiler, which does); ranks inherit it
+        # triton (torch's compiler does, and a run may compile); ranks inherit it
         import torch
 
         if not torch.cuda.is_available():
@@ -113,17 +113,17 @@ def cmd_bench(args) -> int:
     result = overhead_with_noise(args.hidden, args.layers, args.requests,
                                  repeats=args.repeats, compile=args.compile)
     report.info("decode step, world 1, hidden %d, %d layers, %d requests%s: boundary %.3f "
-             "ms, hand-written %.3f ms, overhead %+.1f%% (%.1f us per stage)",
-             result["hidden"], result["layers"], result["requests"],
-             f", compiled ({args.compile})" if args.compile else ", eager",
-             result["boundary_ms"], result["hand_written_ms"], 100 * result["overhead"],
-             result["per_stage_us"])
+                "ms, hand-written %.3f ms, overhead %+.1f%% (%.1f us per stage)",
+                result["hidden"], result["layers"], result["requests"],
+                f", compiled ({args.compile})" if args.compile else ", eager",
+                result["boundary_ms"], result["hand_written_ms"], 100 * result["overhead"],
+                result["per_stage_us"])
     for kind, (low, mid, high) in result["spread_ms"].items():
         report.info("  %-12s min %.3f / median %.3f / max %.3f ms", kind, low, mid, high)
     if abs(result["overhead"]) <= result["noise"]:
         log.warning("warning: the overhead is within the noise (the hand-written forward's "
-                 "interquartile range is %.1f%% of its median): raise --repeats or run "
-                 "on an idle machine", 100 * result["noise"])
+                    "interquartile range is %.1f%% of its median): raise --repeats or run "
+                    "on an idle machine", 100 * result["noise"])
     return 0
 
 

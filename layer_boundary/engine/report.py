@@ -209,7 +209,6 @@ def _span(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
-# what the paths tables (run's and plan's) write, in words
 # the notation of a paths table (run prints it after its table)
 PATHS_LEGEND = (
     "legend:",

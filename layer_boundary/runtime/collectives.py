@@ -156,7 +156,7 @@ def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torc
 def wire_device(group: Group) -> torch.device:
     """Where a tensor made on the host (counts, headers, a receive buffer) must be to cross
     ``group``: NCCL moves CUDA tensors only (this rank's GPU), gloo CPU ones."""
-    if dist.get_backend(group.pg) == "nccl":
+    if group.backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -10,6 +10,7 @@ group in the same order, once, here; nothing else in the package creates groups.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -69,6 +70,12 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @functools.cached_property
+    def backend(self) -> str | None:
+        """The torch backend its collectives run on ("gloo", "nccl"; None for a size-1
+        group), asked of torch once."""
+        return None if self.pg is None else dist.get_backend(self.pg)
 
     @property
     def key(self) -> str:
