@@ -82,7 +82,8 @@ def _groups(forward_batch) -> list[_Group]:
 
 def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      forward_batch, scaling: float, sinks: torch.Tensor | None = None,
-                     queries: torch.Tensor | None = None) -> torch.Tensor:
+                     queries: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Causal attention of this forward's tokens over each request's cached prefix; writes
     this forward's k/v into the batch's cache (``forward_batch.kv_cache``).
 
@@ -97,15 +98,21 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         sinks: [H], one extra logit per head that joins the softmax and is then dropped.
         queries: the token index of each q row, request by request (a CP share); keys are
             masked by the query's own position.
+        window: this layer's sliding window on a positional cache (a hybrid model's sliding
+            layers: a query sees its last ``window`` positions, itself included); the cache
+            keeps every position, the mask hides the older ones. None: every position.
 
     Returns:
         [rows of q, H, Dv].
     """
     cache = forward_batch.kv_cache
+    if window is not None and cache.window is not None:
+        raise ValueError("a layer's sliding window reads a positional cache; this cache is a "
+                         f"ring of {cache.window} rows")
     if forward_batch.token_slots is not None:
         if queries is not None or cache.window is not None:
             raise ValueError("a padded batch takes every token's queries on a positional cache")
-        return _slot_attention(cache, layer, q, k, v, forward_batch, scaling, sinks)
+        return _slot_attention(cache, layer, q, k, v, forward_batch, scaling, sinks, window)
     for slot, total in zip(forward_batch.req_slots, forward_batch.seq_lens):
         if total > cache.max_len:
             raise ValueError(f"request in slot {slot} needs {total} cache rows; the cache holds "
@@ -113,7 +120,8 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if queries is not None:
         if cache.window is not None:
             raise ValueError("a sliding-window cache takes every token's queries (no CP share)")
-        return _share_attention(cache, layer, q, k, v, forward_batch, scaling, sinks, queries)
+        return _share_attention(cache, layer, q, k, v, forward_batch, scaling, sinks, queries,
+                                window)
     if cache.window is not None:
         return _ring_attention(cache, layer, q, k, v, forward_batch, scaling, sinks)
     groups = per_forward(forward_batch, "attention groups", lambda: _groups(forward_batch))
@@ -122,11 +130,12 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return _group_attention(cache, layer, g, q.view(len(g.slots), g.rows, *q.shape[1:]),
                                 k.view(len(g.slots), g.rows, *k.shape[1:]),
                                 v.view(len(g.slots), g.rows, *v.shape[1:]), scaling,
-                                sinks).flatten(0, 1)
+                                sinks, window).flatten(0, 1)
     out = q.new_empty((*q.shape[:2], v.shape[-1]))
     for g in groups:
         rows = _rows(g, q.device)  # [b, n] token rows
-        out[rows] = _group_attention(cache, layer, g, q[rows], k[rows], v[rows], scaling, sinks)
+        out[rows] = _group_attention(cache, layer, g, q[rows], k[rows], v[rows], scaling, sinks,
+                                     window)
     return out
 
 
@@ -143,16 +152,19 @@ def slot_index(slots: tuple[int, ...], device):
     return torch.tensor(slots, dtype=torch.long, device=device)
 
 
-def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sinks):
+def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sinks,
+                     window=None):
     """One group: q [b, n, H, D], k/v [b, n, KVH, *] its new tokens. Writes them at their
-    positions in the group's slots, then attends over the cache rows [0, longest)."""
+    positions in the group's slots, then attends over the cache rows [0, longest) (the last
+    ``window`` positions of each query, where a window is given)."""
     b, n, keys = len(g.slots), g.rows, g.keys
     device = q.device
     slots = slot_index(g.slots, device)
     # SDPA's own causal mask is exact for equal prompts with no prefix (query i sees keys
     # 0..i, n == L): the flash kernel runs it blockwise with no mask at all
     causal = g.uniform and g.prefixes[0] == 0 and n > 1 and sinks is None
-    if (g.uniform and n == 1) or causal:  # every key is seen, or SDPA masks: no positions
+    # every key is seen, or SDPA masks: no positions (unless a window hides some of ``keys``)
+    if (window is None or window >= keys) and ((g.uniform and n == 1) or causal):
         query_pos = None
     else:  # each new token's position, [b, n]: where it is written and what it may see
         query_pos = torch.tensor(g.prefixes, dtype=torch.long, device=device)[:, None] \
@@ -175,7 +187,7 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
     if query_pos is None:
         return _attend_chunk(q, key_rows, value_rows, None, None, scaling, sinks, causal, None)
     return _attend(q, key_rows, value_rows, query_pos, torch.arange(keys, device=device),
-                   scaling, sinks, window=None)
+                   scaling, sinks, window=window)
 
 
 def _attend(q, keys, values, query_pos, key_pos, scaling: float, sinks, *, window):
@@ -234,7 +246,8 @@ def _sink_attention(q4, k4, v4, mask, scaling: float, sinks):
     return out.reshape(b, heads, n, v4.shape[-1])
 
 
-def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks):
+def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks,
+                    window=None):
     """A padded batch: each row's k/v is written at (its slot, its position), then every row
     is its own one-query request over its slot's cache rows. Nothing reads the per-request
     tuples, so the work and the graph depend on the row count alone."""
@@ -246,7 +259,7 @@ def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
     values = keys if cache.shared_kv else cache.v[layer][slots]
     key_pos = torch.arange(cache.rows, device=q.device)
     return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling, sinks,
-                         False, None)[:, 0]
+                         False, window)[:, 0]
 
 
 def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks):
@@ -302,7 +315,7 @@ def _window_keys(cache, layer: int, slot: int, prefix: int, k, v):
 
 
 def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks,
-                     queries):
+                     queries, window=None):
     """A CP share: every token's k/v is written (in token order), and the share's query rows,
     at scattered positions of their requests, attend a request at a time."""
     out = q.new_empty((*q.shape[:2], v.shape[-1]))
@@ -322,6 +335,6 @@ def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, 
             values = keys if cache.shared_kv else cache.v[layer][slot:slot + 1, :, :total]
             out[lo:hi] = _attend(q[None, lo:hi], keys, values, query_pos,
                                  torch.arange(total, device=q.device), scaling, sinks,
-                                 window=None)[0]
+                                 window=window)[0]
         start = end
     return out

@@ -42,9 +42,11 @@ def _reference(history, scaling, sinks=None, window=None):
     return torch.cat(outs).float()
 
 
-def _run(steps, *, slots=None, dv=D, sinks=None, window=None, max_len=64, seed=0):
+def _run(steps, *, slots=None, dv=D, sinks=None, window=None, max_len=64, seed=0,
+         layer_window=None):
     """``steps``: per forward, the new token count of each request (0: absent). Runs them in
-    order on one cache; returns (library out, reference out) of the last forward."""
+    order on one cache; returns (library out, reference out) of the last forward. ``window``
+    makes the cache a ring; ``layer_window`` is a layer's window on a positional cache."""
     torch.manual_seed(seed)
     reqs = len(steps[0])
     slots = slots or list(range(reqs))
@@ -60,7 +62,7 @@ def _run(steps, *, slots=None, dv=D, sinks=None, window=None, max_len=64, seed=0
         tokens = sum(counts)
         q, k = torch.randn(tokens, H, D), torch.randn(tokens, KVH, D)
         v = torch.randn(tokens, KVH, dv)
-        out = cached_attention(0, q, k, v, batch, D ** -0.5, sinks=sinks)
+        out = cached_attention(0, q, k, v, batch, D ** -0.5, sinks=sinks, window=layer_window)
         history, start = [], 0
         for i in live:
             n = counts[i]
@@ -68,7 +70,7 @@ def _run(steps, *, slots=None, dv=D, sinks=None, window=None, max_len=64, seed=0
             hist_v[i] = torch.cat((hist_v[i], v[start:start + n]))
             history.append((q[start:start + n], hist_k[i], hist_v[i]))
             start += n
-    return out, _reference(history, D ** -0.5, sinks, window)
+    return out, _reference(history, D ** -0.5, sinks, window or layer_window)
 
 
 CASES = {
@@ -107,19 +109,39 @@ def test_sliding_window_ring(steps):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
-def test_a_cp_share_of_queries():
+@pytest.mark.parametrize("steps", [*CASES.values(), [[5, 2], [1, 1], [1, 1], [1, 1]]],
+                         ids=[*CASES.keys(), "decode past the window"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_a_layer_window_on_a_positional_cache(steps, sinks):
+    """A hybrid model's sliding layer: the cache keeps every position, the mask the window."""
+    out, ref = _run(steps, layer_window=3, max_len=2 * attention.CHUNK,
+                    sinks=torch.randn(H) if sinks else None)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_a_layer_window_refuses_a_ring():
+    cache = KVCache(1, 1, 16, KVH, D, torch.float32, window=4)
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [[1] * 3], [0], kv_cache=cache)
+    q, k = torch.randn(3, H, D), torch.randn(3, KVH, D)
+    with pytest.raises(ValueError, match="positional cache; this cache is a ring of 4 rows"):
+        cached_attention(0, q, k, k, batch, D ** -0.5, window=2)
+
+
+@pytest.mark.parametrize("window", [None, 2], ids=["", "layer window"])
+def test_a_cp_share_of_queries(window):
     torch.manual_seed(1)
     cache = KVCache(1, 2, 16, KVH, D, torch.float32)
     batch = ForwardBatch.build(ForwardMode.EXTEND, [[1] * 5, [1] * 3], [0, 0], req_slots=[0, 1],
                                kv_cache=cache)
     q, k, v = torch.randn(8, H, D), torch.randn(8, KVH, D), torch.randn(8, KVH, D)
     share = torch.tensor([0, 4, 5, 7])  # token rows of both requests
-    out = cached_attention(0, q[share], k, v, batch, D ** -0.5, queries=share)
-    full = _reference([(q[:5], k[:5], v[:5]), (q[5:], k[5:], v[5:])], D ** -0.5)
+    out = cached_attention(0, q[share], k, v, batch, D ** -0.5, queries=share, window=window)
+    full = _reference([(q[:5], k[:5], v[:5]), (q[5:], k[5:], v[5:])], D ** -0.5, window=window)
     torch.testing.assert_close(out, full[share], atol=2e-5, rtol=1e-5)
 
 
-def test_a_padded_batch_matches_the_unpadded_one():
+@pytest.mark.parametrize("window", [None, 2], ids=["", "layer window"])
+def test_a_padded_batch_matches_the_unpadded_one(window):
     torch.manual_seed(2)
     outs = []
     for pad in (False, True):
@@ -131,7 +153,7 @@ def test_a_padded_batch_matches_the_unpadded_one():
         if pad:
             batch = batch.padded(8, scratch_slot=2)
             q, k, v = (torch.cat((t, t.new_zeros(2, *t.shape[1:]))) for t in (q, k, v))
-        outs.append(cached_attention(0, q, k, v, batch, D ** -0.5)[:6])
+        outs.append(cached_attention(0, q, k, v, batch, D ** -0.5, window=window)[:6])
     torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-6)
 
 
