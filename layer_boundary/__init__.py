@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
     from .layout import Layout, SumGroup, TokenAxis
     from .output import HandoffOutput, OutputTransform
     from .residual import StageRead, StageUpdate
+    from .residual.post_norm import PostNormAdd
     from .residual.stream import OwedOutput, ResidualStream
     from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
     from .stack import LayerStack, append_stages, layer_stack
@@ -49,6 +50,7 @@ _EXPORTS = {
     'OutputTransform': '.output',
     'StageRead': '.residual',
     'StageUpdate': '.residual',
+    'PostNormAdd': '.residual.post_norm',
     'OwedOutput': '.residual.stream',
     'ResidualStream': '.residual.stream',
     'StageBoundary': '.stage',
@@ -74,7 +76,7 @@ __all__ = [
     "BatchVariant", "FfnExit", "HandoffOutput", "OutputTransform", "Layout", "MixerExit", "Owed",
     "OwedOutput",
     "ProducerReduction", "ResidualStream", "StageBoundary", "StageDeclaration", "StageKind",
-    "StageRead", "StageUpdate",
+    "StageRead", "StageUpdate", "PostNormAdd",
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
     "make_ffn_stage", "make_stages", "install_fusion", "boundary_guard_filter",
     "stage_boundaries",

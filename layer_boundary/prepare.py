@@ -223,8 +223,11 @@ class EntryPath:
         kind = read_kind(self.read)
         norm = getattr(self.norm, "norm", self.norm)  # through Fp32Norm's adapter
         normless = norm is None or isinstance(norm, torch.nn.Identity)
-        what = ("update+read" if kind is not ReadKind.ADD_NORM
-                else "add" if normless else "add+norm")
+        # a producer's update other than the plain add (a post norm) runs by itself, then
+        # the norm reads what it left
+        add = "add" if self.assumes_plain else "update"
+        what = "update+read" if kind is not ReadKind.ADD_NORM else (
+            add if normless else f"{add}+norm")
         read = f"{what} on {self.update_rows}"
         if self.stack_entry:
             text = f"enter: norm on {self.local}"

@@ -197,3 +197,23 @@ def cp_case_id(tp: int, dp: int, cp: int, policy: str, lens) -> str:
     """A test id for a CP case: its topology, policy and every DP rank's request lengths."""
     per_dp = "-".join("_".join(map(str, per)) or "none" for per in lens)
     return f"tp{tp}-dp{dp}-cp{cp}-{policy}-{per_dp}"
+
+
+def through_layers(layers, h, fb, accessors: bool):
+    """``layers`` (each ``layer(h, fb, **capture)``) over ``h``; with ``accessors`` the model
+    also completes layer 0's FFN sum on local rows (``complete_output``) and captures layer 1's
+    updated residual, then tries a snapshot. Returns (h, [captured], the snapshot's refusal or
+    None)."""
+    captured, refused = [], None
+    for i, layer in enumerate(layers):
+        capture = ({"capture_output": lambda v, owned: captured.append(v.clone())}
+                   if accessors and i == 1 else {})
+        h = layer(h, fb, **capture)
+        if accessors and i == 0:
+            h = residual_batch.complete_output(h, fb)
+    if accessors:
+        try:
+            residual_batch.snapshot(h, fb)
+        except RuntimeError as e:
+            refused = str(e)
+    return h, captured, refused

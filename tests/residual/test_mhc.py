@@ -14,7 +14,8 @@ import pytest
 import torch
 from distributed.pool import get_pool
 from torch import nn
-from toy import HIDDEN, DpBatch, ToyAttn, ToyFfn, ToyStack, runtime, seeded, toy_norm
+from toy import (HIDDEN, DpBatch, ToyAttn, ToyFfn, ToyStack, runtime, seeded, through_layers,
+                 toy_norm)
 
 from layer_boundary import declare_attn, declare_ffn, make_stages
 from layer_boundary.fusions.reference import ReferenceFusions
@@ -110,20 +111,9 @@ def run(tp: int, dp: int, policy: str, counts, accessors: bool = False,
     b = DpBatch(counts, rt)
     residual_batch.start(b.fb)
     h = b.mine(seeded((sum(counts), HIDDEN), 8))
-    refused, captured = None, []
     with LEDGER.recording() as ledger:
-        for i, layer in enumerate(layers):
-            # the accessor run also captures layer 1's updated residual (the streams)
-            capture = ({"capture_output": lambda v, owned: captured.append(v.clone())}
-                       if accessors and i == 1 else {})
-            h = layer.forward(h, b.fb, **capture)
-            if accessors and i == 0:  # the FFN's sum, completed on local rows by the model
-                h = residual_batch.complete_output(h, b.fb)
+        h, captured, refused = through_layers(layers, h, b.fb, accessors)
         if accessors:
-            try:
-                residual_batch.snapshot(h, b.fb)
-            except RuntimeError as e:
-                refused = str(e)
             streams = residual_batch.take_output(residual_batch.fold(h, b.fb), b.fb)
             out = final(streams)
         else:
