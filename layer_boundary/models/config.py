@@ -206,14 +206,16 @@ def check_divisible(field: str, value: int, degree: str, size: int, why: str = "
         raise ValueError(f"{field}={value} is not divisible by {degree}={size}{why}")
 
 
-def check_grouped_router(experts: int, n_group: int, topk_group: int, top_k: int) -> None:
-    """DeepSeek's group-limited router: experts split into ``n_group`` groups of at least two
-    (a group's score is the sum of its two best), ``topk_group`` of them kept, enough experts
-    in those for ``top_k``."""
+def check_grouped_router(experts: int, n_group: int, topk_group: int, top_k: int,
+                         min_group: int = 2) -> None:
+    """DeepSeek's group-limited router: experts split into ``n_group`` groups of at least
+    ``min_group`` (2 for V3's: a group's score is the sum of its two best; 1 for V2's, which
+    scores a group by its best), ``topk_group`` of them kept, enough experts in those for
+    ``top_k``."""
     if experts % n_group:
         raise CheckpointError(f"config.json n_routed_experts={experts} is not divisible by "
                               f"n_group={n_group}")
-    if experts // n_group < 2:
+    if experts // n_group < min_group:
         raise CheckpointError(f"config.json n_group={n_group} leaves fewer than 2 experts per "
                               "group (group scores sum each group's top 2)")
     if topk_group > n_group:
@@ -221,3 +223,39 @@ def check_grouped_router(experts: int, n_group: int, topk_group: int, top_k: int
     if top_k > topk_group * (experts // n_group):
         raise CheckpointError(f"config.json num_experts_per_tok={top_k} exceeds the experts "
                               f"of topk_group={topk_group} groups")
+
+
+# transformers' names for a layer's attention in ``layer_types``
+SLIDING, FULL = "sliding_attention", "full_attention"
+STRING_LIST = Check(lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                    "a list of strings")
+SLIDING_FIELDS = {"layer_types": STRING_LIST, "sliding_window": POSITIVE_INT}
+
+
+def layer_windows(cfg: dict, layers: int, default=None) -> tuple:
+    """Each layer's sliding window (None: it sees every position) from ``layer_types`` and
+    ``sliding_window``, checked (validate's field checks have run).
+
+    Args:
+        cfg: config.json.
+        layers: ``num_hidden_layers``.
+        default: ``default(layers)``, the architecture's ``layer_types`` where config.json
+            has none (transformers fills it in; a hand-written config may leave it out).
+    """
+    types = cfg.get("layer_types")
+    if types is None:
+        if default is None:
+            raise CheckpointError("config.json has no layer_types")
+        types = default(layers)
+    if len(types) != layers:
+        raise CheckpointError(f"config.json layer_types must list num_hidden_layers={layers} "
+                              f"entries, got {len(types)}")
+    bad = sorted(set(types) - {SLIDING, FULL})
+    if bad:
+        raise CheckpointError(f"config.json layer_types {bad} are not supported (only "
+                              f"{SLIDING}, {FULL})")
+    window = cfg.get("sliding_window")
+    if SLIDING in types and window is None:
+        raise CheckpointError(f"config.json layer_types has {SLIDING} layers but no "
+                              "sliding_window")
+    return tuple(window if t == SLIDING else None for t in types)

@@ -354,14 +354,17 @@ class DeepseekV3Router(nn.Module):
 
 class DeepseekV3MoE(nn.Module):
     """``fp8_group``: an FP8 checkpoint's routed and shared experts read the input quantized in
-    groups of that many channels (``moe.experts_fp8_group``); the router reads it unquantized."""
+    groups of that many channels (``moe.experts_fp8_group``); the router reads it unquantized.
+    ``router_cls``: the router a subclass routes with (DeepSeek-V2's softmax one)."""
+
+    router_cls = DeepseekV3Router
 
     def __init__(self, cfg: DeepseekV3Config, runtime: BoundaryRuntime, dtype,
                  fp8_group: int | None = None):
         super().__init__()
         self.fp8_group = fp8_group
         self.group = runtime.parallel.tp_group
-        self.gate = DeepseekV3Router(cfg)
+        self.gate = self.router_cls(cfg)
         dispatch = runtime.dispatches_moe
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 runtime.parallel, dtype, dispatch=dispatch)
@@ -398,7 +401,9 @@ class DeepseekV3MoE(nn.Module):
 class DeepseekV3DecoderLayer(DecoderLayer):
     """One decoder layer. Index ``num_hidden_layers`` is the multi-token-prediction (NextN)
     block stored after the stack, built in a stack of its own (it enters it and ends it);
-    MoE where the model has MoE layers."""
+    MoE where the model has MoE layers (``moe_cls``: the MoE block a subclass builds)."""
+
+    moe_cls = DeepseekV3MoE
 
     def __init__(self, cfg: DeepseekV3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
@@ -407,7 +412,7 @@ class DeepseekV3DecoderLayer(DecoderLayer):
         nextn = layer_id >= cfg.num_hidden_layers
         self.is_moe = _is_moe(cfg, layer_id)
         if self.is_moe:
-            self.mlp = DeepseekV3MoE(cfg, runtime, dtype, experts_fp8_group(
+            self.mlp = self.moe_cls(cfg, runtime, dtype, experts_fp8_group(
                 cfg, layer_id, cfg.n_routed_experts, shared=True))
         else:
             self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)

@@ -19,8 +19,9 @@ from torch import nn
 from .. import append_stages, cp_view
 from ..runtime.args import BoundaryRuntime
 from ..runtime.context import sequence_parallel_scope
-from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from ..runtime.norm import RMSNorm
+from ..runtime.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                              expect_shape)
+from ..runtime.norm import HeadsRMSNorm, RMSNorm
 from .attention import cached_attention
 from .rope import forward_cos_sin, rope_key, rotate_half
 
@@ -36,31 +37,78 @@ class GqaAttention(nn.Module):
         bias: biases on qkv_proj and o_proj (``attention_bias``).
         qk_norm_eps: a per-head RMSNorm on q and k (``q_norm``/``k_norm``, Qwen3) with this
             eps; None: none.
+        qk_norm_width: the q/k norms span every head (OLMo-2's, MiniMax-M2's: ``HeadsRMSNorm``
+            over the projected width, its squares summed over attention TP); "hf" rounds then
+            scales (Llama's order), "fp32" scales in fp32 and rounds once (OLMo-2's); None:
+            per head, as ``qk_norm_eps`` says.
+        window: this layer's sliding attention window (None: every position).
         inv_freq: the rotary inverse frequencies [head_dim / 2] (None: no rotary embedding).
         partial: True for a PARTIAL stage (``o_proj`` never reduces: the boundary owns the
             attention-TP sum); False for a SCOPED mixer (``o_proj`` obeys the exit's flags).
+        sinks: a learned logit per head joining the softmax (``sinks``, GPT-OSS's; fp32,
+            this rank's heads' slice).
+        rope_scale: cos and sin multiplied by it (YaRN's attention factor; 1: none).
+        rotary_dim: the leading dims of each head that rotate (rotate-half form over them, the
+            rest passed through: a partial rotary factor, GLM-4.5's); None: the whole head.
+        o_bias: a bias on o_proj (None: as ``bias``; GLM-4.5 biases q/k/v only).
+        qk_norm_cls: the per-head q/k norm's class (``RMSNorm``; ``GemmaRMSNorm``: Gemma-3's
+            ``1 + w`` scaled in fp32).
+        scaling: the softmax scale (None: ``head_dim ** -0.5``; Gemma-3's
+            ``query_pre_attn_scalar ** -0.5``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  index: int, runtime: BoundaryRuntime, dtype, *, bias: bool = False,
                  qk_norm_eps: float | None = None, inv_freq: torch.Tensor | None = None,
-                 partial: bool = True) -> None:
+                 partial: bool = True, qk_norm_width: str | None = None,
+                 window: int | None = None, sinks: bool = False,
+                 rope_scale: float = 1.0, rotary_dim: int | None = None,
+                 o_bias: bool | None = None, qk_norm_cls: type = RMSNorm,
+                 scaling: float | None = None) -> None:
         super().__init__()
         group = runtime.parallel.attn_tp_group
         self.index, self.head_dim = index, head_dim
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, group,
                                           bias=bias, dtype=dtype)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, group, bias=bias,
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, group,
+                                        bias=bias if o_bias is None else o_bias,
                                         reduce_results=not partial, dtype=dtype, name="o_proj")
-        if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
-        self.qk_norm = qk_norm_eps is not None
+        self.window = window
+        self.qk_norm_width = qk_norm_width is not None
+        if self.qk_norm_width:
+            fp32 = {"hf": False, "fp32": True}[qk_norm_width]
+            self.q_norm = HeadsRMSNorm(num_heads, head_dim, group, qk_norm_eps,
+                                       scale_fp32=fp32, dtype=dtype)
+            self.k_norm = HeadsRMSNorm(num_kv_heads, head_dim, group, qk_norm_eps,
+                                       replicas=self.qkv_proj.kv_replicas, scale_fp32=fp32,
+                                       dtype=dtype)
+        elif qk_norm_eps is not None:
+            self.q_norm = qk_norm_cls(head_dim, qk_norm_eps, dtype=dtype)
+            self.k_norm = qk_norm_cls(head_dim, qk_norm_eps, dtype=dtype)
+        self.qk_norm = qk_norm_eps is not None and not self.qk_norm_width
         self.rotary = inv_freq is not None
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if self.rotary:
             self.register_buffer("inv_freq", inv_freq, persistent=False)
             self.rope_key = rope_key(inv_freq)
-        self.scaling = head_dim ** -0.5
+        self.scaling = head_dim ** -0.5 if scaling is None else scaling
+        self.rope_scale, self.sinks = rope_scale, None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(self.qkv_proj.num_heads, dtype=torch.float32),
+                                      requires_grad=False)
+            self.sinks.weight_loader = self._sinks_loader
+
+    def _sinks_loader(self, param, loaded: torch.Tensor) -> None:
+        heads = self.qkv_proj.num_heads  # this rank's q heads, as qkv_proj takes them
+        expect_shape(loaded, self.qkv_proj.total_heads)  # every head's sink
+        param.data.copy_(loaded.narrow(0, self.qkv_proj.group.rank * heads, heads))
+
+    def rope(self, x, cos, sin):
+        """Rotary over x [T, H, D]'s first ``rotary_dim`` dims (cos/sin [T, rotary_dim])."""
+        if self.rotary_dim == self.head_dim:
+            return rotate_half(x, cos, sin)
+        rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((rotate_half(rot, cos, sin), rest), dim=-1)
 
     def forward(self, positions, hidden_states, forward_batch):
         """hidden_states: the attention rows (in a CP batch this CP rank's share of the DP
@@ -71,6 +119,8 @@ class GqaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)  # on scattered rows: gathered to every token
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm_width:  # over this rank's heads, squares summed over attention TP
+            q, k = self.q_norm(q), self.k_norm(k)
         tokens = qkv.shape[0]
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # local
         q = q.view(tokens, heads, self.head_dim)  # [T, H, D] (T may be 0: no -1 in views)
@@ -80,12 +130,14 @@ class GqaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
-                                       q.dtype, None if cp is None else cp.share)
-            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+                                       q.dtype, None if cp is None else cp.share,
+                                       scale=self.rope_scale)
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if cp is not None:  # every token of the DP rank as keys and values, in token order
             k, v = cp.gather(torch.cat((k, v), dim=-1)).split(self.head_dim, dim=-1)
         out = cached_attention(self.index, q, k, v, forward_batch, self.scaling,
-                               queries=None if cp is None else cp.queries)
+                               queries=None if cp is None else cp.queries, window=self.window,
+                               sinks=self.sinks)
         return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden], a partial or a sum
 
 
@@ -114,15 +166,22 @@ class DecoderLayer(nn.Module):
     """An attention stage (``self_attn`` behind ``attn_boundary``, read through
     ``input_layernorm``) then an FFN stage (``mlp`` behind ``ffn_boundary``, read through
     ``post_attention_layernorm``). Subclasses build the compute, define ``declarations`` and
-    call ``connect``; ``attend``/``feed_forward`` are the compute calls, overridable."""
+    call ``connect``; ``attend``/``feed_forward`` are the compute calls, overridable.
+    ``input_norms=False``: the subclass makes the norms its stages read through
+    (``read_norms``) itself (a post-norm model reads the residual as it is)."""
 
     attn_compute = "self_attn"  # the module computing the attention stage (its output checks)
 
-    def __init__(self, hidden_size: int, eps: float, dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype, *, input_norms: bool = True) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
+        if input_norms:
+            self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
+            self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
+
+    def read_norms(self) -> tuple:
+        """The norms the attention and the FFN stage read the residual through."""
+        return self.input_layernorm, self.post_attention_layernorm
 
     @classmethod
     def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
@@ -143,13 +202,14 @@ class DecoderLayer(nn.Module):
     def connect(self, cfg, index: int, runtime: BoundaryRuntime, *, name: str, fusions=None,
                 attn_options=None) -> None:
         """Append the layer's two stages to the open layer stack: ``declarations``' attention
-        read through ``input_layernorm`` (with ``attn_options``: a ``qkv_latent_func``), its
-        FFN through ``post_attention_layernorm``. The stack supplies both neighbours."""
+        and FFN, each read through its norm of ``read_norms`` (the attention with
+        ``attn_options``: a ``qkv_latent_func``). The stack supplies both neighbours."""
         attn, ffn = self.declarations(cfg, index, runtime, layer=self)
         options = {} if fusions is None else {"fusions": fusions}
+        attn_norm, ffn_norm = self.read_norms()
         self.attn_boundary, self.ffn_boundary = append_stages(
-            (attn, self.input_layernorm, {**options, **(attn_options or {})}),
-            (ffn, self.post_attention_layernorm, options), name=name)
+            (attn, attn_norm, {**options, **(attn_options or {})}),
+            (ffn, ffn_norm, options), name=name)
 
     def stage_compute(self) -> list:
         """(stage, compute module name) of each stage this layer holds."""

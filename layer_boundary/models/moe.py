@@ -111,6 +111,14 @@ class FusedMoE(nn.Module):
     ``swiglu_limit`` (DeepSeek-V4, gated only): the gate pre-activation is clamped to at most
     the limit and the up pre-activation to [-limit, limit] before ``act(gate) * up``.
 
+    ``swiglu_alpha`` (GPT-OSS, gated only): ``(up + 1) * gate * sigmoid(alpha * gate)``
+    in place of ``act(gate) * up`` (after the ``swiglu_limit`` clamps).
+
+    ``bias`` (GPT-OSS): a bias on each expert's gate/up rows (sharded with them) and on its
+    down output, which only moe_tp rank 0 of the expert's EP rank adds, so the sum over the
+    TP group (or the dispatched combine) holds it once per (token, expert), inside the router
+    weighting. The checkpoint's fused tensors load through ``fused_loader``.
+
     ``dispatch`` (an all-to-all runtime): the forward dispatches and combines (module
     docstring) and returns the complete output; identity experts run on the source rank.
     """
@@ -118,10 +126,11 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  parallel: Parallel, dtype=torch.float32, *, gated: bool = True,
                  activation: str = "silu", zero_experts: int = 0,
-                 swiglu_limit: float | None = None, dispatch: bool = False):
+                 swiglu_limit: float | None = None, dispatch: bool = False,
+                 swiglu_alpha: float | None = None, bias: bool = False):
         super().__init__()
-        if swiglu_limit is not None and not gated:
-            raise ValueError("swiglu_limit clamps gated experts only")
+        if (swiglu_limit is not None or swiglu_alpha is not None) and not gated:
+            raise ValueError("swiglu_limit and swiglu_alpha apply to gated experts only")
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation {activation!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
@@ -150,8 +159,40 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.local, hidden_size, self.shard, dtype=dtype),
                                requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.alpha, self.w13_bias, self.w2_bias = swiglu_alpha, None, None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(self.local, up_rows, dtype=dtype),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(self.local, hidden_size, dtype=dtype),
+                                        requires_grad=False)
+            self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.fused_loader
+        # the down bias joins the TP group's sum once: on moe_tp rank 0 of each EP rank
+        self.adds_down_bias = bias and parallel.moe_tp_rank == 0
+
+    def fused_loader(self, param, loaded: torch.Tensor, which: str) -> None:
+        """Every expert's tensor of one kind, fused as GPT-OSS's checkpoint holds them (``which``):
+        "gate_up" [E, hidden, 2 * inter], "gate_up_bias" [E, 2 * inter] (gate and up columns
+        interleaved: gate j at 2j, up j at 2j + 1), "down" [E, inter, hidden], "down_bias"
+        [E, hidden]. This rank reads its experts' rows and keeps its moe_tp shard."""
+        hidden, inter = self.hidden_size, self.intermediate_size
+        shapes = {"gate_up": (hidden, 2 * inter), "gate_up_bias": (2 * inter,),
+                  "down": (inter, hidden), "down_bias": (hidden,)}
+        expect_shape(loaded, self.num_experts, *shapes[which])
+        mine = take(loaded, 0, self.first, self.local)  # [local, ...] this EP rank's experts
+        cut = slice(self.shard_start, self.shard_start + self.shard)
+        if which == "down_bias":
+            param.data.copy_(mine)
+        elif which == "down":  # [local, inter, hidden] -> [local, hidden, shard]
+            self.w2.data.copy_(mine[:, cut].transpose(1, 2))
+        else:
+            if which == "gate_up":
+                mine = mine.transpose(1, 2)  # [local, 2 * inter, hidden]
+            gate, up = mine[:, 0::2][:, cut], mine[:, 1::2][:, cut]  # [local, shard, ...]
+            param.data.copy_(torch.cat((gate, up), dim=1))  # w13's layout: gate, then up
 
     def weight_loader(self, param, loaded: torch.Tensor, shard_id) -> None:
+        if isinstance(shard_id, str):  # every expert's tensor at once (``fused_loader``)
+            return self.fused_loader(param, loaded, shard_id)
         expert, which = shard_id
         hidden, inter = self.hidden_size, self.intermediate_size  # one expert, unsharded
         expect_shape(loaded, *((hidden, inter) if which == "down" else (inter, hidden)))
@@ -262,15 +303,19 @@ class FusedMoE(nn.Module):
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Local expert ``e`` on rows x: [n, H] -> [n, H] (this rank's moe_tp partial)."""
-        h = F.linear(x, self.w13[e])  # [n, 2 * shard] gated, [n, shard] ungated
+        bias = None if self.w13_bias is None else self.w13_bias[e]
+        h = F.linear(x, self.w13[e], bias)  # [n, 2 * shard] gated, [n, shard] ungated
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             if self.limit is not None:
                 gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-            h = self.act(gate) * up
+            if self.alpha is not None:  # GPT-OSS's clamped SwiGLU
+                h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            else:
+                h = self.act(gate) * up
         else:
             h = self.act(h)
-        return F.linear(h, self.w2[e])
+        return F.linear(h, self.w2[e], self.w2_bias[e] if self.adds_down_bias else None)
 
     def _dense_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """[T, k, H] expert outputs without data-dependent shapes (what a compiled graph can
@@ -286,6 +331,19 @@ class FusedMoE(nn.Module):
 
 
 FusedMoE.weight_loader.reads_slices = True  # this rank's experts, their moe_tp shard only
+FusedMoE.fused_loader.reads_slices = True  # this rank's experts' rows
+
+
+def fused_expert_params(bias: bool = True) -> list[tuple[str, str, str]]:
+    """Loader mapping from the fused per-layer expert tensors (GPT-OSS's ``experts.gate_up_proj``,
+    ``experts.down_proj`` and their biases) to a ``FusedMoE`` held as ``experts``; the
+    parameters take them through ``fused_loader``."""
+    out = [("experts.w13", "experts.gate_up_proj", "gate_up"),
+           ("experts.w2", "experts.down_proj", "down")]
+    if bias:
+        out += [("experts.w13_bias", "experts.gate_up_proj_bias", "gate_up_bias"),
+                ("experts.w2_bias", "experts.down_proj_bias", "down_bias")]
+    return out
 
 
 def expert_stacked_params(num_experts: int, gated: bool = True) -> list[tuple[str, str, tuple]]:

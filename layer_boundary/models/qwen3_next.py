@@ -70,16 +70,18 @@ def layer_types(cfg: dict) -> tuple[str, ...]:
     return tuple(types)
 
 
-def rope_fields(cfg: dict, head_dim: int) -> dict:
-    """rope_theta and the rotary dims of a head (``partial_rotary_factor``, default 0.25 as
-    transformers sets it). Qwen3.5's ``mrope_section`` rotates text positions exactly as
-    plain rope (its three position rows are equal for text), so it is accepted and unused."""
+def rope_fields(cfg: dict, head_dim: int, default_factor: float = 0.25) -> dict:
+    """rope_theta and the rotary dims of a head (``partial_rotary_factor``, default
+    ``default_factor``: 0.25 as transformers sets it for Qwen3-Next). Qwen3.5's
+    ``mrope_section`` rotates text positions exactly as plain rope (its three position rows
+    are equal for text), so it is accepted and unused."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
                               "(default only)")
-    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor",
+                                                        default_factor))
     rotary_dim = int(head_dim * factor)
     if rotary_dim < 2 or rotary_dim % 2:
         raise CheckpointError(f"config.json partial_rotary_factor={factor} gives {rotary_dim} "

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .collectives import all_reduce_rows
+
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation over the last dim without a weight, the statistic in fp32."""
@@ -31,6 +33,24 @@ class RMSNorm(nn.Module):
     def normalize_fp32(self, x32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Normalise an fp32 tensor and round once to ``out_dtype`` (as HF: round, then scale)."""
         return self.weight * rms_fp32(x32, self.eps).to(out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize_fp32(x.float(), x.dtype)
+
+
+class Fp32ScaleRMSNorm(nn.Module):
+    """RMSNorm as OLMo-2 computes it: the weight scales the fp32 normalised value and the
+    product is rounded once (``RMSNorm`` rounds, then scales: the same numbers in fp32, not in
+    bf16). Its own class, so nothing that stands in for ``RMSNorm`` takes it for one."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def normalize_fp32(self, x32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Normalise an fp32 tensor, scale in fp32, round once to ``out_dtype``."""
+        return (self.weight.float() * rms_fp32(x32, self.eps)).to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.normalize_fp32(x.float(), x.dtype)
@@ -64,3 +84,46 @@ def gemma_rms_fp32(x32: torch.Tensor, gemma_weight: torch.Tensor, eps: float,
     """``GemmaRMSNorm`` of an fp32 tensor with its zero-centered weight ``gemma_weight``: what
     a fused terminal kernel computes from the ``gemma_weight`` it is handed."""
     return (rms_fp32(x32, eps) * (1.0 + gemma_weight.float())).to(out_dtype)
+
+
+class HeadsRMSNorm(nn.Module):
+    """RMSNorm over every head of a projection whose heads are split over ``group`` (OLMo-2's
+    and MiniMax-M2's q/k norms span ``heads * head_dim``): each rank holds its heads' slice of
+    the weight and sums its squares with the other ranks'. Where a head is replicated on
+    ``replicas`` consecutive ranks (kv heads fewer than the ranks), the group's sum counts
+    each head ``replicas`` times and is divided back. Rounding as ``RMSNorm`` (``scale_fp32``
+    False: round, then scale) or OLMo-2's (True: scale in fp32, round once).
+
+    Args:
+        heads: the projection's heads in all; head_dim: their width.
+        group: the ranks its heads are split over (attention TP).
+        eps: the norm's epsilon.
+        replicas: consecutive ranks holding the same heads (``QKVParallelLinear.kv_replicas``).
+        scale_fp32: where the weight multiplies (see above).
+    """
+
+    def __init__(self, heads: int, head_dim: int, group, eps: float, *, replicas: int = 1,
+                 scale_fp32: bool = False, dtype=torch.float32) -> None:
+        super().__init__()
+        self.group, self.eps, self.replicas, self.scale_fp32 = group, eps, replicas, scale_fp32
+        self.features = heads * head_dim
+        local_heads = max(1, heads * replicas // group.size)
+        self.local = local_heads * head_dim
+        self.weight = nn.Parameter(torch.ones(self.local, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded: torch.Tensor) -> None:
+        start = (self.group.rank // self.replicas) * self.local
+        param.data.copy_(loaded[start:start + self.local])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = x32.square().sum(-1, keepdim=True)
+        if self.group.size > 1:
+            squares = all_reduce_rows(squares, self.group)
+            if self.replicas > 1:
+                squares = squares / self.replicas
+        normed = x32 * torch.rsqrt(squares / self.features + self.eps)
+        if self.scale_fp32:
+            return (self.weight.float() * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
