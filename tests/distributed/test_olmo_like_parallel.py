@@ -15,7 +15,8 @@ import functools
 
 import pytest
 import torch
-from olmo_like import OlmoConfig, OlmoLike, hf_olmo2
+from olmo_checkpoints import hf_olmo2
+from olmo_like import load_olmo_like
 
 from layer_boundary.runtime import (BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims,
                                     build_parallel, recv_from_prev_stage, send_to_next_stage)
@@ -44,12 +45,13 @@ def forward(path: str, pp: int, tp: int, dp: int, policy: str, placement) -> dic
     dims = ParallelDims(world_size=pp * tp, tp=tp, pp=pp, attn_dp=dp)
     rt = BoundaryRuntime(build_parallel(dims), boundary_reduction=policy)
     par = rt.parallel
-    model = OlmoLike(OlmoConfig.read(path), rt).load(path)
+    model = load_olmo_like(path, rt)
     d = par.attn_dp_rank
     mine = [list(r) for r, owner in zip(REQUESTS, placement) if owner == d]
     counts = tuple(sum(len(r) for r, owner in zip(REQUESTS, placement) if owner == k)
                    for k in range(dp))
-    fb = ForwardBatch.build(ForwardMode.EXTEND, mine, [0] * len(mine), dp_token_counts=counts)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, mine, [0] * len(mine), dp_token_counts=counts,
+                            kv_cache=model.make_kv_cache(len(REQUESTS), 16))
     with torch.no_grad():
         out = model(fb, None if par.first_stage else recv_from_prev_stage(par.pp_group))
     if not par.last_stage:

@@ -1,0 +1,110 @@
+"""OLMo-2 with layer boundaries: a post-norm decoder.
+
+Each layer reads the residual as it is (no input norms) and normalises each stage's complete
+output with that stage's own norm before the add (the post-norm residual kind,
+``residual.post_norm.PostNormAdd``)::
+
+    h = x + post_attention_layernorm(attn(x));  out = h + post_feedforward_layernorm(mlp(h))
+
+The q/k norms span every head (``q_norm`` over ``heads * head_dim``): under attention TP
+each rank holds its heads' slice of their weights and sums its squares with the other ranks'
+(``GqaAttention(qk_norm_width=...)``). Its norms scale in fp32 and round once
+(``Fp32ScaleRMSNorm``). OLMo-3 (``olmo3.py``) is this model with sliding-window layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import PostNormAdd, declare_attn, declare_ffn
+from ..runtime.args import BoundaryRuntime
+from ..runtime.norm import Fp32ScaleRMSNorm
+from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+
+
+@dataclass(frozen=True)
+class Olmo2Config(LlamaConfig):
+    model_type: str = "olmo2"
+
+    # transformers' OLMo-2 has no MLP bias (attention_bias covers q/k/v/o)
+    fields = {f: c for f, c in LlamaConfig.fields.items() if f != "mlp_bias"}
+
+    @classmethod
+    def read(cls, cfg: dict) -> dict:
+        return dict(super().read(cfg), mlp_bias=False)
+
+    def window(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window (None: every position)."""
+        return None
+
+    def layer_frequencies(self, index: int):
+        """Layer ``index``'s rotary inverse frequencies (one rope for every layer here)."""
+        return self.inverse_frequencies()
+
+
+class Olmo2DecoderLayer(DecoderLayer):
+    """Attention (q/k norms over every head, PARTIAL) then the gated MLP, each read as the
+    residual is and each output through the stage's own post norm before the add."""
+
+    def __init__(self, cfg: Olmo2Config, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype, input_norms=False)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = GqaAttention(
+            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
+            dtype, bias=cfg.attention_bias, qk_norm_eps=eps, qk_norm_width="fp32",
+            inv_freq=cfg.layer_frequencies(layer_id), window=cfg.window(layer_id))
+        self.mlp = GatedMLP(h, cfg.intermediate_size, runtime, dtype)
+        self.post_attention_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
+        self.post_feedforward_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    def read_norms(self) -> tuple:
+        return nn.Identity(), nn.Identity()  # the residual as it is
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """Each producer's post norm is its residual update; both stages sequence-parallel
+        (their linears move the rows; the post norm runs on whatever rows the output is)."""
+        return (declare_attn(sequence_parallel=True, update=PostNormAdd.of(
+                    layer, "post_attention_layernorm", index)),
+                declare_ffn(sequence_parallel=True, update=PostNormAdd.of(
+                    layer, "post_feedforward_layernorm", index)))
+
+
+class PostNormCausalLM(LlamaForCausalLM):
+    """Llama's skeleton (stacked q/k/v, a positional cache) with the final norm as the
+    post norms compute (fp32 scale)."""
+
+    def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
+        super().__init__(cfg, runtime, dtype, fusions)
+        if self.stage.last:
+            self.model.norm = Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                               dtype=self.dtype)
+
+    def kv_window(self) -> int | None:
+        return None  # positional: sliding layers (OLMo-3) mask their own window
+
+
+# What ``auto`` resolves to for OLMo-2 and OLMo-3 (the same layers), chosen by measurement:
+# ``rs+rsv``, chosen per batch. The post norm never moves before a sum, so the add-before-sum
+# shortcut that favours ``ar`` is gone: on OLMo-3's tiny checkpoint at tp 4 dp 2 (DP ranks
+# holding 31 and 2 prompt tokens; ``bench.path_bytes``) its choice moved the fewest ledger
+# bytes of ar, rs and rsv in the prefill (rsv: 46.4 kB, against 54.9 kB for ar and 70.8 kB for
+# rs) and in the decode step (rsv: 4.7 kB against 5.7 kB for ar).
+AUTO = "rs+rsv"
+
+
+@register_model("olmo2", Olmo2Config, architectures=("Olmo2ForCausalLM",),
+                boundary_reduction=AUTO, positional_cache=True,
+                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+class Olmo2ForCausalLM(PostNormCausalLM):
+    """OLMo-2: post norms as residual updates, q/k norms over every head."""
+
+    layer_cls = Olmo2DecoderLayer
