@@ -1,0 +1,222 @@
+"""Gemma-3 (text) with layer boundaries: sandwich norms around both stages.
+
+Each stage reads the residual through its input norm and normalises its complete output with
+its own post norm before the add (``residual.post_norm.PostNormAdd`` on the producer, the
+ordinary add+norm read on the consumer)::
+
+    h = x + post_attention_layernorm(attn(input_layernorm(x)))
+    out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+
+Every norm is the zero-centered one (``GemmaRMSNorm``: ``norm(x) * (1 + w)`` scaled in fp32),
+the per-head q/k norms and the final norm included. The embedding is scaled by
+``sqrt(hidden_size)`` rounded to the model dtype (transformers' ``embed_scale``); the head is
+tied by default, and ``final_logit_softcapping`` (``cap * tanh(logits / cap)``) is computed.
+Attention scales by ``query_pre_attn_scalar ** -0.5``; ``layer_types`` makes each layer sliding
+(its last ``sliding_window`` positions on the positional cache) or full, each type with its
+own rope (``rope_parameters`` keyed by layer type: default or linear). The MLP is gated GELU
+(``hidden_activation``). ``attn_logit_softcapping`` and ``use_bidirectional_attention`` are
+refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime.args import BoundaryRuntime
+from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..runtime.norm import GemmaRMSNorm
+from .config import (BOOL, DECODER, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
+                     SLIDING_FIELDS, Check, CheckpointError, layer_windows)
+from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .llama import LlamaForCausalLM, check_parallel
+from .olmo2 import Olmo2DecoderLayer
+from .qwen3 import Qwen3Config
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .rope import inverse_frequencies
+
+# hidden_activation -> F.gelu's approximate
+ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+ROPE_TYPES = ("default", "linear")
+# transformers' Gemma3TextConfig defaults, for what a config.json leaves out
+DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+            "query_pre_attn_scalar": 256, "sliding_window": 4096,
+            "hidden_activation": "gelu_pytorch_tanh"}
+DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+STRING = Check(lambda v: isinstance(v, str), "a string")
+
+
+def read_ropes(cfg: dict) -> dict:
+    """{layer type: (rope_theta, linear factor)} as transformers' Gemma-3 config builds them:
+    ``rope_parameters`` keyed by layer type (a missing type: the default rope), a legacy
+    ``rope_scaling`` applying to the full layers, thetas defaulting to ``rope_theta`` (full)
+    and ``rope_local_base_freq`` (sliding), else 1e6 and 1e4."""
+    given = cfg.get("rope_parameters") or {}
+    per_type = {t: dict(given.get(t) or {"rope_type": "default"}) for t in (SLIDING, FULL)}
+    if cfg.get("rope_scaling"):
+        per_type[FULL].update(cfg["rope_scaling"])
+    fallback = {FULL: cfg.get("rope_theta"), SLIDING: cfg.get("rope_local_base_freq")}
+    ropes = {}
+    for kind, rope in per_type.items():
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"config.json rope_parameters.{kind} rope_type {rope_type!r} "
+                                  f"is not supported ({', '.join(ROPE_TYPES)} only)")
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        if partial is not None and partial != 1:
+            raise CheckpointError(f"config.json partial_rotary_factor={partial!r} is not "
+                                  "supported (the whole head rotates)")
+        theta = rope.get("rope_theta", fallback[kind] or DEFAULT_THETA[kind])
+        factor = rope.get("factor") if rope_type == "linear" else 1.0
+        for key, value in (("rope_theta", theta), ("factor", factor)):
+            if not POSITIVE_NUMBER.ok(value):
+                raise CheckpointError(f"config.json rope_parameters.{kind}.{key} must be "
+                                      f"{POSITIVE_NUMBER.what}, got {value!r}")
+        ropes[kind] = (float(theta), float(factor))
+    return ropes
+
+
+@dataclass(frozen=True)
+class Gemma3TextConfig(Qwen3Config):
+    windows: tuple = ()  # each layer's sliding window (None: full)
+    ropes: tuple = ()  # each layer's (rope_theta, linear factor)
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+    approximate: str = "tanh"  # the MLP's gelu (F.gelu's approximate)
+    model_type: str = "gemma3_text"
+
+    fields = {**DECODER, **SLIDING_FIELDS, "query_pre_attn_scalar": POSITIVE_NUMBER,
+              "final_logit_softcapping": POSITIVE_NUMBER,
+              "attn_logit_softcapping": POSITIVE_NUMBER, "use_bidirectional_attention": BOOL,
+              "hidden_activation": STRING, "rope_local_base_freq": POSITIVE_NUMBER,
+              "sliding_window_pattern": POSITIVE_INT, "partial_rotary_factor": POSITIVE_NUMBER}
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> Gemma3TextConfig:
+        cfg = {**DEFAULTS, **cfg}
+        if cfg.get("quantization_config"):
+            raise CheckpointError("config.json quantization_config is not supported "
+                                  "(unquantized checkpoints only)")
+        for field in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if cfg.get(field):
+                raise CheckpointError(f"config.json {field}={cfg[field]!r} is not supported")
+        act = cfg["hidden_activation"]
+        if act not in ACTIVATIONS:
+            raise CheckpointError(f"config.json hidden_activation {act!r} is not supported "
+                                  f"({', '.join(ACTIVATIONS)} only)")
+        # the ropes are read per layer type below; Qwen3's reader sees none
+        dense = Qwen3Config.from_dict({k: v for k, v in cfg.items() if k not in (
+            "rope_parameters", "rope_scaling", "rope_theta")}).__dict__
+        dense.pop("model_type")
+        pattern = cfg.get("sliding_window_pattern") or 6  # transformers' legacy schedule
+
+        def default_types(n: int) -> list:
+            return [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+
+        windows = layer_windows(cfg, dense["num_hidden_layers"], default_types)
+        ropes = read_ropes(cfg)
+        return cls(**dense, windows=windows,
+                   ropes=tuple(ropes[SLIDING if w is not None else FULL] for w in windows),
+                   query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
+                   final_logit_softcapping=cfg.get("final_logit_softcapping"),
+                   approximate=ACTIVATIONS[act])
+
+    def layer_frequencies(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s rotary inverse frequencies (its type's theta, linear factor)."""
+        theta, factor = self.ropes[index]
+        return inverse_frequencies(theta, self.head_dim) / factor
+
+
+class GeluGatedMLP(GatedMLP):
+    """``down(gelu(gate(x)) * up(x))``: the gated MLP with GELU (``approximate``: "tanh" or
+    "none")."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, runtime: BoundaryRuntime,
+                 dtype, *, approximate: str = "tanh") -> None:
+        super().__init__(hidden_size, intermediate_size, runtime, dtype)
+        self.approximate = approximate
+
+    def forward(self, x):
+        gate = F.gelu(self.gate_proj(x), approximate=self.approximate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Gemma3DecoderLayer(Olmo2DecoderLayer):
+    """Attention (per-head Gemma q/k norms, PARTIAL) then the gated GELU MLP, each read
+    through its input norm and each output through the stage's own post norm before the add
+    (OLMo-2's declarations, with input norms)."""
+
+    def __init__(self, cfg: Gemma3TextConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        DecoderLayer.__init__(self, cfg.hidden_size, cfg.rms_norm_eps, dtype, input_norms=False)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = GqaAttention(
+            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
+            dtype, bias=cfg.attention_bias, qk_norm_eps=eps, qk_norm_cls=GemmaRMSNorm,
+            scaling=cfg.query_pre_attn_scalar ** -0.5,
+            inv_freq=cfg.layer_frequencies(layer_id), window=cfg.windows[layer_id])
+        self.mlp = GeluGatedMLP(h, cfg.intermediate_size, runtime, dtype,
+                                approximate=cfg.approximate)
+        self.input_layernorm = GemmaRMSNorm(h, eps, dtype=dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype=dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype)
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    def read_norms(self) -> tuple:
+        return self.input_layernorm, self.pre_feedforward_layernorm
+
+
+class ScaledEmbedding(VocabParallelEmbedding):
+    """The embedding times ``sqrt(hidden_size)`` rounded to its dtype, as transformers'
+    ``Gemma3TextScaledWordEmbedding`` rounds it (an fp32 scalar cast to the weight's dtype)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group, dtype=torch.float32):
+        super().__init__(vocab_size, hidden_size, group, dtype=dtype)
+        self.scale = torch.tensor(hidden_size ** 0.5, device="cpu").to(dtype).item()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.scale
+
+
+class SoftcappedLMHead(ParallelLMHead):
+    """The LM head with ``final_logit_softcapping``: ``cap * tanh(logits / cap)``."""
+
+    cap: float
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(hidden) / self.cap) * self.cap
+
+
+def rebuilt_as(module: VocabParallelEmbedding, cls: type) -> VocabParallelEmbedding:
+    """``module`` as ``cls`` (a subclass that only adds to its forward), holding the very same
+    weight (a tie, and its shard loader, kept): the shell is built on the meta device, so
+    nothing is allocated twice."""
+    with torch.device("meta"):
+        new = cls(module.vocab_size, module.weight.shape[1], module.group,
+                  dtype=module.weight.dtype)
+    new.weight = module.weight
+    return new
+
+
+@register_model("gemma3_text", Gemma3TextConfig, architectures=("Gemma3ForCausalLM",),
+                boundary_reduction="rs+rsv", positional_cache=True,
+                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma-3 (text): sandwich norms (post norms as residual updates), zero-centered norms,
+    a scaled embedding, sliding and full layers on a positional cache."""
+
+    layer_cls = Gemma3DecoderLayer
+
+    def __init__(self, cfg: Gemma3TextConfig, runtime, dtype=torch.float32, fusions=None):
+        super().__init__(cfg, runtime, dtype, fusions)
+        if self.stage.first:
+            self.model.embed_tokens = rebuilt_as(self.model.embed_tokens, ScaledEmbedding)
+        if self.stage.last:
+            self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=self.dtype)
+            if cfg.final_logit_softcapping is not None:
+                self.lm_head = rebuilt_as(self.lm_head, SoftcappedLMHead)
+                self.lm_head.cap = float(cfg.final_logit_softcapping)
