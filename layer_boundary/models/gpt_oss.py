@@ -1,0 +1,269 @@
+"""GPT-OSS with layer boundaries: GQA with biases and attention sinks, sliding and full
+layers alternating, YaRN rope, and a MoE FFN on every layer.
+
+What transformers' ``modeling_gpt_oss.py`` computes, and where it lives here:
+
+* attention: q/k/v/o with biases (``o_proj``'s added once: on attention-TP rank 0 of the
+  partial the boundary sums), a learned logit per head joining each softmax (``sinks``, this
+  rank's heads' slice), a window of ``sliding_window`` positions on the ``sliding_attention``
+  layers of ``layer_types`` (``cached_attention(window=)`` on a positional cache), the rotary
+  frequencies and cos/sin scale of YaRN (``rope.yarn_frequencies``);
+* the router: ``linear(x, weight, bias)``, top-k of the logits, softmax over the k chosen;
+* the experts (``FusedMoE(bias=True, swiglu_alpha=, swiglu_limit=)``): ``gate_up`` with its
+  bias, gate and up interleaved in its columns, ``(clamp(up, -l, l) + 1) * g * sigmoid(a * g)``
+  with ``g = clamp(gate, max=l)``, then ``down`` with its bias (added by one rank per expert,
+  inside the router weighting); the checkpoint holds each layer's experts fused
+  (``experts.gate_up_proj`` [E, hidden, 2 * inter], ``experts.down_proj`` [E, inter, hidden]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import declare_attn, declare_ffn
+from ..runtime.args import BoundaryRuntime
+from ..runtime.norm import Fp32ScaleRMSNorm
+from .config import (BOOL, DECODER, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER,
+                     SLIDING, SLIDING_FIELDS, CheckedConfig, CheckpointError, check_divisible,
+                     layer_windows, require, required)
+from .layers import DecoderLayer, GqaAttention
+from .llama import read_rope as llama_rope
+from .moe import FusedMoE, fused_expert_params
+from .qwen3 import Qwen3ForCausalLM, check_heads
+from .registry import NO_QKV_LATENT, register_model
+from .rope import inverse_frequencies, yarn_frequencies
+
+ROPE_TYPES = ("yarn", "default")
+# transformers' GptOssConfig defaults for what a config.json may leave out
+DEFAULT_THETA = 150000.0
+DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+
+
+def default_layer_types(layers: int) -> list:
+    """transformers' default: sliding, full, sliding, ... (even layers slide)."""
+    return [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN's parameters as transformers reads them from ``rope_parameters``."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+    attention_factor: float | None
+    mscale: float | None
+    mscale_all_dim: float | None
+
+    @classmethod
+    def read(cls, rope: dict, cfg: dict) -> YarnRope:
+        # transformers: a top-level original_max_position_embeddings wins, then the rope
+        # dict's, then max_position_embeddings
+        original = cfg.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings") or cfg.get("max_position_embeddings", 131072)
+        if not POSITIVE_INT.ok(original):
+            raise CheckpointError("config.json rope_parameters.original_max_position_embeddings "
+                                  f"must be {POSITIVE_INT.what}, got {original!r}")
+        if "factor" not in rope:
+            raise CheckpointError("config.json rope_parameters has no factor (rope_type yarn "
+                                  "needs it)")
+        factor = rope["factor"]
+        if factor is None:  # transformers: the ratio of the two context lengths
+            factor = cfg.get("max_position_embeddings", 131072) / original
+        numbers = {k: rope.get(k) for k in ("beta_fast", "beta_slow", "attention_factor",
+                                            "mscale", "mscale_all_dim")}
+        for key, value in [("factor", factor), *numbers.items()]:
+            if value is not None and not POSITIVE_NUMBER.ok(value):
+                raise CheckpointError(f"config.json rope_parameters.{key} must be "
+                                      f"{POSITIVE_NUMBER.what}, got {value!r}")
+        truncate = rope.get("truncate", True)
+        if not BOOL.ok(truncate):
+            raise CheckpointError("config.json rope_parameters.truncate must be true or false, "
+                                  f"got {truncate!r}")
+        return cls(float(factor), int(original), float(numbers["beta_fast"] or 32),
+                   float(numbers["beta_slow"] or 1), truncate, numbers["attention_factor"],
+                   numbers["mscale"], numbers["mscale_all_dim"])
+
+
+def read_rope(cfg: dict) -> tuple[float, YarnRope | None]:
+    """(rope_theta, YaRN's parameters or None for the default rope) of a config.json."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or DEFAULT_YARN
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
+                              f"({', '.join(ROPE_TYPES)} only)")
+    # Llama's reader checks the theta and partial_rotary_factor (at GPT-OSS's default theta)
+    plain = {**rope, "rope_type": "default",
+             "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", DEFAULT_THETA))}
+    theta, _ = llama_rope({**cfg, "rope_parameters": plain, "rope_scaling": None})
+    return theta, YarnRope.read(rope, cfg) if rope_type == "yarn" else None
+
+
+@dataclass(frozen=True)
+class GptOssConfig(CheckedConfig):
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # each expert's
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int  # config.json's num_local_experts
+    num_experts_per_tok: int
+    windows: tuple  # each layer's sliding window (None: full attention)
+    rope_theta: float
+    rope: YarnRope | None
+    rms_norm_eps: float = 1e-5
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+    model_type: str = "gpt_oss"
+
+    fields = {**DECODER, **EXPERTS, **SLIDING_FIELDS, "swiglu_alpha": POSITIVE_NUMBER,
+              "swiglu_limit": POSITIVE_NUMBER, "original_max_position_embeddings": POSITIVE_INT,
+              "partial_rotary_factor": POSITIVE_NUMBER}
+    expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> GptOssConfig:
+        if cfg.get("quantization_config"):  # the released MXFP4 experts, for one
+            raise CheckpointError("config.json quantization_config is not supported "
+                                  "(unquantized checkpoints only)")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":  # transformers' experts ignore it; a config naming another is odd
+            raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu "
+                                  "only: the experts' clamped SwiGLU)")
+        theta, rope = read_rope(cfg)
+        # transformers' defaults for what is absent (a null head_dim: hidden / heads)
+        defaults = {"num_local_experts": cfg.get("num_experts", 128), "num_experts_per_tok": 4,
+                    "num_attention_heads": 64, "num_key_value_heads": 8}
+        sized = {k: require({k: cfg.get(k, v)}, k) for k, v in defaults.items()}
+        sized["num_experts"] = sized.pop("num_local_experts")
+        if cfg.get("num_key_value_heads", 8) is None:
+            sized["num_key_value_heads"] = sized["num_attention_heads"]
+        head_dim = cfg.get("head_dim", 64)
+        if head_dim is None:
+            head_dim = require(cfg, "hidden_size") // sized["num_attention_heads"]
+        layers = require(cfg, "num_hidden_layers")
+        window = {"sliding_window": cfg.get("sliding_window", 128)}
+        return cls(
+            **required(cfg, "vocab_size", "hidden_size", "intermediate_size"),
+            num_hidden_layers=layers, head_dim=head_dim, **sized,
+            windows=layer_windows({**cfg, **window}, layers, default_layer_types),
+            rope_theta=theta, rope=rope,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            attention_bias=bool(cfg.get("attention_bias", True)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+    def rotary(self) -> tuple[torch.Tensor, float]:
+        """The [head_dim / 2] inverse frequencies and the cos/sin scale (YaRN's attention
+        factor; 1 for the default rope)."""
+        if self.rope is None:
+            return inverse_frequencies(self.rope_theta, self.head_dim), 1.0
+        r = self.rope
+        return yarn_frequencies(self.rope_theta, self.head_dim, factor=r.factor,
+                                original_max_position_embeddings=r.original_max_position_embeddings,
+                                beta_fast=r.beta_fast, beta_slow=r.beta_slow,
+                                truncate=r.truncate, attention_factor=r.attention_factor,
+                                mscale=r.mscale, mscale_all_dim=r.mscale_all_dim)
+
+
+def check_parallel(cfg: GptOssConfig, dims) -> None:
+    """Heads over attention TP; experts over EP, each expert's intermediate dim over the MoE's
+    TP (tp / ep)."""
+    check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, dims.attn_tp)
+    check_divisible("num_local_experts", cfg.num_experts, "ep", dims.moe_ep)
+    check_divisible("intermediate_size", cfg.intermediate_size,
+                    "the MoE tensor-parallel size tp/ep", dims.moe_tp)
+
+
+class GptOssRouter(nn.Module):
+    """Top-k of ``linear(x, weight, bias)``, then a softmax over the k chosen logits (in
+    their dtype, as transformers)."""
+
+    def __init__(self, cfg: GptOssConfig, dtype):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size,
+                                               dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts, dtype=dtype),
+                                 requires_grad=False)
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+class GptOssMoE(nn.Module):
+    """The router, then the experts (a partial over the TP group, a finalize handoff, or the
+    dispatched complete output, as the exit and the runtime say)."""
+
+    def __init__(self, cfg: GptOssConfig, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.router = GptOssRouter(cfg, dtype)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
+                                runtime.parallel, dtype, swiglu_limit=cfg.swiglu_limit,
+                                swiglu_alpha=cfg.swiglu_alpha, bias=True,
+                                dispatch=runtime.dispatches_moe)
+
+    def forward(self, x):
+        weights, ids = self.router(x)
+        return self.experts(x, ids, weights)
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    """GQA with biases and sinks (sliding or full, PARTIAL), then the MoE; the norms scale in
+    fp32 and round once (transformers keeps GPT-OSS's norms in fp32)."""
+
+    def __init__(self, cfg: GptOssConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype, input_norms=False)
+        self.input_layernorm = Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                         dtype=dtype)
+        inv_freq, scale = cfg.rotary()
+        self.self_attn = GqaAttention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            layer_id, runtime, dtype, bias=cfg.attention_bias, inv_freq=inv_freq,
+            rope_scale=scale, window=cfg.windows[layer_id], sinks=True)
+        self.mlp = GptOssMoE(cfg, runtime, dtype)
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        # the attention's linears move the rows of a sequence-parallel batch; the experts do
+        # not (the boundary gathers their input and reduce-scatters the sum)
+        return (declare_attn(sequence_parallel=True),
+                declare_ffn(sparse=True, next_sparse=index + 1 < cfg.num_hidden_layers,
+                            dispatches=runtime.dispatches_moe))
+
+
+@register_model("gpt_oss", GptOssConfig, architectures=("GptOssForCausalLM",),
+                check_parallel=check_parallel, boundary_reduction="rs+rsv",
+                positional_cache=True, context_parallel=True, sequence_parallel=True,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+class GptOssForCausalLM(Qwen3ForCausalLM):
+    """Qwen3's skeleton (q/k/v stacked, a positional cache: the sliding layers mask their own
+    window) with GPT-OSS's layers and final norm; the experts load from the fused per-layer
+    tensors."""
+
+    layer_cls = GptOssDecoderLayer
+
+    def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
+        super().__init__(cfg, runtime, dtype, fusions)
+        if self.stage.last:  # the final norm as the layers' (fp32 scale)
+            self.model.norm = Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def stacked_params(self) -> list:
+        return super().stacked_params() + fused_expert_params()
