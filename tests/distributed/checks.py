@@ -103,3 +103,35 @@ def package_logger_kept():
     finally:
         log.handlers[:], log.propagate = saved[0], saved[1]
         log.setLevel(saved[2])
+
+
+A2A = {"moe_a2a_backend": "all_to_all"}
+# (tp, attn_dp, moe_ep, policy, other RunSpec fields, the prefill's row mode): what a MoE
+# model's parallel test covers at least (TP experts, EP 2, EP 4 with attention DP 2, the
+# all-to-all MoE, CP 2, PP 2)
+MOE_TOPOLOGIES = [
+    (2, 1, 1, "ar", {}, "ar"),
+    (2, 1, 2, "rs", {}, "rs"),
+    (4, 2, 4, "rsv", {}, "rsv"),
+    (4, 2, 4, "rsv", A2A, "rsv"),
+    (2, 1, 1, "ar", {"cp": 2}, "ar"),
+    (1, 1, 1, "ar", {"pp": 2}, "ar"),
+]
+
+
+def topology_id(case) -> str:
+    """A test id for a ``MOE_TOPOLOGIES`` entry."""
+    tp, dp, ep, policy, options, _ = case
+    return f"tp{tp}-dp{dp}-ep{ep}-{policy}" + "".join(f"-{k}" for k in options)
+
+
+def run_moe_topology(path, case, prompts, steps: int) -> list:
+    """``run_matching_world1`` on a ``MOE_TOPOLOGIES``-shaped case; under the all-to-all MoE
+    every rank's ledger holds its dispatches. Returns the rank results."""
+    tp, dp, ep, policy, options, mode = case
+    results = run_matching_world1(RunSpec(str(path), tp=tp, dp=dp, ep=ep,
+                                          boundary_reduction=policy, prompts=prompts,
+                                          max_new_tokens=steps, **options), mode)
+    if options.get("moe_a2a_backend") == "all_to_all":
+        assert all(any(e.kind == "all_to_all" for e in r.ledger) for r in results)
+    return results

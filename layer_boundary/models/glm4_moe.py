@@ -1,0 +1,170 @@
+"""GLM-4.5 (``glm4_moe``): grouped-query attention with partial rotary, then DeepSeek-V3's
+MoE, with layer boundaries. Parameter names follow the Hugging Face checkpoint (q/k/v are
+stacked into ``qkv_proj``, the routed experts fused per rank, at load time).
+
+* Attention: ``layers.GqaAttention``, heads over attention TP (kv heads split, or replicated
+  over whole ranks), biases on q/k/v only (``attention_bias``; ``o_proj`` has none), an
+  optional per-head RMSNorm on q and k before the rotary (``use_qk_norm``), and the
+  rotate-half rope on the first ``head_dim * partial_rotary_factor`` dims of each head (0.5
+  by default), the rest passed through. PARTIAL: ``o_proj`` never reduces.
+* FFN: a gated MLP over TP on the first ``first_k_dense_replace`` layers, then DeepSeek-V3's
+  MoE block (imported): the sigmoid router with ``e_score_correction_bias`` steering the
+  group-limited choice, ``norm_topk_prob``, ``routed_scaling_factor``, routed experts over
+  ``moe_ep x moe_tp`` and the shared experts.
+
+The multi-token-prediction layers stored after the stack (``num_nextn_predict_layers``) are
+not loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import declare_attn
+from ..runtime.args import BoundaryRuntime
+from .config import (BOOL, DECODER, EXPERTS, GROUPED_ROUTER, NON_NEGATIVE_INT, CheckedConfig,
+                     CheckpointError, check_grouped_router, check_unquantized_silu, require,
+                     required)
+from .deepseek_v3 import DeepseekV3MoE, ffn_declaration
+from .deepseek_v3 import check_parallel as check_experts
+from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .moe import expert_stacked_params
+from .qwen3 import Qwen3ForCausalLM, check_heads
+from .qwen3_next import rope_fields
+from .registry import NO_QKV_LATENT, register_model
+from .rope import inverse_frequencies
+
+
+@dataclass(frozen=True)
+class Glm4MoeConfig(CheckedConfig):
+    # the attention (GQA, partial rotary)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    # the decoder
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int  # the dense first layers' MLP
+    # the MoE (DeepSeek-V3's block)
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    use_qk_norm: bool = False
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the stack; not loaded
+    # Engine option, never read from config.json (DeepSeek-V3's): the shared experts unsharded
+    # on every rank, added after the routed experts' sum (a LOCAL_TAIL FFN stage)
+    shared_experts_tp1: bool = False
+    model_type: str = "glm4_moe"
+
+    fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, "use_qk_norm": BOOL,
+              "first_k_dense_replace": NON_NEGATIVE_INT,
+              "num_nextn_predict_layers": NON_NEGATIVE_INT}
+    expert_fields = ("n_routed_experts", "num_local_experts")
+    top_k_fields = ("num_experts_per_tok",)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.first_k_dense_replace <= layer < self.num_hidden_layers
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> Glm4MoeConfig:
+        check_unquantized_silu(cfg)
+        heads = require(cfg, "num_attention_heads")
+        head_dim = cfg.get("head_dim") or require(cfg, "hidden_size") // heads
+        # transformers' default partial_rotary_factor for GLM-4.5 is 0.5
+        rope = rope_fields(cfg, head_dim, default_factor=0.5)
+        # transformers writes num_local_experts beside n_routed_experts (an attribute map)
+        experts = require(cfg, "n_routed_experts" if "n_routed_experts" in cfg
+                          else "num_local_experts")
+        top_k = require(cfg, "num_experts_per_tok")
+        n_group, topk_group = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+        check_grouped_router(experts, n_group, topk_group, top_k)
+        mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
+        if mtp is not None and not NON_NEGATIVE_INT.ok(mtp):
+            raise CheckpointError(f"config.json field num_mtp_layers must be "
+                                  f"{NON_NEGATIVE_INT.what}, got {mtp!r}")
+        return cls(
+            **required(cfg, "vocab_size", "hidden_size", "intermediate_size",
+                       "moe_intermediate_size", "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            n_routed_experts=experts, num_experts_per_tok=top_k,
+            n_shared_experts=cfg.get("n_shared_experts") or 1,
+            first_k_dense_replace=cfg.get("first_k_dense_replace", 1) or 0,
+            n_group=n_group, topk_group=topk_group,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            use_qk_norm=bool(cfg.get("use_qk_norm", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_nextn_predict_layers=mtp or 0,
+            **rope)
+
+
+def check_parallel(cfg: Glm4MoeConfig, dims) -> None:
+    """Query and kv heads over attention TP; the dense MLPs, the shared and the routed experts
+    as DeepSeek-V3's (``intermediate_size``, ``n_routed_experts``, ``moe_intermediate_size``)."""
+    check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, dims.attn_tp)
+    check_experts(cfg, dims)
+
+
+class Glm4MoeDecoderLayer(DecoderLayer):
+    """GQA (partial rotary, optional q/k norm, q/k/v biases), then the dense MLP or
+    DeepSeek-V3's MoE."""
+
+    def __init__(self, cfg: Glm4MoeConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = GqaAttention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            layer_id, runtime, dtype, bias=cfg.attention_bias, o_bias=False,
+            qk_norm_eps=cfg.rms_norm_eps if cfg.use_qk_norm else None,
+            inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
+            rotary_dim=cfg.rotary_dim)
+        if cfg.is_moe(layer_id):
+            self.mlp = DeepseekV3MoE(cfg, runtime, dtype)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """GQA (PARTIAL; its linears move the rows in a sequence-parallel batch), then the
+        FFN as DeepSeek-V3 declares it (dense or sparse, its next FFN's kind, a dispatching
+        MoE, the shared experts' LOCAL_TAIL)."""
+        return declare_attn(sequence_parallel=True), ffn_declaration(cfg, index, runtime)
+
+
+@register_model("glm4_moe", Glm4MoeConfig, architectures=("Glm4MoeForCausalLM",),
+                check_parallel=check_parallel, boundary_reduction="rs+rsv",
+                positional_cache=True, context_parallel=True, sequence_parallel=True,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+class Glm4MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3's skeleton (stacked q/k/v, a KV cache of head_dim) with GLM-4.5's layers; the
+    experts' weights load stacked after q/k/v."""
+
+    layer_cls = Glm4MoeDecoderLayer
+
+    def stacked_params(self) -> list:
+        cfg = self.config
+        experts = (expert_stacked_params(cfg.n_routed_experts)
+                   if cfg.first_k_dense_replace < cfg.num_hidden_layers else [])
+        return super().stacked_params() + experts
+
+    def skipped_params(self) -> tuple:
+        cfg = self.config  # its MTP layers are stored as layers after the stack
+        mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        return super().skipped_params() + tuple(f"model.layers.{i}." for i in mtp)
