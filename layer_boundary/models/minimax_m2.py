@@ -1,0 +1,168 @@
+"""MiniMax-M2 with layer boundaries: GQA whose q and k are RMS-normalised over every head of
+their projection (``q_norm`` over ``heads * head_dim``, ``k_norm`` over ``kv_heads *
+head_dim``: ``HeadsRMSNorm``, the squares summed over attention TP, replicated kv heads counted
+once), a partial rotary embedding (the first ``rotary_dim`` dims of each head), then a sparse
+MoE FFN on every layer: sigmoid scores over the experts, ``e_score_correction_bias`` added
+for the choice of the top k only, the weights the chosen experts' unbiased scores divided by
+their sum; SwiGLU experts of ``intermediate_size``, no shared experts.
+
+The checkpoint layout is Mixtral's (``block_sparse_moe``, experts' w1/w3/w2), with the bias
+beside the router as ``block_sparse_moe.e_score_correction_bias``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..runtime.args import BoundaryRuntime
+from .config import (BOOL, DECODER, EXPERTS, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER,
+                     Check, CheckpointError, check_unquantized_silu, require)
+from .layers import GqaAttention
+from .mixtral import (MixtralDecoderLayer, MixtralForCausalLM, check_moe_parallel,
+                      experts_count, with_defaults)
+from .moe import FusedMoE
+from .qwen3 import Qwen3Config
+from .registry import NO_QKV_LATENT, register_model
+from .rope import inverse_frequencies
+
+# transformers' defaults where config.json leaves a field out
+MINIMAX_DEFAULTS = {"rope_theta": 5e6, "head_dim": 128}
+STRING = Check(lambda v: isinstance(v, str), "a string")
+
+
+def rotary_dims(cfg: dict, head_dim: int) -> int:
+    """The rotating dims of a head, as transformers reads them: ``rope_parameters``'
+    ``partial_rotary_factor``, else the top-level one, else ``rotary_dim / head_dim``, else
+    the whole head; ``int(head_dim * factor)``, a positive even number."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if factor is None and cfg.get("rotary_dim") is not None:
+        factor = cfg["rotary_dim"] / head_dim
+    if factor is None:
+        return head_dim
+    if not POSITIVE_NUMBER.ok(factor):
+        raise CheckpointError(f"config.json partial_rotary_factor must be "
+                              f"{POSITIVE_NUMBER.what}, got {factor!r}")
+    dims = int(head_dim * factor)
+    if dims < 2 or dims % 2 or dims > head_dim:
+        raise CheckpointError(f"config.json partial_rotary_factor={factor} gives {dims} rotary "
+                              f"dims of head_dim={head_dim} (a positive even number up to "
+                              "head_dim is needed)")
+    return dims
+
+
+def refuse_contrary(cfg: dict) -> None:
+    """Fields of MiniMax's own config.json that transformers ignores, refused by name where
+    they describe another model than the one computed here."""
+    wants = {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+             "use_routing_bias": True}
+    for field, value in wants.items():
+        if cfg.get(field) is not None and cfg[field] != value:
+            raise CheckpointError(f"config.json {field}={cfg[field]!r} is not supported "
+                                  f"({value!r} only)")
+    if cfg.get("shared_intermediate_size"):
+        raise CheckpointError(f"config.json shared_intermediate_size="
+                              f"{cfg['shared_intermediate_size']} is not supported (MiniMax-M2 "
+                              "has no shared experts)")
+
+
+@dataclass(frozen=True)
+class MiniMaxM2Config(Qwen3Config):
+    """The dense decoder fields Qwen3 reads (no biases), the rotary dims of a head, and the
+    experts: ``num_experts`` (``num_local_experts``) of ``intermediate_size`` each,
+    ``num_experts_per_tok`` chosen per token."""
+
+    rotary_dim: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    model_type: str = "minimax_m2"
+
+    fields = {**{f: c for f, c in DECODER.items() if f != "attention_bias"},
+              **{f: EXPERTS[f] for f in ("num_local_experts", "num_experts",
+                                         "num_experts_per_tok")},
+              "rotary_dim": POSITIVE_INT, "partial_rotary_factor": POSITIVE_NUMBER,
+              "use_qk_norm": BOOL, "use_routing_bias": BOOL, "qk_norm_type": STRING,
+              "scoring_func": STRING, "shared_intermediate_size": NON_NEGATIVE_INT}
+    expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> MiniMaxM2Config:
+        check_unquantized_silu(cfg)
+        refuse_contrary(cfg)
+        cfg = with_defaults(cfg, MINIMAX_DEFAULTS)
+        # transformers' MiniMax-M2 has no attention biases: it reads no attention_bias
+        dense = Qwen3Config.from_dict({**cfg, "attention_bias": False}).__dict__
+        dense.pop("model_type")
+        return cls(**dense, rotary_dim=rotary_dims(cfg, dense["head_dim"]),
+                   num_experts=experts_count(cfg),
+                   num_experts_per_tok=require(cfg, "num_experts_per_tok"))
+
+    def is_sparse(self, layer_id: int) -> bool:
+        """Every layer's FFN is the MoE."""
+        return 0 <= layer_id < self.num_hidden_layers
+
+
+class MiniMaxM2Router(nn.Module):
+    """Sigmoid scores in fp32; the bias steers the choice only; the weights are the chosen
+    experts' unbiased scores normalised to sum 1 (fp32, as transformers keeps them)."""
+
+    def __init__(self, cfg: MiniMaxM2Config, dtype):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor):
+        """x: [T, H], bias: [E] -> (weights [T, k] fp32, ids [T, k])."""
+        scores = torch.sigmoid(F.linear(x, self.weight).float())  # [T, E]
+        ids = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False)[1]  # [T, k]
+        weights = scores.gather(1, ids)
+        return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+class MiniMaxM2SparseMoeBlock(nn.Module):
+    """The router, its selection bias (``e_score_correction_bias``, held by the block as the
+    checkpoint holds it) and the experts over ``moe_ep x moe_tp`` (dispatched all-to-all
+    when the runtime asks)."""
+
+    def __init__(self, cfg: MiniMaxM2Config, runtime: BoundaryRuntime, dtype):
+        super().__init__()
+        self.gate = MiniMaxM2Router(cfg, dtype)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
+                                runtime.parallel, dtype, dispatch=runtime.dispatches_moe)
+
+    def forward(self, x):
+        weights, ids = self.gate(x, self.e_score_correction_bias)
+        return self.experts(x, ids, weights)  # reduced, partial, or a finalize handoff
+
+
+class MiniMaxM2DecoderLayer(MixtralDecoderLayer):
+    """Mixtral's layer with q/k norms over every head and a partial rotary embedding in the
+    attention, and the bias-steered sigmoid router in the MoE."""
+
+    @staticmethod
+    def make_attention(cfg: MiniMaxM2Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                            cfg.head_dim, layer_id, runtime, dtype, qk_norm_eps=cfg.rms_norm_eps,
+                            qk_norm_width="hf", rotary_dim=cfg.rotary_dim,
+                            inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim))
+
+    @staticmethod
+    def make_moe(cfg: MiniMaxM2Config, runtime: BoundaryRuntime, dtype):
+        return MiniMaxM2SparseMoeBlock(cfg, runtime, dtype)
+
+
+@register_model("minimax_m2", MiniMaxM2Config, architectures=("MiniMaxM2ForCausalLM",),
+                check_parallel=check_moe_parallel,
+                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
+                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+class MiniMaxM2ForCausalLM(MixtralForCausalLM):
+    """Mixtral's skeleton and checkpoint layout with MiniMax-M2's layers."""
+
+    layer_cls = MiniMaxM2DecoderLayer
