@@ -74,3 +74,16 @@ def hf_qwen3_moe(path: Path, *, seed: int = 0, norm_topk_prob: bool = True, **ov
 
 def hf_reference_moe(path: Path):
     return hf_oracle("Qwen3MoeForCausalLM", path)
+
+
+def with_config(src: Path, dst: Path, drop=(), **fields) -> Path:
+    """A copy of the checkpoint at ``src`` in ``dst`` whose config.json has ``fields`` set and
+    the keys in ``drop`` removed."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg = {k: v for k, v in {**cfg, **fields}.items() if k not in drop}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

@@ -8,8 +8,11 @@ import torch
 from checkpoints import TINY, TINY_MOE
 from ds4_checkpoints import TINY_DS4
 from ds_checkpoints import TINY_DS
+from exaone4_checkpoints import TINY_EXAONE4
+from gemma3_checkpoints import LAYER_TYPES, TINY_GEMMA3, WINDOW
 from lc_checkpoints import TINY_LC
 from nh_checkpoints import TINY_NH
+from olmo_checkpoints import OLMO3_WINDOW, TINY_OLMO
 from qwen3_next_checkpoints import TINY_35, TINY_35_MOE, TINY_NEXT
 
 from layer_boundary.models.registry import model_class
@@ -32,6 +35,13 @@ CONFIGS = {
     "qwen3_next": ("Qwen3NextConfig", TINY_NEXT),
     "qwen3_5_text": ("Qwen3_5TextConfig", TINY_35),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", TINY_35_MOE),
+    # OLMo-2's layers (post norms, q/k norms over every head) with OLMo-3's sliding ones
+    "olmo3": ("Olmo3Config", dict(TINY_OLMO, sliding_window=OLMO3_WINDOW)),
+    # sandwich norms (input norms read, post norms as the producers' updates), a scaled embedding
+    "gemma3_text": ("Gemma3TextConfig", dict(TINY_GEMMA3, sliding_window=WINDOW,
+                                             layer_types=LAYER_TYPES)),
+    # post norms without input norms; the full layer unroped beside the sliding ones
+    "exaone4": ("Exaone4Config", dict(TINY_EXAONE4, sliding_window=WINDOW)),
 }
 
 

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from checkpoints import with_config
 from llama_checkpoints import (LLAMA3_ROPE, WINDOW, hf_llama, hf_llama_reference, hf_mistral,
                                hf_mistral_reference)
 
@@ -101,13 +102,6 @@ def test_a_mistral_draft_is_refused_and_a_llama_draft_is_not(tmp_path):
         check_draft(load_config(llama), load_config(mistral), model_class("mistral"), dims)
 
 
-def _with(src, dst, **fields):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**cfg, **fields}))
-    return dst
-
-
 @pytest.mark.parametrize("fields,message", [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
@@ -122,7 +116,7 @@ def _with(src, dst, **fields):
 def test_a_config_it_cannot_run_is_refused_by_name(tmp_path, fields, message):
     src = (hf_mistral if "sliding_window" in fields else hf_llama)(tmp_path / "src")
     with pytest.raises(CheckpointError, match=message):
-        load_config(_with(src, tmp_path / "bad", **fields))
+        load_config(with_config(src, tmp_path / "bad", **fields))
 
 
 def test_old_style_rope_scaling_reads_like_rope_parameters(tmp_path):
@@ -132,6 +126,7 @@ def test_old_style_rope_scaling_reads_like_rope_parameters(tmp_path):
     new = load_config(path)
     old_rope = {k: v for k, v in LLAMA3_ROPE.items()
                 if k not in ("rope_theta", "original_max_position_embeddings")}
-    old = load_config(_with(path, tmp_path / "old", rope_parameters=None, rope_scaling=old_rope,
-                            rope_theta=LLAMA3_ROPE["rope_theta"], max_position_embeddings=1024))
+    old = load_config(with_config(path, tmp_path / "old", rope_parameters=None,
+                                  rope_scaling=old_rope, rope_theta=LLAMA3_ROPE["rope_theta"],
+                                  max_position_embeddings=1024))
     assert old.rope_theta == new.rope_theta and old.rope == new.rope
