@@ -198,8 +198,10 @@ def compiled_decode_matches_eager(model_type: str) -> bool:
 
 # Qwen3, Qwen3-MoE and DeepSeek-V3 compile whole through the engine (tests/test_compile.py,
 # prefill and decode, across ranks); each other model's decode step here, except the Qwen3.5
-# classes, which run Qwen3-Next's forward (their files hold a config and checkpoint names)
-TRACED_ELSEWHERE = {"qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text"}
+# classes, which run Qwen3-Next's forward (their files hold a config and checkpoint names),
+# and EXAONE-4, whose layers are OLMo-3's (post norms, windows) with per-head q/k norms
+TRACED_ELSEWHERE = {"qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text",
+                    "exaone4"}
 
 
 @pytest.mark.timeout(240)
