@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import RMSNorm
 from .config import FULL, SLIDING, SLIDING_FIELDS, Check, CheckpointError, layer_windows
-from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
 from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
-from .olmo2 import Olmo2DecoderLayer
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
 # transformers' Exaone4Config defaults, for what a config.json leaves out
@@ -64,14 +63,14 @@ class Exaone4Config(LlamaConfig):
                     ropes=tuple(window is None or w is not None for w in windows))
 
 
-class Exaone4DecoderLayer(Olmo2DecoderLayer):
+class Exaone4DecoderLayer(PostNormDecoderLayer):
     """Attention (per-head q/k norms; rotary unless the layer is full beside a sliding
     window; PARTIAL) then the gated MLP, each read as the residual is and each output through
-    the stage's own post norm before the add (OLMo-2's declarations and reads)."""
+    the stage's own post norm before the add (``PostNormDecoderLayer``)."""
 
     def __init__(self, cfg: Exaone4Config, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
-        DecoderLayer.__init__(self, cfg.hidden_size, cfg.rms_norm_eps, dtype, input_norms=False)
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = GqaAttention(
             h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,

@@ -30,9 +30,8 @@ from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.norm import GemmaRMSNorm
 from .config import (BOOL, DECODER, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
                      SLIDING_FIELDS, Check, CheckpointError, layer_windows)
-from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
 from .llama import LlamaForCausalLM, check_parallel
-from .olmo2 import Olmo2DecoderLayer
 from .qwen3 import Qwen3Config
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 from .rope import inverse_frequencies
@@ -143,14 +142,14 @@ class GeluGatedMLP(GatedMLP):
         return self.down_proj(gate * self.up_proj(x))
 
 
-class Gemma3DecoderLayer(Olmo2DecoderLayer):
+class Gemma3DecoderLayer(PostNormDecoderLayer):
     """Attention (per-head Gemma q/k norms, PARTIAL) then the gated GELU MLP, each read
     through its input norm and each output through the stage's own post norm before the add
-    (OLMo-2's declarations, with input norms)."""
+    (``PostNormDecoderLayer`` with input norms)."""
 
     def __init__(self, cfg: Gemma3TextConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
-        DecoderLayer.__init__(self, cfg.hidden_size, cfg.rms_norm_eps, dtype, input_norms=False)
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = GqaAttention(
             h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import append_stages, cp_view
+from .. import PostNormAdd, append_stages, cp_view, declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.context import sequence_parallel_scope
 from ..runtime.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -233,3 +233,26 @@ class DecoderLayer(nn.Module):
         hidden_states = self.attn_boundary.run(hidden_states, forward_batch, self.attend,
                                                positions)
         return self.ffn_boundary.run(hidden_states, forward_batch, self.feed_forward)
+
+
+class PostNormDecoderLayer(DecoderLayer):
+    """A decoder layer whose producers add their output through their own post norms
+    (``post_attention_layernorm``, ``post_feedforward_layernorm``: the post-norm residual kind,
+    ``PostNormAdd``), read as the residual is (OLMo-2, EXAONE-4) unless a subclass names its
+    input norms in ``read_norms`` (Gemma-3's sandwich). Subclasses build the compute and the
+    two post norms, then call ``connect``."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype) -> None:
+        super().__init__(hidden_size, eps, dtype, input_norms=False)
+
+    def read_norms(self) -> tuple:
+        return nn.Identity(), nn.Identity()  # the residual as it is
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        """Each producer's post norm is its residual update; both stages sequence-parallel
+        (their linears move the rows; the post norm runs on whatever rows the output is)."""
+        return (declare_attn(sequence_parallel=True, update=PostNormAdd.of(
+                    layer, "post_attention_layernorm", index)),
+                declare_ffn(sequence_parallel=True, update=PostNormAdd.of(
+                    layer, "post_feedforward_layernorm", index)))

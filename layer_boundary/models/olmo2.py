@@ -17,12 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from .. import PostNormAdd, declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import Fp32ScaleRMSNorm
-from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
 from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
@@ -47,13 +45,13 @@ class Olmo2Config(LlamaConfig):
         return self.inverse_frequencies()
 
 
-class Olmo2DecoderLayer(DecoderLayer):
+class Olmo2DecoderLayer(PostNormDecoderLayer):
     """Attention (q/k norms over every head, PARTIAL) then the gated MLP, each read as the
     residual is and each output through the stage's own post norm before the add."""
 
     def __init__(self, cfg: Olmo2Config, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
-        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype, input_norms=False)
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = GqaAttention(
             h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
@@ -63,18 +61,6 @@ class Olmo2DecoderLayer(DecoderLayer):
         self.post_attention_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
         self.post_feedforward_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
-
-    def read_norms(self) -> tuple:
-        return nn.Identity(), nn.Identity()  # the residual as it is
-
-    @classmethod
-    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
-        """Each producer's post norm is its residual update; both stages sequence-parallel
-        (their linears move the rows; the post norm runs on whatever rows the output is)."""
-        return (declare_attn(sequence_parallel=True, update=PostNormAdd.of(
-                    layer, "post_attention_layernorm", index)),
-                declare_ffn(sequence_parallel=True, update=PostNormAdd.of(
-                    layer, "post_feedforward_layernorm", index)))
 
 
 class PostNormCausalLM(LlamaForCausalLM):
