@@ -15,6 +15,7 @@ from ..residual import batch as residual_batch
 from ..runtime.args import BoundaryRuntime
 from ..runtime.collectives import all_reduce_rows
 from ..runtime.forward_batch import ForwardBatch, ForwardMode
+from ..runtime.packed import pack_linears
 from ..runtime.parallel import ParallelDims, build_parallel
 from .compiled import compile_forward
 
@@ -53,6 +54,7 @@ def _random_model(cfg: Qwen3Config, runtime: BoundaryRuntime | None = None) -> Q
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name
                     else torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    pack_linears(model)  # as load_model leaves it: both forwards run the same matmuls
     return model.eval()
 
 

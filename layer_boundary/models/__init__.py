@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.args import resolve_boundary_reduction
+from ..runtime.packed import pack_linears
 from .checkpoint import Checkpoint, open_checkpoint  # noqa: F401
 from .config import CheckpointError, read_config  # noqa: F401
 from .estimate import check_sizes
@@ -52,7 +53,7 @@ def building_on(device):
 
 
 def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), read=None,
-               device=None):
+               device=None, pack: bool = True):
     """Build the model for the checkpoint at ``path`` on ``runtime`` and load its shard.
 
     Args:
@@ -68,6 +69,9 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
         device: where the parameters (and so the KV cache and every tensor a forward makes)
             live (None: the default device, the CPU); each shard is read on the CPU and
             copied into its parameter there.
+        pack: give each CPU linear's weight a copy packed for oneDNN once it is loaded
+            (``runtime.packed``: eager CPU matmuls run on it; one more copy of those weights
+            in memory). False: every matmul runs ``F.linear`` on the weight itself.
     """
     import dataclasses
 
@@ -87,4 +91,6 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
     # an FP8 checkpoint's weights dequantized as they stream in (CPU: the matmuls run on them)
     model.load_weights(dequantized(iter_weights(path, lazy=True, read=read),
                                    getattr(cfg, "fp8_block", None)))
+    if pack:
+        pack_linears(model)
     return model.eval()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .collectives import all_reduce_rows, gather_last_dim
+from .packed import linear
 from .parallel import Group
 from .shards import take
 
@@ -52,10 +53,13 @@ VocabParallelEmbedding.weight_loader.reads_slices = True  # its vocab rows only
 class ParallelLMHead(VocabParallelEmbedding):
     """logits[t] = h[t] @ E.T over the full vocabulary: vocab slices gathered; rows unchanged."""
 
+    packs_weight = True  # runtime/packed.py: a CPU weight packed once at load
+    packed = None
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(hidden, self.weight)
+        logits = linear(self, hidden)
         logits = gather_last_dim(logits, self.group, site="lm_head")
         return logits[..., : self.vocab_size]

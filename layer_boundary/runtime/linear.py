@@ -13,6 +13,7 @@ from .collectives import all_reduce_rows, gather_last_dim
 from .context import get_forward, sequence_parallel_scope
 from .quant import QuantizedInput, as_activations
 from .shards import take, take_columns, whole
+from .packed import linear
 from .parallel import Group
 
 
@@ -35,11 +36,14 @@ class ColumnParallelLinear(nn.Module):
     is all-gathered first (the scope's movement; one gather per input shared by the
     compute's column-parallel linears)."""
 
+    packs_weight = True  # runtime/packed.py: a CPU weight packed once at load
+
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
                  gather_output: bool = False, dtype=torch.float32, name: str = "linear"):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         self.lora = None  # adapters/lora.py attaches LoRA weights here
+        self.packed = None  # runtime/packed.py: set by pack_linears after the load
         self.out_per_rank = _divide(out_features, group.size, f"{name} output size")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype),
                                    requires_grad=False)
@@ -65,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
                                    "sequence-parallel batches yet")
             x = scope.gather(x)
         x = as_activations(x)  # a quantized read's values and scales, dequantized (CPU)
-        y = nn.functional.linear(x, self.weight, self.bias)
+        y = linear(self, x, self.bias)
         if self.lora is not None:  # this rank's output features of each row's adapter delta
             y = self.lora(x, y)
         return gather_last_dim(y, self.group) if self.gather_output else y
@@ -124,11 +128,14 @@ class RowParallelLinear(nn.Module):
     The bias is added on group rank 0 only, so it survives any later sum exactly once.
     """
 
+    packs_weight = True  # runtime/packed.py: a CPU weight packed once at load
+
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
                  reduce_results: bool = True, dtype=torch.float32, name: str = "linear"):
         super().__init__()
         self.group, self.reduce_results = group, reduce_results
         self.lora = None  # adapters/lora.py attaches LoRA weights here
+        self.packed = None  # runtime/packed.py: set by pack_linears after the load
         self.in_per_rank = _divide(in_features, group.size, f"{name} input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype),
                                    requires_grad=False)
@@ -150,7 +157,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.group.rank == 0 else None
-        y = nn.functional.linear(x, self.weight, bias)
+        y = linear(self, x, bias)
         if self.lora is not None:  # a partial of each row's adapter delta: summed with y's
             y = self.lora(x, y)
         scope = sequence_parallel_scope()

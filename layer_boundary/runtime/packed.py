@@ -1,0 +1,82 @@
+"""Linear weights packed once, at load, in oneDNN's blocked layout (CPU).
+
+A CPU matmul through ``F.linear`` (MKL) re-packs the weight panel on every call; at the row
+counts of decoding and of short prefills that packing costs as much as the product, and the
+weights stream from memory twice. Engines that serve on CPUs pack each weight once in the
+layout the matmul kernel reads (oneDNN's reordered weights, as inductor's freezing pass and
+the CPU backends of serving engines do). Measured on this project's 2-core VM (hidden 1024,
+eight distinct weights a pass so they come from memory): a packed fp32 linear took 0.41-0.54
+of MKL's time at 16 rows, 0.57-0.81 at 64, 0.73-0.88 at 256 and 0.79-1.05 at one row
+(``benchmarks/peers.py`` shows what it does to a whole forward).
+
+Decided at construction: ``pack_linears(model)`` (called by ``models.load_model`` once the
+weights are in) gives each tensor-parallel linear and LM head whose weight lives on the CPU
+in float32 or bfloat16 a packed copy, when torch's oneDNN is available; selected at forward:
+``linear`` runs the packed copy in eager inference and ``F.linear`` everywhere else (a
+compiled graph, whose backend chooses its own kernels; autograd; a mismatched input dtype;
+a weight reassigned or rewritten in place since it was packed, which the packed copy would
+not reflect). The copy costs one more copy of each packed weight in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ROWS_HINT = 16  # the row count oneDNN lays the weight out for; any row count runs on it
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight's copy in oneDNN's blocked layout, with what identifies the weight it copies."""
+
+    tensor: torch.Tensor  # opaque (mkldnn layout); only ``linear`` reads it
+    data_ptr: int  # the weight's storage when packed: a reassigned weight no longer matches
+    version: int  # the weight's version counter when packed: an in-place write moves it
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` [out, in] gets a packed copy: a CPU float32/bfloat16 matrix, with
+    torch's oneDNN available."""
+    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+            and weight.dim() == 2 and weight.numel() > 0
+            and torch.backends.mkldnn.is_available())
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight``'s packed copy, or None where it is not ``packable``."""
+    if not packable(weight):
+        return None
+    w = weight.detach()
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT), w.data_ptr(),
+                        w._version)
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Give every module of ``model`` that declares ``packs_weight`` (the tensor-parallel
+    linears, the LM head) a packed copy of its weight, replacing any earlier one; call it
+    again after rewriting weights in place through ``.data``. Returns how many were packed.
+    """
+    count = 0
+    for module in model.modules():
+        if getattr(type(module), "packs_weight", False):
+            module.packed = pack(module.weight)
+            count += module.packed is not None
+    return count
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``F.linear(x, module.weight, bias)``, on the module's packed copy where it applies (the
+    module docstring). A compiled graph never reads the packed copy (it is not traced)."""
+    weight = module.weight
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    packed = module.packed
+    if (packed is None or x.dtype != weight.dtype or x.requires_grad
+            or packed.version != weight._version or packed.data_ptr != weight.data_ptr()):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")

@@ -1,0 +1,148 @@
+"""Linear weights packed once for oneDNN (runtime/packed.py): the packed matmul is the one
+that runs where it applies, matches ``F.linear`` on every row count, and steps aside wherever
+its copy could be stale or does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distributed.pool import get_pool
+from layer_boundary.runtime import packed as packing
+from layer_boundary.runtime.embedding import ParallelLMHead
+from layer_boundary.runtime.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="torch without oneDNN packs nothing")
+PACKED_OP = "mkldnn::_linear_pointwise"
+
+
+def _ops(call) -> tuple[torch.Tensor, list[str]]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = call()
+    return out, [e.name for e in prof.events()]
+
+
+def _column(out=48, inp=32, bias=True, dtype=torch.float32, seed=0):
+    group = build_parallel(ParallelDims(world_size=1, tp=1)).tp_group
+    layer = ColumnParallelLinear(inp, out, group, bias=bias, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out, inp, generator=g).to(dtype))
+        if bias:
+            layer.bias.copy_(torch.randn(out, generator=g).to(dtype))
+    return layer
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 16, 100])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_packed_matmul_runs_and_matches(rows, bias):
+    layer = _column(bias=bias)
+    assert packing.pack_linears(layer) == 1
+    x = torch.randn(rows, 32)
+    y, ops = _ops(lambda: layer(x))
+    assert ops.count(PACKED_OP) == 1 and "aten::linear" not in ops
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_matmul_bf16_and_3d_inputs():
+    layer = _column(dtype=torch.bfloat16)
+    packing.pack_linears(layer)
+    x = torch.randn(2, 5, 32).bfloat16()
+    y, ops = _ops(lambda: layer(x))
+    assert PACKED_OP in ops and y.shape == (2, 5, 48)
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
+    strided = torch.randn(7, 64)[:, :32]  # a view: rows not contiguous
+    torch.testing.assert_close(layer(strided.bfloat16()),
+                               F.linear(strided.bfloat16(), layer.weight, layer.bias),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_a_weight_changed_after_packing_is_never_read_stale():
+    layer = _column()
+    packing.pack_linears(layer)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place: the version counter moves
+    y, ops = _ops(lambda: layer(x))
+    assert PACKED_OP not in ops
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+    layer.weight.data = torch.randn(48, 32)  # reassigned: another storage
+    y, ops = _ops(lambda: layer(x))
+    assert PACKED_OP not in ops
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+    packing.pack_linears(layer)  # packed again: the new weight's copy runs
+    y, ops = _ops(lambda: layer(x))
+    assert PACKED_OP in ops
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_where_the_packed_copy_does_not_apply():
+    layer = _column()
+    packing.pack_linears(layer)
+    x = torch.randn(4, 32)
+    for call in (lambda: layer(x.double()),  # another dtype: F.linear says what is wrong
+                 lambda: layer(x.clone().requires_grad_())):  # autograd
+        try:
+            _, ops = _ops(call)
+        except RuntimeError:
+            continue
+        assert PACKED_OP not in ops
+    with pytest.raises(RuntimeError):
+        layer(x.double())
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    y, ops = _ops(lambda: compiled(x))  # a compiled graph runs F.linear on the weight
+    assert PACKED_OP not in ops
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+
+
+def test_what_gets_a_packed_copy():
+    assert packing.pack(torch.empty(4, 4, device="meta")) is None
+    assert packing.pack(torch.zeros(4, 4, dtype=torch.float64)) is None
+    assert packing.pack(torch.zeros(4, 4, dtype=torch.float8_e4m3fn)) is None
+    assert packing.pack(torch.zeros(0, 4)) is None
+    assert packing.pack(torch.zeros(4, 4, dtype=torch.bfloat16)) is not None
+    # declared on the classes, not found by type: the stack's linears and the LM head
+    declared = {cls for cls in (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                ParallelLMHead) if cls.packs_weight}
+    assert len(declared) == 4
+    assert not getattr(nn.Linear, "packs_weight", False)
+    model = nn.Sequential(_column(), nn.Linear(32, 32))
+    assert packing.pack_linears(model) == 1 and not hasattr(model[1], "packed")
+
+
+def _tp_packed(weight, bias, x, wide):
+    tp = dist.get_world_size()
+    group = build_parallel(ParallelDims(world_size=tp, tp=tp)).tp_group
+    col = ColumnParallelLinear(weight.shape[1], weight.shape[0], group, bias=True,
+                               gather_output=True)
+    row = RowParallelLinear(weight.shape[0], weight.shape[1], group, bias=True)
+    col.weight.weight_loader(col.weight, weight)
+    col.bias.weight_loader(col.bias, bias)
+    row.weight.weight_loader(row.weight, weight.t().contiguous())
+    row.bias.weight_loader(row.bias, bias[: weight.shape[1]])
+    assert packing.pack_linears(nn.ModuleList([col, row])) == 2
+    shard = wide.shape[1] // tp  # a row-parallel linear takes its rank's input features
+    local = wide[:, group.rank * shard:(group.rank + 1) * shard]
+    (a, b), ops = _ops(lambda: (col(x), row(local)))
+    return ops.count(PACKED_OP), a, b
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_packed_tensor_parallel_linears_match_dense(tp):
+    g = torch.Generator().manual_seed(3)
+    weight, bias, x, wide = (torch.randn(64, 32, generator=g), torch.randn(64, generator=g),
+                             torch.randn(5, 32, generator=g), torch.randn(5, 64, generator=g))
+    for count, a, b in get_pool(tp).run(_tp_packed, weight, bias, x, wide):
+        assert count == 2
+        torch.testing.assert_close(a, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, F.linear(wide, weight.t(), bias[:32]),
+                                   rtol=1e-5, atol=1e-5)
