@@ -101,7 +101,8 @@ def job_memory(spec, reference: bool = True):
     steps = min(spec.speculative_steps, spec.max_new_tokens)  # speculative_generate's bound
     positions = longest + spec.max_new_tokens + (steps + 1 if spec.speculative else 0)
     return estimate(spec.checkpoint, runtimes, DTYPES[spec.dtype], len(spec.prompts),
-                    positions, sum(len(p) for p in spec.prompts), spec.world_size, reference)
+                    positions, sum(len(p) for p in spec.prompts), spec.world_size, reference,
+                    packed=spec.device == "cpu")
 
 
 def check_speculative_steps(checkpoint, prompts, max_new_tokens: int, steps: int) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.packed import packed_bytes
 from ..runtime.shards import CheckpointError
 
 GB = 2 ** 30
@@ -52,6 +53,8 @@ class MemoryEstimate:
 
     Args:
         parameters: the rank's parameters (meta-built, exact).
+        packed: the CPU copies of its linears' weights packed for oneDNN (``runtime.packed``;
+            0 on a GPU, or loaded with ``pack=False``).
         kv_cache: its KV cache for the run's requests and positions.
         activations: a bound on one forward's transient tensors (the widest computed rows and
             the gathered logits of every token of the prefill).
@@ -65,10 +68,11 @@ class MemoryEstimate:
     activations: int
     processes: int
     reference: int = 0
+    packed: int = 0
 
     @property
     def per_rank(self) -> int:
-        return self.parameters + self.kv_cache + self.activations
+        return self.parameters + self.packed + self.kv_cache + self.activations
 
     @property
     def total(self) -> int:
@@ -76,12 +80,13 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         return (f"{size(self.per_rank)} per rank (parameters {size(self.parameters)}, "
+                + (f"their packed copies {size(self.packed)}, " if self.packed else "") +
                 f"KV cache {size(self.kv_cache)}, activations {size(self.activations)}); "
                 f"{size(self.total)} for the job's {self.processes} ranks"
                 + (" and its world-1 reference" if self.reference else ""))
 
     def as_dict(self) -> dict:
-        return {"parameters": self.parameters, "kv_cache": self.kv_cache,
+        return {"parameters": self.parameters, "packed": self.packed, "kv_cache": self.kv_cache,
                 "activations": self.activations, "per_rank": self.per_rank,
                 "ranks": self.processes, "reference": self.reference, "total": self.total}
 
@@ -257,7 +262,7 @@ def _world1_runtime():
 
 
 def estimate(checkpoint, rank_runtimes, dtype, requests: int, positions: int, tokens: int,
-             ranks: int, reference: bool) -> MemoryEstimate:
+             ranks: int, reference: bool, packed: bool = True) -> MemoryEstimate:
     """A job's memory: the largest of ``rank_runtimes``' ranks (one per pipeline stage) times
     ``ranks``, plus a world-1 reference run where ``reference``.
 
@@ -270,16 +275,19 @@ def estimate(checkpoint, rank_runtimes, dtype, requests: int, positions: int, to
         tokens: the most rows one forward computes (the whole prefill).
         ranks: the job's rank processes.
         reference: whether a world-1 copy runs too.
+        packed: whether the ranks pack their linears' weights (``load_model``'s ``pack`` on
+            the CPU): each packed weight counts twice.
     """
     check_sizes(checkpoint)
     element = torch.empty((), dtype=dtype).element_size()
     cfg = checkpoint.config
 
-    def of(model) -> tuple[int, int, int]:
+    def of(model) -> tuple[int, int, int, int]:
         return (parameter_bytes(model)[1], kv_cache_bytes(model, requests, positions),
-                activation_bytes(model, cfg, tokens, element))
+                activation_bytes(model, cfg, tokens, element),
+                packed_bytes(model) if packed else 0)
 
-    per_rank = max((of(meta_model(checkpoint, rt, dtype)) for rt in rank_runtimes),
-                   key=sum)
+    *per_rank, packs = max((of(meta_model(checkpoint, rt, dtype)) for rt in rank_runtimes),
+                           key=sum)
     world1 = sum(of(meta_model(checkpoint, _world1_runtime(), dtype))) if reference else 0
-    return MemoryEstimate(*per_rank, processes=ranks, reference=world1)
+    return MemoryEstimate(*per_rank, processes=ranks, reference=world1, packed=packs)

@@ -12,7 +12,8 @@ of MKL's time at 16 rows, 0.57-0.81 at 64, 0.73-0.88 at 256 and 0.79-1.05 at one
 Decided at construction: ``pack_linears(model)`` (called by ``models.load_model`` once the
 weights are in) gives each tensor-parallel linear and LM head whose weight lives on the CPU
 in float32 or bfloat16 a packed copy, when torch's oneDNN is available; selected at forward:
-``linear`` runs the packed copy in eager inference and ``F.linear`` everywhere else (a
+``linear`` runs the packed copy in eager inference (one row only through a weight of at
+least ``ONE_ROW_MIN`` elements) and ``F.linear`` everywhere else (a
 compiled graph, whose backend chooses its own kernels; autograd; a mismatched input dtype;
 a weight reassigned or rewritten in place since it was packed, which the packed copy would
 not reflect). The copy costs one more copy of each packed weight in memory.
@@ -26,6 +27,10 @@ import torch
 import torch.nn.functional as F
 
 ROWS_HINT = 16  # the row count oneDNN lays the weight out for; any row count runs on it
+# A single row through a small packed weight costs oneDNN's fixed per-call work more than
+# MKL's: measured at one row, 256x256 took 2.3x MKL's time packed, 256x768 1.03x, 1536x256
+# 0.56x, 1024x1024 0.86x. Below this many elements a one-row input runs F.linear.
+ONE_ROW_MIN = 1 << 18
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -36,6 +41,7 @@ class PackedWeight:
     tensor: torch.Tensor  # opaque (mkldnn layout); only ``linear`` reads it
     data_ptr: int  # the weight's storage when packed: a reassigned weight no longer matches
     version: int  # the weight's version counter when packed: an in-place write moves it
+    one_row: bool  # whether a single row runs on it too (a weight of ONE_ROW_MIN elements)
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -52,7 +58,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
         return None
     w = weight.detach()
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT), w.data_ptr(),
-                        w._version)
+                        w._version, w.numel() >= ONE_ROW_MIN)
 
 
 def pack_linears(model: torch.nn.Module) -> int:
@@ -68,6 +74,20 @@ def pack_linears(model: torch.nn.Module) -> int:
     return count
 
 
+def packed_bytes(model: torch.nn.Module) -> int:
+    """The bytes ``pack_linears`` would add on the CPU for ``model`` (built anywhere, the meta
+    device included): one copy of each weight it packs, each shared one once."""
+    seen, total = set(), 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (getattr(type(module), "packs_weight", False) and weight is not None
+                and id(weight) not in seen and weight.dtype in PACKED_DTYPES
+                and weight.dim() == 2 and torch.backends.mkldnn.is_available()):
+            seen.add(id(weight))
+            total += weight.numel() * weight.element_size()
+    return total
+
+
 def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """``F.linear(x, module.weight, bias)``, on the module's packed copy where it applies (the
@@ -77,6 +97,7 @@ def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         return F.linear(x, weight, bias)
     packed = module.packed
     if (packed is None or x.dtype != weight.dtype or x.requires_grad
-            or packed.version != weight._version or packed.data_ptr != weight.data_ptr()):
+            or packed.version != weight._version or packed.data_ptr != weight.data_ptr()
+            or (not packed.one_row and x.numel() == x.shape[-1])):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
