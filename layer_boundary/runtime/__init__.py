@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
                          wire_total)
     from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from .norm import GemmaRMSNorm, RMSNorm
+    from .packed import pack_linears
     from .launch import RankError, init_distributed, launched_by_torchrun, spawn
     from .parallel import (Group, Parallel, ParallelDims, TopologyError, build_parallel,
                            built_topologies, release_parallel, virtual_parallel)
@@ -73,6 +74,7 @@ _EXPORTS = {
     'RowParallelLinear': '.linear',
     'RMSNorm': '.norm',
     'GemmaRMSNorm': '.norm',
+    'pack_linears': '.packed',
     'Group': '.parallel',
     'Parallel': '.parallel',
     'ParallelDims': '.parallel',
@@ -106,7 +108,7 @@ __all__ = [
     "broadcast_from_last_stage",
     # layers that honour the flags
     "ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "ParallelLMHead", "RMSNorm", "GemmaRMSNorm",
+    "ParallelLMHead", "RMSNorm", "GemmaRMSNorm", "pack_linears",
     # observing a forward
     "LEDGER", "Ledger", "LedgerEntry", "Observer", "HOOK", "observing", "summarize",
     "wire_total",

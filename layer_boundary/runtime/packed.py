@@ -11,7 +11,8 @@ of MKL's time at 16 rows, 0.57-0.81 at 64, 0.73-0.88 at 256 and 0.79-1.05 at one
 
 Decided at construction: ``pack_linears(model)`` (called by ``models.load_model`` once the
 weights are in) gives each tensor-parallel linear and LM head whose weight lives on the CPU
-in float32 or bfloat16 a packed copy, when torch's oneDNN is available; selected at forward:
+in float32 or bfloat16, with more than ``PACK_MIN`` elements, a packed copy, when torch's
+oneDNN is available; selected at forward:
 ``linear`` runs the packed copy in eager inference (one row only through a weight of at
 least ``ONE_ROW_MIN`` elements) and ``F.linear`` everywhere else (a
 compiled graph, whose backend chooses its own kernels; autograd; a mismatched input dtype;
@@ -27,6 +28,10 @@ import torch
 import torch.nn.functional as F
 
 ROWS_HINT = 16  # the row count oneDNN lays the weight out for; any row count runs on it
+# oneDNN's fixed work per call is about what MKL's whole product costs for a small weight
+# (256x256 at 16 rows: 0.98 of MKL's time packed, at 4 rows 1.28): only weights of more than
+# this many elements are packed
+PACK_MIN = 1 << 16
 # A single row through a small packed weight costs oneDNN's fixed per-call work more than
 # MKL's: measured at one row, 256x256 took 2.3x MKL's time packed, 256x768 1.03x, 1536x256
 # 0.56x, 1024x1024 0.86x. Below this many elements a one-row input runs F.linear.
@@ -44,45 +49,56 @@ class PackedWeight:
     one_row: bool  # whether a single row runs on it too (a weight of ONE_ROW_MIN elements)
 
 
-def packable(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` [out, in] gets a packed copy: a CPU float32/bfloat16 matrix, with
-    torch's oneDNN available."""
+def packable(weight: torch.Tensor, min_elements: int = PACK_MIN) -> bool:
+    """Whether ``weight`` [out, in] gets a packed copy: a CPU float32/bfloat16 matrix of more
+    than ``min_elements`` elements, with torch's oneDNN available."""
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and weight.dim() == 2 and weight.numel() > 0
+            and weight.dim() == 2 and weight.numel() > max(min_elements, 0)
             and torch.backends.mkldnn.is_available())
 
 
-def pack(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight``'s packed copy, or None where it is not ``packable``."""
-    if not packable(weight):
+def pack(weight: torch.Tensor, min_elements: int | None = None) -> PackedWeight | None:
+    """``weight``'s packed copy, or None where it is not ``packable`` (``min_elements`` None:
+    ``PACK_MIN``)."""
+    if not packable(weight, PACK_MIN if min_elements is None else min_elements):
         return None
     w = weight.detach()
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT), w.data_ptr(),
                         w._version, w.numel() >= ONE_ROW_MIN)
 
 
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, min_elements: int | None = None) -> int:
     """Give every module of ``model`` that declares ``packs_weight`` (the tensor-parallel
     linears, the LM head) a packed copy of its weight, replacing any earlier one; call it
-    again after rewriting weights in place through ``.data``. Returns how many were packed.
+    again after rewriting weights in place through ``.data``.
+
+    Args:
+        model: the loaded model (or any module holding such layers).
+        min_elements: pack weights of more elements than this (None: ``PACK_MIN``, where
+            packing pays; 0 packs every one, as the tests do to run tiny models on it).
+
+    Returns:
+        How many weights were packed.
     """
     count = 0
     for module in model.modules():
         if getattr(type(module), "packs_weight", False):
-            module.packed = pack(module.weight)
+            module.packed = pack(module.weight, min_elements)
             count += module.packed is not None
     return count
 
 
 def packed_bytes(model: torch.nn.Module) -> int:
-    """The bytes ``pack_linears`` would add on the CPU for ``model`` (built anywhere, the meta
-    device included): one copy of each weight it packs, each shared one once."""
+    """The bytes ``pack_linears`` (at ``PACK_MIN``) would add on the CPU for ``model`` (built
+    anywhere, the meta device included): one copy of each weight it packs, each shared one
+    once."""
     seen, total = set(), 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (getattr(type(module), "packs_weight", False) and weight is not None
                 and id(weight) not in seen and weight.dtype in PACKED_DTYPES
-                and weight.dim() == 2 and torch.backends.mkldnn.is_available()):
+                and weight.dim() == 2 and weight.numel() > PACK_MIN
+                and torch.backends.mkldnn.is_available()):
             seen.add(id(weight))
             total += weight.numel() * weight.element_size()
     return total
@@ -100,4 +116,8 @@ def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
             or packed.version != weight._version or packed.data_ptr != weight.data_ptr()
             or (not packed.one_row and x.numel() == x.shape[-1])):
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+    return _matmul(x, packed.tensor, bias)
+
+
+def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

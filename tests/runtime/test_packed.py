@@ -47,7 +47,7 @@ def _column(out=48, inp=32, bias=True, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("width", [32, 512], ids=["small", "large"])
 def test_packed_matmul_runs_and_matches(rows, bias, width):
     layer = _column(out=512, inp=width, bias=bias)
-    assert packing.pack_linears(layer) == 1
+    assert packing.pack_linears(layer, min_elements=0) == 1
     assert layer.packed.one_row == (layer.weight.numel() >= packing.ONE_ROW_MIN)
     x = torch.randn(rows, width)
     y, ops = _ops(lambda: layer(x))
@@ -59,7 +59,7 @@ def test_packed_matmul_runs_and_matches(rows, bias, width):
 
 def test_packed_matmul_bf16_and_3d_inputs():
     layer = _column(dtype=torch.bfloat16)
-    packing.pack_linears(layer)
+    packing.pack_linears(layer, min_elements=0)
     x = torch.randn(2, 5, 32).bfloat16()
     y, ops = _ops(lambda: layer(x))
     assert PACKED_OP in ops and y.shape == (2, 5, 48)
@@ -72,7 +72,7 @@ def test_packed_matmul_bf16_and_3d_inputs():
 
 def test_a_weight_changed_after_packing_is_never_read_stale():
     layer = _column()
-    packing.pack_linears(layer)
+    packing.pack_linears(layer, min_elements=0)
     x = torch.randn(4, 32)
     with torch.no_grad():
         layer.weight.mul_(2)  # in place: the version counter moves
@@ -83,7 +83,7 @@ def test_a_weight_changed_after_packing_is_never_read_stale():
     y, ops = _ops(lambda: layer(x))
     assert PACKED_OP not in ops
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
-    packing.pack_linears(layer)  # packed again: the new weight's copy runs
+    packing.pack_linears(layer, min_elements=0)  # packed again: the new weight's copy runs
     y, ops = _ops(lambda: layer(x))
     assert PACKED_OP in ops
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
@@ -91,7 +91,7 @@ def test_a_weight_changed_after_packing_is_never_read_stale():
 
 def test_where_the_packed_copy_does_not_apply():
     layer = _column()
-    packing.pack_linears(layer)
+    packing.pack_linears(layer, min_elements=0)
     x = torch.randn(4, 32)
     for call in (lambda: layer(x.double()),  # another dtype: F.linear says what is wrong
                  lambda: layer(x.clone().requires_grad_())):  # autograd
@@ -109,18 +109,20 @@ def test_where_the_packed_copy_does_not_apply():
 
 
 def test_what_gets_a_packed_copy():
-    assert packing.pack(torch.empty(4, 4, device="meta")) is None
-    assert packing.pack(torch.zeros(4, 4, dtype=torch.float64)) is None
-    assert packing.pack(torch.zeros(4, 4, dtype=torch.float8_e4m3fn)) is None
-    assert packing.pack(torch.zeros(0, 4)) is None
-    assert packing.pack(torch.zeros(4, 4, dtype=torch.bfloat16)) is not None
+    assert packing.pack(torch.empty(4, 4, device="meta"), 0) is None
+    assert packing.pack(torch.zeros(4, 4, dtype=torch.float64), 0) is None
+    assert packing.pack(torch.zeros(4, 4, dtype=torch.float8_e4m3fn), 0) is None
+    assert packing.pack(torch.zeros(0, 4), 0) is None
+    assert packing.pack(torch.zeros(4, 4, dtype=torch.bfloat16), min_elements=0) is not None
+    small = torch.zeros(256, 256)  # oneDNN's per-call work is MKL's whole product here
+    assert packing.pack(small) is None and packing.pack(torch.zeros(257, 256)) is not None
     # declared on the classes, not found by type: the stack's linears and the LM head
     declared = {cls for cls in (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                 ParallelLMHead) if cls.packs_weight}
     assert len(declared) == 4
     assert not getattr(nn.Linear, "packs_weight", False)
     model = nn.Sequential(_column(), nn.Linear(32, 32))
-    assert packing.pack_linears(model) == 1 and not hasattr(model[1], "packed")
+    assert packing.pack_linears(model, min_elements=0) == 1 and not hasattr(model[1], "packed")
 
 
 def _tp_packed(weight, bias, x, wide):
@@ -133,7 +135,7 @@ def _tp_packed(weight, bias, x, wide):
     col.bias.weight_loader(col.bias, bias)
     row.weight.weight_loader(row.weight, weight.t().contiguous())
     row.bias.weight_loader(row.bias, bias[: weight.shape[1]])
-    assert packing.pack_linears(nn.ModuleList([col, row])) == 2
+    assert packing.pack_linears(nn.ModuleList([col, row]), min_elements=0) == 2
     shard = wide.shape[1] // tp  # a row-parallel linear takes its rank's input features
     local = wide[:, group.rank * shard:(group.rank + 1) * shard]
     (a, b), ops = _ops(lambda: (col(x), row(local)))
