@@ -6,17 +6,19 @@ weights stream from memory twice. Engines that serve on CPUs pack each weight on
 layout the matmul kernel reads (oneDNN's reordered weights, as inductor's freezing pass and
 the CPU backends of serving engines do). Measured on this project's 2-core VM (hidden 1024,
 eight distinct weights a pass so they come from memory): a packed fp32 linear took 0.41-0.54
-of MKL's time at 16 rows, 0.57-0.81 at 64, 0.73-0.88 at 256 and 0.79-1.05 at one row
-(``benchmarks/peers.py`` shows what it does to a whole forward).
+of MKL's time at 16 rows, 0.57-0.81 at 64 and 0.73-0.88 at 256. A single row is a
+matrix-vector product, which the layout laid out for 16 rows serves no better than MKL
+(0.95-1.22); oneDNN's own product on the plain weight took 0.77-0.91 of MKL's there, with no
+copy (``benchmarks/peers.py`` shows what both do to a whole forward).
 
 Decided at construction: ``pack_linears(model)`` (called by ``models.load_model`` once the
 weights are in) gives each tensor-parallel linear and LM head whose weight lives on the CPU
 in float32 or bfloat16, with more than ``PACK_MIN`` elements, a packed copy, when torch's
-oneDNN is available; selected at forward:
-``linear`` runs the packed copy in eager inference (one row only through a weight of at
-least ``ONE_ROW_MIN`` elements) and ``F.linear`` everywhere else (a
-compiled graph, whose backend chooses its own kernels; autograd; a mismatched input dtype;
-a weight reassigned or rewritten in place since it was packed, which the packed copy would
+oneDNN is available. Selected at forward by ``linear``, in eager inference: several rows
+run on the packed copy, one row on the plain weight through oneDNN (a weight of at least
+``ONE_ROW_MIN`` elements; a smaller one through ``F.linear``). ``F.linear`` runs everywhere
+else: a compiled graph (its backend chooses its own kernels), autograd, a mismatched input
+dtype, a weight reassigned or rewritten in place since it was packed (which the copy would
 not reflect). The copy costs one more copy of each packed weight in memory.
 """
 
@@ -32,9 +34,9 @@ ROWS_HINT = 16  # the row count oneDNN lays the weight out for; any row count ru
 # (256x256 at 16 rows: 0.98 of MKL's time packed, at 4 rows 1.28): only weights of more than
 # this many elements are packed
 PACK_MIN = 1 << 16
-# A single row through a small packed weight costs oneDNN's fixed per-call work more than
-# MKL's: measured at one row, 256x256 took 2.3x MKL's time packed, 256x768 1.03x, 1536x256
-# 0.56x, 1024x1024 0.86x. Below this many elements a one-row input runs F.linear.
+# one row through oneDNN's plain-weight product, against MKL's: 512x256 1.66x (its fixed
+# per-call work), 256x768 1.16x, 768x256 0.93x, 1536x256 0.79x, 1024x1024 0.85x, 6144x1024
+# 0.77x. Below this many elements a one-row input runs F.linear.
 ONE_ROW_MIN = 1 << 18
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -46,7 +48,7 @@ class PackedWeight:
     tensor: torch.Tensor  # opaque (mkldnn layout); only ``linear`` reads it
     data_ptr: int  # the weight's storage when packed: a reassigned weight no longer matches
     version: int  # the weight's version counter when packed: an in-place write moves it
-    one_row: bool  # whether a single row runs on it too (a weight of ONE_ROW_MIN elements)
+    one_row: bool  # whether a single row runs through oneDNN (ONE_ROW_MIN elements or more)
 
 
 def packable(weight: torch.Tensor, min_elements: int = PACK_MIN) -> bool:
@@ -113,11 +115,13 @@ def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         return F.linear(x, weight, bias)
     packed = module.packed
     if (packed is None or x.dtype != weight.dtype or x.requires_grad
-            or packed.version != weight._version or packed.data_ptr != weight.data_ptr()
-            or (not packed.one_row and x.numel() == x.shape[-1])):
+            or packed.version != weight._version or packed.data_ptr != weight.data_ptr()):
         return F.linear(x, weight, bias)
+    if x.numel() == x.shape[-1]:  # one row: a matrix-vector product, on the plain weight
+        return _matmul(x, weight, bias) if packed.one_row else F.linear(x, weight, bias)
     return _matmul(x, packed.tensor, bias)
 
 
-def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # oneDNN's linear: on a packed (mkldnn-layout) weight, or on a plain one it reads as is
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
