@@ -224,8 +224,18 @@ def _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, causal, w
         dv = v4.shape[-1]
         if dv < q4.shape[-1]:  # MLA: pad v to q's head dim, the flash kernel's requirement
             v4 = F.pad(v4, (0, q4.shape[-1] - dv))
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal,
-                                             scale=scaling, enable_gqa=True)[..., :dv]
+        b, heads, n, d = q4.shape
+        kv_heads = k4.shape[1]
+        if n == 1 and heads > kv_heads:
+            # one query a request (decode): the heads sharing a kv head are the rows of one
+            # query block over it, the same products with K/V read once per kv head rather
+            # than once per query head (a request's mask [b, 1, 1, L] holds for every row)
+            out = F.scaled_dot_product_attention(
+                q4.reshape(b, kv_heads, heads // kv_heads, d), k4, v4, attn_mask=mask,
+                scale=scaling).reshape(b, heads, 1, -1)[..., :dv]
+        else:
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal,
+                                                 scale=scaling, enable_gqa=True)[..., :dv]
     return out.transpose(1, 2)  # [b, n, H, Dv]
 
 
