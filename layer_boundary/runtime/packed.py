@@ -51,18 +51,21 @@ class PackedWeight:
     one_row: bool  # whether a single row runs through oneDNN (ONE_ROW_MIN elements or more)
 
 
-def packable(weight: torch.Tensor, min_elements: int = PACK_MIN) -> bool:
+def packable(weight: torch.Tensor, min_elements: int | None = None) -> bool:
     """Whether ``weight`` [out, in] gets a packed copy: a CPU float32/bfloat16 matrix of more
-    than ``min_elements`` elements, with torch's oneDNN available."""
+    than ``min_elements`` elements (None: ``PACK_MIN``), with torch's oneDNN available. Not an
+    inference tensor (made under ``torch.inference_mode``): it keeps no version counter, so a
+    write into it could not be told from the copy."""
+    least = PACK_MIN if min_elements is None else min_elements
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and weight.dim() == 2 and weight.numel() > max(min_elements, 0)
-            and torch.backends.mkldnn.is_available())
+            and weight.dim() == 2 and weight.numel() > max(least, 0)
+            and not weight.is_inference() and torch.backends.mkldnn.is_available())
 
 
 def pack(weight: torch.Tensor, min_elements: int | None = None) -> PackedWeight | None:
     """``weight``'s packed copy, or None where it is not ``packable`` (``min_elements`` None:
     ``PACK_MIN``)."""
-    if not packable(weight, PACK_MIN if min_elements is None else min_elements):
+    if not packable(weight, min_elements):
         return None
     w = weight.detach()
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT), w.data_ptr(),
@@ -115,7 +118,7 @@ def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         return F.linear(x, weight, bias)
     packed = module.packed
     if (packed is None or x.dtype != weight.dtype or x.requires_grad
-            or packed.version != weight._version or packed.data_ptr != weight.data_ptr()):
+            or packed.data_ptr != weight.data_ptr() or packed.version != weight._version):
         return F.linear(x, weight, bias)
     if x.numel() == x.shape[-1]:  # one row: a matrix-vector product, on the plain weight
         return _matmul(x, weight, bias) if packed.one_row else F.linear(x, weight, bias)

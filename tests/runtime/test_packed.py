@@ -113,6 +113,9 @@ def test_what_gets_a_packed_copy():
     assert packing.pack(torch.zeros(4, 4, dtype=torch.float64), 0) is None
     assert packing.pack(torch.zeros(4, 4, dtype=torch.float8_e4m3fn), 0) is None
     assert packing.pack(torch.zeros(0, 4), 0) is None
+    with torch.inference_mode():  # no version counter: a write could not be told apart
+        frozen = torch.zeros(4, 4)
+    assert packing.pack(frozen, 0) is None
     assert packing.pack(torch.zeros(4, 4, dtype=torch.bfloat16), min_elements=0) is not None
     small = torch.zeros(256, 256)  # oneDNN's per-call work is MKL's whole product here
     assert packing.pack(small) is None and packing.pack(torch.zeros(257, 256)) is not None
