@@ -156,3 +156,19 @@ def test_packed_tensor_parallel_linears_match_dense(tp):
         torch.testing.assert_close(a, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b, F.linear(wide, weight.t(), bias[:32]),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_estimate_counts_the_packed_copies():
+    from layer_boundary.models.estimate import MemoryEstimate
+
+    group = build_parallel(ParallelDims(world_size=1, tp=1)).tp_group
+    with torch.device("meta"):  # as the estimate builds its models: nothing allocated
+        model = nn.ModuleList([ColumnParallelLinear(512, 512, group),  # over PACK_MIN
+                               RowParallelLinear(16, 16, group),  # under it: not packed
+                               ColumnParallelLinear(512, 512, group, dtype=torch.float64)])
+    assert packing.packed_bytes(model) == 512 * 512 * 4
+    estimate = MemoryEstimate(parameters=10, kv_cache=1, activations=1, processes=2,
+                              packed=512 * 512 * 4)
+    assert estimate.per_rank == 12 + 512 * 512 * 4
+    assert "their packed copies 1.00 MB" in estimate.describe()
+    assert estimate.as_dict()["packed"] == 512 * 512 * 4
