@@ -153,6 +153,7 @@ def peers_rank(path: str, tp: int, repeats: int) -> list:
     contexts = {n: torch.randint(1, vocab, (n, PREFIX)) for n in (1, 16)}
     tokens = {n: torch.randint(1, vocab, (n, 1)) for n in (1, 16)}
     times = {(w, r.name): [] for w in WORKLOADS for r in runs}
+    calls = {w: 1 if w == "prefill 4x64" else DECODE_CALLS for w in WORKLOADS}  # a repeat's
     with torch.no_grad():
         # the same numbers first: each peer's last logits against the library's
         want = runs[0].prefill(prompts)
@@ -166,15 +167,13 @@ def peers_rank(path: str, tp: int, repeats: int) -> list:
                         r.prepare_decode(contexts[n])
                     call = (lambda: r.prefill(prompts)) if w == "prefill 4x64" else (
                         lambda: r.decode(tokens[n]))
-                    for _ in range(1 if w == "prefill 4x64" else DECODE_CALLS):
+                    for _ in range(calls[w]):
                         _sync()
                         start = time.perf_counter()
                         call()
                         _sync()
                         times[(w, r.name)].append(time.perf_counter() - start)
-    # the first round warms up
-    best = {k: min(v[1 if k[0] == "prefill 4x64" else DECODE_CALLS:]) * 1e3
-            for k, v in times.items()}
+    best = {k: min(v[calls[k[0]]:]) * 1e3 for k, v in times.items()}  # round 1 warmed up
     return [dict(bench="peers", workload=w, tp=tp, peer=r.name, ms=best[(w, r.name)],
                  lib_ms=best[(w, runs[0].name)], ratio=best[(w, runs[0].name)] / best[(w, r.name)])
             for w in WORKLOADS for r in runs[1:]]

@@ -57,9 +57,14 @@ def packable(weight: torch.Tensor, min_elements: int | None = None) -> bool:
     inference tensor (made under ``torch.inference_mode``): it keeps no version counter, so a
     write into it could not be told from the copy."""
     least = PACK_MIN if min_elements is None else min_elements
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and weight.dim() == 2 and weight.numel() > max(least, 0)
-            and not weight.is_inference() and torch.backends.mkldnn.is_available())
+    return (weight.device.type == "cpu" and not weight.is_inference()
+            and _worth_packing(weight, least))
+
+
+def _worth_packing(weight: torch.Tensor, least: int) -> bool:
+    # what packing asks of a weight wherever it was built (``packed_bytes`` reads meta ones)
+    return (weight.dtype in PACKED_DTYPES and weight.dim() == 2
+            and weight.numel() > max(least, 0) and torch.backends.mkldnn.is_available())
 
 
 def pack(weight: torch.Tensor, min_elements: int | None = None) -> PackedWeight | None:
@@ -101,9 +106,7 @@ def packed_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (getattr(type(module), "packs_weight", False) and weight is not None
-                and id(weight) not in seen and weight.dtype in PACKED_DTYPES
-                and weight.dim() == 2 and weight.numel() > PACK_MIN
-                and torch.backends.mkldnn.is_available()):
+                and id(weight) not in seen and _worth_packing(weight, PACK_MIN)):
             seen.add(id(weight))
             total += weight.numel() * weight.element_size()
     return total
