@@ -69,9 +69,11 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
         device: where the parameters (and so the KV cache and every tensor a forward makes)
             live (None: the default device, the CPU); each shard is read on the CPU and
             copied into its parameter there.
-        pack: give each CPU linear's weight a copy packed for oneDNN once it is loaded
-            (``runtime.packed``: eager CPU matmuls run on it; one more copy of those weights
-            in memory). False: every matmul runs ``F.linear`` on the weight itself.
+        pack: lay each CPU linear's weight out for the matmul kernels once it is loaded
+            (``runtime.packed``: a wide weight stored transposed in place, and a copy packed
+            for oneDNN that eager CPU matmuls of several rows run on: one more copy of those
+            weights in memory). False: every matmul runs ``F.linear`` on the weight as
+            loaded.
     """
     import dataclasses
 

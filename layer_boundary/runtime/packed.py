@@ -1,4 +1,4 @@
-"""Linear weights packed once, at load, in oneDNN's blocked layout (CPU).
+"""Linear weights laid out once, at load, for the CPU's matmul kernels.
 
 A CPU matmul through ``F.linear`` (MKL) re-packs the weight panel on every call; at the row
 counts of decoding and of short prefills that packing costs as much as the product, and the
@@ -6,20 +6,29 @@ weights stream from memory twice. Engines that serve on CPUs pack each weight on
 layout the matmul kernel reads (oneDNN's reordered weights, as inductor's freezing pass and
 the CPU backends of serving engines do). Measured on this project's 2-core VM (hidden 1024,
 eight distinct weights a pass so they come from memory): a packed fp32 linear took 0.41-0.54
-of MKL's time at 16 rows, 0.57-0.81 at 64 and 0.73-0.88 at 256. A single row is a
-matrix-vector product, which the layout laid out for 16 rows serves no better than MKL
-(0.95-1.22); oneDNN's own product on the plain weight took 0.77-0.91 of MKL's there, with no
-copy (``benchmarks/peers.py`` shows what both do to a whole forward).
+of MKL's time at 16 rows, 0.57-0.81 at 64 and 0.73-0.88 at 256.
+
+A single row is a matrix-vector product, which the layout laid out for 16 rows serves no
+better than MKL. There the lever is the plain weight's own layout: MKL reads a weight stored
+[in, out] row-major (``weight.t()`` contiguous) as a plain product and streams it, where the
+usual [out, in] storage takes its transposed path. For a wide weight (more outputs than
+inputs) the transposed storage ran a one-row step's matmuls in 0.65 of MKL's time at hidden
+256 and 0.79-0.85 at hidden 1024 (tp 1 and tp 4 shards, every layer's weights in turn, so
+they come from memory), 0.85 on hidden-256 tp-2 shards that stay in cache; for a narrow
+weight (fewer outputs, such as ``down_proj``) it was slower, so those stay as they are.
+oneDNN's product on the plain weight, tried before, was no better at one row overall.
 
 Decided at construction: ``pack_linears(model)`` (called by ``models.load_model`` once the
-weights are in) gives each tensor-parallel linear and LM head whose weight lives on the CPU
-in float32 or bfloat16, with more than ``PACK_MIN`` elements, a packed copy, when torch's
-oneDNN is available. Selected at forward by ``linear``, in eager inference: several rows
-run on the packed copy, one row on the plain weight through oneDNN (a weight of at least
-``ONE_ROW_MIN`` elements; a smaller one through ``F.linear``). ``F.linear`` runs everywhere
-else: a compiled graph (its backend chooses its own kernels), autograd, a mismatched input
-dtype, a weight reassigned or rewritten in place since it was packed (which the copy would
-not reflect). The copy costs one more copy of each packed weight in memory.
+weights are in), for each tensor-parallel linear and LM head whose weight lives on the CPU in
+float32 or bfloat16, (1) stores a wide weight's elements transposed, in place: the parameter
+keeps its [out, in] shape and values (a strided view; no extra memory), and (2) gives a
+weight of more than ``PACK_MIN`` elements a packed copy, when torch's oneDNN is available.
+Selected at forward by ``linear``, in eager inference: several rows run on the packed copy,
+one row through ``F.linear`` on the (re-laid) plain weight. ``F.linear`` runs everywhere
+else: a compiled graph (its backend chooses its own kernels, on the same strided weight),
+autograd, a mismatched input dtype, a weight reassigned or rewritten in place since it was
+packed (which the copy would not reflect). The packed copy costs one more copy of each packed
+weight in memory.
 """
 
 from __future__ import annotations
@@ -34,10 +43,6 @@ ROWS_HINT = 16  # the row count oneDNN lays the weight out for; any row count ru
 # (256x256 at 16 rows: 0.98 of MKL's time packed, at 4 rows 1.28): only weights of more than
 # this many elements are packed
 PACK_MIN = 1 << 16
-# one row through oneDNN's plain-weight product, against MKL's: 512x256 1.66x (its fixed
-# per-call work), 256x768 1.16x, 768x256 0.93x, 1536x256 0.79x, 1024x1024 0.85x, 6144x1024
-# 0.77x. Below this many elements a one-row input runs F.linear.
-ONE_ROW_MIN = 1 << 18
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -48,7 +53,6 @@ class PackedWeight:
     tensor: torch.Tensor  # opaque (mkldnn layout); only ``linear`` reads it
     data_ptr: int  # the weight's storage when packed: a reassigned weight no longer matches
     version: int  # the weight's version counter when packed: an in-place write moves it
-    one_row: bool  # whether a single row runs through oneDNN (ONE_ROW_MIN elements or more)
 
 
 def packable(weight: torch.Tensor, min_elements: int | None = None) -> bool:
@@ -74,13 +78,30 @@ def pack(weight: torch.Tensor, min_elements: int | None = None) -> PackedWeight 
         return None
     w = weight.detach()
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT), w.data_ptr(),
-                        w._version, w.numel() >= ONE_ROW_MIN)
+                        w._version)
+
+
+def stores_transposed(weight: torch.Tensor) -> bool:
+    """Whether ``pack_linears`` stores ``weight`` [out, in] transposed: a CPU float32/bfloat16
+    matrix with more outputs than inputs, stored contiguously (once re-laid it no longer is,
+    so a second call leaves it), not an inference tensor (its storage cannot be swapped)."""
+    return (weight.device.type == "cpu" and not weight.is_inference()
+            and weight.dtype in PACKED_DTYPES and weight.dim() == 2
+            and weight.shape[0] > weight.shape[1] and weight.is_contiguous())
+
+
+def store_transposed(weight: torch.nn.Parameter) -> None:
+    """Re-lay ``weight``'s elements as [in, out] row-major, in place: same shape, values and
+    parameter object (anything holding it, a tied embedding too, sees the new storage); the
+    old storage is freed once nothing else holds it."""
+    weight.data = weight.detach().t().contiguous().t()
 
 
 def pack_linears(model: torch.nn.Module, min_elements: int | None = None) -> int:
-    """Give every module of ``model`` that declares ``packs_weight`` (the tensor-parallel
-    linears, the LM head) a packed copy of its weight, replacing any earlier one; call it
-    again after rewriting weights in place through ``.data``.
+    """Lay out the weight of every module of ``model`` that declares ``packs_weight`` (the
+    tensor-parallel linears, the LM head) for the CPU's kernels: a wide one stored transposed
+    (``stores_transposed``), and a packed copy, replacing any earlier one. Call it again after
+    rewriting weights in place through ``.data``.
 
     Args:
         model: the loaded model (or any module holding such layers).
@@ -93,6 +114,8 @@ def pack_linears(model: torch.nn.Module, min_elements: int | None = None) -> int
     count = 0
     for module in model.modules():
         if getattr(type(module), "packs_weight", False):
+            if stores_transposed(module.weight):
+                store_transposed(module.weight)
             module.packed = pack(module.weight, min_elements)
             count += module.packed is not None
     return count
@@ -124,10 +147,10 @@ def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
             or packed.data_ptr != weight.data_ptr() or packed.version != weight._version):
         return F.linear(x, weight, bias)
     if x.numel() == x.shape[-1]:  # one row: a matrix-vector product, on the plain weight
-        return _matmul(x, weight, bias) if packed.one_row else F.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     return _matmul(x, packed.tensor, bias)
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # oneDNN's linear: on a packed (mkldnn-layout) weight, or on a plain one it reads as is
+    # oneDNN's linear on the packed (mkldnn-layout) copy
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

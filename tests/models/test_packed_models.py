@@ -1,7 +1,9 @@
 """Models on packed weights (runtime/packed.py): the tiny checkpoints' weights are below
 ``PACK_MIN``, so these tests pack every one (``min_elements=0``) and run the engine on them:
 world 1 against transformers, and the ranks (TP, attention DP with rs/rsv and an idle DP
-rank, a sequence-parallel batch, a MoE with EP) against an unpacked world 1."""
+rank, a sequence-parallel batch, a MoE with EP) against an unpacked world 1. (Every model a
+test loads through ``load_model`` has its wide weights stored transposed, whatever their
+size: the whole suite's parity runs on that layout.)"""
 
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ def test_world1_on_packed_weights_matches_transformers(qwen3_dir):
         declared = [m for m in ours.modules() if getattr(type(m), "packs_weight", False)]
         # every layer's q/k/v, o, gate, up and down, and the LM head
         assert packed == declared and len(packed) == 5 * len(ours.model.layers) + 1
+        # the wide ones (q/k/v, gate, up, the LM head) stored transposed, the rest as loaded
+        assert all(m.weight.is_contiguous() == (m.weight.shape[0] <= m.weight.shape[1])
+                   for m in declared)
+        assert any(not m.weight.is_contiguous() for m in declared)
         ref = hf_reference(qwen3_dir)
         assert_prefill_matches(ours, ref, [list(p) for p in PROMPTS])
         assert len(calls) == len(packed)  # one forward: every linear on its packed copy

@@ -1,6 +1,7 @@
-"""Linear weights packed once for oneDNN (runtime/packed.py): the packed matmul is the one
-that runs where it applies, matches ``F.linear`` on every row count, and steps aside wherever
-its copy could be stale or does not apply."""
+"""Linear weights laid out once for the CPU's kernels (runtime/packed.py): a wide weight stored
+transposed in place, and a packed copy for oneDNN; the packed matmul is the one that runs
+where it applies, matches ``F.linear`` on every row count, and steps aside wherever its copy
+could be stale or does not apply."""
 
 from __future__ import annotations
 
@@ -44,17 +45,49 @@ def _column(out=48, inp=32, bias=True, dtype=torch.float32, seed=0):
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 16, 100])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("width", [32, 512], ids=["small", "large"])
-def test_packed_matmul_runs_and_matches(rows, bias, width):
-    layer = _column(out=512, inp=width, bias=bias)
+@pytest.mark.parametrize("shape", [(512, 32), (512, 512), (64, 512)],
+                         ids=["wide", "square", "narrow"])
+def test_packed_matmul_runs_and_matches(rows, bias, shape):
+    layer = _column(out=shape[0], inp=shape[1], bias=bias)
     assert packing.pack_linears(layer, min_elements=0) == 1
-    assert layer.packed.one_row == (layer.weight.numel() >= packing.ONE_ROW_MIN)
-    x = torch.randn(rows, width)
+    # a wide weight is stored [in, out] row-major, its [out, in] shape kept
+    wide = shape[0] > shape[1]
+    assert layer.weight.shape == shape and layer.weight.is_contiguous() != wide
+    x = torch.randn(rows, shape[1])
     y, ops = _ops(lambda: layer(x))
-    # one row through a small weight runs MKL's matmul (oneDNN's per-call work dominates)
-    packed = rows != 1 or layer.packed.one_row
+    # several rows run on the packed copy; one row is a matrix-vector product, through MKL
+    packed = rows != 1
     assert ops.count(PACKED_OP) == packed and ("aten::linear" in ops) != packed
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_wide_weight_is_stored_transposed_in_place():
+    head = ParallelLMHead(96, 16, build_parallel(ParallelDims(world_size=1, tp=1)).tp_group)
+    embedding = nn.Embedding(96, 16)
+    head.weight.data.copy_(torch.randn(96, 16))
+    embedding.weight = head.weight  # tied: one parameter, held by a module that packs nothing
+    before, param = head.weight.detach().clone(), head.weight
+    ids = torch.tensor([[3, 95, 0]])
+    looked_up = embedding(ids)
+    assert packing.pack_linears(nn.ModuleList([head, embedding])) == 0  # under PACK_MIN
+    assert head.weight is param and embedding.weight is param and not param.requires_grad
+    assert param.shape == (96, 16) and param.stride() == (1, 96)
+    assert torch.equal(param, before) and torch.equal(embedding(ids), looked_up)
+    ptr = param.data_ptr()
+    packing.pack_linears(head)  # again: already laid out, left as it is
+    assert param.data_ptr() == ptr and param.stride() == (1, 96)
+    x = torch.randn(1, 16)
+    torch.testing.assert_close(head(x), x @ before.t(), rtol=1e-5, atol=1e-5)
+    # where the storage stays: not wide, not float32/bfloat16, not on the CPU, inference
+    assert not packing.stores_transposed(torch.zeros(16, 16))
+    assert not packing.stores_transposed(torch.zeros(16, 96))
+    assert not packing.stores_transposed(torch.zeros(96, 16, dtype=torch.float64))
+    assert not packing.stores_transposed(torch.zeros(96, 16, device="meta"))
+    assert not packing.stores_transposed(torch.zeros(96, 16).t().contiguous().t())
+    with torch.inference_mode():
+        frozen = torch.zeros(96, 16)
+    assert not packing.stores_transposed(frozen)
+    assert packing.stores_transposed(torch.zeros(96, 16, dtype=torch.bfloat16))
 
 
 def test_packed_matmul_bf16_and_3d_inputs():
