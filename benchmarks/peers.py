@@ -1,5 +1,5 @@
 """The library's whole forward against what a user would run instead, on the same checkpoint
-and batches: `python benchmarks/peers.py [--hidden 256] [--tp 2] [--repeats 9]`.
+and batches: `python benchmarks/peers.py [--hidden 256] [--tp 2] [--repeats 20]`.
 
 Peers: plain transformers at world 1; at tp > 1, transformers' own tensor parallelism
 (``from_pretrained(distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))``) and a
@@ -31,6 +31,10 @@ WORKLOADS = ("prefill 4x64", "decode 1", "decode 16")
 # each): a decode step is short, so its minimum needs more samples than a prefill's to settle
 # (at hidden 256, one request, 9 samples spread 0.92-1.05 for one build; 150 gave 0.94-0.98)
 DECODE_CALLS = 4
+# repeats of every peer's calls: at tp > 1 a step is mostly waiting in gloo, whose latency on
+# 2 shared cores is heavy-tailed, so each minimum needs more samples there than at world 1
+# (at 9 repeats single tp-2 figures spread 0.74-1.14 for one build)
+REPEATS = 20
 
 
 def config(hidden: int) -> dict:
@@ -179,7 +183,7 @@ def peers_rank(path: str, tp: int, repeats: int) -> list:
             for w in WORKLOADS for r in runs[1:]]
 
 
-def peers(hidden: int = 256, tp: int = 1, repeats: int = 9) -> list:
+def peers(hidden: int = 256, tp: int = 1, repeats: int = REPEATS) -> list:
     """The rows of ``peers_rank`` at ``tp`` ranks (spawned over gloo) on a fresh checkpoint."""
     from layer_boundary.runtime.launch import spawn
 
@@ -197,7 +201,7 @@ def main(argv) -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=REPEATS)
     args = parser.parse_args(argv)
     for row in peers(args.hidden, args.tp, args.repeats):
         print(json.dumps(row), flush=True)

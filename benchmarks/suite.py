@@ -104,7 +104,7 @@ def peers_rows(quick: bool):
 
     sizes = [(64, 1), (64, 2)] if quick else [(256, 1), (256, 2), (1024, 1), (1024, 4)]
     for hidden, tp in sizes:
-        yield from peers.peers(hidden, tp, repeats=1 if quick else 9)
+        yield from peers.peers(hidden, tp, repeats=1 if quick else peers.REPEATS)
 
 
 BENCHES = {"overhead": lambda quick: overhead_rows(quick), "load": lambda quick: [load_row(quick)],
