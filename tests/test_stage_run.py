@@ -43,9 +43,9 @@ def _forward(rt, counts, through_run: bool, tokens=None):
     issued = []
     observe = collectives._observe
 
-    def counting(kind, group, numel, dtype, site, wire_numel=None):
+    def counting(kind, group, numel, dtype, site, wire_numel=None, wire_kind=None):
         issued.append((kind, group.name, numel))
-        return observe(kind, group, numel, dtype, site, wire_numel)
+        return observe(kind, group, numel, dtype, site, wire_numel, wire_kind)
 
     collectives._observe = counting
     try:

@@ -76,6 +76,9 @@ class LedgerEntry:
     # elements the implementation moves where that is not ``numel``: a variable-size gather,
     # which gloo (no uneven all-gather) runs padded to the widest rank; None: ``numel``
     wire_numel: int | None = None
+    # the collective the implementation ran where that is not ``kind``: a small sum on gloo
+    # runs as an all-gather of every rank's tensor (``collectives.sums_by_gather``)
+    wire_kind: str | None = None
 
     @property
     def bytes(self) -> int:
@@ -85,13 +88,14 @@ class LedgerEntry:
 
     def wire_bytes(self, backend: str = "gloo") -> int:
         """Per-rank bytes ``backend`` really sends for it. On gloo a reduce-scatter is an
-        all-reduce of the whole tensor (each rank then keeps its block) and a variable
-        gather moves every rank's block padded to the widest; NCCL (any other backend
-        here) moves the logical figure."""
+        all-reduce of the whole tensor (each rank then keeps its block), a variable gather
+        moves every rank's block padded to the widest, and a small sum is a gather of every
+        rank's tensor (``wire_kind``); NCCL (any other backend here) moves the logical
+        figure."""
         if backend != "gloo":
             return self.bytes
         size = (self.numel if self.wire_numel is None else self.wire_numel) * self.dtype.itemsize
-        kind = "all_reduce" if self.kind == "reduce_scatter" else self.kind
+        kind = self.wire_kind or ("all_reduce" if self.kind == "reduce_scatter" else self.kind)
         return _ring_bytes(kind, size, self.group_size)
 
 
@@ -135,15 +139,16 @@ class Ledger:
     def enter(self, site: str) -> None:
         self.site = site
 
-    # an observer that takes what the backend moves too (``collective(..., wire_numel=)``);
-    # one that does not declare it gets the protocol's five arguments
+    # an observer that takes what the backend moves too (``collective(..., wire_numel=,
+    # wire_kind=)``); one that does not declare it gets the protocol's five arguments
     records_wire = True
 
     def collective(self, kind: str, group, numel: int, dtype, site: str | None = None,
-                   wire_numel: int | None = None) -> None:
+                   wire_numel: int | None = None, wire_kind: str | None = None) -> None:
         if self.enabled:
             self.entries.append(LedgerEntry(kind, group.name, group.size, numel, dtype,
-                                            site or self.site, self.step, wire_numel))
+                                            site or self.site, self.step, wire_numel,
+                                            wire_kind))
 
     def boundary(self, site: str, stream, facts) -> None:
         if self.traces is None:

@@ -77,6 +77,60 @@ def test_all_reduce_rows_sums_each_row_over_the_group(world, kwargs, name, trans
             assert same_storage, f"rank {r}: result does not reuse the input's storage"
 
 
+def _sum_paths(kwargs, name, small, large):
+    """A small sum, one over ``GATHER_SUM_MAX_BYTES`` and the small one issued asynchronously:
+    each result, its ledger entry and which torch call ran."""
+    group = _group(kwargs, name)
+    ran = []
+    calls = {f: getattr(dist, f) for f in ("all_reduce", "all_gather_single")}
+    for f, call in calls.items():
+        setattr(dist, f, lambda *a, _f=f, _call=call, **k: ran.append(_f) or _call(*a, **k))
+    try:
+        with LEDGER.recording() as entries:
+            out = [all_reduce_rows(small[dist.get_rank()].clone(), group),
+                   all_reduce_rows(large[dist.get_rank()].clone(), group)]
+            with ops.issuing_async() as issued:
+                x = all_reduce_rows(small[dist.get_rank()].clone(), group)
+            for work, _ in issued:
+                work.wait()
+            out.append(x)
+    finally:
+        for f, call in calls.items():
+            setattr(dist, f, call)
+    return group.ranks, out, list(entries), ran
+
+
+@pytest.mark.parametrize("world, kwargs, name", GROUPS[:3], ids=GROUP_IDS[:3])
+def test_a_small_sum_on_gloo_runs_as_a_gather_and_the_same_local_sum_everywhere(world, kwargs,
+                                                                               name):
+    g = torch.Generator().manual_seed(5)
+    small = [torch.randn(3, 64, generator=g) for _ in range(world)]  # not exact in float32
+    # float64 rows over the limit for the smallest group here (2 ranks), so for every one
+    rows = ops.GATHER_SUM_MAX_BYTES // (2 * 64 * 8) + 1
+    large = _inputs(world, (rows, 64), seed=6)
+    results = get_pool(world).run(_sum_paths, kwargs, name, small, large)
+    sums = []
+    for r, (ranks, (gathered, over, issued), entries, ran) in enumerate(results):
+        assert ran == ["all_gather_single", "all_reduce", "all_reduce"], f"rank {r}"
+        # summed here in group rank order: that exact float32 sum, on every rank
+        assert torch.equal(gathered, torch.stack([small[q] for q in ranks]).sum(0))
+        assert torch.equal(over, sum(large[q] for q in ranks))
+        torch.testing.assert_close(issued, gathered)  # the all-reduce's own rounding
+        sums.append(gathered)
+        small_bytes = 3 * 64 * 4
+        kinds = [(e.kind, e.numel, e.wire_kind) for e in entries]
+        assert kinds == [("all_reduce", 3 * 64, "all_gather"), ("all_reduce", rows * 64, None),
+                         ("all_reduce", 3 * 64, None)]
+        # the logical figure stays the all-reduce's; gloo's wire carries the gather
+        assert entries[0].bytes == 2 * (len(ranks) - 1) * small_bytes // len(ranks)
+        assert entries[0].wire_bytes() == (len(ranks) - 1) * small_bytes
+        assert entries[0].wire_bytes("nccl") == entries[0].bytes
+        assert entries[2].wire_bytes() == entries[2].bytes
+    for ranks, *_ in results:  # every rank of a group holds bit-identical sums
+        members = [sums[q] for q, (rk, *_) in enumerate(results) if rk == ranks]
+        assert all(torch.equal(m, members[0]) for m in members)
+
+
 @pytest.mark.parametrize("transpose", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("world, kwargs, name", GROUPS, ids=GROUP_IDS)
 def test_gather_last_dim_concatenates_in_rank_order(world, kwargs, name, transpose):
