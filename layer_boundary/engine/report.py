@@ -177,7 +177,8 @@ def report(args, spec, results, reference) -> int:
         from ..runtime.ledger import wire_total
 
         log.info("on gloo's wire (its reduce-scatter is an all-reduce, its variable gather is "
-                 "padded to the widest rank): %d B, against %d B logical",
+                 "padded to the widest rank, a small sum is a gather): %d B, against %d B "
+                 "logical",
                  wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
     return 0 if ok else 1
 
