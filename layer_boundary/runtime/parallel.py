@@ -185,7 +185,7 @@ def _new_groups(name: str, all_ranks: list[list[int]], rank: int) -> Group:
             mine = Group(name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=pg)
             if pg is not None:
                 _PROCESS_GROUPS[mine.key] = pg
-                mine.backend  # asked once here, not first inside a compiled forward
+                _ = mine.backend  # asked of torch here, not first inside a compiled forward
     assert mine is not None, f"rank {rank} is in no {name} group"
     return mine
 
