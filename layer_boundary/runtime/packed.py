@@ -61,14 +61,22 @@ def packable(weight: torch.Tensor, min_elements: int | None = None) -> bool:
     inference tensor (made under ``torch.inference_mode``): it keeps no version counter, so a
     write into it could not be told from the copy."""
     least = PACK_MIN if min_elements is None else min_elements
-    return (weight.device.type == "cpu" and not weight.is_inference()
-            and _worth_packing(weight, least))
+    return _host_weight(weight) and _worth_packing(weight, least)
+
+
+def _host_weight(weight: torch.Tensor) -> bool:
+    # a CPU weight whose writes and reassignments can be seen: not an inference tensor
+    return weight.device.type == "cpu" and not weight.is_inference()
+
+
+def _float_matrix(weight: torch.Tensor) -> bool:
+    return weight.dtype in PACKED_DTYPES and weight.dim() == 2
 
 
 def _worth_packing(weight: torch.Tensor, least: int) -> bool:
     # what packing asks of a weight wherever it was built (``packed_bytes`` reads meta ones)
-    return (weight.dtype in PACKED_DTYPES and weight.dim() == 2
-            and weight.numel() > max(least, 0) and torch.backends.mkldnn.is_available())
+    return (_float_matrix(weight) and weight.numel() > max(least, 0)
+            and torch.backends.mkldnn.is_available())
 
 
 def pack(weight: torch.Tensor, min_elements: int | None = None) -> PackedWeight | None:
@@ -85,8 +93,7 @@ def stores_transposed(weight: torch.Tensor) -> bool:
     """Whether ``pack_linears`` stores ``weight`` [out, in] transposed: a CPU float32/bfloat16
     matrix with more outputs than inputs, stored contiguously (once re-laid it no longer is,
     so a second call leaves it), not an inference tensor (its storage cannot be swapped)."""
-    return (weight.device.type == "cpu" and not weight.is_inference()
-            and weight.dtype in PACKED_DTYPES and weight.dim() == 2
+    return (_host_weight(weight) and _float_matrix(weight)
             and weight.shape[0] > weight.shape[1] and weight.is_contiguous())
 
 
