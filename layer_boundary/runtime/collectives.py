@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,49 @@ def issuing_async():
         _ISSUED = outer
 
 
-def _issue(call, *keep) -> None:
+def _issue(call, polls: bool, *keep) -> None:
     """Run a torch.distributed call, asynchronously inside ``issuing_async()``."""
     if _ISSUED is None or torch.compiler.is_compiling():
-        call(async_op=False)
+        _complete(call, polls)
     else:
-        _ISSUED.append((call(async_op=True), keep))
+        work = call(async_op=True)
+        _ISSUED.append((_Polled(work) if polls else work, keep))
+
+
+def _complete(call, polls: bool) -> None:
+    """Run a torch.distributed call (``call(async_op=...)``) to completion: where the group
+    ``polls``, issued asynchronously and polled (compiled graphs trace the plain call)."""
+    if polls and not torch.compiler.is_compiling():
+        _poll(call(async_op=True))
+    else:
+        call(async_op=False)
+
+
+# polls before a wait sleeps in torch's ``wait()`` after all: a collective here completes in
+# well under 10k polls (a poll is a sched_yield, about a microsecond on an idle core), so only
+# a stalled peer, or a work handle that never reports completion, reaches it
+MAX_POLLS = 1 << 15
+
+
+def _poll(work) -> None:
+    for _ in range(MAX_POLLS):
+        if work.is_completed():  # a failed collective completes too: wait() raises it
+            break
+        os.sched_yield()
+    work.wait()
+
+
+class _Polled:
+    """A work handle whose ``wait()`` polls (what ``issuing_async()`` hands back where the
+    group ``polls``)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        _poll(self.work)
 
 
 def _observe(kind: str, group: Group, numel: int, dtype, site: str | None,
@@ -88,10 +126,12 @@ def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> t
         _observe("all_reduce", group, x.numel(), x.dtype, site,
                  wire_numel=group.size * x.numel(), wire_kind="all_gather")
         gathered = x.new_empty((group.size * x.numel(),))
-        dist.all_gather_single(gathered, x.view(-1), group=group.pg)
+        _complete(lambda async_op: dist.all_gather_single(gathered, x.view(-1), group=group.pg,
+                                                          async_op=async_op), group.polls)
         return torch.sum(gathered.view(group.size, *x.shape), dim=0, out=x)
     _observe("all_reduce", group, x.numel(), x.dtype, site)
-    _issue(lambda async_op: dist.all_reduce(x, group=group.pg, async_op=async_op), x)
+    _issue(lambda async_op: dist.all_reduce(x, group=group.pg, async_op=async_op),
+           group.polls, x)
     return x
 
 
@@ -107,8 +147,9 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
         return out
     _observe("reduce_scatter", group, x.numel(), x.dtype, None)
     x = x.contiguous()
+    # never polled: gloo's reduce-scatter work never reports itself completed (torch 2.13)
     _issue(lambda async_op: dist.reduce_scatter_single(out, x, group=group.pg,
-                                                      async_op=async_op), out, x)
+                                                      async_op=async_op), False, out, x)
     return out
 
 
@@ -128,8 +169,9 @@ def reduce_scatter_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...])
 def _reduce_scatter_v(x, pg, sizes, rank):
     blocks = list(x.contiguous().split(list(sizes), dim=0))
     out = x.new_empty((sizes[rank], *x.shape[1:]))
+    # never polled, as reduce_scatter_rows
     _issue(lambda async_op: dist.reduce_scatter(out, blocks, group=pg, async_op=async_op),
-           out, blocks)
+           False, out, blocks)
     return out
 
 
@@ -157,7 +199,9 @@ def gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.numel() == 0:
         return out
     _observe("all_gather", group, out.numel(), x.dtype, None)
-    dist.all_gather_single(out, x.contiguous(), group=group.pg)
+    x = x.contiguous()
+    _complete(lambda async_op: dist.all_gather_single(out, x, group=group.pg,
+                                                      async_op=async_op), group.polls)
     return out
 
 
@@ -176,7 +220,8 @@ def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torc
     padded = x.new_zeros((widest, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((widest * group.size, *x.shape[1:]))
-    dist.all_gather_single(out, padded, group=group.pg)
+    _complete(lambda async_op: dist.all_gather_single(out, padded, group=group.pg,
+                                                      async_op=async_op), group.polls)
     return torch.cat([out[i * widest: i * widest + n] for i, n in enumerate(sizes)])
 
 
@@ -198,7 +243,8 @@ def exchange_counts(counts: list, group: Group) -> list:
     recv = torch.empty_like(send)
     _observe("all_to_all", group, send.numel() // group.size * (group.size - 1), send.dtype,
              None)
-    dist.all_to_all_single(recv, send, group=group.pg)
+    _complete(lambda async_op: dist.all_to_all_single(recv, send, group=group.pg,
+                                                      async_op=async_op), group.polls)
     return recv.tolist()
 
 
@@ -214,8 +260,10 @@ def all_to_all_rows(x: torch.Tensor, group: Group, send: list[int],
     # no local skip: a rank that neither sends nor receives cannot know that no other pair
     # exchanges rows, so every rank takes part in every all-to-all
     _observe("all_to_all", group, (sum(send) - send[group.rank]) * width, x.dtype, None)
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv),
-                           input_split_sizes=list(send), group=group.pg)
+    x = x.contiguous()
+    _complete(lambda async_op: dist.all_to_all_single(
+        out, x, output_split_sizes=list(recv), input_split_sizes=list(send), group=group.pg,
+        async_op=async_op), group.polls)
     return out
 
 
@@ -228,7 +276,9 @@ def gather_last_dim(x: torch.Tensor, group: Group, site: str | None = None) -> t
         return x.new_empty((*x.shape[:-1], x.shape[-1] * group.size))
     _observe("all_gather", group, x.numel() * group.size, x.dtype, site)
     parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x.contiguous(), group=group.pg)
+    x = x.contiguous()
+    _complete(lambda async_op: dist.all_gather(parts, x, group=group.pg, async_op=async_op),
+              group.polls)
     return torch.cat(parts, dim=-1)
 
 
@@ -252,13 +302,24 @@ def send_to_next_stage(tensors: dict, group: Group, site: str | None = None) -> 
         code = list(name.encode())
         header += [len(code), *code, _WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
     header = torch.tensor(header, dtype=torch.int64, device=wire)
-    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=wire), dst=dst,
-              group=group.pg)
-    dist.send(header, dst=dst, group=group.pg)
+    _send(torch.tensor([header.numel()], dtype=torch.int64, device=wire), dst, group)
+    _send(header, dst, group)
     for t in tensors.values():
         if t.numel():
             _observe("send", group, t.numel(), t.dtype, site)
-            dist.send(t.to(wire).contiguous(), dst=dst, group=group.pg)
+            _send(t.to(wire).contiguous(), dst, group)
+
+
+def _send(t: torch.Tensor, dst: int, group: Group) -> None:
+    _complete(lambda async_op: (dist.isend if async_op else dist.send)(t, dst=dst,
+                                                                        group=group.pg),
+              group.polls)
+
+
+def _recv(t: torch.Tensor, src: int, group: Group) -> None:
+    _complete(lambda async_op: (dist.irecv if async_op else dist.recv)(t, src=src,
+                                                                        group=group.pg),
+              group.polls)
 
 
 def recv_from_prev_stage(group: Group, site: str | None = None,
@@ -269,9 +330,9 @@ def recv_from_prev_stage(group: Group, site: str | None = None,
         raise RuntimeError("the first pipeline stage has no previous stage to receive from")
     src, wire = group.ranks[group.rank - 1], wire_device(group)
     size = torch.empty(1, dtype=torch.int64, device=wire)
-    dist.recv(size, src=src, group=group.pg)
+    _recv(size, src, group)
     header = torch.empty(int(size.item()), dtype=torch.int64, device=wire)
-    dist.recv(header, src=src, group=group.pg)
+    _recv(header, src, group)
     fields, i, out = header.tolist(), 1, {}
     for _ in range(fields[0]):
         n = fields[i]
@@ -283,7 +344,7 @@ def recv_from_prev_stage(group: Group, site: str | None = None,
         t = torch.empty(shape, dtype=dtype, device=wire)
         if t.numel():
             _observe("recv", group, t.numel(), t.dtype, site)
-            dist.recv(t, src=src, group=group.pg)
+            _recv(t, src, group)
         out[name] = t if device is None else t.to(device)
     return out
 
@@ -296,5 +357,6 @@ def broadcast_from_last_stage(x: torch.Tensor, group: Group, site: str | None = 
     x = x.contiguous()
     if x.numel():
         _observe("broadcast", group, x.numel(), x.dtype, site)
-        dist.broadcast(x, src=group.ranks[-1], group=group.pg)
+        _complete(lambda async_op: dist.broadcast(x, src=group.ranks[-1], group=group.pg,
+                                                  async_op=async_op), group.polls)
     return x

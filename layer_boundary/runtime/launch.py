@@ -126,6 +126,7 @@ def _spawn_entry(rank, world_size, port, fn, args, conn, env, timeout_s, join_ti
     os.environ.clear()
     os.environ.update(env)
     os.environ["LOCAL_RANK"] = str(rank)  # one host: which device is this rank's
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # and how many ranks share its cores
     # the process that started this one (the spawner, or its fork server, which exits with it)
     reporter = _Reporter(conn, os.getppid())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -300,3 +300,92 @@ def test_size1_group_row_ops_return_the_input_itself(op, extra, monkeypatch):
     with LEDGER.recording() as entries:
         assert getattr(ops, op)(x, Group("tp", (0,), 0), *extra) is x
     assert entries == []
+
+
+# ------------------------------------------------------------- waiting: polled or asleep
+
+
+def _polls_decided(kwargs, name):
+    import os
+
+    group = _group(kwargs, name)
+    cores = len(os.sched_getaffinity(0))
+    return group.polls, group.backend, torch.get_num_threads(), cores
+
+
+@pytest.mark.parametrize("world, kwargs, name", GROUPS[:2], ids=GROUP_IDS[:2])
+def test_a_gloo_group_polls_only_where_the_hosts_ranks_fit_its_cores(world, kwargs, name):
+    for polls, backend, threads, cores in get_pool(world).run(_polls_decided, kwargs, name):
+        assert backend == "gloo"
+        assert polls == (world * threads <= cores)
+    assert Group("tp", (0,), 0).polls is False  # a size-1 group waits for nothing
+
+
+def _every_wait(kwargs, name, polls, seed):
+    """Every collective of the module with the group's wait forced to ``polls``: results."""
+    group = _group(kwargs, name)
+    decided = group.polls
+    group.__dict__["polls"] = polls  # the cached decision, put back below
+    n, r = group.size, group.rank
+    g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+    x = torch.randint(-1000, 1000, (2 * n, 3), generator=g).double()
+    big = torch.randint(-9, 9, (ops.GATHER_SUM_MAX_BYTES // (n * 3 * 8) + 1, 3),
+                        generator=g).double()  # over the gathered-sum limit: all-reduced
+    sizes = tuple(range(n))
+    try:
+        out = [all_reduce_rows(x.clone(), group), all_reduce_rows(big.clone(), group),
+               ops.reduce_scatter_rows(x.clone(), group),
+               ops.reduce_scatter_rows_v(x[: sum(sizes)].clone(), group, sizes),
+               ops.gather_rows(x, group), ops.gather_rows_v(x[:r], group, sizes),
+               gather_last_dim(x, group),
+               torch.tensor(ops.exchange_counts([r * 10 + j for j in range(n)], group)),
+               ops.all_to_all_rows(x, group, [2] * n, [2] * n)]
+        with ops.issuing_async() as issued:
+            y = all_reduce_rows(x.clone(), group)
+        handles = [type(work).__name__ for work, _ in issued]
+        for work, _ in issued:
+            work.wait()
+        out.append(y)
+    finally:
+        group.__dict__["polls"] = decided
+    return group.ranks, x, out, handles
+
+
+@pytest.mark.parametrize("world, kwargs, name", GROUPS[1:], ids=GROUP_IDS[1:])
+def test_polled_and_sleeping_waits_give_the_same_results(world, kwargs, name):
+    pool = get_pool(world)
+    polled = pool.run(_every_wait, kwargs, name, True, 7)
+    slept = pool.run(_every_wait, kwargs, name, False, 7)
+    xs = {r: x for r, (_, x, _, _) in enumerate(polled)}
+    for r, ((ranks, _, a, handles_a), (_, _, b, handles_b)) in enumerate(zip(polled, slept)):
+        assert len(a) == len(b) == 10
+        for i, (p, s) in enumerate(zip(a, b)):
+            assert torch.equal(p, s), f"rank {r}, collective {i}"
+        # inside issuing_async the handed-back work polls exactly where the group does
+        assert handles_a == ["_Polled"] and handles_b != ["_Polled"], f"rank {r}"
+        # the sums, gathers and exchanges themselves, not merely equal to each other
+        i = ranks.index(r)
+        assert torch.equal(a[0], sum(xs[q] for q in ranks)) and torch.equal(a[9], a[0])
+        assert torch.equal(a[2], sum(xs[q][2 * i: 2 * i + 2] for q in ranks))
+        assert torch.equal(a[4], torch.cat([xs[q] for q in ranks]))
+        assert a[7].tolist() == [j * 10 + i for j in range(len(ranks))]
+
+
+class _NeverDone:
+    """A work handle that never reports completion (as gloo's reduce-scatter work does)."""
+
+    def __init__(self):
+        self.polled = self.waited = 0
+
+    def is_completed(self):
+        self.polled += 1
+        return False
+
+    def wait(self):
+        self.waited += 1
+
+
+def test_a_poll_gives_up_after_max_polls_and_sleeps_in_wait():
+    work = _NeverDone()
+    ops._poll(work)
+    assert work.polled == ops.MAX_POLLS and work.waited == 1
