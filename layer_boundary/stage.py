@@ -433,9 +433,15 @@ def boundary_guard_filter(model):
     boundaries (``options={"guard_filter_fn": boundary_guard_filter(model)}``).
 
     A boundary's plan is built at construction and never changes afterwards, so re-checking it
-    on every call (hundreds of guards in a few layers) only costs time. Guards on tensors, on
-    the batch and on the model's own modules stay, and so does the check that a plan holds the
-    placement a static-shape trace kept (``StagePlan.place``): that graph reads it, so it is
+    on every call (hundreds of guards in a few layers) only costs time. Guards on the batch,
+    on the model's own modules and on tensors stay, but for the model's own parameters and
+    buffers where the trace reached them through a plan (a fused norm's weight, which the
+    plan's step holds): those are the model's, fixed with the plan, and the walk down the
+    plan to each one cost about as much as every guard on the modules' own tensors (45 us
+    against 33 for a hand-written forward's whole check, hidden 64, 8 layers). Such a tensor
+    stays an input of the graph, read where the plan holds it, and an inductor graph checks
+    each input's size and strides itself. The check that a plan holds the placement a
+    static-shape trace kept (``StagePlan.place``) stays too: that graph reads it, so it is
     that model's graph, never another instance's of the same class.
     """
     import re
@@ -448,11 +454,18 @@ def boundary_guard_filter(model):
     # forward fails this guard and traces its own graph
     kept = re.compile(r"\._traced\[[^\]]*\]\[1\]$")
 
+    def keep_one(e, owned) -> bool:
+        if not through.search(e.name):
+            return True
+        if e.guard_type == "TENSOR_MATCH":
+            return not (e.has_value and id(e.value) in owned)
+        return e.guard_type == "EQUALS_MATCH" and bool(kept.search(e.name))
+
     def keep(entries):
         if through is None:
             return [True] * len(entries)
-        return [e.guard_type == "TENSOR_MATCH" or not through.search(e.name)
-                or (e.guard_type == "EQUALS_MATCH" and bool(kept.search(e.name)))
-                for e in entries]
+        # the model's tensors now (both they and the guarded values are alive: ids are theirs)
+        owned = {id(t) for t in (*model.parameters(), *model.buffers())}
+        return [keep_one(e, owned) for e in entries]
 
     return keep

@@ -137,3 +137,83 @@ def test_importing_the_engine_leaves_torch_compiler_and_triton_unimported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+def _tiny_qwen3():
+    from layer_boundary.engine.bench import _random_model
+    from layer_boundary.models.qwen3 import Qwen3Config
+
+    return _random_model(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8))
+
+
+@pytest.mark.timeout(240)
+def test_the_guard_filter_drops_the_model_tensors_reached_through_a_plan_and_nothing_else(
+        monkeypatch):
+    """A compiled forward keeps the guards on the batch's tensors and on the parameters reached
+    through the modules; a parameter of the model reached through a boundary's plan (a fused
+    norm's weight) is read as a graph input every call without a guard of its own: a new
+    value written into it is what the next call computes with."""
+    from layer_boundary.engine.compiled import compile_forward
+    from layer_boundary.runtime import ForwardBatch, ForwardMode
+    from layer_boundary.stage import boundary_guard_filter
+
+    model = _tiny_qwen3()
+    inner = boundary_guard_filter(model)
+    seen = []
+
+    def recording(entries):
+        kept = inner(entries)
+        seen.extend(zip(entries, kept))
+        return kept
+
+    monkeypatch.setattr("layer_boundary.engine.compiled.boundary_guard_filter",
+                        lambda m: recording)
+    forward = compile_forward(model, "eager", padded=True)
+    cache = model.make_kv_cache(2, 8)
+
+    def batch():
+        return ForwardBatch.build(ForwardMode.EXTEND, [[1, 2, 3], [4, 5, 6]], [0, 0],
+                                  kv_cache=cache)
+
+    with torch.no_grad():
+        forward(batch())
+        owned = {id(t) for t in model.parameters()}
+        through = [(e, k) for e, k in seen if e.guard_type == "TENSOR_MATCH"
+                   and "_boundary." in e.name]
+        assert through and all(id(e.value) in owned and not k for e, k in through)
+        kept = [e.name for e, k in seen if k and e.guard_type == "TENSOR_MATCH"]
+        assert any("forward_batch" in n for n in kept)
+        assert any("qkv_proj" in n and "_parameters" in n for n in kept)
+        assert any(e.guard_type == "EQUALS_MATCH" and "._traced[" in e.name and k
+                   for e, k in seen)  # the kept placement's check stays
+        norm = model.model.layers[0].input_layernorm.weight
+        assert any(e.value is norm for e, _ in through)
+        norm.mul_(1.5)  # in place: the same input, new values
+        torch.testing.assert_close(forward(batch()), model(batch()), atol=1e-5, rtol=0)
+
+
+def test_the_guard_filter_keeps_a_foreign_tensor_reached_through_a_plan():
+    """Only the model's own tensors lose their guard under a plan; any other tensor a plan
+    holds keeps it, as do guards outside the boundaries."""
+    from torch._dynamo.types import GuardFilterEntry
+
+    from layer_boundary.stage import boundary_guard_filter
+
+    model = _tiny_qwen3()
+    keep = boundary_guard_filter(model)
+    weight = model.model.layers[0].input_layernorm.weight
+    plan = "L['self']._modules['model']._modules['layers']._modules['0'].attn_boundary.plan"
+
+    def entry(name, value, kind="TENSOR_MATCH"):
+        return GuardFilterEntry(name=name, has_value=True, value=value, guard_type=kind,
+                                derived_guard_types=(), is_global=False, orig_guard=None)
+
+    entries = [entry(plan + ".norm._parameters['weight']", weight),
+               entry(plan + ".scratch", torch.zeros(2)),
+               entry("L['self']._modules['model']._modules['norm']._parameters['weight']",
+                     model.model.norm.weight),
+               entry(plan + ".mode", "ar", "EQUALS_MATCH"),
+               entry(plan + "._traced[(3,)][1]", 3, "EQUALS_MATCH")]
+    assert keep(entries) == [False, True, True, False, True]
