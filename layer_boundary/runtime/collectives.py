@@ -135,6 +135,31 @@ def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> t
     return x
 
 
+def sums_by_exchange(group: Group) -> bool:
+    """Whether a synchronous reduce-scatter over ``group`` runs as an all-to-all of the blocks
+    and a local sum of the blocks this rank receives, in group rank order: on gloo, whose own
+    reduce-scatter is an all-reduce of the whole tensor (twice the bytes) and whose work
+    handle cannot be polled; the exchange moves the ring figure and polls where the group
+    does. NCCL's reduce-scatter is the one to use."""
+    return group.backend == "gloo"
+
+
+def _sum_by_exchange(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+    """Rank i gets the sum over the group of block i (``sizes[i]`` rows), summed here."""
+    mine, width = sizes[group.rank], math.prod(x.shape[1:])
+    _observe("reduce_scatter", group, x.numel(), x.dtype, None,
+             wire_numel=(sum(sizes) - mine) * width, wire_kind="all_to_all")
+    received = x.new_empty((group.size * mine, *x.shape[1:]))
+    _complete(lambda async_op: dist.all_to_all_single(
+        received, x, output_split_sizes=[mine] * group.size, input_split_sizes=sizes,
+        group=group.pg, async_op=async_op), group.polls)
+    return torch.sum(received.view(group.size, mine, *x.shape[1:]), dim=0)
+
+
+def _exchanges(group: Group) -> bool:
+    return _ISSUED is None and not torch.compiler.is_compiling() and sums_by_exchange(group)
+
+
 def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Rows split into group.size equal blocks; rank i gets the group sum of block i."""
     if group.size == 1:
@@ -145,8 +170,10 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
     if x.numel() == 0:
         return out
-    _observe("reduce_scatter", group, x.numel(), x.dtype, None)
     x = x.contiguous()
+    if _exchanges(group):
+        return _sum_by_exchange(x, group, [x.shape[0] // group.size] * group.size)
+    _observe("reduce_scatter", group, x.numel(), x.dtype, None)
     # never polled: gloo's reduce-scatter work never reports itself completed (torch 2.13)
     _issue(lambda async_op: dist.reduce_scatter_single(out, x, group=group.pg,
                                                       async_op=async_op), False, out, x)
@@ -160,6 +187,8 @@ def reduce_scatter_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...])
         return x
     if sum(sizes) == 0:
         return x
+    if _exchanges(group):
+        return _sum_by_exchange(x.contiguous(), group, list(sizes))
     _observe("reduce_scatter", group, x.numel(), x.dtype, None)
     if torch.compiler.is_compiling():
         return torch.ops.layer_boundary.reduce_scatter_v(x, group.key, list(sizes), group.rank)

@@ -87,11 +87,12 @@ class LedgerEntry:
         return _ring_bytes(self.kind, self.numel * self.dtype.itemsize, self.group_size)
 
     def wire_bytes(self, backend: str = "gloo") -> int:
-        """Per-rank bytes ``backend`` really sends for it. On gloo a reduce-scatter is an
-        all-reduce of the whole tensor (each rank then keeps its block), a variable gather
-        moves every rank's block padded to the widest, and a small sum is a gather of every
-        rank's tensor (``wire_kind``); NCCL (any other backend here) moves the logical
-        figure."""
+        """Per-rank bytes ``backend`` really sends for it. On gloo gloo's own reduce-scatter
+        (issued asynchronously, or compiled) is an all-reduce of the whole tensor (each rank
+        then keeps its block), and a synchronous one an all-to-all of the blocks
+        (``wire_kind``: the ring figure); a variable gather moves every rank's block padded
+        to the widest, and a small sum is a gather of every rank's tensor; NCCL (any other
+        backend here) moves the logical figure."""
         if backend != "gloo":
             return self.bytes
         size = (self.numel if self.wire_numel is None else self.wire_numel) * self.dtype.itemsize

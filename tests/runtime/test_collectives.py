@@ -389,3 +389,43 @@ def test_a_poll_gives_up_after_max_polls_and_sleeps_in_wait():
     work = _NeverDone()
     ops._poll(work)
     assert work.polled == ops.MAX_POLLS and work.waited == 1
+
+
+def _scatter_paths(kwargs, name):
+    """A reduce-scatter and a variable one, synchronous, and a reduce-scatter issued
+    asynchronously: which torch call ran each, and the results."""
+    group = _group(kwargs, name)
+    n = group.size
+    g = torch.Generator().manual_seed(11 + dist.get_rank())
+    x = torch.randint(-1000, 1000, (2 * n, 3), generator=g).double()
+    ran = []
+    calls = {f: getattr(dist, f) for f in ("all_to_all_single", "reduce_scatter_single",
+                                          "reduce_scatter")}
+    for f, call in calls.items():
+        setattr(dist, f, lambda *a, _f=f, _call=call, **k: ran.append(_f) or _call(*a, **k))
+    try:
+        sizes = tuple(range(n))
+        out = [ops.reduce_scatter_rows(x, group), ops.reduce_scatter_rows_v(x[:sum(sizes)],
+                                                                            group, sizes)]
+        with ops.issuing_async() as issued:
+            y = ops.reduce_scatter_rows(x, group)
+        for work, _ in issued:
+            work.wait()
+        out.append(y)
+    finally:
+        for f, call in calls.items():
+            setattr(dist, f, call)
+    return group.ranks, x, out, ran
+
+
+@pytest.mark.parametrize("world, kwargs, name", ROW_GROUPS, ids=ROW_IDS)
+def test_a_synchronous_reduce_scatter_on_gloo_is_an_exchange_of_blocks(world, kwargs, name):
+    results = get_pool(world).run(_scatter_paths, kwargs, name)
+    xs = {r: x for r, (_, x, _, _) in enumerate(results)}
+    for r, (ranks, _, (even, uneven, issued), ran) in enumerate(results):
+        assert ran == ["all_to_all_single", "all_to_all_single", "reduce_scatter_single"]
+        i = ranks.index(r)
+        assert torch.equal(even, sum(xs[q][2 * i: 2 * i + 2] for q in ranks))
+        assert torch.equal(issued, even)
+        start = sum(range(i))
+        assert torch.equal(uneven, sum(xs[q][start: start + i] for q in ranks))

@@ -230,9 +230,11 @@ def test_one_hook_observes_a_forward_and_nothing_else_changes():
 
 def uneven_gather_and_reduce_scatter():
     """On 4 ranks: a variable gather of 1, 3, 0 and 2 rows (gloo pads each to 3) and a
-    reduce-scatter of 8 rows, both under a recording ledger and a protocol-only observer."""
+    reduce-scatter of 8 rows, synchronous (an exchange of blocks) and issued asynchronously
+    (gloo's own), under a recording ledger and a protocol-only observer."""
     from layer_boundary.runtime import observing
-    from layer_boundary.runtime.collectives import gather_rows_v, reduce_scatter_rows
+    from layer_boundary.runtime.collectives import (gather_rows_v, issuing_async,
+                                                    reduce_scatter_rows)
 
     par = build_parallel(ParallelDims(world_size=4, tp=4))
     sizes = (1, 3, 0, 2)
@@ -241,6 +243,10 @@ def uneven_gather_and_reduce_scatter():
     with LEDGER.recording() as entries:
         gathered = gather_rows_v(x, par.tp_group, sizes)
         reduce_scatter_rows(torch.ones(8, 5), par.tp_group)
+        with issuing_async() as issued:
+            reduce_scatter_rows(torch.ones(8, 5), par.tp_group)
+        for work, _ in issued:
+            work.wait()
         with observing(recorder):  # it takes the protocol's five arguments only
             gather_rows_v(x, par.tp_group, sizes)
     return list(entries), gathered.shape[0], recorder.events
@@ -249,15 +255,21 @@ def uneven_gather_and_reduce_scatter():
 @pytest.mark.timeout(60)
 def test_the_wire_figure_says_what_gloo_moves():
     """Logical bytes are the ring figure of what the collective must move; gloo's wire
-    figure pads a variable gather to the widest rank and runs a reduce-scatter as an
-    all-reduce of the whole tensor; any other backend's is the logical one."""
+    figure pads a variable gather to the widest rank, and a reduce-scatter moves the ring
+    figure as an exchange of blocks, or, issued asynchronously, gloo's own: an all-reduce of
+    the whole tensor; any other backend's is the logical one."""
     for entries, rows, events in get_pool(4).run(uneven_gather_and_reduce_scatter, timeout=50):
         assert rows == 6
-        gather, scatter = entries
+        gather, scatter, issued = entries
         assert (gather.kind, gather.numel, gather.wire_numel) == ("all_gather", 6 * 5, 12 * 5)
         assert gather.bytes == 3 * 6 * 5 * 4 // 4 and gather.wire_bytes() == 3 * 12 * 5 * 4 // 4
-        assert (scatter.kind, scatter.wire_numel) == ("reduce_scatter", None)
-        assert scatter.wire_bytes() == 2 * 3 * 8 * 5 * 4 // 4 == 2 * scatter.bytes
+        # sent to the other three: their 2-row blocks
+        assert (scatter.kind, scatter.wire_numel, scatter.wire_kind) == (
+            "reduce_scatter", 3 * 2 * 5, "all_to_all")
+        assert scatter.wire_bytes() == 3 * 2 * 5 * 4 == scatter.bytes == 3 * 8 * 5 * 4 // 4
+        assert (issued.kind, issued.wire_numel, issued.wire_kind) == ("reduce_scatter", None,
+                                                                      None)
+        assert issued.wire_bytes() == 2 * 3 * 8 * 5 * 4 // 4 == 2 * issued.bytes
         assert gather.wire_bytes("nccl") == gather.bytes
-        assert scatter.wire_bytes("nccl") == scatter.bytes
+        assert scatter.wire_bytes("nccl") == issued.wire_bytes("nccl") == scatter.bytes
         assert events == [("collective", "all_gather", "tp", None)]
