@@ -105,7 +105,8 @@ def test_the_header_names_the_modes_on_and_later_steps_say_they_repeat(capsys):
                  capsys)
     wire, logical = re.search(r"on gloo's wire .*: (\d+) B, against (\d+) B logical",
                               out).groups()
-    assert int(wire) > int(logical)  # its reduce-scatters run as all-reduces
+    # its reduce-scatters run as exchanges of blocks, its gathers are even: the ring figure
+    assert wire == logical
 
 
 @pytest.mark.timeout(120)

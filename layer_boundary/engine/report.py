@@ -176,9 +176,9 @@ def report(args, spec, results, reference) -> int:
     if rank0.ledger:  # the figures above are the logical (ring) bytes
         from ..runtime.ledger import wire_total
 
-        log.info("on gloo's wire (its reduce-scatter is an all-reduce, its variable gather is "
-                 "padded to the widest rank, a small sum is a gather): %d B, against %d B "
-                 "logical",
+        log.info("on gloo's wire (a reduce-scatter is an exchange of blocks, or gloo's own "
+                 "all-reduce when asynchronous or compiled; a variable gather is padded to the "
+                 "widest rank; a small sum is a gather): %d B, against %d B logical",
                  wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
     return 0 if ok else 1
 
