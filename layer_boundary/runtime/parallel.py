@@ -99,8 +99,8 @@ def ranks_fit_cores() -> bool:
 
     A gloo collective that sleeps in ``wait()`` hands its wake-up to the scheduler, which on
     a virtual machine costs a halted vCPU's wake (measured on this project's 2-core VM, 2 ranks,
-    17 sums of 256 KB between compute: 1.4 ms a sum sleeping, ~0.5 polling); polling wins
-    only while no other rank needs the core."""
+    17 sums of 256 KB between compute: 1.1-1.4 ms a sum sleeping, 0.5-0.8 polling); polling
+    wins only while no other rank needs the core."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return local * torch.get_num_threads() <= (cores or 1)
