@@ -9,6 +9,8 @@ A size-1 group short-circuits: the input object itself comes back, nothing is re
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,26 +79,34 @@ def test_all_reduce_rows_sums_each_row_over_the_group(world, kwargs, name, trans
             assert same_storage, f"rank {r}: result does not reuse the input's storage"
 
 
+@contextlib.contextmanager
+def _torch_calls(*names):
+    """Inside, each call of the named ``torch.distributed`` functions appends its name to the
+    list this yields (and then runs)."""
+    ran = []
+    calls = {f: getattr(dist, f) for f in names}
+    for f, call in calls.items():
+        setattr(dist, f, lambda *a, _f=f, _call=call, **k: ran.append(_f) or _call(*a, **k))
+    try:
+        yield ran
+    finally:
+        for f, call in calls.items():
+            setattr(dist, f, call)
+
+
 def _sum_paths(kwargs, name, small, large):
     """A small sum, one over ``GATHER_SUM_MAX_BYTES`` and the small one issued asynchronously:
     each result, its ledger entry and which torch call ran."""
     group = _group(kwargs, name)
-    ran = []
-    calls = {f: getattr(dist, f) for f in ("all_reduce", "all_gather_single")}
-    for f, call in calls.items():
-        setattr(dist, f, lambda *a, _f=f, _call=call, **k: ran.append(_f) or _call(*a, **k))
-    try:
-        with LEDGER.recording() as entries:
-            out = [all_reduce_rows(small[dist.get_rank()].clone(), group),
-                   all_reduce_rows(large[dist.get_rank()].clone(), group)]
-            with ops.issuing_async() as issued:
-                x = all_reduce_rows(small[dist.get_rank()].clone(), group)
-            for work, _ in issued:
-                work.wait()
-            out.append(x)
-    finally:
-        for f, call in calls.items():
-            setattr(dist, f, call)
+    with _torch_calls("all_reduce", "all_gather_single") as ran, \
+            LEDGER.recording() as entries:
+        out = [all_reduce_rows(small[dist.get_rank()].clone(), group),
+               all_reduce_rows(large[dist.get_rank()].clone(), group)]
+        with ops.issuing_async() as issued:
+            x = all_reduce_rows(small[dist.get_rank()].clone(), group)
+        for work, _ in issued:
+            work.wait()
+        out.append(x)
     return group.ranks, out, list(entries), ran
 
 
@@ -400,23 +410,15 @@ def _scatter_paths(kwargs, name):
     n = group.size
     g = torch.Generator().manual_seed(11 + dist.get_rank())
     x = torch.randint(-1000, 1000, (2 * n, 3), generator=g).double()
-    ran = []
-    calls = {f: getattr(dist, f) for f in ("all_to_all_single", "reduce_scatter_single",
-                                          "reduce_scatter")}
-    for f, call in calls.items():
-        setattr(dist, f, lambda *a, _f=f, _call=call, **k: ran.append(_f) or _call(*a, **k))
-    try:
-        sizes = tuple(range(n))
-        out = [ops.reduce_scatter_rows(x, group), ops.reduce_scatter_rows_v(x[:sum(sizes)],
-                                                                            group, sizes)]
+    sizes = tuple(range(n))
+    with _torch_calls("all_to_all_single", "reduce_scatter_single", "reduce_scatter") as ran:
+        out = [ops.reduce_scatter_rows(x, group),
+               ops.reduce_scatter_rows_v(x[:sum(sizes)], group, sizes)]
         with ops.issuing_async() as issued:
             y = ops.reduce_scatter_rows(x, group)
         for work, _ in issued:
             work.wait()
         out.append(y)
-    finally:
-        for f, call in calls.items():
-            setattr(dist, f, call)
     return group.ranks, x, out, ran
 
 
