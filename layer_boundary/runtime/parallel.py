@@ -14,7 +14,6 @@ import functools
 import os
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from .launch import collective_timeout
@@ -82,9 +81,9 @@ class Group:
     @functools.cached_property
     def polls(self) -> bool:
         """Whether this rank waits for the group's collectives by polling them, yielding the
-        CPU between polls, rather than sleeping in torch's ``wait()``: on gloo, where every
-        rank of this host has a core for each of its compute threads (``ranks_fit_cores``),
-        so a poll never holds a core another rank's compute needs. Decided once."""
+        CPU between polls, rather than sleeping in torch's ``wait()``: on gloo, where this
+        host has a core for each of its ranks (``ranks_fit_cores``), so a waiting rank's
+        poll takes no core another rank's compute needs for long. Decided once."""
         return self.backend == "gloo" and ranks_fit_cores()
 
     @property
@@ -95,15 +94,17 @@ class Group:
 
 def ranks_fit_cores() -> bool:
     """Whether this host's ranks (``LOCAL_WORLD_SIZE``, which torchrun and our spawner set;
-    else the world) times this rank's compute threads fit the cores this process may run on.
+    else the world) fit the cores this process may run on.
 
     A gloo collective that sleeps in ``wait()`` hands its wake-up to the scheduler, which on
-    a virtual machine costs a halted vCPU's wake (measured on this project's 2-core VM, 2 ranks,
-    17 sums of 256 KB between compute: 1.1-1.4 ms a sum sleeping, 0.5-0.8 polling); polling
-    wins only while no other rank needs the core."""
+    a virtual machine costs a halted vCPU's wake. Measured on this project's 2-core VM, 2
+    ranks, 17 sums of 256 KB between compute: 1.1-1.4 ms a sum sleeping, 0.5-0.8 polling,
+    and polling still ahead with two compute threads a rank (the poll yields to them). Four
+    ranks on the 2 cores also polled faster when every rank computed alike, but ranks that
+    wait on uneven work (pipeline stages) would take turns with it: they sleep."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return local * torch.get_num_threads() <= (cores or 1)
+    return local <= (cores or 1)
 
 
 # torch process groups by Group.key: code that can carry only strings (a custom op traced by

@@ -322,14 +322,14 @@ def _polls_decided(kwargs, name):
     cores = len(os.sched_getaffinity(0))
     # this host's ranks: the pool's world unless the environment says otherwise (torchrun's)
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
-    return group.polls, group.backend, local * torch.get_num_threads(), cores
+    return group.polls, group.backend, local, cores
 
 
 @pytest.mark.parametrize("world, kwargs, name", GROUPS[:2], ids=GROUP_IDS[:2])
 def test_a_gloo_group_polls_only_where_the_hosts_ranks_fit_its_cores(world, kwargs, name):
-    for polls, backend, threads, cores in get_pool(world).run(_polls_decided, kwargs, name):
+    for polls, backend, local, cores in get_pool(world).run(_polls_decided, kwargs, name):
         assert backend == "gloo"
-        assert polls == (threads <= cores)
+        assert polls == (local <= cores)
     assert Group("tp", (0,), 0).polls is False  # a size-1 group waits for nothing
 
 
