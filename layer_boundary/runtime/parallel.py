@@ -100,8 +100,9 @@ def ranks_fit_cores() -> bool:
     a virtual machine costs a halted vCPU's wake. Measured on this project's 2-core VM, 2
     ranks, 17 sums of 256 KB between compute: 1.1-1.4 ms a sum sleeping, 0.5-0.8 polling,
     and polling still ahead with two compute threads a rank (the poll yields to them). Four
-    ranks on the 2 cores also polled faster when every rank computed alike, but ranks that
-    wait on uneven work (pipeline stages) would take turns with it: they sleep."""
+    ranks on the 2 cores also polled faster when every rank computed alike; but where ranks
+    outnumber cores, a rank waiting on another's longer work (a later pipeline stage) would
+    keep taking turns on the core that work needs, so there they sleep."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return local <= (cores or 1)
