@@ -40,9 +40,15 @@ def issuing_async():
         _ISSUED = outer
 
 
+def _synchronous() -> bool:
+    """Whether a collective issued now completes before it returns: outside
+    ``issuing_async()``, or while compiling (a graph traces the plain call)."""
+    return _ISSUED is None or torch.compiler.is_compiling()
+
+
 def _issue(call, polls: bool, *keep) -> None:
     """Run a torch.distributed call, asynchronously inside ``issuing_async()``."""
-    if _ISSUED is None or torch.compiler.is_compiling():
+    if _synchronous():
         _complete(call, polls)
     else:
         work = call(async_op=True)
@@ -122,7 +128,7 @@ def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> t
     if group.size == 1 or x.numel() == 0:
         return x
     x = x.contiguous()
-    if (_ISSUED is None or torch.compiler.is_compiling()) and sums_by_gather(x, group):
+    if _synchronous() and sums_by_gather(x, group):
         _observe("all_reduce", group, x.numel(), x.dtype, site,
                  wire_numel=group.size * x.numel(), wire_kind="all_gather")
         gathered = x.new_empty((group.size * x.numel(),))
@@ -167,12 +173,13 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.shape[0] % group.size:
         raise ValueError(f"reduce_scatter_rows needs rows divisible by {group.size}, "
                          f"got {x.shape[0]}")
-    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    block = x.shape[0] // group.size
     if x.numel() == 0:
-        return out
+        return x.new_empty((block, *x.shape[1:]))
     x = x.contiguous()
     if _exchanges(group):
-        return _sum_by_exchange(x, group, [x.shape[0] // group.size] * group.size)
+        return _sum_by_exchange(x, group, [block] * group.size)
+    out = x.new_empty((block, *x.shape[1:]))
     _observe("reduce_scatter", group, x.numel(), x.dtype, None)
     # never polled: gloo's reduce-scatter work never reports itself completed (torch 2.13)
     _issue(lambda async_op: dist.reduce_scatter_single(out, x, group=group.pg,
