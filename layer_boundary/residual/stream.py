@@ -21,7 +21,6 @@ from ..layout import Layout, SumGroup
 NOT_OURS = ("output does not belong to this residual stream; "
             "change layer outputs through boundary accessors")
 START_FIRST = "start the layer stack before entering a stage"
-_new = object.__new__
 
 SHARED_STREAM = ("this residual stream belongs to another forward batch: each two-batch-overlap "
                  "microbatch needs its own stream (ResidualStream.arrive)")
@@ -181,7 +180,9 @@ class ResidualStream:
             value, owed, update, rows, handoff, declared, completed_declared: its fields.
             key: its arrival key, where the caller bound it already.
         """
-        c = self.contribution = _new(Contribution)
+        # made without __init__ (its fields are set below); object.__new__ spelled out, since
+        # dynamo 2.11/2.12 cannot call a builtin's method through a module alias
+        c = self.contribution = object.__new__(Contribution)
         c.value, c.owed, c.update, c.rows, c.handoff = value, owed, update, rows, handoff
         c.declared, c.completed_declared = declared, completed_declared
         c.key = (key if key is not None or rows is None

@@ -26,6 +26,26 @@ from .parallel import Group, process_group
 _ISSUED: list | None = None
 
 
+def _single_tensor_name(new: str, old: str) -> str:
+    """The name ``torch.distributed`` gives a single-tensor collective: torch 2.13 added
+    ``new`` and deprecated ``old`` (a FutureWarning a call); 2.11 and 2.12 have only ``old``."""
+    return new if hasattr(dist, new) else old
+
+
+# resolved once, at import; each call looks the function up on torch.distributed by this name,
+# so a wrapper installed there (a benchmark's clock, a test's recorder) sees every call
+ALL_GATHER_SINGLE = _single_tensor_name("all_gather_single", "all_gather_into_tensor")
+REDUCE_SCATTER_SINGLE = _single_tensor_name("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def _all_gather_single(out, x, pg, async_op: bool):
+    return getattr(dist, ALL_GATHER_SINGLE)(out, x, group=pg, async_op=async_op)
+
+
+def _reduce_scatter_single(out, x, pg, async_op: bool):
+    return getattr(dist, REDUCE_SCATTER_SINGLE)(out, x, group=pg, async_op=async_op)
+
+
 @contextlib.contextmanager
 def issuing_async():
     """Inside, the sums whose result is written into storage the caller only views (all-reduce,
@@ -132,8 +152,8 @@ def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> t
         _observe("all_reduce", group, x.numel(), x.dtype, site,
                  wire_numel=group.size * x.numel(), wire_kind="all_gather")
         gathered = x.new_empty((group.size * x.numel(),))
-        _complete(lambda async_op: dist.all_gather_single(gathered, x.view(-1), group=group.pg,
-                                                          async_op=async_op), group.polls)
+        _complete(lambda async_op: _all_gather_single(gathered, x.view(-1), group.pg,
+                                                      async_op), group.polls)
         return torch.sum(gathered.view(group.size, *x.shape), dim=0, out=x)
     _observe("all_reduce", group, x.numel(), x.dtype, site)
     _issue(lambda async_op: dist.all_reduce(x, group=group.pg, async_op=async_op),
@@ -182,8 +202,7 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.new_empty((block, *x.shape[1:]))
     _observe("reduce_scatter", group, x.numel(), x.dtype, None)
     # never polled: gloo's reduce-scatter work never reports itself completed (torch 2.13)
-    _issue(lambda async_op: dist.reduce_scatter_single(out, x, group=group.pg,
-                                                      async_op=async_op), False, out, x)
+    _issue(lambda async_op: _reduce_scatter_single(out, x, group.pg, async_op), False, out, x)
     return out
 
 
@@ -236,8 +255,7 @@ def gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
         return out
     _observe("all_gather", group, out.numel(), x.dtype, None)
     x = x.contiguous()
-    _complete(lambda async_op: dist.all_gather_single(out, x, group=group.pg,
-                                                      async_op=async_op), group.polls)
+    _complete(lambda async_op: _all_gather_single(out, x, group.pg, async_op), group.polls)
     return out
 
 
@@ -256,8 +274,7 @@ def gather_rows_v(x: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torc
     padded = x.new_zeros((widest, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((widest * group.size, *x.shape[1:]))
-    _complete(lambda async_op: dist.all_gather_single(out, padded, group=group.pg,
-                                                      async_op=async_op), group.polls)
+    _complete(lambda async_op: _all_gather_single(out, padded, group.pg, async_op), group.polls)
     return torch.cat([out[i * widest: i * widest + n] for i, n in enumerate(sizes)])
 
 
