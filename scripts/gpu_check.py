@@ -9,8 +9,17 @@ Rows:
   verdict against world 1;
 - the Triton kernels compiled for the GPU against the same kernels under the interpreter
   (CPU), and each kernel's achieved bandwidth against the device's measured copy bandwidth;
-- a decode step captured as a CUDA graph and replayed, against the eager step, and
-  `run --device cuda --compile` (inductor with CUDA graphs per bucket) against eager.
+- a decode step captured as a CUDA graph and replayed, against the eager step; `run --device
+  cuda` (decode steps replayed from a CUDA graph per bucket) and `--compile` (inductor's graphs
+  per bucket) against eager world 1, each report saying where graphs ran (off over gloo);
+- the kernels one decode layer launches (benchmarks/kernel_count.py): ours eager, with the
+  Triton provider, under inductor, and transformers eager;
+- the performance table (benchmarks/gpu_decode.py): world 1, bf16, a Qwen3 of hidden 2048 x 16
+  layers, prefill and decode, ours eager and captured against transformers eager and compiled
+  (static cache, reduce-overhead), each decode against its HBM roofline.
+
+`--only SECTION,...` runs some sections (parity, cli, kernels, captured, counts, perf);
+`--json FILE` writes every row, count and timing there, after each section.
 """
 
 from __future__ import annotations
@@ -84,7 +93,9 @@ def world1_against_transformers(name: str, path: Path) -> None:
         one()
 
 
-def cli_run(check: str, path: Path, *extra: str) -> None:
+def cli_run(check: str, path: Path, *extra: str, graphs: str | None = None) -> None:
+    """``run --device cuda --json EXTRA``: its verdict, and where ``graphs`` is given the mode
+    its report must give for CUDA graphs ("captured", "inductor", "off")."""
     @guarded(check)
     def one():
         proc = subprocess.run(
@@ -99,9 +110,43 @@ def cli_run(check: str, path: Path, *extra: str) -> None:
                   f"{parity.get('max_abs_diff', float('nan')):.2e}")
         if "fused_stages" in report:
             detail += f", fused {len(report['fused_stages'])} stage inputs"
-        row(check, bool(parity.get("tokens_match")) and report.get("verdict", "PASS") == "PASS",
-            detail)
+        cuda_graphs = report.get("cuda_graphs", {})
+        detail += f"; graphs {cuda_graphs.get('mode')}: {cuda_graphs.get('why', '')[:90]}"
+        for key in ("buckets", "replays", "skipped"):
+            if key in cuda_graphs:
+                detail += f", {key} {cuda_graphs[key]}"
+        ok = bool(parity.get("tokens_match")) and report.get("verdict", "PASS") == "PASS"
+        if graphs is not None:
+            ok &= cuda_graphs.get("mode") == graphs and not cuda_graphs.get("skipped")
+            ok &= graphs != "captured" or bool(cuda_graphs.get("replays"))
+        row(check, ok, detail)
     one()
+
+
+def cli_rows(paths: dict, gpus: int) -> None:
+    transport = "nccl" if gpus >= 2 else "gloo, 2 ranks on one GPU"
+    multi = "captured" if gpus >= 2 else "off"  # graphs never hold a gloo collective
+    qwen3 = paths["qwen3"]
+    cli_run("run --device cuda (decode from captured graphs)", qwen3, "--tp", "1",
+            graphs="captured")
+    cli_run("run --device cuda, Qwen3-MoE (captured)", paths["qwen3_moe"], "--tp", "1",
+            graphs="captured")
+    cli_run("run --device cuda --disable-cuda-graph", qwen3, "--tp", "1",
+            "--disable-cuda-graph", graphs="off")
+    cli_run("run --device cuda --tp 1 --fusions triton (captured)", qwen3, "--tp", "1",
+            "--fusions", "triton", graphs="captured")
+    cli_run(f"run --device cuda --tp 2 ({transport})", qwen3, "--tp", "2", graphs=multi)
+    cli_run(f"run --device cuda --tp 2 --dp 2 rsv ({transport})", qwen3, "--tp", "2", "--dp",
+            "2", "--boundary-reduction", "rsv", graphs=multi)
+    cli_run(f"run --device cuda --tp 2 --fusions triton ({transport})", paths["qwen3_5_moe"],
+            "--tp", "2", "--fusions", "triton", graphs="off")  # gated DeltaNet: no padding
+    cli_run("run --device cuda --compile (inductor, CUDA graphs per bucket)", qwen3,
+            "--tp", "1", "--compile", graphs="inductor")
+    cli_run(f"run --device cuda --tp 2 --compile ({transport})", qwen3, "--tp", "2",
+            "--compile", graphs="inductor" if gpus >= 2 else "off")
+    cli_run(f"run --device cuda --tp 2 --dp 2 rsv --compile ({transport})", qwen3, "--tp", "2",
+            "--dp", "2", "--boundary-reduction", "rsv", "--compile",
+            graphs="inductor" if gpus >= 2 else "off")
 
 
 KERNEL_SHAPES = ((7, 48), (33, 4096))
@@ -217,33 +262,94 @@ def captured_decode(path: Path) -> None:
     row("captured decode step vs eager", diff <= 1e-5, f"max |diff| {diff:.2e}")
 
 
+SECTIONS = ("parity", "cli", "kernels", "captured", "counts", "perf")
+RESULTS: dict = {"rows": ROWS, "counts": [], "perf": []}
+
+
+@guarded("kernels per decode layer")
+def kernel_counts(work: Path) -> None:
+    """benchmarks/kernel_count.py on CUDA: each row's kernels per decode layer."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from kernel_count import per_layer
+
+    rows = ("ours", "ours, triton fusions", "ours, inductor", "transformers")
+    for record in per_layer("cuda", rows, work / "counts"):
+        RESULTS["counts"].append(record)
+        print(f"  kernels per layer, {record['row']}: cuda {record.get('cuda')}, dispatcher "
+              f"{record.get('dispatcher')}", flush=True)
+
+
+@guarded("performance table")
+def performance(work: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_decode import table
+
+    RESULTS["perf"] = table(work / "perf", log=lambda line: print(line, flush=True))
+
+
+def print_tables() -> None:
+    width = max([len(c) for c, _, _ in ROWS] + [5])
+    print("\n| check | verdict | detail |\n| --- | --- | --- |")
+    for check, verdict, detail in ROWS:
+        print(f"| {check.ljust(width)} | {verdict} | {detail} |")
+    if RESULTS["counts"]:
+        print("\n| kernels per decode layer | CUDA kernels | dispatcher ops |\n| --- | --- | --- |")
+        for r in RESULTS["counts"]:
+            print(f"| {r['row']} | {r.get('cuda', '-')} | {r.get('dispatcher', '-')} |")
+    if RESULTS["perf"]:
+        print("\n| workload | system | ms | HBM roofline ms | over the roofline |"
+              "\n| --- | --- | --- | --- | --- |")
+        for r in RESULTS["perf"]:
+            if "error" in r:
+                print(f"| {r['workload']} | {r['system']} | failed: {r['error'][:80]} | | |")
+                continue
+            roof = (f"{r['roofline_ms']:.3f} | {r['over_roofline']:.2f}"
+                    if "roofline_ms" in r else "- | -")
+            print(f"| {r['workload']} | {r['system']} | {r['ms']:.3f} | {roof} |")
+
+
+def _options(argv: list[str]) -> tuple[tuple[str, ...], Path | None]:
+    only, out = SECTIONS, None
+    if "--only" in argv:
+        only = tuple(argv[argv.index("--only") + 1].split(","))
+        unknown = set(only) - set(SECTIONS)
+        if unknown:
+            raise SystemExit(f"gpu_check: unknown sections {sorted(unknown)} (known: "
+                             f"{', '.join(SECTIONS)})")
+    if "--json" in argv:
+        out = Path(argv[argv.index("--json") + 1])
+    return only, out
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--interpreted":
         interpreted_outputs(Path(sys.argv[2]))
         return 0
+    only, out = _options(sys.argv[1:])
     if not torch.cuda.is_available():
         print("gpu_check: needs a CUDA device, and none is visible (torch.cuda.is_available() "
               "is False); run it on a machine with an NVIDIA GPU", file=sys.stderr)
         return 2
     gpus = torch.cuda.device_count()
-    print(f"gpu_check on {torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}")
+    print(f"gpu_check on {torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}",
+          flush=True)
+    RESULTS["device"] = f"{torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}"
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     paths = checkpoints(work)
-    for name, path in paths.items():
-        world1_against_transformers(name, path)
-    transport = "nccl" if gpus >= 2 else "gloo, 2 ranks on one GPU"
-    cli_run(f"run --device cuda --tp 2 ({transport})", paths["qwen3"], "--tp", "2")
-    cli_run(f"run --device cuda --tp 2 --fusions triton ({transport})", paths["qwen3_5_moe"],
-            "--tp", "2", "--fusions", "triton")
-    cli_run("run --device cuda --compile (inductor, CUDA graphs per bucket)", paths["qwen3"],
-            "--tp", "1", "--compile")
-    kernels_against_interpreter(work)
-    kernel_bandwidth()
-    captured_decode(paths["qwen3"])
-    width = max(len(c) for c, _, _ in ROWS)
-    print("\n| check | verdict | detail |\n| --- | --- | --- |")
-    for check, verdict, detail in ROWS:
-        print(f"| {check.ljust(width)} | {verdict} | {detail} |")
+    steps = {"parity": lambda: [world1_against_transformers(n, p) for n, p in paths.items()],
+             "cli": lambda: cli_rows(paths, gpus),
+             "kernels": lambda: (kernels_against_interpreter(work), kernel_bandwidth()),
+             "captured": lambda: captured_decode(paths["qwen3"]),
+             "counts": lambda: kernel_counts(work),
+             "perf": lambda: performance(work)}
+    for section in SECTIONS:
+        if section in only:
+            started = time.perf_counter()
+            steps[section]()
+            print(f"[{section}: {time.perf_counter() - started:.0f} s]", flush=True)
+            if out is not None:
+                out.write_text(json.dumps(RESULTS, indent=1, default=str))
+    print_tables()
     return 0 if all(v == "PASS" for _, v, _ in ROWS) else 1
 
 

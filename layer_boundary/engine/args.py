@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "(inductor); parity is checked against eager world 1")
     run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
                      default=None, help="the torch.compile backend (implies --compile)")
+    run.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph",
+                     action="store_true",
+                     help="with --device cuda, run decode steps eagerly instead of replaying a "
+                          "CUDA graph per token bucket (and, with --compile, without "
+                          "inductor's graphs); SGLang's name, or vLLM's --enforce-eager. "
+                          "Graphs are off anyway where a collective runs on gloo; on the CPU "
+                          "there are none to disable")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="where each rank runs: cpu (gloo), or cuda (each rank on the GPU "
                           "LOCAL_RANK names; NCCL where every rank has one, else gloo with "

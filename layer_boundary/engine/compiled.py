@@ -13,7 +13,7 @@ from .features import COMPILE_BACKENDS  # noqa: F401 - the backends, stated once
 RECOMPILE_LIMIT = 32
 
 
-def compile_forward(model, backend: str, padded: bool):
+def compile_forward(model, backend: str, padded: bool, cuda_graphs: bool = False):
     """``model``'s forward under ``torch.compile(fullgraph=True)``.
 
     ``padded``: each forward is padded to its token bucket (``greedy_generate(bucket=)``), so
@@ -30,8 +30,9 @@ def compile_forward(model, backend: str, padded: bool):
     hooks outside the graph at the cost of about a dozen Python calls a forward (our models
     register none; a hook registered on the model does not run here).
 
-    On a CUDA device an inductor graph of a padded bucket also runs as a captured CUDA graph
-    (what ``mode="reduce-overhead"`` asks; the two cannot both be passed)."""
+    ``cuda_graphs`` (``graphs.decide_graphs`` said ``Graphs.INDUCTOR``: a CUDA device, every
+    collective capturable): an inductor graph of a padded bucket also runs as a captured CUDA
+    graph (what ``mode="reduce-overhead"`` asks; the two cannot both be passed)."""
     stack, config = getattr(model, "stack", None), getattr(model, "config", None)
     if stack is not None and config is not None:
         adapted = any(getattr(m, "lora", None) is not None for m in model.modules())
@@ -40,17 +41,12 @@ def compile_forward(model, backend: str, padded: bool):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
     options = {"guard_filter_fn": boundary_guard_filter(model)}
-    if backend == "inductor" and padded and _device(model).type == "cuda":
+    if cuda_graphs and backend == "inductor" and padded:
         # mode="reduce-overhead": each bucket's graph is captured as a CUDA graph and
         # replayed (static shapes per bucket; nothing in a forward syncs with the host)
         options["triton.cudagraphs"] = True
     return torch.compile(model.forward, fullgraph=True, backend=backend,
                          dynamic=False if padded else None, options=options)
-
-
-def _device(model) -> torch.device:
-    param = next(model.parameters(), None)
-    return torch.device("cpu") if param is None else param.device
 
 
 def compiled_graphs() -> int:

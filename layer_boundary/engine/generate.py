@@ -59,7 +59,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
                     dp_rank: int = 0, keep_logits: bool = True, on_step=None, pp=None,
                     split_prefill: int = 1, tbo: TboPolicy = TboPolicy.OFF,
                     variants: tuple = (BatchVariant.ORDINARY, BatchVariant.ORDINARY),
-                    adapters: list[int] | None = None, bucket=None) -> Generation:
+                    adapters: list[int] | None = None, bucket=None,
+                    pad_prefill: bool = True) -> Generation:
     """Greedy tokens (and each step's logits) of this rank's requests.
 
     Args:
@@ -82,6 +83,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
             bucket; the cache takes one more slot, the padding's. A cache that cannot serve
             padded batches (``KVCache.padded_batches``), a TBO forward and a split prefill run
             unpadded.
+        pad_prefill: pad the prefill to its bucket too (False: decode steps only, for a
+            forward that captures decode graphs and runs the prefill eagerly).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -123,7 +126,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, dp:
         pp_input = link.receive()
         parts = split_prefill if step == 0 and stage is not None else 1
         run = batch
-        if pad and parts == 1 and not decision.split:
+        if pad and parts == 1 and not decision.split and (step > 0 or pad_prefill):
             run = batch.padded(bucket(max(batch.dp_token_counts)), scratch_slot=slots - 1)
         for segment in (segments(stage.layers, parts) if parts > 1 else [None]):
             run.layer_segment = segment

@@ -98,7 +98,8 @@ def report(args, spec, results, reference) -> int:
             **({"variants": [v.value for v in forward_variants(spec)]}
                if forward_variants(spec)[0].value != "ordinary" else {}),
             **({"compile": spec.compile, "compiled_graphs": rank0.compiled_graphs}
-               if spec.compile else {})}))
+               if spec.compile else {}),
+            **({"cuda_graphs": rank0.cuda_graphs} if spec.device == "cuda" else {})}))
         return 0 if ok else 1
     log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
@@ -110,6 +111,8 @@ def report(args, spec, results, reference) -> int:
              + a2a_note(spec.moe_a2a_backend) + _modes_on(spec)
              + (f"  compiled ({spec.compile}, fullgraph) into {rank0.compiled_graphs} "
                 f"graph{'s' * (rank0.compiled_graphs != 1)} on rank 0" if spec.compile else ""))
+    if spec.device == "cuda":
+        log.info("%s", graphs_line(rank0.cuda_graphs))
     for i, g in zip(run.request_ids, run.generated):
         adapter = f" (LoRA {spec.prompt_lora[i]})" if spec.prompt_lora else ""
         log.info("prompt %d %s%s -> generated %s", i, list(spec.prompts[i]), adapter, g)
@@ -181,6 +184,22 @@ def report(args, spec, results, reference) -> int:
                  "widest rank; a small sum is a gather): %d B, against %d B logical",
                  wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
     return 0 if ok else 1
+
+
+def graphs_line(graphs: dict) -> str:
+    """The report's line on CUDA graphs (``RankResult.cuda_graphs``, rank 0's)."""
+    if graphs["mode"] == "off":
+        return f"CUDA graphs: off: {graphs['why']}"
+    line = f"CUDA graphs: {graphs['mode']}: {graphs['why']}"
+    if "buckets" in graphs:
+        line += (f"; {len(graphs['buckets'])} captured (token buckets "
+                 f"{', '.join(map(str, graphs['buckets'])) or 'none'}), "
+                 f"{graphs['replays']} replays after their capture")
+    if graphs.get("skipped"):
+        line += "; inductor skipped: " + "; ".join(sorted(set(graphs["skipped"])))
+    elif "skipped" in graphs:
+        line += "; inductor skipped none"
+    return line
 
 
 def _modes_on(spec) -> str:

@@ -86,7 +86,7 @@ def spec_from_args(args):
                    prompts=prompts, max_new_tokens=args.max_new_tokens,
                    allreduce_fusion=not args.no_allreduce_fusion,
                    rs_padding=not args.no_rs_padding, fusions=args.fusion_provider,
-                   device=args.device,
+                   device=args.device, cuda_graph=not args.disable_cuda_graph,
                    compile=args.compile_backend or ("inductor" if args.compile else None))
     check_spec(spec)  # the combination table: what run_rank asks first, asked here first
     check_pipeline(args, checkpoint)
@@ -161,6 +161,8 @@ def _spawned_run(args, timeout) -> int:
     from ..runtime.launch import spawn
 
     spec = spec_from_args(args)
+    if args.disable_cuda_graph and spec.device == "cpu" and not args.json:
+        log.info("note: --disable-cuda-graph ignored: the CPU runs no CUDA graphs")
     if spec.tbo is TboPolicy.ALWAYS and not args.json:  # gloo ranks share this machine's cores
         log.info("note: --tbo always on gloo ranks that share CPU cores runs slower than the "
                  "plain forward (docs/features.md, Two-batch overlap); it proves the "
@@ -178,9 +180,10 @@ def _spawned_run(args, timeout) -> int:
     results = [run_rank(spec)] if world == 1 else spawn(rank_entry, world, spec,
                                                         backend=backend_for(spec.device, world),
                                                         **options)
-    # world 1 needs no reference of itself, unless it ran compiled or in segments
+    # world 1 needs no reference of itself, unless it ran compiled, from CUDA graphs (the
+    # eager run is what a replay must match) or in segments
     own = (world == 1 and spec.compile is None and spec.split_prefill == 1
-           and spec.tbo is TboPolicy.OFF
+           and spec.tbo is TboPolicy.OFF and not (spec.device == "cuda" and spec.cuda_graph)
            and not spec.speculative)
     reference = None if args.no_reference or own else reference_run(spec)
     return report(args, spec, results, reference)
@@ -231,6 +234,7 @@ def reference_run(spec):
 
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, pp_layers=None,
                                split_prefill=1, tbo=TboPolicy.OFF, draft_model=None,
-                               draft_checkpoint=None, speculative_algorithm=None, compile=None),
+                               draft_checkpoint=None, speculative_algorithm=None, compile=None,
+                               cuda_graph=False),
                        world_size=1)])
 

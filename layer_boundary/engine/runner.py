@@ -25,6 +25,7 @@ from .compiled import compile_forward, compiled_graphs
 from .describe import plan_rows
 from .features import check_draft, check_spec  # noqa: F401 - check_draft: the public name
 from .generate import Generation, greedy_generate, takes_padded_batches
+from .graphs import CapturedDecode, GraphDecision, Graphs, InductorSkips, decide_graphs
 from .speculative import speculative_generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,6 +62,9 @@ class RunSpec:
     # run each forward under torch.compile(fullgraph=True) with this backend ("inductor",
     # "aot_eager", "eager"); a graph break anywhere in the forward is an error
     compile: str | None = None
+    # on --device cuda, decode steps replay a CUDA graph per token bucket (inductor's own
+    # under --compile) where ``graphs.decide_graphs`` allows; False: --disable-cuda-graph
+    cuda_graph: bool = True
     pp: int = 1  # pipeline stages (world = pp x tp)
     pp_layers: tuple | None = None  # layers per stage (None: even split, remainder first)
     split_prefill: int = 1  # layer-range segments per stage for the prefill
@@ -110,6 +114,9 @@ class RankResult:
     speculative: dict | None = None  # proposed/accepted/target_forwards/emitted/reruns
     load_bytes: int = 0  # what this rank read from the checkpoint (its shard)
     compiled_graphs: int = 0  # graphs torch.compile built for this rank's forwards
+    # where this rank's forwards ran from CUDA graphs: mode, why, the captured buckets, the
+    # replays, inductor's reasons for skipping a graph (``graphs_summary``)
+    cuda_graphs: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)  # ForwardRecord of each call of the target
 
 
@@ -239,18 +246,14 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
 
         names = list(attach_lora(model, spec.lora))
         adapters = lora_slots(names, spec.prompt_lora or ("none",) * len(spec.prompts))
-    forward = model
-    # a compiled forward runs padded to its token bucket where the cache allows (speculative
-    # verification builds its own batches, unpadded)
-    pads = spec.compile is not None and not spec.speculative and takes_padded_batches(model)
+    run = run_forward(spec, model, par)
+    forward, captured, skips, pads = run.forward, run.captured, run.skips, run.pads
     if spec.compile is not None:
-        torch._dynamo.reset()  # one model per run: no earlier run's graphs count to its limits
-        forward = compile_forward(model, spec.compile, padded=pads)
-        graphs_before = compiled_graphs()
+        graphs_before = compiled_graphs()  # compiling is lazy: nothing built yet
     checked = _ForwardCheck(model, forward)
     draft = load_draft(spec, runtime, model) if spec.speculative else None
     stats = None
-    with LEDGER.recording() as entries, contextlib.ExitStack() as stack:
+    with LEDGER.recording() as entries, contextlib.ExitStack() as stack, skips:
         traces = stack.enter_context(LEDGER.tracing()) if spec.trace else []
         if draft is not None:
             gen, stats = speculative_generate(
@@ -265,7 +268,8 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
                                   pp=par.pp_group if par.dims.pp > 1 else None,
                                   split_prefill=spec.split_prefill, tbo=spec.tbo,
                                   variants=forward_variants(spec), adapters=adapters,
-                                  bucket=token_bucket if pads else None)
+                                  bucket=token_bucket if pads else None,
+                                  pad_prefill=captured is None)
     if device.type != "cpu":  # the report reads them on the CPU, after the forwards
         gen.logits = [[row.cpu() for row in rows] for rows in gen.logits]
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
@@ -280,6 +284,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     result.load_bytes = read.bytes
     if spec.compile is not None:
         result.compiled_graphs = compiled_graphs() - graphs_before
+    result.cuda_graphs = graphs_summary(run.decision, captured, skips)
     result.layers = tuple(model.stage.layers)
     result.calls = checked.calls
     if provider is not None:
@@ -287,6 +292,54 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
         result.fused_final_norms = 0 if provider.service is None else provider.service.calls
         result.fused_stages = provider.fused_stages
     return result
+
+
+@dataclass
+class RunForward:
+    """What a rank's generation calls, decided once from the spec, the model and the groups:
+    the forward (the model, its compiled form, or its captured decode), the CUDA-graph
+    decision, whether batches pad to their token bucket, and what collects inductor's
+    reasons for skipping a graph (a null context where inductor captures none)."""
+
+    forward: object
+    decision: GraphDecision
+    pads: bool
+    captured: CapturedDecode | None = None
+    skips: object = field(default_factory=contextlib.nullcontext)
+
+
+def run_forward(spec: RunSpec, model, parallel) -> RunForward:
+    """The forward ``spec`` runs ``model`` through on ``parallel`` (see ``RunForward``)."""
+    takes_pads = takes_padded_batches(model)
+    decision = decide_graphs(spec, parallel, takes_pads)
+    # a compiled forward runs padded to its token bucket where the cache allows (speculative
+    # verification builds its own batches, unpadded); captured decode steps too
+    pads = takes_pads and ((spec.compile is not None and not spec.speculative)
+                           or decision.graphs is Graphs.CAPTURED)
+    if spec.compile is not None:
+        torch._dynamo.reset()  # one model per run: no earlier run's graphs count to its limits
+        forward = compile_forward(model, spec.compile, padded=pads,
+                                  cuda_graphs=decision.graphs is Graphs.INDUCTOR)
+        skips = (InductorSkips() if decision.graphs is Graphs.INDUCTOR
+                 else contextlib.nullcontext())
+        return RunForward(forward, decision, pads, skips=skips)
+    if decision.graphs is Graphs.CAPTURED:
+        captured = CapturedDecode(model)
+        return RunForward(captured, decision, pads, captured=captured)
+    return RunForward(model, decision, pads)
+
+
+def graphs_summary(decision: GraphDecision, captured: CapturedDecode | None, skips) -> dict:
+    """What ran from CUDA graphs on this rank: the decision (``mode``, ``why``), and the
+    captured buckets and replays (ours) or inductor's reasons for skipping a graph."""
+    summary = {"mode": decision.graphs.value, "why": decision.why}
+    if captured is not None:
+        if captured.failed is not None:
+            summary.update(mode=Graphs.OFF.value, why=captured.failed)
+        summary.update(buckets=captured.buckets, replays=captured.replays)
+    if isinstance(skips, InductorSkips):
+        summary["skipped"] = skips.reasons
+    return summary
 
 
 def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):

@@ -43,6 +43,12 @@ class KVCache:
         else:
             self.v = {i: torch.zeros(v_shape, dtype=dtype, device=device) for i in layers}
         self.max_len, self.window, self.rows, self.shared_kv = max_len, window, rows, shared_kv
+        if torch.device(device).type == "cuda":
+            # a compiled forward's graph writes these in place: marked static, inductor keeps
+            # the write inside its CUDA graph (a mutated input it cannot pin makes it skip the
+            # graph), as transformers' static cache does
+            for t in (*self.k.values(), *({} if shared_kv else self.v).values()):
+                torch._dynamo.mark_static_address(t)
 
     @property
     def padded_batches(self) -> bool:

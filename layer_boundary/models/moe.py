@@ -227,7 +227,7 @@ class FusedMoE(nn.Module):
         """
         if self.dispatch:
             return self._dispatched(x, topk_ids, topk_weights, shared_output)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _capturing(x):
             expert_out = self._dense_experts(x, topk_ids)
         else:
             expert_out = x.new_zeros((*topk_ids.shape, x.shape[-1]))  # [T, k, H]
@@ -328,6 +328,13 @@ class FusedMoE(nn.Module):
             routed = (topk_ids == self.first + e).unsqueeze(-1)  # [T, k, 1]
             expert_out = torch.where(routed, y.unsqueeze(1), expert_out)
         return expert_out
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is capturing this forward: then, as under torch.compile, no shape
+    may depend on the routing (the per-expert path asks the host how many tokens each
+    expert got, which a capture cannot)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 FusedMoE.weight_loader.reads_slices = True  # this rank's experts, their moe_tp shard only

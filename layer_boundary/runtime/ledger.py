@@ -15,6 +15,7 @@ follow the routing, so its bytes vary per forward and per rank (its own block ne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -182,6 +183,23 @@ class Ledger:
                 yield self.entries
         finally:
             self.enabled, self.entries, self.site, self.step = previous
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing in the enclosed block (a captured graph's warm-up forwards: the
+        collectives the run performs are the replays', ``repeat``)."""
+        previous = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def repeat(self, entries) -> None:
+        """Record ``entries`` again at the current step: what a replayed CUDA graph performs
+        is what its capture recorded, and a replay runs no Python to report it."""
+        if self.enabled:
+            self.entries.extend(dataclasses.replace(e, step=self.step) for e in entries)
 
     @contextlib.contextmanager
     def tracing(self):

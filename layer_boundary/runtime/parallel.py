@@ -149,11 +149,20 @@ class Parallel:
         if self.dp_cp_group is None:  # no CP: the partitions are the DP ranks
             object.__setattr__(self, "dp_cp_group", self.attn_dp_group)
 
-
     def groups(self) -> tuple[Group, ...]:
         """This rank's groups of the topology (size-1 groups included)."""
         return tuple(dict.fromkeys((self.tp_group, self.attn_tp_group, self.attn_dp_group,
                                     self.pp_group, self.attn_cp_group, self.dp_cp_group)))
+
+    def uncapturable_group(self) -> Group | None:
+        """The first of this rank's groups whose collectives a CUDA graph cannot hold, or None
+        (NCCL's can, and a size-1 group runs none). gloo runs each collective on its own host
+        threads, which a captured graph never calls: replayed, the peers would wait forever,
+        and capturing one on CUDA tensors has killed the rank (an H200, torch 2.11)."""
+        for group in self.groups():
+            if group.pg is not None and group.backend != "nccl":
+                return group
+        return None
 
     @property
     def pp_rank(self) -> int:

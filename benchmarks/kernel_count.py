@@ -1,0 +1,188 @@
+"""What one decode layer launches: `python benchmarks/kernel_count.py [--device cuda]`.
+
+At decode sizes a GPU kernel costs a few microseconds of launch and scheduling whatever its
+work, and a captured CUDA graph replays every kernel the eager step launched, so the kernels
+of one decode layer are the GPU cost a CPU can count. Two counts, each per layer as the
+difference between a 4-layer and a 2-layer tiny Qwen3 (hidden 64) over 2, so that the
+embedding, the final norm and the LM head drop out:
+
+- ``dispatcher``: the aten ops a padded decode step dispatches that are not views (each is a
+  kernel or more on a GPU, a few are host-only), plus each Triton launch of the fusion
+  provider (the ops its interpreter runs on the CPU are not counted);
+- ``cuda`` (on a GPU): the kernels the profiler saw run, memory copies and sets included.
+
+Rows: ours eager, ours with ``--fusions triton``, ours compiled by inductor (CUDA only), and
+transformers eager (its ``generate``'s step: a DynamicCache decode of the same requests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+LAYERS = (2, 4)
+PROMPTS = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
+
+
+class _Dispatched(TorchDispatchMode):
+    """Counts the non-view aten ops dispatched inside it (by name), except while ``paused``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        schema = func._schema
+        view = any(r.alias_info is not None and not r.alias_info.is_write
+                   for r in schema.returns)
+        if not self.paused and not view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _triton_launches(mode: _Dispatched):
+    """Each launch of the Triton provider's kernels counts as one op, and what its interpreter
+    runs inside (numpy and torch on the CPU) does not."""
+    from layer_boundary.fusions import kernels
+
+    originals = {name: getattr(kernels, name) for name in ("add_rms_norm", "add_rms_norm_fp8")}
+
+    def counted(name, call):
+        def launch(*args, **kwargs):
+            mode.ops[f"triton:{name}"] += 1
+            mode.paused += 1
+            try:
+                return call(*args, **kwargs)
+            finally:
+                mode.paused -= 1
+        return launch
+
+    for name, call in originals.items():
+        setattr(kernels, name, counted(name, call))
+    try:
+        yield
+    finally:
+        for name, call in originals.items():
+            setattr(kernels, name, call)
+
+
+def _checkpoint(folder: Path, layers: int) -> Path:
+    from layer_boundary.models.tiny import write_tiny_qwen3
+
+    return write_tiny_qwen3(folder / f"qwen3-{layers}", num_hidden_layers=layers)
+
+
+def _ours(path: Path, device: str, fusions: str | None, backend: str | None):
+    """A decode step of ours after a prefill: the callable and the step's batch."""
+    from layer_boundary.engine.compiled import compile_forward
+    from layer_boundary.engine.runner import make_fusions
+    from layer_boundary.models import load_model
+    from layer_boundary.runtime import BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims
+    from layer_boundary.runtime.forward_batch import token_bucket
+    from layer_boundary.runtime.parallel import build_parallel
+
+    runtime = BoundaryRuntime(build_parallel(ParallelDims()), boundary_reduction="ar")
+    model = load_model(str(path), runtime, device=device)
+    if fusions is not None:
+        model.install_fusion(make_fusions(fusions))
+    slots = len(PROMPTS) + 1
+    cache = model.make_kv_cache(slots, 32)
+    with torch.no_grad():
+        model(ForwardBatch.build(ForwardMode.EXTEND, PROMPTS, [0] * len(PROMPTS),
+                                 kv_cache=cache, device=device))
+    step = ForwardBatch.build(ForwardMode.DECODE, [[7]] * len(PROMPTS),
+                              [len(p) for p in PROMPTS], kv_cache=cache,
+                              device=device).padded(token_bucket(len(PROMPTS)),
+                                                    scratch_slot=slots - 1)
+    forward = model if backend is None else compile_forward(model, backend, padded=True)
+    return forward, step
+
+
+def _transformers(path: Path, device: str):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS], device=device)
+    mask = (torch.arange(width, device=device)[None] >= torch.tensor(
+        [width - len(p) for p in PROMPTS], device=device)[:, None]).long()
+    with torch.no_grad():
+        out = hf(input_ids=ids, attention_mask=mask, use_cache=True)
+    cache = out.past_key_values
+    step_ids = torch.full((len(PROMPTS), 1), 7, device=device)
+    step_mask = torch.cat((mask, torch.ones_like(step_ids)), dim=1)
+
+    def step(_):
+        return hf(input_ids=step_ids, attention_mask=step_mask, past_key_values=cache,
+                  use_cache=True).logits
+
+    return step, None
+
+
+def dispatched(forward, batch, fusions: bool) -> Counter:
+    """The non-view aten ops (and Triton launches) of ``forward(batch)``, by name."""
+    mode = _Dispatched()
+    with torch.no_grad(), mode, (_triton_launches(mode) if fusions
+                                  else contextlib.nullcontext()):
+        forward(batch)
+    return mode.ops
+
+
+def cuda_kernels(forward, batch) -> int:
+    """The kernels (copies and sets included) the profiler saw ``forward(batch)`` run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        forward(batch)  # compiled: the graph is built before the profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            forward(batch)
+            torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transformers"),
+              folder: Path | None = None) -> list[dict]:
+    """Each row's per-layer count: ``dispatcher`` always, ``cuda`` on a CUDA device."""
+    folder = Path(folder or tempfile.mkdtemp(prefix="kernel_count_"))
+    paths = {n: _checkpoint(folder, n) for n in LAYERS}
+    out = []
+    for row in rows:
+        counts = {"dispatcher": [], "cuda": []}
+        for n in LAYERS:
+            if row == "transformers":
+                forward, batch = _transformers(paths[n], device)
+            else:
+                forward, batch = _ours(paths[n], device,
+                                       "triton" if "triton" in row else None,
+                                       "inductor" if "inductor" in row else None)
+            if "inductor" not in row:  # a compiled forward dispatches its graph, not ops
+                counts["dispatcher"].append(sum(dispatched(forward, batch,
+                                                           "triton" in row).values()))
+            if device == "cuda":
+                counts["cuda"].append(cuda_kernels(forward, batch))
+        record = {"row": row, "device": device}
+        for kind, (two, four) in ((k, v) for k, v in counts.items() if v):
+            record[kind] = (four - two) / (LAYERS[1] - LAYERS[0])
+        out.append(record)
+    return out
+
+
+if __name__ == "__main__":
+    device = "cuda" if "--device" in sys.argv and "cuda" in sys.argv else "cpu"
+    rows = ("ours", "ours, triton fusions", "transformers") + (
+        ("ours, inductor",) if device == "cuda" else ())
+    for record in per_layer(device, rows):
+        print(json.dumps(record), flush=True)
