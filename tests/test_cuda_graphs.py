@@ -20,7 +20,9 @@ from distributed.pool import get_pool
 
 from layer_boundary.engine import runner
 from layer_boundary.engine.generate import greedy_generate
-from layer_boundary.engine.graphs import (CapturedDecode, GraphDecision, Graphs, decide_graphs)
+from layer_boundary.engine.compiled import compile_forward
+from layer_boundary.engine.graphs import (CapturedDecode, GraphDecision, Graphs, decide_graphs,
+                                          decode_step)
 from layer_boundary.engine.report import graphs_line
 from layer_boundary.engine.runner import RunSpec, make_runtime
 from layer_boundary.models import load_model
@@ -147,16 +149,19 @@ def test_compile_on_cuda_at_world1_keeps_inductors_graphs(qwen3_dir):
 PROMPTS = [[5, 1, 4], [2, 7], [9, 3, 6, 8], [4]]
 
 
-def _generate(path: str, policy: str, captured: bool, prompts, steps: int = 4):
+def _generate(path: str, policy: str, captured: bool, prompts, steps: int = 4,
+              compiled: bool = False):
     """Greedy tokens, logits and per-step ledger of this rank's requests: decode steps padded
-    to their bucket, eagerly or through ``CapturedDecode`` with ``Rerun``."""
+    to their bucket, eagerly or through ``CapturedDecode`` with ``Rerun`` (``compiled``: the
+    graphs hold the step compiled, by dynamo's eager backend here)."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     dp = 2 if world > 1 else 1
     spec = RunSpec(path, tp=world, dp=dp, boundary_reduction=policy)
     runtime = make_runtime(spec, world)
     par = runtime.parallel
     model = load_model(path, runtime)
-    forward = CapturedDecode(model, Rerun()) if captured else model
+    step = compile_forward(model, "eager", padded=True) if compiled else None
+    forward = CapturedDecode(model, step, capture=Rerun()) if captured else model
     with torch.no_grad(), LEDGER.recording() as entries:
         gen = greedy_generate(forward, prompts, steps, dp=par.dims.attn_dp,
                               dp_rank=par.attn_dp_rank, bucket=token_bucket, pad_prefill=False,
@@ -196,9 +201,26 @@ def test_the_captured_decode_across_ranks(qwen3_dir, policy, prompts):
         assert captured[2][1] == 2
 
 
+def test_the_captured_decode_of_a_compiled_step(qwen3_dir):
+    """What ``run --device cuda`` captures by default: the decode step compiled (inductor on
+    a GPU; dynamo's eager backend here, the same traced graph), the prefill eager."""
+    torch._dynamo.reset()
+    eager = _generate(str(qwen3_dir), "ar", False, PROMPTS)
+    captured = _generate(str(qwen3_dir), "ar", True, PROMPTS, compiled=True)
+    _same(eager, captured)
+    assert captured[2][:2] == ([4], 2)
+
+
+def test_the_decode_step_a_graph_holds(qwen3_dir):
+    model = load_model(str(qwen3_dir), make_runtime(RunSpec(str(qwen3_dir))))
+    assert decode_step(RunSpec("m", captured_decode="eager"), model) == (model, "eager")
+    step, name = decode_step(RunSpec("m"), model)
+    assert name == "inductor" and step is not model
+
+
 def test_a_prefill_and_an_unpadded_step_run_eagerly(qwen3_dir):
     model = load_model(str(qwen3_dir), make_runtime(RunSpec(str(qwen3_dir))))
-    forward = CapturedDecode(model, Rerun())
+    forward = CapturedDecode(model, capture=Rerun())
     with torch.no_grad():
         gen = greedy_generate(forward, PROMPTS, 3)  # nothing padded
     assert forward.buckets == [] and forward.replays == 0
@@ -212,7 +234,7 @@ class _Refusing(Rerun):
 
 def test_a_capture_that_fails_turns_the_graphs_off_and_says_why(qwen3_dir):
     model = load_model(str(qwen3_dir), make_runtime(RunSpec(str(qwen3_dir))))
-    forward = CapturedDecode(model, _Refusing())
+    forward = CapturedDecode(model, capture=_Refusing())
     with torch.no_grad():
         gen = greedy_generate(forward, PROMPTS, 3, bucket=token_bucket, pad_prefill=False)
         want = greedy_generate(model, PROMPTS, 3)
@@ -220,4 +242,5 @@ def test_a_capture_that_fails_turns_the_graphs_off_and_says_why(qwen3_dir):
     assert forward.failed == ("capturing the 4-row decode bucket failed (operation not "
                               "permitted when stream is capturing); decode ran eagerly")
     summary = runner.graphs_summary(GraphDecision(Graphs.CAPTURED, "x"), forward, None)
-    assert summary == {"mode": "off", "why": forward.failed, "buckets": [], "replays": 0}
+    assert summary == {"mode": "off", "why": forward.failed, "step": "eager", "buckets": [],
+                       "replays": 0}

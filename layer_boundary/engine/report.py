@@ -191,6 +191,8 @@ def graphs_line(graphs: dict) -> str:
     if graphs["mode"] == "off":
         return f"CUDA graphs: off: {graphs['why']}"
     line = f"CUDA graphs: {graphs['mode']}: {graphs['why']}"
+    if "step" in graphs:
+        line += f"; each graph holds the {graphs['step']} decode step"
     if "buckets" in graphs:
         line += (f"; {len(graphs['buckets'])} captured (token buckets "
                  f"{', '.join(map(str, graphs['buckets'])) or 'none'}), "

@@ -25,7 +25,8 @@ from .compiled import compile_forward, compiled_graphs
 from .describe import plan_rows
 from .features import check_draft, check_spec  # noqa: F401 - check_draft: the public name
 from .generate import Generation, greedy_generate, takes_padded_batches
-from .graphs import CapturedDecode, GraphDecision, Graphs, InductorSkips, decide_graphs
+from .graphs import (CapturedDecode, GraphDecision, Graphs, InductorSkips, decide_graphs,
+                     decode_step)
 from .speculative import speculative_generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -65,6 +66,9 @@ class RunSpec:
     # on --device cuda, decode steps replay a CUDA graph per token bucket (inductor's own
     # under --compile) where ``graphs.decide_graphs`` allows; False: --disable-cuda-graph
     cuda_graph: bool = True
+    # what each captured decode graph holds: "inductor" (the step compiled, fewer kernels) or
+    # "eager" (``graphs.decode_step``)
+    captured_decode: str = "inductor"
     pp: int = 1  # pipeline stages (world = pp x tp)
     pp_layers: tuple | None = None  # layers per stage (None: even split, remainder first)
     split_prefill: int = 1  # layer-range segments per stage for the prefill
@@ -324,7 +328,9 @@ def run_forward(spec: RunSpec, model, parallel) -> RunForward:
                  else contextlib.nullcontext())
         return RunForward(forward, decision, pads, skips=skips)
     if decision.graphs is Graphs.CAPTURED:
-        captured = CapturedDecode(model)
+        torch._dynamo.reset()  # one model per run, as compiling above
+        step, step_name = decode_step(spec, model)
+        captured = CapturedDecode(model, step, step_name=step_name)
         return RunForward(captured, decision, pads, captured=captured)
     return RunForward(model, decision, pads)
 
@@ -336,7 +342,8 @@ def graphs_summary(decision: GraphDecision, captured: CapturedDecode | None, ski
     if captured is not None:
         if captured.failed is not None:
             summary.update(mode=Graphs.OFF.value, why=captured.failed)
-        summary.update(buckets=captured.buckets, replays=captured.replays)
+        summary.update(step=captured.step_name,
+                       buckets=captured.buckets, replays=captured.replays)
     if isinstance(skips, InductorSkips):
         summary["skipped"] = skips.reasons
     return summary
