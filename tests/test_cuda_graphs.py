@@ -244,3 +244,29 @@ def test_a_capture_that_fails_turns_the_graphs_off_and_says_why(qwen3_dir):
     summary = runner.graphs_summary(GraphDecision(Graphs.CAPTURED, "x"), forward, None)
     assert summary == {"mode": "off", "why": forward.failed, "step": "eager", "buckets": [],
                        "replays": 0}
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def test_run_help_shows_the_flags_that_turn_graphs_off():
+    from layer_boundary.engine.args import build_parser
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    text = run.format_help()
+    assert "--disable-cuda-graph, --enforce-eager" in text
+    assert "--captured-decode {inductor,eager}" in text
+    for flag in ("--disable-cuda-graph", "--enforce-eager"):
+        assert run.parse_args([flag]).disable_cuda_graph is True
+    assert run.parse_args([]).captured_decode == "inductor"
+
+
+def test_on_the_cpu_the_flag_is_ignored_by_name(capsys, restore_logger):
+    from distributed.checks import cli
+
+    code, out = cli(["run", "--tp", "1", "--max-new-tokens", "1", "--disable-cuda-graph"],
+                    capsys)
+    assert code == 0
+    assert out.splitlines()[0] == ("note: --disable-cuda-graph ignored: the CPU runs no CUDA "
+                                   "graphs")
+    assert "CUDA graphs" not in out.split("\n", 1)[1]  # nothing else about graphs on the CPU
