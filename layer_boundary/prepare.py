@@ -174,7 +174,7 @@ class EntryPath:
                               stream.residual_rows, self.norm, facts)
             for candidate in path.candidates:
                 out = candidate.run(arrival)
-                if out is not None:
+                if out:  # None, or a ``Declined``: the next candidate, then the built-in path
                     x, residual = out
                     return self._to_compute(facts, x, self.input_move), residual
         if path.sum_before_read is not None and stream.residual is not None:

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(torch-op all-reduce + add + norm candidates), "
                                         "reference-terminal (also the final norm's terminal "
                                         "service), decline (asked, declines every candidate)")
+    run.add_argument("--require-fusions", action="store_true",
+                     help="make a fusion candidate's decline an error: the run exits 1 "
+                          "naming each stage that declined and why (needs --fusions)")
     _pipeline_args(run)
     run.add_argument("--split-prefill", type=_positive, default=1,
                      help="run each stage's prefill in this many layer-range segments")

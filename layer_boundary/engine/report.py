@@ -87,6 +87,7 @@ def report(args, spec, results, reference) -> int:
                             if texts else {})}
                         for i, g in zip(run.request_ids, run.generated)],
             "parity": verdict, "collectives": collectives,
+            "stages": stage_rows(spec, results),
             **({"speculative": speculative} if speculative else {}),
             **({"tbo": tbo} if tbo else {}),
             **({"fusion_provider": spec.fusions, "fused_inputs": rank0.fused_inputs,
@@ -100,7 +101,7 @@ def report(args, spec, results, reference) -> int:
             **({"compile": spec.compile, "compiled_graphs": rank0.compiled_graphs}
                if spec.compile else {}),
             **({"cuda_graphs": rank0.cuda_graphs} if spec.device == "cuda" else {})}))
-        return 0 if ok else 1
+        return _required(args, results, 0 if ok else 1)
     log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
              spec.dp, f"cp={spec.cp} " if spec.cp > 1 else "", spec.ep,
@@ -130,6 +131,8 @@ def report(args, spec, results, reference) -> int:
         log.info("fusion provider %s on rank 0: %d inputs and %d final norms completed fused "
                  "(stages: %s)", spec.fusions, rank0.fused_inputs, rank0.fused_final_norms,
                  ", ".join(rank0.fused_stages) or "none")
+        for row in stage_rows(spec, results):
+            log.info("  %-16s %s", row["stage"], outcome_text(row["fusion"]))
     if verdict is None:
         log.info("parity: not checked")
     else:
@@ -148,7 +151,7 @@ def report(args, spec, results, reference) -> int:
     if spec.compile:
         log.info("\ncollectives: not observed (a compiled forward runs no Python to report "
                  "from; run without --compile for the ledger)")
-        return 0 if ok else 1
+        return _required(args, results, 0 if ok else 1)
     log.info("\ncollectives per forward on rank 0 (count x kind, bytes; step 0 = prefill):")
     lines = {}  # step -> its per-site lines
     for step in sorted({e.step for e in rank0.ledger}):
@@ -183,7 +186,58 @@ def report(args, spec, results, reference) -> int:
                  "all-reduce when asynchronous or compiled; a variable gather is padded to the "
                  "widest rank; a small sum is a gather): %d B, against %d B logical",
                  wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
-    return 0 if ok else 1
+    return _required(args, results, 0 if ok else 1)
+
+
+def stage_rows(spec, results) -> list[dict]:
+    """Each stage of the model, in order: the path it ran (prepare and exit, in the first
+    forward's row mode) and, with a fusion provider, its candidates' outcome on that stage's
+    first rank (``ReferenceFusions.outcomes``)."""
+    rows = []
+    for head in (r for r in results if r.rank % spec.tp == 0):  # one rank a pipeline stage
+        for row in head.plan:
+            entry = {k: row[k] for k in ("stage", "mixer", "entry", "exit") if k in row}
+            if spec.fusions:
+                entry["fusion"] = head.fusion_outcomes.get(
+                    row["stage"], {"offered": 0, "applied": 0, "declined": {}})
+            rows.append(entry)
+    return rows
+
+
+def outcome_text(outcome: dict) -> str:
+    """One stage's fusion outcome in words."""
+    if not outcome["offered"]:
+        return "nothing offered" + (f": {outcome['not_offered']}" if "not_offered" in outcome
+                                    else "")
+    words = [f"applied {outcome['applied']}x"]
+    words += [f"declined {n}x: {why}" for why, n in outcome["declined"].items()]
+    if not outcome["applied"] and not outcome["declined"]:
+        words = ["offered, never asked (nothing arrived to complete)"]
+    return "; ".join(words)
+
+
+def required_declines(results) -> list[str]:
+    """Every (rank, stage) where a candidate declined, in words (``--require-fusions``)."""
+    out = []
+    for r in results:
+        for stage, outcome in r.fusion_outcomes.items():
+            for why, n in outcome["declined"].items():
+                out.append(f"rank {r.rank} {stage} declined {n}x: {why}")
+    return out
+
+
+def _required(args, results, code: int) -> int:
+    """``code``, or 1 where ``--require-fusions`` finds a decline (each named on stderr)."""
+    if not getattr(args, "require_fusions", False):
+        return code
+    declines = required_declines(results)
+    if declines:
+        import sys
+
+        print("layer-boundary: error: --require-fusions: a fusion candidate declined: "
+              + "; ".join(declines), file=sys.stderr)
+        return 1
+    return code
 
 
 def graphs_line(graphs: dict) -> str:

@@ -42,6 +42,9 @@ def spec_from_args(args):
     from .runner import RunSpec
 
     engine_names(args)
+    if args.require_fusions and args.fusion_provider is None:
+        raise UsageError("--require-fusions needs a provider to require: --fusions "
+                         "reference|reference-terminal|decline|triton")
     args.draft_model = model_folder(args.draft_model, "--draft-model")
     model_dir = model_folder(args.model) or str(builtin_checkpoint())
     checkpoint = open_checkpoint(model_dir)

@@ -112,6 +112,9 @@ class RankResult:
     fused_inputs: int = 0  # inputs a fusion provider's candidate completed
     fused_final_norms: int = 0  # final norms the provider's handoff service completed
     fused_stages: list = field(default_factory=list)  # stages whose inputs it completed
+    # each stage the provider was asked about: offered, applied, declined by reason
+    # (``ReferenceFusions.outcomes``)
+    fusion_outcomes: dict = field(default_factory=dict)
     pp_rank: int = 0
     last_stage: bool = True  # this rank's logits are the model's (the last pipeline stage)
     layers: tuple = ()  # the global layers this rank's pipeline stage holds
@@ -295,6 +298,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
         result.fused_inputs = provider.accepted
         result.fused_final_norms = 0 if provider.service is None else provider.service.calls
         result.fused_stages = provider.fused_stages
+        result.fusion_outcomes = provider.outcomes()
     return result
 
 

@@ -12,8 +12,11 @@ to the arrivals it applies to, decided at construction: a nonlinear update, a cu
 rows it does not move or a reduce-scatter it does not perform never reach it.
 
 ``run(arrival)`` returns ``(compute_input, residual)`` on the stage's update rows, or None to
-decline; it must decline before it modifies any input or starts a collective, so the built-in
-path can still run.
+decline (or a ``Declined`` saying why, which a run's report shows); it must decline before it
+modifies any input or starts a collective, so the built-in path can still run. A candidate
+whose result would differ from the consumer's own read declines: a norm weight of another
+dtype than the stream's where the norm's output dtype follows the weight, a norm it does not
+compute as the module does.
 """
 
 from __future__ import annotations
@@ -57,6 +60,16 @@ class Arrival:
     residual_rows: Layout | None
     norm: object
     facts: object  # the forward's row facts (row_facts.RowFacts)
+
+
+@dataclass(frozen=True)
+class Declined:
+    """A candidate's refusal of one arrival and why: false, as None is, for the consumer."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
 
 
 @dataclass(frozen=True, eq=False)

@@ -3,6 +3,8 @@ finalize handoff are exercised on CPU. A GPU provider implements the same protoc
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..contracts import ProducerReduction, StageKind
@@ -10,7 +12,7 @@ from ..layout import RowMode, SumGroup
 from ..ops import ALL_REDUCE_TP_SLICE_DP, SLICE_DP
 from ..residual import is_plain
 from ..residual.add_norm import accumulate_dtype
-from . import Arrival, FusedInput, InputPlan
+from . import Arrival, Declined, FusedInput, InputPlan
 from .terminal import TerminalFinalizeNorm
 
 # the owed sums it completes: the FFN output's TP sum, the MoE output's, or none (one rank)
@@ -19,10 +21,14 @@ COMPLETES = frozenset({SumGroup.TP, SumGroup.MOE_OUT, None})
 
 def finalize_all_reduce_add_norm(arrival: Arrival):
     """finalize (if a handoff) + all-reduce over TP + this DP rank's slice + fp32 add + norm,
-    as one step, for a value on the global rows and a residual on this DP rank's rows."""
-    if (arrival.residual is None or not is_plain(arrival.update)
-            or not hasattr(arrival.norm, "normalize_fp32")):
-        return None  # declined before touching anything: it applies the update as an add
+    as one step, for a value on the global rows and a residual on this DP rank's rows. The
+    norm is the module's own ``normalize_fp32``, so any weight dtype and form computes as
+    the unfused read does."""
+    refusal = plain_add_refusal(arrival) or (
+        None if hasattr(arrival.norm, "normalize_fp32")
+        else f"the norm ({type(arrival.norm).__name__}) has no normalize_fp32")
+    if refusal is not None:
+        return Declined(refusal)  # before touching anything: it applies the update as an add
     value = arrival.value
     if not isinstance(value, torch.Tensor):
         value = value.complete()
@@ -35,15 +41,30 @@ def finalize_all_reduce_add_norm(arrival: Arrival):
     return arrival.norm.normalize_fp32(total, dtype), total.to(dtype)
 
 
+def plain_add_refusal(arrival: Arrival) -> str | None:
+    """Why a candidate that applies the update as a plain add to the residual cannot take
+    ``arrival`` (None: it can)."""
+    if arrival.residual is None:
+        return "no residual yet (the stack's first input)"
+    if not is_plain(arrival.update):
+        return f"the update ({type(arrival.update).__name__}) is not a plain add"
+    return None
+
+
 class Counted:
-    """A candidate's run that counts the arrivals it accepted (for tests and run reports)."""
+    """A candidate's run that counts the arrivals it accepted (``calls``) and, by reason, the
+    ones it declined (``declined``), for tests and run reports."""
 
     def __init__(self, run) -> None:
         self.run, self.calls = run, 0
+        self.declined: Counter = Counter()
 
     def __call__(self, arrival: Arrival):
         out = self.run(arrival)
-        self.calls += out is not None
+        if out:
+            self.calls += 1
+        else:
+            self.declined[out.reason if isinstance(out, Declined) else "declined"] += 1
         return out
 
 
@@ -70,6 +91,7 @@ class ReferenceFusions:
         self.defer_finalize, self.terminal_finalize = defer_finalize, terminal_finalize
         self.defer_all_reduce, self.decline = defer_all_reduce, decline
         self.offered: list[tuple[str, FusedInput]] = []  # (stage, candidate), as offered
+        self.not_offered: dict[str, str] = {}  # stage -> why it was offered nothing
         self.service: TerminalFinalizeNorm | None = None  # once handoff_norm() made it
         self._parallel = None  # the topology of the plans it was offered to
 
@@ -121,6 +143,25 @@ class ReferenceFusions:
         """The stages whose input a candidate completed at least once, in build order."""
         return list(dict.fromkeys(name for name, c in self.offered if c.run.calls))
 
+    def outcomes(self) -> dict[str, dict]:
+        """Each stage it was asked about, in build order: ``{"offered": candidates,
+        "applied": inputs completed, "declined": {reason: times}}`` (counted since it was
+        installed; "offered" 0 with ``not_offered``: why it offered nothing there)."""
+        out: dict[str, dict] = {}
+        for stage, why in self.not_offered.items():
+            out[stage] = {"offered": 0, "applied": 0, "declined": {}, "not_offered": why}
+        for stage, candidate in self.offered:
+            slot = out.setdefault(stage, {"offered": 0, "applied": 0, "declined": {}})
+            slot.pop("not_offered", None)
+            slot["offered"] += 1
+            slot["applied"] += candidate.run.calls
+            for reason, times in candidate.run.declined.items():
+                slot["declined"][reason] = slot["declined"].get(reason, 0) + times
+        return out
+
+
+DECLINES = "the decline provider declines every candidate"
+
 
 def _declining(arrival: Arrival):
-    return None
+    return Declined(DECLINES)

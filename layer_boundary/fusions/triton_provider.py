@@ -13,9 +13,11 @@ Each stands in for the consumer's read by its kind: the add+norm read, or the qu
 (``QuantizedRead``, a power-of-two group), whose kernel also quantizes the normalized output
 to FP8 per token and group; a stage with any other read is offered nothing.
 
-At run time a candidate declines (before moving anything) where the kernel does not apply:
-an update that is not a plain add, no residual yet, a residual on other rows, a norm other
-than ``RMSNorm`` or the zero-centered (Gemma) norm, a dtype wider than fp32. The terminal
+At run time a candidate declines (before moving anything), saying why (``Declined``), where
+the kernel does not compute what the consumer's read would: an update that is not a plain
+add, no residual yet, a residual on other rows, a dtype wider than fp32, a norm other than
+``RMSNorm`` or the zero-centered (Gemma) norm, an ``RMSNorm`` weight of another dtype than the
+stream's (the module's output would take the weight's promotion). The terminal
 service (``handoff_norm``) runs the same kernel in its zero-centered form after the terminal
 finalize's all-reduce.
 
@@ -33,11 +35,11 @@ import sys
 
 import torch
 
-from ..residual import ReadKind, is_plain, read_kind
+from ..residual import ReadKind, read_kind
 from ..runtime.norm import GemmaRMSNorm, RMSNorm
 from ..runtime.quant import QuantizedInput
-from . import Arrival, FusedInput, InputPlan
-from .reference import Counted, ReferenceFusions
+from . import Arrival, Declined, FusedInput, InputPlan
+from .reference import Counted, ReferenceFusions, plain_add_refusal
 from .terminal import TerminalFinalizeNorm
 
 NOT_INTERPRETED = ("the Triton provider runs its kernels on CUDA tensors, or on CPU tensors "
@@ -66,27 +68,60 @@ def _power_of_two(n) -> bool:
     return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
 
-def _norm_form(norm) -> tuple[torch.Tensor, bool] | None:
-    """(weight, zero_centered) of a norm the kernel computes exactly as the module does."""
+def _norm_form(norm, dtype: torch.dtype) -> tuple[torch.Tensor, bool] | str:
+    """(weight, zero_centered) of a norm the kernel computes exactly as the module does on a
+    stream of ``dtype``, or why it does not.
+
+    ``RMSNorm`` rounds the normalised value to the stream's dtype, then multiplies by its
+    weight: a weight of another dtype makes torch promote the product (an fp32 weight on a
+    bf16 stream gives an fp32 output), which the kernel, writing the stream's dtype, does not
+    reproduce. The zero-centered (Gemma) norm scales by ``1 + w`` in fp32 and rounds once, as
+    the kernel does from whatever dtype ``w`` is stored in."""
     if type(norm) is RMSNorm:
+        weight = norm.weight.dtype
+        if weight != dtype:
+            promoted = torch.promote_types(dtype, weight)
+            return (f"the norm's weight is {_name(weight)} on a {_name(dtype)} stream "
+                    f"(RMSNorm's output would be {_name(promoted)}, the kernel's "
+                    f"{_name(dtype)})")
         return norm.weight, False
     if type(norm) is GemmaRMSNorm:
         return norm.gemma_weight, True
+    return f"a {type(norm).__name__} norm (the kernel computes RMSNorm and GemmaRMSNorm)"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _refusal(movement, local, kernels, arrival: Arrival) -> str | None:
+    """Why the kernel cannot take ``arrival`` whatever its norm (None: it can)."""
+    refusal = plain_add_refusal(arrival)
+    if refusal is not None:
+        return refusal
+    residual = arrival.residual
+    rows = local if arrival.residual_rows is None else arrival.residual_rows
+    if rows != movement.dst:
+        return f"the residual is on {rows} rows, the kernel writes {movement.dst}"
+    if residual.dtype not in kernels.KERNEL_DTYPES:
+        return f"a {_name(residual.dtype)} residual (the kernel takes fp32, bf16, fp16)"
+    if residual.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "a CPU tensor without the Triton interpreter"
     return None
 
 
 def fused_add_norm(movement, local, kernels, group, arrival: Arrival):
     """``movement`` (the consumer's own completion onto the update rows), then the add+norm
-    kernel (with ``group``: the quantized read's, its output FP8 per token and group); None
-    (declined, nothing touched) where the kernel does not apply. ``local``: the rows a
-    residual with no recorded rows is on (the model's own)."""
+    kernel (with ``group``: the quantized read's, its output FP8 per token and group); a
+    ``Declined`` (nothing touched) where the kernel does not compute what the consumer's read
+    would. ``local``: the rows a residual with no recorded rows is on (the model's own)."""
+    refusal = _refusal(movement, local, kernels, arrival)
+    if refusal is not None:
+        return Declined(refusal)
     residual = arrival.residual
-    form = _norm_form(arrival.norm)
-    rows = local if arrival.residual_rows is None else arrival.residual_rows
-    if (residual is None or form is None or not is_plain(arrival.update)
-            or rows != movement.dst or residual.dtype not in kernels.KERNEL_DTYPES
-            or (residual.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1")):
-        return None
+    form = _norm_form(arrival.norm, residual.dtype)
+    if isinstance(form, str):
+        return Declined(form)
     value = arrival.value
     if not isinstance(value, torch.Tensor):
         value = value.complete()  # a finalize handoff: the experts' output, then the sum
@@ -128,7 +163,13 @@ class TritonFusions(ReferenceFusions):
         kind, group = read_kind(plan.read), getattr(plan.read, "group", None)
         if plan.moves is None or kind is None or (
                 kind is ReadKind.FP8_ADD_NORM and not _power_of_two(group)):
-            return []  # a read the kernels do not compute: nothing to offer
+            # a read the kernels do not compute: nothing to offer
+            self.not_offered[plan.stage] = (
+                "no movement table given" if plan.moves is None else
+                f"its read ({type(plan.read).__name__}) is not one the kernels compute"
+                if kind is None else f"a quantized read's group of {group} is not a power of "
+                "two")
+            return []
         if kind is ReadKind.ADD_NORM:
             group = None
         out = []
