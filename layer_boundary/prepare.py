@@ -20,6 +20,7 @@ from .primitives import SLICE_DP
 from .residual import ReadKind, is_plain, read_kind
 from .residual.add_norm import PLAIN_ADD, accumulate_dtype
 from .residual.stream import ArrivalKey, Turn
+from .runtime.agreement import AGREEMENT
 from .runtime.quant import QuantizedInput
 
 PREPARED = Turn.PREPARED  # what an entered stream's handle is (a module constant: no lookup)
@@ -172,8 +173,11 @@ class EntryPath:
         if path.candidates:
             arrival = Arrival(c.value, c.owed, c.rows, c.update, stream.residual,
                               stream.residual_rows, self.norm, facts)
-            for candidate in path.candidates:
+            for i, candidate in enumerate(path.candidates):
                 out = candidate.run(arrival)
+                if AGREEMENT.on:
+                    AGREEMENT.note(self.stage, f"fusion candidate {i}",
+                                   "applied" if out else getattr(out, "reason", "declined"))
                 if out:  # None, or a ``Declined``: the next candidate, then the built-in path
                     x, residual = out
                     return self._to_compute(facts, x, self.input_move), residual

@@ -13,6 +13,10 @@ os.environ.setdefault("LAYER_BOUNDARY_CACHE", str(Path(__file__).parent.parent /
 # fork server that rank workers come from imports the engine), here and in every rank
 # worker, which inherits the environment (scripts/gpu_check.sh compiles them for real)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# every multi-rank case runs with the agreement check (runtime/agreement.py): ranks that decide
+# differently end with an error naming the decision, never a silent pass (rank workers
+# inherit the environment, and read it at import)
+os.environ.setdefault("LAYER_BOUNDARY_CHECK_AGREEMENT", "1")
 
 from checkpoints import hf_qwen3  # noqa: E402
 

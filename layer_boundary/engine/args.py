@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(torch-op all-reduce + add + norm candidates), "
                                         "reference-terminal (also the final norm's terminal "
                                         "service), decline (asked, declines every candidate)")
+    run.add_argument("--check-agreement", action="store_true", default=None,
+                     help="before each collective, the ranks of its group compare their "
+                          "per-forward decisions (rows, row mode, padding, fusion outcomes) "
+                          "and the job ends naming the first difference instead of hanging "
+                          "(one small exchange a collective; LAYER_BOUNDARY_CHECK_AGREEMENT=1 "
+                          "turns it on too)")
     run.add_argument("--require-fusions", action="store_true",
                      help="make a fusion candidate's decline an error: the run exits 1 "
                           "naming each stage that declined and why (needs --fusions)")

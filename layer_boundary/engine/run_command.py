@@ -91,6 +91,7 @@ def spec_from_args(args):
                    rs_padding=not args.no_rs_padding, fusions=args.fusion_provider,
                    device=args.device, cuda_graph=not args.disable_cuda_graph,
                    captured_decode=args.captured_decode,
+                   check_agreement=args.check_agreement,
                    compile=args.compile_backend or ("inductor" if args.compile else None))
     check_spec(spec)  # the combination table: what run_rank asks first, asked here first
     check_pipeline(args, checkpoint)

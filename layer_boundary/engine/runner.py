@@ -16,6 +16,7 @@ from ..adapters.tbo import TboPolicy
 from ..contracts import BatchVariant
 from ..layout import RowMode
 from ..models import Checkpoint, building_on, load_model, open_checkpoint
+from ..runtime.agreement import AGREEMENT
 from ..runtime.args import BoundaryRuntime
 from ..runtime.forward_batch import token_bucket
 from ..runtime.ledger import LEDGER, LedgerEntry
@@ -69,6 +70,9 @@ class RunSpec:
     # what each captured decode graph holds: "inductor" (the step compiled, fewer kernels) or
     # "eager" (``graphs.decode_step``)
     captured_decode: str = "inductor"
+    # before each collective, the ranks of its group compare their decisions and name the
+    # first difference (``runtime.agreement``); None: as LAYER_BOUNDARY_CHECK_AGREEMENT says
+    check_agreement: bool | None = None
     pp: int = 1  # pipeline stages (world = pp x tp)
     pp_layers: tuple | None = None  # layers per stage (None: even split, remainder first)
     split_prefill: int = 1  # layer-range segments per stage for the prefill
@@ -238,6 +242,23 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     """
     spec = with_checkpoints(spec)
     check_spec(spec)
+    with _agreement(spec.check_agreement):
+        return _run_rank(spec, world_size)
+
+
+@contextlib.contextmanager
+def _agreement(on: bool | None):
+    """The agreement check on or off for this rank's run (None: as it is)."""
+    previous = AGREEMENT.on
+    if on is not None:
+        AGREEMENT.on = on
+    try:
+        yield
+    finally:
+        AGREEMENT.on = previous
+
+
+def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
     runtime = make_runtime(spec, world_size)
     par = runtime.parallel
     provider = make_fusions(spec.fusions)

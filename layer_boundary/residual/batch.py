@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..layout import SumGroup
+from ..runtime.agreement import AGREEMENT
 from ..runtime.ledger import active_observer
 from . import is_plain, is_portable
 from .access import complete_onto, completed, local_rows, residual_on
@@ -42,7 +43,15 @@ def start(forward_batch: ForwardBatch) -> ResidualStream:
 
     Args:
         forward_batch: the batch the stack runs; its ``boundary`` state is replaced.
+
+    With the agreement check on, the forward's inputs that every rank's decisions come from
+    (its variant, every DP rank's token counts after padding, its two-batch split) start the
+    notes its collectives compare (``runtime.agreement``).
     """
+    if AGREEMENT.on:
+        AGREEMENT.begin("forward", "batch", f"{forward_batch.variant.value}, counts "
+                                            f"{tuple(forward_batch.dp_token_counts)}, "
+                                            f"{forward_batch.two_batch.value}")
     return ResidualStream.arrive(forward_batch)
 
 

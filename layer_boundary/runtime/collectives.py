@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .agreement import AGREEMENT
 from .ledger import active_observer
 from .parallel import Group, process_group
 
@@ -113,6 +114,9 @@ class _Polled:
 
 def _observe(kind: str, group: Group, numel: int, dtype, site: str | None,
              wire_numel: int | None = None, wire_kind: str | None = None) -> None:
+    """Before each collective: the agreement check (where on), then the observer."""
+    if AGREEMENT.on:
+        AGREEMENT.before(kind, group, numel, dtype)
     observer = active_observer()
     if observer is None:
         return
