@@ -1,0 +1,61 @@
+"""Batch-invariant numerics: a request's logits the same bits whether it runs alone or in any
+batch, at a given layout (``run --batch-invariant``).
+
+A batch changes a request's bits wherever a result depends on how many rows run together: a
+matrix product whose kernel (a matrix-vector product for one row, blocked GEMM for several, a
+packed copy) and reduction order follow the row count; attention that runs a batch's
+requests as one call, their shapes its blocking; a sum over ranks whose order follows the
+tensor's size (gloo's ring all-reduce chunks by bytes). In this mode:
+
+- every linear layer of the runtime, and the MoE's experts, compute row by row on the plain
+  weight (``linear``): each row's product is the one-row product whatever the batch;
+- attention runs one request a call (``models.attention``);
+- every synchronous sum over ranks is gathered and added here in group rank order, whatever
+  its size (``collectives``), and reduce-scatters exchange their blocks and add them the same
+  way: on each element the same additions in the same order, on every layout's row mode;
+- the run's policy is fixed (``auto`` is resolved once, never per batch) and two-batch
+  overlap, whose split and asynchronous sums follow the batch, is refused.
+
+Row-by-row products cost what one-row products cost, a call a row: see docs/benchmarks.md.
+A model's own compute beyond these (a recurrent scan's chunks, a mixer's grouped
+convolution) is not made invariant here; ``run --batch-invariant`` checks the whole model and
+says where it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+class _Mode:
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+BATCH_INVARIANT = _Mode()
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True):
+    """The enclosed forwards run batch-invariant (``on``), or as usual."""
+    previous = BATCH_INVARIANT.on
+    BATCH_INVARIANT.on = on
+    try:
+        yield
+    finally:
+        BATCH_INVARIANT.on = previous
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear(x, weight, bias)`` computed one row at a time: the same bits for a row
+    whatever rows run beside it."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= 1:
+        return F.linear(x, weight, bias)
+    out = torch.cat([F.linear(rows[i:i + 1], weight, bias) for i in range(rows.shape[0])])
+    return out.view(*x.shape[:-1], out.shape[-1])
