@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "and the job ends naming the first difference instead of hanging "
                           "(one small exchange a collective; LAYER_BOUNDARY_CHECK_AGREEMENT=1 "
                           "turns it on too)")
+    run.add_argument("--batch-invariant", action="store_true",
+                     help="a request's logits the same bits alone as in any batch: one "
+                          "policy for every batch, sums in group rank order, linear layers "
+                          "row by row, attention a request a call; the run also generates "
+                          "each prompt alone and fails unless every step's logits match bit "
+                          "for bit")
     run.add_argument("--require-fusions", action="store_true",
                      help="make a fusion candidate's decline an error: the run exits 1 "
                           "naming each stage that declined and why (needs --fusions)")

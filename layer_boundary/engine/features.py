@@ -71,6 +71,16 @@ def check_spec(spec) -> None:
     if algorithm == "nextn" and spec.draft_model is not None:
         raise ValueError("--speculative-algorithm nextn drafts with the target's own NextN "
                          "layer: drop --draft-model")
+    if spec.batch_invariant:
+        refused = ((spec.tbo is not TboPolicy.OFF, "--tbo: its split follows the batch and its "
+                                                   "sums run asynchronously"),
+                   (spec.compile is not None, "--compile: a compiled graph's kernels follow "
+                                              "its token bucket"),
+                   (spec.speculative, "speculative decoding: verification runs a request's "
+                                      "draft tokens as the rows of one batch"))
+        for refuse, why in refused:
+            if refuse:
+                raise ValueError(f"--batch-invariant does not combine with {why}")
     if spec.speculative and spec.speculative_steps < 1:
         raise ValueError(f"--speculative-steps must be at least 1, got {spec.speculative_steps}")
     check(setup_of(spec))

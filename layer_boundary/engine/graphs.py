@@ -98,7 +98,9 @@ def _mode_refusal(spec, pads: bool) -> str | None:
                (bool(spec.lora), "LoRA adapters pick each token's adapter per batch"),
                (spec.moe_a2a_backend != "none", "the all-to-all MoE sizes its dispatch on the "
                                                 "host"),
-               (spec.trace, "tracing the residual stream runs Python each forward"))
+               (spec.trace, "tracing the residual stream runs Python each forward"),
+               (spec.batch_invariant, "batch-invariant attention runs a request a call, "
+                                      "which a padded step does not"))
     return next((why for refused, why in reasons if refused), None)
 
 

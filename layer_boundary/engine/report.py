@@ -68,6 +68,8 @@ def report(args, spec, results, reference) -> int:
             f"prompt{i}.step{j}": logit.float().contiguous()
             for i, steps in zip(run.request_ids, run.logits) for j, logit in enumerate(steps)}))
     ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
+    invariance = invariance_check(run, results) if spec.batch_invariant else None
+    ok = ok and (invariance is None or invariance["ok"])
     texts = _texts(args, spec, run)
     tbo = tbo_summary(spec, rank0)
     if args.json:
@@ -100,7 +102,8 @@ def report(args, spec, results, reference) -> int:
                if forward_variants(spec)[0].value != "ordinary" else {}),
             **({"compile": spec.compile, "compiled_graphs": rank0.compiled_graphs}
                if spec.compile else {}),
-            **({"cuda_graphs": rank0.cuda_graphs} if spec.device == "cuda" else {})}))
+            **({"cuda_graphs": rank0.cuda_graphs} if spec.device == "cuda" else {}),
+            **({"batch_invariance": invariance} if invariance is not None else {})}))
         return _required(args, results, 0 if ok else 1)
     log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
@@ -133,6 +136,8 @@ def report(args, spec, results, reference) -> int:
                  ", ".join(rank0.fused_stages) or "none")
         for row in stage_rows(spec, results):
             log.info("  %-16s %s", row["stage"], outcome_text(row["fusion"]))
+    if invariance is not None:
+        log.info("%s", invariance_line(invariance))
     if verdict is None:
         log.info("parity: not checked")
     else:
@@ -187,6 +192,40 @@ def report(args, spec, results, reference) -> int:
                  "widest rank; a small sum is a gather): %d B, against %d B logical",
                  wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
     return _required(args, results, 0 if ok else 1)
+
+
+def invariance_check(run, results) -> dict:
+    """``--batch-invariant``: each prompt generated alone against its request in the batch
+    (``run``, merged): the same tokens and the same logits, bit for bit, at every step."""
+    alone = next(r.alone for r in results if r.alone is not None)
+    differences, steps = [], 0
+    for i, lone in enumerate(alone):
+        batched = run.logits[run.request_ids.index(i)]
+        steps = max(steps, len(batched))
+        for j, (a, b) in enumerate(zip(lone.logits[0], batched)):
+            if not torch_equal(a, b):
+                differences.append(f"prompt {i} step {j}: max |logit diff| "
+                                   f"{(a.float() - b.float()).abs().max().item():.3g}")
+        if lone.generated[0] != run.generated[run.request_ids.index(i)]:
+            differences.append(f"prompt {i}: tokens {lone.generated[0]} alone, "
+                               f"{run.generated[run.request_ids.index(i)]} in the batch")
+    return {"ok": not differences, "prompts": len(alone), "steps": steps,
+            "differences": differences}
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def invariance_line(invariance: dict) -> str:
+    if invariance["ok"]:
+        return (f"batch invariance: PASS (each of {invariance['prompts']} prompts alone "
+                f"against the batch, {invariance['steps']} steps: the same logits bit for bit)")
+    return "batch invariance: FAIL (" + "; ".join(invariance["differences"][:8]) + (
+        f"; {len(invariance['differences']) - 8} more" if len(invariance["differences"]) > 8
+        else "") + ")"
 
 
 def stage_rows(spec, results) -> list[dict]:

@@ -92,6 +92,7 @@ def spec_from_args(args):
                    device=args.device, cuda_graph=not args.disable_cuda_graph,
                    captured_decode=args.captured_decode,
                    check_agreement=args.check_agreement,
+                   batch_invariant=args.batch_invariant,
                    compile=args.compile_backend or ("inductor" if args.compile else None))
     check_spec(spec)  # the combination table: what run_rank asks first, asked here first
     check_pipeline(args, checkpoint)
@@ -240,6 +241,6 @@ def reference_run(spec):
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, pp_layers=None,
                                split_prefill=1, tbo=TboPolicy.OFF, draft_model=None,
                                draft_checkpoint=None, speculative_algorithm=None, compile=None,
-                               cuda_graph=False),
+                               cuda_graph=False, batch_invariant=False),
                        world_size=1)])
 

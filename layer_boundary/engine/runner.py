@@ -19,6 +19,7 @@ from ..models import Checkpoint, building_on, load_model, open_checkpoint
 from ..runtime.agreement import AGREEMENT
 from ..runtime.args import BoundaryRuntime
 from ..runtime.forward_batch import token_bucket
+from ..runtime.invariant import batch_invariant
 from ..runtime.ledger import LEDGER, LedgerEntry
 from ..runtime.parallel import ParallelDims, build_parallel
 from ..runtime.shards import ReadBytes
@@ -73,6 +74,9 @@ class RunSpec:
     # before each collective, the ranks of its group compare their decisions and name the
     # first difference (``runtime.agreement``); None: as LAYER_BOUNDARY_CHECK_AGREEMENT says
     check_agreement: bool | None = None
+    # a request's logits the same bits alone as in the batch (``runtime.invariant``): the
+    # run also generates each prompt alone and the report compares them bit for bit
+    batch_invariant: bool = False
     pp: int = 1  # pipeline stages (world = pp x tp)
     pp_layers: tuple | None = None  # layers per stage (None: even split, remainder first)
     split_prefill: int = 1  # layer-range segments per stage for the prefill
@@ -125,6 +129,9 @@ class RankResult:
     speculative: dict | None = None  # proposed/accepted/target_forwards/emitted/reruns
     load_bytes: int = 0  # what this rank read from the checkpoint (its shard)
     compiled_graphs: int = 0  # graphs torch.compile built for this rank's forwards
+    # ``batch_invariant``: each prompt's generation run alone (None on a rank that holds
+    # none of the lone prompts' logits)
+    alone: list | None = None
     # where this rank's forwards ran from CUDA graphs: mode, why, the captured buckets, the
     # replays, inductor's reasons for skipping a graph (``graphs_summary``)
     cuda_graphs: dict = field(default_factory=dict)
@@ -178,7 +185,10 @@ def runtime_of(spec: RunSpec, parallel) -> BoundaryRuntime:
                            allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding,
                            pp_layers=spec.pp_layers, batch_variants=runtime_variants(spec),
                            moe_a2a_backend=spec.moe_a2a_backend,
-                           choose_by_bytes=spec.boundary_reduction == "auto")
+                           # batch-invariant: one policy for every batch, never chosen
+                           # by a batch's bytes
+                           choose_by_bytes=(spec.boundary_reduction == "auto"
+                                            and not spec.batch_invariant))
 
 
 def runtime_variants(spec: RunSpec) -> tuple:
@@ -242,7 +252,7 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
     """
     spec = with_checkpoints(spec)
     check_spec(spec)
-    with _agreement(spec.check_agreement):
+    with _agreement(spec.check_agreement), batch_invariant(spec.batch_invariant):
         return _run_rank(spec, world_size)
 
 
@@ -298,6 +308,7 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
                                   variants=forward_variants(spec), adapters=adapters,
                                   bucket=token_bucket if pads else None,
                                   pad_prefill=captured is None)
+    alone = _alone(spec, model, par, adapters) if spec.batch_invariant else None
     if device.type != "cpu":  # the report reads them on the CPU, after the forwards
         gen.logits = [[row.cpu() for row in rows] for rows in gen.logits]
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
@@ -308,6 +319,7 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
         result.speculative = {k: getattr(stats, k) for k in
                               ("proposed", "accepted", "target_forwards", "emitted", "reruns",
                                "request_rounds")}
+    result.alone = alone
     result.pp_rank, result.last_stage = par.pp_rank, model.stage.last
     result.load_bytes = read.bytes
     if spec.compile is not None:
@@ -321,6 +333,24 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
         result.fused_stages = provider.fused_stages
         result.fusion_outcomes = provider.outcomes()
     return result
+
+
+def _alone(spec: RunSpec, model, par, adapters) -> list | None:
+    """Each prompt generated alone (on attention-DP rank 0; the other DP ranks hold no
+    request), as the batch was: [Generation of that one request] on the rank that holds its
+    logits (the last stage's attention-TP rank 0 of DP rank 0), else None."""
+    out = []
+    for i, prompt in enumerate(spec.prompts):
+        gen = greedy_generate(model, [list(prompt)], spec.max_new_tokens, dp=par.dims.attn_dp,
+                              dp_rank=par.attn_dp_rank,
+                              pp=par.pp_group if par.dims.pp > 1 else None,
+                              split_prefill=spec.split_prefill,
+                              variants=forward_variants(spec),
+                              adapters=None if adapters is None else [adapters[i]])
+        out.append(Generation(gen.request_ids, gen.generated,
+                              [[row.cpu() for row in rows] for rows in gen.logits]))
+    holds = par.attn_dp_rank == 0 and par.attn_tp_rank == 0 and model.stage.last
+    return out if holds else None
 
 
 @dataclass

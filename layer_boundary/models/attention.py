@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..residual.batch import per_forward
+from ..runtime.invariant import BATCH_INVARIANT
 
 CHUNK = 512  # query rows per masked call: the mask and any fallback scores stay O(rows x keys)
 
@@ -63,13 +64,14 @@ def _groups(forward_batch) -> list[_Group]:
     # be symbolic, and comparing them is what dynamo can guard
     by_rows: list[tuple[int, list[int]]] = []
     firsts, start = [], 0
+    alone = BATCH_INVARIANT.on  # a request a call: its shapes never depend on the batch
     for i, n in enumerate(forward_batch.extend_lens):
         firsts.append(start)
         start += n
         if n == 0:
             continue
         for rows, reqs in by_rows:
-            if rows == n:
+            if rows == n and not alone:
                 reqs.append(i)
                 break
         else:

@@ -24,6 +24,8 @@ from torch import nn
 
 from .. import HandoffOutput
 from ..runtime import Parallel, all_reduce_rows, all_to_all_rows, exchange_counts, get_forward
+from ..runtime.invariant import BATCH_INVARIANT
+from ..runtime.invariant import linear as invariant_linear
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take, take_columns
 from ..runtime.parallel import Group
@@ -304,7 +306,10 @@ class FusedMoE(nn.Module):
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Local expert ``e`` on rows x: [n, H] -> [n, H] (this rank's moe_tp partial)."""
         bias = None if self.w13_bias is None else self.w13_bias[e]
-        h = F.linear(x, self.w13[e], bias)  # [n, 2 * shard] gated, [n, shard] ungated
+        # batch-invariant: each token's product is a one-row product, however many tokens
+        # this expert got (runtime.invariant)
+        product = invariant_linear if BATCH_INVARIANT.on else F.linear
+        h = product(x, self.w13[e], bias)  # [n, 2 * shard] gated, [n, shard] ungated
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             if self.limit is not None:
@@ -315,7 +320,7 @@ class FusedMoE(nn.Module):
                 h = self.act(gate) * up
         else:
             h = self.act(h)
-        return F.linear(h, self.w2[e], self.w2_bias[e] if self.adds_down_bias else None)
+        return product(h, self.w2[e], self.w2_bias[e] if self.adds_down_bias else None)
 
     def _dense_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """[T, k, H] expert outputs without data-dependent shapes (what a compiled graph can

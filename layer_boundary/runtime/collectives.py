@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import AGREEMENT
+from .invariant import BATCH_INVARIANT
 from .ledger import active_observer
 from .parallel import Group, process_group
 
@@ -137,9 +138,12 @@ GATHER_SUM_MAX_BYTES = 1 << 19
 
 def sums_by_gather(x: torch.Tensor, group: Group) -> bool:
     """Whether ``all_reduce_rows`` sums ``x`` over ``group`` as an all-gather and a local sum:
-    on gloo, up to ``GATHER_SUM_MAX_BYTES`` gathered; NCCL's all-reduce is the one to use."""
-    return (group.backend == "gloo"
-            and group.size * x.numel() * x.element_size() <= GATHER_SUM_MAX_BYTES)
+    on gloo, up to ``GATHER_SUM_MAX_BYTES`` gathered; NCCL's all-reduce is the one to use.
+    Batch-invariant (``runtime.invariant``): always, so each element's sum is the same
+    additions in group rank order whatever the tensor's size."""
+    return BATCH_INVARIANT.on or (
+        group.backend == "gloo"
+        and group.size * x.numel() * x.element_size() <= GATHER_SUM_MAX_BYTES)
 
 
 def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> torch.Tensor:
@@ -170,8 +174,9 @@ def sums_by_exchange(group: Group) -> bool:
     and a local sum of the blocks this rank receives, in group rank order: on gloo, whose own
     reduce-scatter is an all-reduce of the whole tensor (twice the bytes) and whose work
     handle cannot be polled; the exchange moves the ring figure and polls where the group
-    does. NCCL's reduce-scatter is the one to use."""
-    return group.backend == "gloo"
+    does. NCCL's reduce-scatter is the one to use. Batch-invariant: always (the sum of a
+    block in group rank order, as ``sums_by_gather``)."""
+    return BATCH_INVARIANT.on or group.backend == "gloo"
 
 
 def _sum_by_exchange(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:

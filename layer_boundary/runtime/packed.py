@@ -38,6 +38,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import invariant
+from .invariant import BATCH_INVARIANT
+
 ROWS_HINT = 16  # the row count oneDNN lays the weight out for; any row count runs on it
 # oneDNN's fixed work per call is about what MKL's whole product costs for a small weight
 # (256x256 at 16 rows: 0.98 of MKL's time packed, at 4 rows 1.28): only weights of more than
@@ -149,6 +152,8 @@ def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     weight = module.weight
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
+    if BATCH_INVARIANT.on:  # each row's one-row product, whatever the batch
+        return invariant.linear(x, weight, bias)
     packed = module.packed
     if (packed is None or x.dtype != weight.dtype or x.requires_grad
             or packed.data_ptr != weight.data_ptr() or packed.version != weight._version):

@@ -1,0 +1,65 @@
+"""Batch invariance: with ``--batch-invariant`` a request's logits are the same bits alone as
+in the batch, prefill and decode, on each layout's row mode (world 1, tp 2, tp 4 with
+attention DP 2 under ``rsv`` and a DP rank left empty when a prompt runs alone); without the
+mode they are not, so the check means something."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from distributed.checks import cli
+
+from layer_boundary.engine import runner
+from layer_boundary.engine.report import invariance_check
+from layer_boundary.engine.runner import RunSpec, merge, run_rank
+from layer_boundary.runtime import invariant
+
+pytestmark = pytest.mark.usefixtures("restore_logger")
+
+PROMPTS = ["--prompt-ids", "5,9,2,7,1", "--prompt-ids", "3,8", "--prompt-ids", "6,4,4"]
+
+
+@pytest.mark.parametrize("layout", [["--tp", "1"], ["--tp", "2"],
+                                    ["--tp", "4", "--dp", "2", "--boundary-reduction", "rsv"]],
+                         ids=["world1", "tp2", "tp4-dp2-rsv"])
+def test_run_batch_invariant_passes_its_own_check(layout, capsys):
+    code, out = cli(["run", *layout, "--batch-invariant", "--max-new-tokens", "3", "--json",
+                     *PROMPTS], capsys)
+    report = json.loads(out)
+    assert code == 0, report
+    assert report["batch_invariance"] == {"ok": True, "prompts": 3, "steps": 3,
+                                          "differences": []}
+
+
+def test_without_the_mode_a_batch_changes_the_bits(qwen3_dir, monkeypatch):
+    """The same comparison with the mode left off: the batch's products (several rows in one
+    GEMM, grouped attention) give other last bits than a request alone."""
+    spec = RunSpec(str(qwen3_dir), prompts=((5, 9, 2, 7, 1), (3, 8), (6, 4, 4)),
+                   max_new_tokens=3, batch_invariant=True)
+    monkeypatch.setattr(runner, "batch_invariant", lambda on: invariant.batch_invariant(False))
+    result = run_rank(spec)
+    check = invariance_check(merge([result]), [result])
+    assert not check["ok"] and check["differences"]
+
+
+def test_the_invariant_linear_is_each_rows_own_product():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(9, 64, generator=gen), torch.randn(48, 64, generator=gen),
+               torch.randn(48, generator=gen))
+    out = invariant.linear(x, w, b)
+    for i in range(9):
+        assert torch.equal(out[i:i + 1], torch.nn.functional.linear(x[i:i + 1], w, b))
+    assert torch.equal(invariant.linear(x[2:5], w, b), out[2:5])
+
+
+@pytest.mark.parametrize("extra,why", [
+    (["--tbo"], "--tbo: its split follows the batch and its sums run asynchronously"),
+    (["--compile", "--compile-backend", "eager"],
+     "--compile: a compiled graph's kernels follow its token bucket")])
+def test_what_does_not_combine_is_refused_by_name(extra, why, capsys):
+    code, _ = cli(["run", "--tp", "1", "--batch-invariant", *extra], capsys)
+    assert code == 2
+    assert capsys.readouterr().err == f"layer-boundary: error: --batch-invariant does not " \
+                                      f"combine with {why}\n"
