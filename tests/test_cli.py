@@ -31,8 +31,8 @@ from layer_boundary.runtime.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240
-JSON_KEYS = {"verdict", "reason", "tp", "dp", "ep", "pp", "boundary_reduction", "dtype", "stages",
-             "prompts", "parity", "collectives"}
+JSON_KEYS = {"verdict", "reason", "tp", "dp", "ep", "pp", "boundary_reduction", "dtype",
+             "stages", "audit", "prompts", "parity", "collectives"}
 RESOLVED_REDUCTIONS = {"ar", "rs", "rsv", "rs+rsv"}
 PROMPTS = [[1, 2, 3], [9, 8]]
 PROMPT_ARGS = ["--prompt-ids", "1,2,3", "--prompt-ids", "9,8"]

@@ -70,6 +70,8 @@ def report(args, spec, results, reference) -> int:
     ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
     invariance = invariance_check(run, results) if spec.batch_invariant else None
     ok = ok and (invariance is None or invariance["ok"])
+    audited = audit_summary(results)
+    ok = ok and not audited["violations"]
     texts = _texts(args, spec, run)
     tbo = tbo_summary(spec, rank0)
     if args.json:
@@ -88,7 +90,7 @@ def report(args, spec, results, reference) -> int:
                          **({"prompt_text": texts[i][0], "generated_text": texts[i][1]}
                             if texts else {})}
                         for i, g in zip(run.request_ids, run.generated)],
-            "parity": verdict, "collectives": collectives,
+            "parity": verdict, "collectives": collectives, "audit": audited,
             "stages": stage_rows(spec, results),
             **({"speculative": speculative} if speculative else {}),
             **({"tbo": tbo} if tbo else {}),
@@ -138,6 +140,7 @@ def report(args, spec, results, reference) -> int:
             log.info("  %-16s %s", row["stage"], outcome_text(row["fusion"]))
     if invariance is not None:
         log.info("%s", invariance_line(invariance))
+    log.info("%s", audit_line(audited))
     if verdict is None:
         log.info("parity: not checked")
     else:
@@ -192,6 +195,26 @@ def report(args, spec, results, reference) -> int:
                  "widest rank; a small sum is a gather): %d B, against %d B logical",
                  wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
     return _required(args, results, 0 if ok else 1)
+
+
+def audit_summary(results) -> dict:
+    """The exactly-once audit over every rank (``engine.audit``): ``audited`` (False with
+    ``why`` where the run's forwards are not audited) and each violation, by rank."""
+    why = results[0].unaudited
+    if why is not None:
+        return {"audited": False, "why": why, "violations": []}
+    return {"audited": True, "ranks": len(results),
+            "violations": [f"rank {r.rank}: {v}" for r in results for v in r.audit]}
+
+
+def audit_line(audited: dict) -> str:
+    if not audited["audited"]:
+        return f"exactly once: not audited ({audited['why']})"
+    if not audited["violations"]:
+        return ("exactly once: PASS (every declared contribution summed once, over its "
+                f"declared group, on each of {audited['ranks']} ranks)")
+    return "exactly once: FAIL (" + "; ".join(audited["violations"][:6]) + (
+        f"; {len(audited['violations']) - 6} more" if len(audited["violations"]) > 6 else "") + ")"
 
 
 def invariance_check(run, results) -> dict:

@@ -23,6 +23,7 @@ from ..runtime.invariant import batch_invariant
 from ..runtime.ledger import LEDGER, LedgerEntry
 from ..runtime.parallel import ParallelDims, build_parallel
 from ..runtime.shards import ReadBytes
+from .audit import audit, not_audited
 from .compiled import compile_forward, compiled_graphs
 from .describe import plan_rows
 from .features import check_draft, check_spec  # noqa: F401 - check_draft: the public name
@@ -132,6 +133,10 @@ class RankResult:
     # ``batch_invariant``: each prompt's generation run alone (None on a rank that holds
     # none of the lone prompts' logits)
     alone: list | None = None
+    # the exactly-once audit (``engine.audit``): each violation in words, or the reason its
+    # forwards were not audited (``unaudited``)
+    audit: list = field(default_factory=list)
+    unaudited: str | None = None
     # where this rank's forwards ran from CUDA graphs: mode, why, the captured buckets, the
     # replays, inductor's reasons for skipping a graph (``graphs_summary``)
     cuda_graphs: dict = field(default_factory=dict)
@@ -226,6 +231,7 @@ class _ForwardCheck:
     def __init__(self, model, forward) -> None:
         self.model, self.forward, self.released, self.modes = model, forward, True, []
         self.calls: list[ForwardRecord] = []
+        self.forwards: list[tuple] = []  # (variant, row mode, row facts) of each forward
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -236,7 +242,9 @@ class _ForwardCheck:
         out = self.forward(forward_batch, pp_input, **kwargs)
         if out is not None:  # the stage's last segment of this forward
             self.released &= forward_batch.residual_stream is None
-            self.modes.append(forward_batch.rows.mode.value)
+            facts = forward_batch.row_facts
+            self.modes.append(facts.mode.value)
+            self.forwards.append((forward_batch.variant, facts.mode, facts))
         return out
 
 
@@ -320,6 +328,9 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
                               ("proposed", "accepted", "target_forwards", "emitted", "reruns",
                                "request_rounds")}
     result.alone = alone
+    result.unaudited = not_audited(spec)
+    if result.unaudited is None:
+        result.audit = audit(model, par, result.ledger, checked.forwards)
     result.pp_rank, result.last_stage = par.pp_rank, model.stage.last
     result.load_bytes = read.bytes
     if spec.compile is not None:

@@ -8,6 +8,8 @@ from torch import nn
 
 from .collectives import all_reduce_rows
 
+STATISTICS = "norm statistics"  # the ledger site of a norm's sums over ranks
+
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation over the last dim without a weight, the statistic in fp32."""
@@ -120,7 +122,8 @@ class HeadsRMSNorm(nn.Module):
         x32 = x.float()
         squares = x32.square().sum(-1, keepdim=True)
         if self.group.size > 1:
-            squares = all_reduce_rows(squares, self.group)
+            # a statistic, not a contribution: the exactly-once audit leaves it out
+            squares = all_reduce_rows(squares, self.group, site=STATISTICS)
             if self.replicas > 1:
                 squares = squares / self.replicas
         normed = x32 * torch.rsqrt(squares / self.features + self.eps)
