@@ -17,6 +17,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # differently end with an error naming the decision, never a silent pass (rank workers
 # inherit the environment, and read it at import)
 os.environ.setdefault("LAYER_BOUNDARY_CHECK_AGREEMENT", "1")
+# and every run_rank audits its sums: a contribution summed other than once raises
+# (engine/audit.py), whatever the numbers
+os.environ.setdefault("LAYER_BOUNDARY_STRICT_AUDIT", "1")
 
 from checkpoints import hf_qwen3  # noqa: E402
 

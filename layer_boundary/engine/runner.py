@@ -23,7 +23,7 @@ from ..runtime.invariant import batch_invariant
 from ..runtime.ledger import LEDGER, LedgerEntry
 from ..runtime.parallel import ParallelDims, build_parallel
 from ..runtime.shards import ReadBytes
-from .audit import audit, not_audited
+from .audit import STRICT_ENV, AuditError, audit, not_audited
 from .compiled import compile_forward, compiled_graphs
 from .describe import plan_rows
 from .features import check_draft, check_spec  # noqa: F401 - check_draft: the public name
@@ -331,6 +331,8 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
     result.unaudited = not_audited(spec)
     if result.unaudited is None:
         result.audit = audit(model, par, result.ledger, checked.forwards)
+        if result.audit and os.environ.get(STRICT_ENV) == "1":
+            raise AuditError("; ".join(result.audit))
     result.pp_rank, result.last_stage = par.pp_rank, model.stage.last
     result.load_bytes = read.bytes
     if spec.compile is not None:

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..runtime import RowParallelLinear, all_reduce_rows
 from ..runtime.linear import expect_shape
-from ..runtime.norm import STATISTICS, rms_fp32
+from ..runtime.ledger import statistics_site
+from ..runtime.norm import rms_fp32
 from .attention import slot_index
 
 
@@ -111,7 +112,7 @@ class GatedRMSNorm(nn.Module):
         else:  # one group over several ranks: its squares summed over attn_tp
             sums = h.new_zeros((h.shape[0], self.n_groups))  # [T, n_groups], ours only
             sums[:, self.first_group] = h.pow(2).sum(-1)
-            sums = all_reduce_rows(sums, self.group, site=STATISTICS)  # not a contribution
+            sums = all_reduce_rows(sums, self.group, site=statistics_site())  # not an output's
             variance = sums[:, self.first_group:self.first_group + 1] / self.group_size
             h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)

@@ -227,6 +227,13 @@ def ledger_site(site: str):
         LEDGER.site = previous
 
 
+def statistics_site() -> str:
+    """Where a norm's sum of statistics over ranks is recorded: the current site with
+    ``.statistics`` after it (a stage's compute holds it, but it completes no output: the
+    exactly-once audit leaves it out)."""
+    return f"{LEDGER.site}.statistics"
+
+
 def wire_total(entries, backend: str = "gloo") -> int:
     """The bytes ``backend`` sends for ``entries`` (``LedgerEntry.wire_bytes``)."""
     return sum(e.wire_bytes(backend) for e in entries)

@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import all_reduce_rows
-
-STATISTICS = "norm statistics"  # the ledger site of a norm's sums over ranks
+from .ledger import statistics_site
 
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,7 +122,7 @@ class HeadsRMSNorm(nn.Module):
         squares = x32.square().sum(-1, keepdim=True)
         if self.group.size > 1:
             # a statistic, not a contribution: the exactly-once audit leaves it out
-            squares = all_reduce_rows(squares, self.group, site=STATISTICS)
+            squares = all_reduce_rows(squares, self.group, site=statistics_site())
             if self.replicas > 1:
                 squares = squares / self.replicas
         normed = x32 * torch.rsqrt(squares / self.features + self.eps)
