@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="layer-boundary", description="Stage boundaries for parallel transformer inference: "
         "run a checkpoint on CPU ranks and check it against one rank (run), print the "
-        "boundary paths a batch takes (plan), or time the boundary against a hand-written "
-        "forward (bench).",
+        "boundary paths a batch takes (plan), run every accepted layout against one rank "
+        "(sweep), or time the boundary against a hand-written forward (bench).",
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"layer-boundary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,6 +203,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also show the rows of both two-batch-overlap microbatches (each "
                            "DP rank's tokens taken as one-token requests)")
     _pipeline_args(plan)
+
+    sweep = sub.add_parser("sweep", formatter_class=_HelpFormatter, parents=[log_level],
+                           help="run every layout the capability check accepts against one "
+                                "world-1 run: verdicts, bytes, the exactly-once audit")
+    sweep.add_argument("--model",
+                       help="a Hugging Face checkpoint folder or repo id (default: the "
+                            "built-in tiny Qwen3)")
+    sweep.add_argument("--max-world", type=_positive, default=8,
+                       help="the largest world size tried (1, 2, 4, ... up to it)")
+    sweep.add_argument("--budget", type=_positive_seconds, default=None, metavar="SECONDS",
+                       help="start no layout after this many seconds; the table says which "
+                            "were left out")
+    sweep.add_argument("--max-new-tokens", type=_positive, default=2,
+                       help="tokens generated per prompt in each layout, the prefill's "
+                            "included")
+    sweep.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None,
+                       help='token ids of one prompt, e.g. "1,2,3" (repeatable; default: '
+                            "run's three)")
+    sweep.add_argument("--json", action="store_true",
+                       help="print one JSON object (one row a layout)")
 
     bench = sub.add_parser("bench", formatter_class=_HelpFormatter, parents=[log_level],
                            help="boundary overhead against a hand-written decoder")

@@ -81,6 +81,10 @@ def _main(argv) -> int:
             from .plan_command import cmd_plan
 
             return cmd_plan(args)
+        if args.command == "sweep":
+            from .sweep import cmd_sweep
+
+            return cmd_sweep(args)
         if args.command == "bench":
             return cmd_bench(args)
     except (CheckpointError, TopologyError, UnsupportedBoundary, UsageError, ValueError) as exc:
