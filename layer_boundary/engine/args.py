@@ -121,21 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(inductor); parity is checked against eager world 1")
     run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
                      default=None, help="the torch.compile backend (implies --compile)")
-    run.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph",
-                     action="store_true",
-                     help="with --device cuda, run decode steps eagerly instead of replaying a "
-                          "CUDA graph per token bucket (and, with --compile, without "
-                          "inductor's graphs); SGLang's name, or vLLM's --enforce-eager. "
-                          "Graphs are off anyway where a collective runs on gloo; on the CPU "
-                          "there are none to disable")
-    run.add_argument("--captured-decode", choices=("inductor", "eager"), default="inductor",
-                     help="what each captured decode graph holds on --device cuda: the step "
-                          "compiled by inductor (fewer kernels a layer; each token bucket "
-                          "compiles on its first step) or the eager step")
-    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                     help="where each rank runs: cpu (gloo), or cuda (each rank on the GPU "
-                          "LOCAL_RANK names; NCCL where every rank has one, else gloo with "
-                          "CUDA tensors)")
+    _device_args(run)
     run.add_argument("--fusions", "--fusion-provider", dest="fusion_provider",
                      choices=("reference", "reference-terminal", "decline", "triton"),
                      default=None, help="install a fusion provider on every rank's model: "
@@ -145,21 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(torch-op all-reduce + add + norm candidates), "
                                         "reference-terminal (also the final norm's terminal "
                                         "service), decline (asked, declines every candidate)")
-    run.add_argument("--check-agreement", action="store_true", default=None,
-                     help="before each collective, the ranks of its group compare their "
-                          "per-forward decisions (rows, row mode, padding, fusion outcomes) "
-                          "and the job ends naming the first difference instead of hanging "
-                          "(one small exchange a collective; LAYER_BOUNDARY_CHECK_AGREEMENT=1 "
-                          "turns it on too)")
-    run.add_argument("--batch-invariant", action="store_true",
-                     help="a request's logits the same bits alone as in any batch: one "
-                          "policy for every batch, sums in group rank order, linear layers "
-                          "row by row, attention a request a call; the run also generates "
-                          "each prompt alone and fails unless every step's logits match bit "
-                          "for bit")
-    run.add_argument("--require-fusions", action="store_true",
-                     help="make a fusion candidate's decline an error: the run exits 1 "
-                          "naming each stage that declined and why (needs --fusions)")
+    _check_args(run)
     _pipeline_args(run)
     run.add_argument("--split-prefill", type=_positive, default=1,
                      help="run each stage's prefill in this many layer-range segments")
@@ -204,6 +176,24 @@ def build_parser() -> argparse.ArgumentParser:
                            "DP rank's tokens taken as one-token requests)")
     _pipeline_args(plan)
 
+    _sweep_parser(sub, log_level)
+
+    bench = sub.add_parser("bench", formatter_class=_HelpFormatter, parents=[log_level],
+                           help="boundary overhead against a hand-written decoder")
+    bench.add_argument("--hidden", type=_positive, default=256,
+                       help="the benchmark model's hidden size (a multiple of 8)")
+    bench.add_argument("--layers", type=_positive, default=8, help="its decoder layers")
+    bench.add_argument("--requests", type=_positive, default=16,
+                       help="requests in the decode step")
+    bench.add_argument("--repeats", type=_positive, default=30,
+                       help="timed forwards of each kind, interleaved")
+    bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
+                       help="run both forwards under torch.compile(fullgraph=True)")
+    return parser
+
+
+def _sweep_parser(sub, log_level) -> None:
+    """``sweep``'s options."""
     sweep = sub.add_parser("sweep", formatter_class=_HelpFormatter, parents=[log_level],
                            help="run every layout the capability check accepts against one "
                                 "world-1 run: verdicts, bytes, the exactly-once audit")
@@ -224,18 +214,44 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--json", action="store_true",
                        help="print one JSON object (one row a layout)")
 
-    bench = sub.add_parser("bench", formatter_class=_HelpFormatter, parents=[log_level],
-                           help="boundary overhead against a hand-written decoder")
-    bench.add_argument("--hidden", type=_positive, default=256,
-                       help="the benchmark model's hidden size (a multiple of 8)")
-    bench.add_argument("--layers", type=_positive, default=8, help="its decoder layers")
-    bench.add_argument("--requests", type=_positive, default=16,
-                       help="requests in the decode step")
-    bench.add_argument("--repeats", type=_positive, default=30,
-                       help="timed forwards of each kind, interleaved")
-    bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
-                       help="run both forwards under torch.compile(fullgraph=True)")
-    return parser
+
+def _device_args(run) -> None:
+    """Where ``run``'s ranks compute, and its CUDA graphs."""
+    run.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph",
+                     action="store_true",
+                     help="with --device cuda, run decode steps eagerly instead of replaying a "
+                          "CUDA graph per token bucket (and, with --compile, without "
+                          "inductor's graphs); SGLang's name, or vLLM's --enforce-eager. "
+                          "Graphs are off anyway where a collective runs on gloo; on the CPU "
+                          "there are none to disable")
+    run.add_argument("--captured-decode", choices=("inductor", "eager"), default="inductor",
+                     help="what each captured decode graph holds on --device cuda: the step "
+                          "compiled by inductor (fewer kernels a layer; each token bucket "
+                          "compiles on its first step) or the eager step")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="where each rank runs: cpu (gloo), or cuda (each rank on the GPU "
+                          "LOCAL_RANK names; NCCL where every rank has one, else gloo with "
+                          "CUDA tensors)")
+
+
+def _check_args(run) -> None:
+    """What ``run`` checks beyond parity: the ranks' agreement, batch invariance, the
+    fusions it requires."""
+    run.add_argument("--check-agreement", action="store_true", default=None,
+                     help="before each collective, the ranks of its group compare their "
+                          "per-forward decisions (rows, row mode, padding, fusion outcomes) "
+                          "and the job ends naming the first difference instead of hanging "
+                          "(one small exchange a collective; LAYER_BOUNDARY_CHECK_AGREEMENT=1 "
+                          "turns it on too)")
+    run.add_argument("--batch-invariant", action="store_true",
+                     help="a request's logits the same bits alone as in any batch: one "
+                          "policy for every batch, sums in group rank order, linear layers "
+                          "row by row, attention a request a call; the run also generates "
+                          "each prompt alone and fails unless every step's logits match bit "
+                          "for bit")
+    run.add_argument("--require-fusions", action="store_true",
+                     help="make a fusion candidate's decline an error: the run exits 1 "
+                          "naming each stage that declined and why (needs --fusions)")
 
 
 def _topology_args(parser) -> None:

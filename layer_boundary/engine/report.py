@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 log = logging.getLogger("layer_boundary.report")
 
@@ -47,66 +48,102 @@ def tbo_summary(spec, rank0) -> dict | None:
             "reasons": sorted({d.reason for d in decisions})}
 
 
-def report(args, spec, results, reference) -> int:
-    """Log the run's report from every rank's result (``reference``: the world-1 run, or None
-    when parity is not checked); the exit status (1: parity failed)."""
-    from ..runtime.ledger import summarize
+@dataclass
+class Outcome:
+    """What the report says of a run, judged once: the merged generation, the parity verdict
+    against the reference (None: not checked) and how it was judged, the batch-invariance
+    check, the exactly-once audit, and whether all of it passed."""
+
+    run: object
+    verdict: dict | None
+    how: str
+    invariance: dict | None
+    audited: dict
+    ok: bool
+
+
+def judge(spec, results, reference) -> Outcome:
     from .parity import parity, verdict_ok
-    from .runner import forward_variants, merge, speculative_summary
+    from .runner import merge
 
     run = merge(results)
-    speculative = speculative_summary(results)
-    rank0 = results[0]
     verdict = parity(run, reference) if reference is not None else None
-    collectives = summarize(rank0.ledger)
+    ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
+    invariance = invariance_check(run, results) if spec.batch_invariant else None
+    audited = audit_summary(results)
+    ok = ok and (invariance is None or invariance["ok"]) and not audited["violations"]
+    return Outcome(run, verdict, how, invariance, audited, ok)
+
+
+def report(args, spec, results, reference) -> int:
+    """Log the run's report from every rank's result (``reference``: the world-1 run, or None
+    when parity is not checked); the exit status (1: parity, batch invariance or the
+    exactly-once audit failed, or ``--require-fusions`` found a decline)."""
+    outcome = judge(spec, results, reference)
     if args.logits_out:
         from safetensors.torch import save
 
         from . import logits_file
 
+        run = outcome.run
         logits_file.write(args.logits_out, save({
             f"prompt{i}.step{j}": logit.float().contiguous()
             for i, steps in zip(run.request_ids, run.logits) for j, logit in enumerate(steps)}))
-    ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
-    invariance = invariance_check(run, results) if spec.batch_invariant else None
-    ok = ok and (invariance is None or invariance["ok"])
-    audited = audit_summary(results)
-    ok = ok and not audited["violations"]
-    texts = _texts(args, spec, run)
-    tbo = tbo_summary(spec, rank0)
     if args.json:
-        # what a script reads first: PASS/FAIL (or NOT_CHECKED) and why
-        outcome = ("NOT_CHECKED" if verdict is None else "PASS" if ok else "FAIL")
-        reason = (("--no-reference" if args.no_reference else "a plain world-1 run is its own "
-                   "reference") + ": nothing compared" if verdict is None else
-                  f"tokens {'match' if verdict['tokens_match'] else 'differ'}, max |logit diff| "
-                  f"{verdict['max_abs_diff']:.3g}, {how}")
-        log.info(json.dumps({
-            "verdict": outcome, "reason": reason,
-            "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
-            "boundary_reduction": rank0.resolved_reduction,
-            "dtype": spec.dtype,
-            "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g,
-                         **({"prompt_text": texts[i][0], "generated_text": texts[i][1]}
-                            if texts else {})}
-                        for i, g in zip(run.request_ids, run.generated)],
-            "parity": verdict, "collectives": collectives, "audit": audited,
-            "stages": stage_rows(spec, results),
-            **({"speculative": speculative} if speculative else {}),
-            **({"tbo": tbo} if tbo else {}),
-            **({"fusion_provider": spec.fusions, "fused_inputs": rank0.fused_inputs,
-                "fused_final_norms": rank0.fused_final_norms,
-                "fused_stages": rank0.fused_stages} if spec.fusions else {}),
-            **({"cp": spec.cp} if spec.cp > 1 else {}),
-            **({"moe_a2a_backend": spec.moe_a2a_backend}
-               if spec.moe_a2a_backend != "none" else {}),
-            **({"variants": [v.value for v in forward_variants(spec)]}
-               if forward_variants(spec)[0].value != "ordinary" else {}),
-            **({"compile": spec.compile, "compiled_graphs": rank0.compiled_graphs}
-               if spec.compile else {}),
-            **({"cuda_graphs": rank0.cuda_graphs} if spec.device == "cuda" else {}),
-            **({"batch_invariance": invariance} if invariance is not None else {})}))
-        return _required(args, results, 0 if ok else 1)
+        log.info(json.dumps(json_record(args, spec, results, outcome)))
+    else:
+        _text(args, spec, results, outcome)
+        _collectives_text(spec, results[0])
+    return _required(args, results, 0 if outcome.ok else 1)
+
+
+def json_record(args, spec, results, outcome: Outcome) -> dict:
+    """``run --json``'s object: what a script reads first (the verdict and why), then the
+    run's facts."""
+    from ..runtime.ledger import summarize
+    from .runner import forward_variants, speculative_summary
+
+    run, verdict, rank0 = outcome.run, outcome.verdict, results[0]
+    texts = _texts(args, spec, run)
+    speculative, tbo = speculative_summary(results), tbo_summary(spec, rank0)
+    reason = (("--no-reference" if args.no_reference else "a plain world-1 run is its own "
+               "reference") + ": nothing compared" if verdict is None else
+              f"tokens {'match' if verdict['tokens_match'] else 'differ'}, max |logit diff| "
+              f"{verdict['max_abs_diff']:.3g}, {outcome.how}")
+    return {
+        "verdict": "NOT_CHECKED" if verdict is None else "PASS" if outcome.ok else "FAIL",
+        "reason": reason, "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
+        "boundary_reduction": rank0.resolved_reduction, "dtype": spec.dtype,
+        "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g,
+                     **({"prompt_text": texts[i][0], "generated_text": texts[i][1]}
+                        if texts else {})}
+                    for i, g in zip(run.request_ids, run.generated)],
+        "parity": verdict, "collectives": summarize(rank0.ledger), "audit": outcome.audited,
+        "stages": stage_rows(spec, results),
+        **({"speculative": speculative} if speculative else {}),
+        **({"tbo": tbo} if tbo else {}),
+        **({"fusion_provider": spec.fusions, "fused_inputs": rank0.fused_inputs,
+            "fused_final_norms": rank0.fused_final_norms,
+            "fused_stages": rank0.fused_stages} if spec.fusions else {}),
+        **({"cp": spec.cp} if spec.cp > 1 else {}),
+        **({"moe_a2a_backend": spec.moe_a2a_backend}
+           if spec.moe_a2a_backend != "none" else {}),
+        **({"variants": [v.value for v in forward_variants(spec)]}
+           if forward_variants(spec)[0].value != "ordinary" else {}),
+        **({"compile": spec.compile, "compiled_graphs": rank0.compiled_graphs}
+           if spec.compile else {}),
+        **({"cuda_graphs": rank0.cuda_graphs} if spec.device == "cuda" else {}),
+        **({"batch_invariance": outcome.invariance} if outcome.invariance is not None
+           else {})}
+
+
+def _text(args, spec, results, outcome: Outcome) -> None:
+    """The text report up to the collectives: the header, each prompt, the modes that ran,
+    the verdicts, each stage's paths."""
+    from .runner import speculative_summary
+
+    run, verdict, rank0 = outcome.run, outcome.verdict, results[0]
+    texts, speculative = _texts(args, spec, run), speculative_summary(results)
     log.info("layer-boundary run: %s  %stp=%d dp=%d %sep=%d  boundary_reduction=%s (asked %s)  "
              "dtype=%s%s", spec.model_dir, f"pp={spec.pp} " if spec.pp > 1 else "", spec.tp,
              spec.dp, f"cp={spec.cp} " if spec.cp > 1 else "", spec.ep,
@@ -129,6 +166,7 @@ def report(args, spec, results, reference) -> int:
                  "per request, %d verification forwards, %d reruns", spec.speculative_steps,
                  speculative["acceptance_rate"], speculative["tokens_per_target_forward"],
                  speculative["target_forwards"], speculative["reruns"])
+    tbo = tbo_summary(spec, rank0)
     if tbo:
         log.info("two-batch overlap (%s): %d of %d forwards split: %s", tbo["policy"],
                  sum(tbo["split"]), len(tbo["split"]), "; ".join(tbo["reasons"]))
@@ -138,15 +176,16 @@ def report(args, spec, results, reference) -> int:
                  ", ".join(rank0.fused_stages) or "none")
         for row in stage_rows(spec, results):
             log.info("  %-16s %s", row["stage"], outcome_text(row["fusion"]))
-    if invariance is not None:
-        log.info("%s", invariance_line(invariance))
-    log.info("%s", audit_line(audited))
+    if outcome.invariance is not None:
+        log.info("%s", invariance_line(outcome.invariance))
+    log.info("%s", audit_line(outcome.audited))
     if verdict is None:
         log.info("parity: not checked")
     else:
         log.info("parity vs world 1: %s (tokens %s, max |logit diff| %.3g, %s)",
-                 "PASS" if ok else "FAIL", "match" if verdict["tokens_match"] else "DIFFER",
-                 verdict["max_abs_diff"], how)
+                 "PASS" if outcome.ok else "FAIL",
+                 "match" if verdict["tokens_match"] else "DIFFER", verdict["max_abs_diff"],
+                 outcome.how)
     log.info("\nboundary paths (per stage; row mode per forward: %s):",
              ", ".join(f"step {i} {m}" for i, m in enumerate(rank0.modes)))
     for head in (r for r in results if r.rank % spec.tp == 0):  # one rank per pipeline stage
@@ -156,10 +195,17 @@ def report(args, spec, results, reference) -> int:
         plan_table(head.plan)
     for line in PATHS_LEGEND:
         log.info("%s", line)
+
+
+def _collectives_text(spec, rank0) -> None:
+    """Rank 0's collectives: per site for the prefill and the first decode step (later steps
+    said to repeat it where they do), then over the run, logical and on gloo's wire."""
+    from ..runtime.ledger import summarize
+
     if spec.compile:
         log.info("\ncollectives: not observed (a compiled forward runs no Python to report "
                  "from; run without --compile for the ledger)")
-        return _required(args, results, 0 if ok else 1)
+        return
     log.info("\ncollectives per forward on rank 0 (count x kind, bytes; step 0 = prefill):")
     lines = {}  # step -> its per-site lines
     for step in sorted({e.step for e in rank0.ledger}):
@@ -185,6 +231,7 @@ def report(args, spec, results, reference) -> int:
             log.info("  step %d:", step)
             for line in lines[step]:
                 log.info("%s", line)
+    collectives = summarize(rank0.ledger)
     log.info("\ncollectives over the run: %s", ", ".join(
         f"{k}: {v['count']} ({v['bytes']} B)" for k, v in collectives.items()) or "none")
     if rank0.ledger:  # the figures above are the logical (ring) bytes
@@ -194,7 +241,6 @@ def report(args, spec, results, reference) -> int:
                  "all-reduce when asynchronous or compiled; a variable gather is padded to the "
                  "widest rank; a small sum is a gather): %d B, against %d B logical",
                  wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
-    return _required(args, results, 0 if ok else 1)
 
 
 def audit_summary(results) -> dict:

@@ -43,12 +43,13 @@ class Agreement:
     """The decisions this rank noted in its current forward, and where each group last agreed
     on them."""
 
-    __slots__ = ("on", "notes", "agreed")
+    __slots__ = ("on", "notes", "agreed", "_window")
 
     def __init__(self) -> None:
         self.on = os.environ.get(ENV, "") == "1"
         self.notes: list[tuple[str, str, str]] = []
         self.agreed: dict[str, int] = {}  # group key -> notes it has compared
+        self._window: list = []  # what the last fingerprint covered
 
     def begin(self, site: str, decision: str, value) -> None:
         """A forward starts: notes kept from before are dropped (every rank starts its forward
@@ -64,11 +65,11 @@ class Agreement:
             return
         self.notes.append((site, decision, str(value)))
 
-    def before(self, kind: str, group, numel: int, dtype) -> None:
-        """Before a collective of ``kind`` over ``group``: every rank of the group compares
-        the decisions it noted since the group last agreed, and the collective itself;
-        raises ``DisagreementError`` on a difference. (Called by ``runtime.collectives``
-        where ``on``.)
+    def fingerprint(self, kind: str, group, numel: int, dtype):
+        """Before a collective of ``kind`` over ``group``: this rank's fingerprint of the
+        decisions it noted since the group last agreed and of the collective itself, [2]
+        int64 on the group's wire device; None where nothing is checked. The caller gathers
+        every rank's and hands them to ``compare``.
 
         Each group compares its own window of notes: the ranks of one group run the same
         collectives over it, while a smaller group inside it (one attention-DP rank's TP
@@ -76,20 +77,22 @@ class Agreement:
         if (kind in UNCHECKED or group.pg is None or group.name == "pp"
                 or torch.compiler.is_compiling()
                 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
-            return
+            return None
         # what every rank passes alike: an all-to-all's elements are this rank's sends
-        window = [*self.notes[self.agreed.get(group.key, 0):],
-                  (f"{kind} over {group.name}", "collective",
-                   str(dtype) if kind == "all_to_all" else f"{numel} x {dtype}")]
-        digest = zlib.crc32(repr(window).encode())
+        self._window = [*self.notes[self.agreed.get(group.key, 0):],
+                        (f"{kind} over {group.name}", "collective",
+                         str(dtype) if kind == "all_to_all" else f"{numel} x {dtype}")]
         device = (torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl"
                   else torch.device("cpu"))
-        mine = torch.tensor([digest, len(window)], dtype=torch.int64, device=device)
-        every = [torch.empty_like(mine) for _ in range(group.size)]
-        dist.all_gather(every, mine, group=group.pg)
-        if any(not torch.equal(other, mine) for other in every):
+        return torch.tensor([zlib.crc32(repr(self._window).encode()), len(self._window)],
+                            dtype=torch.int64, device=device)
+
+    def compare(self, every: torch.Tensor, mine: torch.Tensor, group) -> None:
+        """Every rank's fingerprint ([group size, 2], group rank order) against this one's:
+        raises ``DisagreementError`` (after the ranks exchange their notes) on a difference."""
+        if not bool((every == mine).all()):
             windows = [None] * group.size
-            dist.all_gather_object(windows, window, group=group.pg)
+            dist.all_gather_object(windows, self._window, group=group.pg)
             self.notes, self.agreed = [], {}
             raise DisagreementError(first_difference(windows, group.ranks))
         self.agreed[group.key] = len(self.notes)  # agreed: its next window starts here

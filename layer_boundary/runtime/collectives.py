@@ -117,7 +117,7 @@ def _observe(kind: str, group: Group, numel: int, dtype, site: str | None,
              wire_numel: int | None = None, wire_kind: str | None = None) -> None:
     """Before each collective: the agreement check (where on), then the observer."""
     if AGREEMENT.on:
-        AGREEMENT.before(kind, group, numel, dtype)
+        _agree(kind, group, numel, dtype)
     observer = active_observer()
     if observer is None:
         return
@@ -126,6 +126,18 @@ def _observe(kind: str, group: Group, numel: int, dtype, site: str | None,
                             wire_kind=wire_kind)
     else:
         observer.collective(kind, group, numel, dtype, site)
+
+
+def _agree(kind: str, group: Group, numel: int, dtype) -> None:
+    """The agreement check before a collective (``runtime.agreement``): every rank's
+    fingerprint gathered over the group (polled where the group polls), then compared."""
+    mine = AGREEMENT.fingerprint(kind, group, numel, dtype)
+    if mine is None:
+        return
+    every = mine.new_empty((group.size * mine.numel(),))
+    _complete(lambda async_op: _all_gather_single(every, mine, group.pg, async_op),
+              group.polls)
+    AGREEMENT.compare(every.view(group.size, -1), mine, group)
 
 
 # gloo's all-reduce of a small tensor costs more than gathering every rank's tensor and
