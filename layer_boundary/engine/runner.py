@@ -16,7 +16,7 @@ from ..adapters.tbo import TboPolicy
 from ..contracts import BatchVariant
 from ..layout import RowMode
 from ..models import Checkpoint, building_on, load_model, open_checkpoint
-from ..runtime.agreement import AGREEMENT
+from ..runtime.agreement import checking
 from ..runtime.args import BoundaryRuntime
 from ..runtime.forward_batch import token_bucket
 from ..runtime.invariant import batch_invariant
@@ -264,16 +264,9 @@ def run_rank(spec: RunSpec, world_size: int | None = None) -> RankResult:
         return _run_rank(spec, world_size)
 
 
-@contextlib.contextmanager
 def _agreement(on: bool | None):
-    """The agreement check on or off for this rank's run (None: as it is)."""
-    previous = AGREEMENT.on
-    if on is not None:
-        AGREEMENT.on = on
-    try:
-        yield
-    finally:
-        AGREEMENT.on = previous
+    """The agreement check for this rank's run: on or off, or as it is (None)."""
+    return contextlib.nullcontext() if on is None else checking(on)
 
 
 def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:

@@ -24,6 +24,7 @@ fingerprint exchange would become part of the graph).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 
@@ -127,3 +128,13 @@ def first_difference(notes: list[list], ranks) -> str:
 
 
 AGREEMENT = Agreement()
+
+
+@contextlib.contextmanager
+def checking(on: bool):
+    """The agreement check on or off in the enclosed block (then as it was)."""
+    previous, AGREEMENT.on = AGREEMENT.on, on
+    try:
+        yield
+    finally:
+        AGREEMENT.on = previous

@@ -13,7 +13,7 @@ from toy import HIDDEN, ToyLayer, batch, runtime
 from layer_boundary.fusions import Declined
 from layer_boundary.fusions.reference import ReferenceFusions
 from layer_boundary.residual import batch as residual_batch
-from layer_boundary.runtime.agreement import AGREEMENT, DisagreementError, first_difference
+from layer_boundary.runtime.agreement import DisagreementError, checking, first_difference
 from layer_boundary.runtime.norm import RMSNorm
 
 
@@ -37,8 +37,7 @@ class DeclinesOn(ReferenceFusions):
 def forward_with_check(declining_rank: int | None, check: bool = True):
     """A toy forward at tp 2 with the reference provider (declining on ``declining_rank``):
     its output, or the ``DisagreementError`` it raised, as text."""
-    previous, AGREEMENT.on = AGREEMENT.on, check
-    try:
+    with checking(check):
         fusions = (ReferenceFusions() if declining_rank is None
                    else DeclinesOn(declining_rank))
         rt = runtime(2)
@@ -52,8 +51,6 @@ def forward_with_check(declining_rank: int | None, check: bool = True):
             return residual_batch.norm(h, fb, RMSNorm(HIDDEN))
         except DisagreementError as exc:
             return str(exc)
-    finally:
-        AGREEMENT.on = previous
 
 
 @pytest.mark.timeout(60)  # a hang would be the pool's timeout, not an answer

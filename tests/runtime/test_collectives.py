@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from distributed.pool import get_pool  # tests/ is on sys.path (tests/conftest.py)
 from layer_boundary.runtime import collectives as ops
+from layer_boundary.runtime.agreement import checking
 from layer_boundary.runtime.collectives import all_reduce_rows, gather_last_dim
 from layer_boundary.runtime.ledger import LEDGER
 from layer_boundary.runtime.parallel import Group, ParallelDims, build_parallel
@@ -98,7 +99,8 @@ def _sum_paths(kwargs, name, small, large):
     """A small sum, one over ``GATHER_SUM_MAX_BYTES`` and the small one issued asynchronously:
     each result, its ledger entry and which torch call ran."""
     group = _group(kwargs, name)
-    with _torch_calls("all_reduce", "all_gather_single") as ran, \
+    # which torch call a sum runs, alone (the agreement check's exchange is a gather too)
+    with checking(False), _torch_calls("all_reduce", "all_gather_single") as ran, \
             LEDGER.recording() as entries:
         out = [all_reduce_rows(small[dist.get_rank()].clone(), group),
                all_reduce_rows(large[dist.get_rank()].clone(), group)]
