@@ -183,8 +183,10 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
         if budget is not None and time.perf_counter() - started > budget:
             skipped.append(layout.name())
             continue
-        if asked not in references:
-            references[asked] = reference_run(replace(spec, tp=1, dp=1, cp=1, pp=1, ep=1))
+        if asked not in references:  # one rank, no variant: what every layout must match
+            references[asked] = reference_run(replace(
+                spec, moe_a2a_backend="none", sequence_parallel=False,
+                attn_input_scattered=False, boundary_reduction="auto"))
         if progress:
             log.info("  %s ...", layout.name())
         results, error = _run(spec)
