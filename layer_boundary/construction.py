@@ -533,4 +533,3 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
     except UnsupportedBoundary as exc:
         raise UnsupportedBoundary(f"stage {name}: {exc}") from None
     return StagePath(StageDecl(variant, stage_input, output), edge, entry, exit_path, branch_in)
-

@@ -48,10 +48,6 @@ class GraphDecision:
     graphs: Graphs
     why: str
 
-    @property
-    def on(self) -> bool:
-        return self.graphs is not Graphs.OFF
-
 
 def decide_graphs(spec, parallel, pads: bool) -> GraphDecision:
     """Whether and how ``spec``'s forwards run from CUDA graphs on ``parallel``'s groups.
@@ -220,9 +216,6 @@ class CapturedDecode:
         self.graphs[batch.num_tokens] = captured
         graph.replay()  # the capture ran nothing: this step's numbers come from the replay
         return out
-
-
-STEPS = ("inductor", "eager")  # what a captured decode graph holds (``--captured-decode``)
 
 
 def decode_step(spec, model):

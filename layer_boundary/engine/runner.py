@@ -311,7 +311,7 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
                                   pad_prefill=captured is None)
     alone = _alone(spec, model, par, adapters) if spec.batch_invariant else None
     if device.type != "cpu":  # the report reads them on the CPU, after the forwards
-        gen.logits = [[row.cpu() for row in rows] for rows in gen.logits]
+        gen.logits = _on_cpu(gen.logits)
     result = RankResult(par.rank, par.attn_dp_rank, par.attn_tp_rank, gen, list(entries),
                         plan_rows(model, RowMode(checked.modes[0]), forward_variants(spec)[0]),
                         checked.released,
@@ -341,6 +341,11 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
     return result
 
 
+def _on_cpu(logits: list) -> list:
+    """Each request's per-step logits moved to the CPU (what the report reads)."""
+    return [[row.cpu() for row in rows] for rows in logits]
+
+
 def _alone(spec: RunSpec, model, par, adapters) -> list | None:
     """Each prompt generated alone (on attention-DP rank 0; the other DP ranks hold no
     request), as the batch was: [Generation of that one request] on the rank that holds its
@@ -353,8 +358,7 @@ def _alone(spec: RunSpec, model, par, adapters) -> list | None:
                               split_prefill=spec.split_prefill,
                               variants=forward_variants(spec),
                               adapters=None if adapters is None else [adapters[i]])
-        out.append(Generation(gen.request_ids, gen.generated,
-                              [[row.cpu() for row in rows] for rows in gen.logits]))
+        out.append(Generation(gen.request_ids, gen.generated, _on_cpu(gen.logits)))
     holds = par.attn_dp_rank == 0 and par.attn_tp_rank == 0 and model.stage.last
     return out if holds else None
 

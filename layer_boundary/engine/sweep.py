@@ -111,15 +111,15 @@ class Row:
                 "exactly_once": self.exactly_once}
 
 
-def _spec(base: list[str], layout: Layout, prompts):
-    """``run``'s spec for ``layout`` (every check ``run`` makes), or the refusal's words."""
-    from .args import build_parser
+def _spec(parser, base: list[str], layout: Layout, prompts):
+    """``run``'s spec for ``layout`` (every check ``run`` makes; ``parser``: the command
+    line's), or the refusal's words."""
     from .run_command import spec_from_args
 
     argv = ["run", *base, *layout.args()]
     for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         return replace(spec_from_args(args), check_agreement=True), None
     except (ValueError, RuntimeError) as exc:  # UsageError, CapabilityError, TopologyError
@@ -158,6 +158,7 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
     """
     from ..models import open_checkpoint
     from ..models.tiny import builtin_checkpoint
+    from .args import build_parser
     from .parity import parity, verdict_ok
     from .report import audit_summary
     from .run_command import reference_run
@@ -170,13 +171,14 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
     layers = checkpoint.model_class.decoder_layers(cfg)
     prompts = tuple(tuple(t % cfg.vocab_size for t in p) for p in prompts)
     base = ["--model", folder, "--max-new-tokens", str(max_new_tokens)]
+    parser = build_parser()
     references: dict = {}
     rows, refused, skipped = [], [], []
     started = time.perf_counter()
     for layout in candidates if candidates is not None else layouts(max_world, moe, layers):
         # an empty DP rank: one request, on DP rank 0
         asked = prompts[:1] if layout.empty else prompts
-        spec, refusal = _spec(base, layout, asked)
+        spec, refusal = _spec(parser, base, layout, asked)
         if spec is None:
             refused.append({"layout": layout.name(), "why": refusal})
             continue
