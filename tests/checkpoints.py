@@ -38,6 +38,45 @@ def randomize(model) -> None:
                 p.normal_(0.0, 0.3 if "embed" in name else p.shape[-1] ** -0.5)
 
 
+TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def save_random(cls: str, config_cls: str, path: Path, seed: int, fields: dict, *,
+                zero_centered: bool = False, prepare=None) -> Path:
+    """save_pretrained of a random transformers ``cls`` built from ``config_cls(**fields)``
+    (``randomize``), for any architecture. Special-token ids a config defaults beyond a tiny
+    vocabulary (Phi-3's pad 32000) are set to None unless ``fields`` names them;
+    ``zero_centered``: norm weights around 0 (Gemma's scale by ``1 + w``); ``prepare(model)``:
+    what the architecture needs after ``randomize`` (a LayerNorm bias around 0, say).
+
+    Args:
+        cls, config_cls: transformers' model and config class names.
+        path: where to write it.
+        seed: the torch seed of its weights.
+        fields: the config's fields.
+    """
+    import transformers
+
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**fields)
+    vocab = getattr(config, "vocab_size", None)
+    for name in TOKEN_FIELDS:
+        value = getattr(config, name, None)
+        if name not in fields and isinstance(value, int) and vocab is not None and value >= vocab:
+            setattr(config, name, None)
+    model = getattr(transformers, cls)(config)
+    randomize(model)
+    if zero_centered:  # randomize's norms are around 1, as a plain RMSNorm's weight is
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.sub_(1.0)
+    if prepare is not None:
+        prepare(model)
+    model.save_pretrained(path)
+    return Path(path)
+
+
 def hf_oracle(model_class: str, path: Path):
     """The transformers model of ``model_class`` from ``path`` as the oracle runs it: fp32,
     eager attention, eager experts."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from checkpoints import save_random  # noqa: F401 - the shared writer, re-exported
 
 TINY_GEMMA3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -14,25 +14,6 @@ TINY_GEMMA3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidd
 WINDOW = 3
 # sliding, full, sliding, full: each pipeline half holds both kinds
 LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
-
-
-def save_random(cls: str, config_cls: str, path: Path, seed: int, fields: dict, *,
-                zero_centered: bool = False) -> Path:
-    """save_pretrained of a random transformers ``cls`` (``checkpoints.randomize``);
-    ``zero_centered``: norm weights around 0 (Gemma's scale by ``1 + w``)."""
-    import transformers
-    from checkpoints import randomize
-
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls)(getattr(transformers, config_cls)(**fields))
-    randomize(model)
-    if zero_centered:  # randomize's norms are around 1, as a plain RMSNorm's weight is
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.sub_(1.0)
-    model.save_pretrained(path)
-    return Path(path)
 
 
 def hf_gemma3(path: Path, seed: int = 0, **overrides) -> Path:

@@ -30,7 +30,10 @@ class DecoderModel(nn.Module):
     """The stack on this pipeline stage: the embedding on the first stage, this stage's layers
     (global indices, ``stage.layers``), the final norm on the last."""
 
-    def __init__(self, cfg, runtime, dtype, fusions, layer_cls, num_layers=None):
+    def __init__(self, cfg, runtime, dtype, fusions, layer_cls, num_layers=None,
+                 final_norm=None):
+        """``final_norm(cfg, dtype)``: the model's final norm, built on the last stage
+        (``CausalLM.final_norm``; None: an RMSNorm of ``rms_norm_eps``)."""
         super().__init__()
         num_layers = cfg.num_hidden_layers if num_layers is None else num_layers
         self.stage = PipelineStage.of(runtime, num_layers)
@@ -45,7 +48,7 @@ class DecoderModel(nn.Module):
                                         for i in self.stage.layers)
         check_stage_producers(zip(self.stage.layers, self.layers), "model.layers")
         if self.stage.last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+            self.norm = (final_norm or CausalLM.final_norm)(cfg, dtype)
         self.handoff_norm = None
         if fusions is not None:
             self.take_handoff_norm(fusions)
@@ -140,12 +143,19 @@ class CausalLM(nn.Module):
     def nextn_layers(cfg) -> int:
         return 0
 
+    @staticmethod
+    def final_norm(cfg, dtype) -> torch.nn.Module:
+        """The norm after the last layer, built on the last pipeline stage (Llama's RMSNorm;
+        a model whose final norm is another kind, Cohere's or GPT-NeoX's LayerNorm, says so
+        here)."""
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
     def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
         super().__init__()
         check_model(type(self), cfg, runtime)  # what it declares against the runtime's features
         self.config, self.dtype = cfg, dtype
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
-                                  self.decoder_layers(cfg))
+                                  self.decoder_layers(cfg), self.final_norm)
         self.stage = self.model.stage
         if self.stage.last:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.args import BoundaryRuntime
-from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.norm import GemmaRMSNorm
+from .head import ScaledEmbedding, ScaledLMHead, embedding_scale, rebuilt_as
 from .config import (BOOL, DECODER, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
                      SLIDING_FIELDS, Check, CheckpointError, layer_windows)
 from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
@@ -168,38 +168,6 @@ class Gemma3DecoderLayer(PostNormDecoderLayer):
         return self.input_layernorm, self.pre_feedforward_layernorm
 
 
-class ScaledEmbedding(VocabParallelEmbedding):
-    """The embedding times ``sqrt(hidden_size)`` rounded to its dtype, as transformers'
-    ``Gemma3TextScaledWordEmbedding`` rounds it (an fp32 scalar cast to the weight's dtype)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, group, dtype=torch.float32):
-        super().__init__(vocab_size, hidden_size, group, dtype=dtype)
-        self.scale = torch.tensor(hidden_size ** 0.5, device="cpu").to(dtype).item()
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(input_ids) * self.scale
-
-
-class SoftcappedLMHead(ParallelLMHead):
-    """The LM head with ``final_logit_softcapping``: ``cap * tanh(logits / cap)``."""
-
-    cap: float
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(super().forward(hidden) / self.cap) * self.cap
-
-
-def rebuilt_as(module: VocabParallelEmbedding, cls: type) -> VocabParallelEmbedding:
-    """``module`` as ``cls`` (a subclass that only adds to its forward), holding the very same
-    weight (a tie, and its shard loader, kept): the shell is built on the meta device, so
-    nothing is allocated twice."""
-    with torch.device("meta"):
-        new = cls(module.vocab_size, module.weight.shape[1], module.group,
-                  dtype=module.weight.dtype)
-    new.weight = module.weight
-    return new
-
-
 @register_model("gemma3_text", Gemma3TextConfig, architectures=("Gemma3ForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
@@ -213,9 +181,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Gemma3TextConfig, runtime, dtype=torch.float32, fusions=None):
         super().__init__(cfg, runtime, dtype, fusions)
         if self.stage.first:
-            self.model.embed_tokens = rebuilt_as(self.model.embed_tokens, ScaledEmbedding)
+            self.model.embed_tokens = rebuilt_as(
+                self.model.embed_tokens, ScaledEmbedding,
+                scale=embedding_scale(cfg.hidden_size, self.dtype))
         if self.stage.last:
             self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=self.dtype)
             if cfg.final_logit_softcapping is not None:
-                self.lm_head = rebuilt_as(self.lm_head, SoftcappedLMHead)
-                self.lm_head.cap = float(cfg.final_logit_softcapping)
+                self.lm_head = rebuilt_as(self.lm_head, ScaledLMHead,
+                                          cap=float(cfg.final_logit_softcapping))

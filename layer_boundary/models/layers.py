@@ -23,7 +23,7 @@ from ..runtime.linear import (ColumnParallelLinear, QKVParallelLinear, RowParall
                               expect_shape)
 from ..runtime.norm import HeadsRMSNorm, RMSNorm
 from .attention import cached_attention
-from .rope import forward_cos_sin, rope_key, rotate_half
+from .rope import apply_rope, forward_cos_sin, rope_key, rotate_half
 
 
 class GqaAttention(nn.Module):
@@ -64,7 +64,7 @@ class GqaAttention(nn.Module):
                  window: int | None = None, sinks: bool = False,
                  rope_scale: float = 1.0, rotary_dim: int | None = None,
                  o_bias: bool | None = None, qk_norm_cls: type = RMSNorm,
-                 scaling: float | None = None) -> None:
+                 scaling: float | None = None, interleaved: bool = False) -> None:
         super().__init__()
         group = runtime.parallel.attn_tp_group
         self.index, self.head_dim = index, head_dim
@@ -88,6 +88,8 @@ class GqaAttention(nn.Module):
         self.qk_norm = qk_norm_eps is not None and not self.qk_norm_width
         self.rotary = inv_freq is not None
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        # pairs (x0, x1), (x2, x3), ... rotate together (Cohere's rotary; ``apply_rope``)
+        self.interleaved = interleaved
         if self.rotary:
             self.register_buffer("inv_freq", inv_freq, persistent=False)
             self.rope_key = rope_key(inv_freq)
@@ -104,11 +106,13 @@ class GqaAttention(nn.Module):
         param.data.copy_(loaded.narrow(0, self.qkv_proj.group.rank * heads, heads))
 
     def rope(self, x, cos, sin):
-        """Rotary over x [T, H, D]'s first ``rotary_dim`` dims (cos/sin [T, rotary_dim])."""
+        """Rotary over x [T, H, D]'s first ``rotary_dim`` dims (cos/sin [T, rotary_dim], or
+        [T, rotary_dim / 2] where the pairs interleave)."""
         if self.rotary_dim == self.head_dim:
-            return rotate_half(x, cos, sin)
+            return apply_rope(x, cos, sin, True) if self.interleaved else rotate_half(x, cos, sin)
         rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
-        return torch.cat((rotate_half(rot, cos, sin), rest), dim=-1)
+        rot = apply_rope(rot, cos, sin, True) if self.interleaved else rotate_half(rot, cos, sin)
+        return torch.cat((rot, rest), dim=-1)
 
     def forward(self, positions, hidden_states, forward_batch):
         """hidden_states: the attention rows (in a CP batch this CP rank's share of the DP
@@ -131,7 +135,7 @@ class GqaAttention(nn.Module):
         if self.rotary:
             cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
                                        q.dtype, None if cp is None else cp.share,
-                                       scale=self.rope_scale)
+                                       full_width=not self.interleaved, scale=self.rope_scale)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if cp is not None:  # every token of the DP rank as keys and values, in token order
             k, v = cp.gather(torch.cat((k, v), dim=-1)).split(self.head_dim, dim=-1)
