@@ -161,7 +161,7 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
         local_to_update=table.lookup(None, local, target),
         capture_move=table.lookup(None, target, local), residual_src=edge.residual_src,
         declared=next((d for d in decisions if d.declared), None), latent_first=latent_first,
-        assumes_plain=declared_plain)
+        assumes_plain=declared_plain, beside=decl.parallel)
 
 
 def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidates,

@@ -7,10 +7,12 @@ what it cannot run. A forward only computes its row facts once and picks a prebu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from . import parallel_block
 from .boundary import bind_entry, bind_exit
 from .contracts import (BatchVariant, EdgeDecl, ProducerReduction, StageDecl, StageInput,
                         StageKind, StageOutput)
@@ -246,6 +248,13 @@ def resolve_output(decl, following, runtime, layouts: Layouts, fusions=None,
                            leaves_for_all_reduce=leaves, leaves_for_reduce_scatter=leaves,
                            at_producer=at_producer)
     known = known and not at_producer
+    if decl.parallel:
+        # the attention's partial joins this FFN's sum at its finish: the sum is always left
+        # to the next input (or the final norm), and no provider takes it over
+        return StageOutput(StageKind.FFN, layouts.replicated, decl.reduction,
+                           _sum(runtime, SumGroup.TP), layouts.attention,
+                           leaves_for_all_reduce=True, leaves_for_reduce_scatter=True,
+                           next_sparse=decl.next_sparse, terminal=decl.terminal)
     scoped = decl.reduction is ProducerReduction.SCOPED
     # LOCAL_TAIL adds its tail after its own sum: never deferred to an all-reduce by default,
     # but its reduce-scatter permission stays (compute then adds the tail on one rank)
@@ -470,6 +479,8 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
         variants = plan_variants(runtime)
     except UnsupportedBoundary as exc:
         raise UnsupportedBoundary(f"stage {name}: {exc}") from None
+    if declaration.parallel:
+        parallel_block.check(name, declaration, variants)
     if declaration.dispatches:
         if not runtime.dispatches_moe:
             raise UnsupportedBoundary(
@@ -512,6 +523,9 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
     try:
         exit_path = bind_exit(output, mode, table, fusions=fusions, name=name,
                               declaration=declaration)
+        if following is not None and following.parallel:
+            # the FFN beside it joins this output to its own sum: never issued early
+            exit_path = dataclasses.replace(exit_path, issues_early=False)
         prev_output = prev_exit = None
         if prev is not None:
             prev_output = resolve_output(prev, declaration, runtime, layouts, fusions,

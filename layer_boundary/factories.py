@@ -45,6 +45,9 @@ class StageDeclaration:
     previous: StageDeclaration | None = None
     prepared_from: StageDeclaration | None = None
     terminal: bool = False
+    # a parallel block's FFN (Cohere, GPT-NeoX): it reads the residual its previous stage (a
+    # PARTIAL attention) read, and that attention's partial output joins this FFN's own sum
+    parallel: bool = False
     # what the compute is, as plans name it (e.g. "mamba2" for a single-stage Mamba2 mixer);
     # None: its kind says it. A label only: no path depends on it, neighbours need not say it
     mixer: str | None = field(default=None, compare=False)
@@ -62,6 +65,7 @@ class StageDeclaration:
         sp = ", sequence-parallel compute" if self.sequence_parallel else ""
         sp += ", all-to-all dispatch" if self.dispatches else ""
         kind = self.kind.value if self.mixer is None else f"{self.mixer} {self.kind.value}"
+        sp += ", parallel to the attention before it" if self.parallel else ""
         text = f"{kind}{sparse} ({self.reduction.value}{sp})"
         return text if is_plain(update) else f"{text} with update {update!r}"
 
@@ -75,6 +79,7 @@ class StageDeclaration:
         return {"kind": self.kind, "reduction": self.reduction, "sparse": self.sparse,
                 "next_sparse": self.next_sparse, "gathers_tp_input": self.gathers_tp_input,
                 "sequence_parallel": self.sequence_parallel, "dispatches": self.dispatches,
+                "parallel": self.parallel,
                 "output_transform": None if transform is None else transform.order,
                 "update": UpdateFacts.of(self.residual.update)}
 
@@ -186,7 +191,8 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
                 terminal: bool = False,
                 next_layer_sparse: bool | None = None,
                 sequence_parallel: bool = False, dispatches: bool = False,
-                output_transform: OutputTransform | None = None) -> StageDeclaration:
+                output_transform: OutputTransform | None = None,
+                parallel: bool = False) -> StageDeclaration:
     """A dense or sparse FFN declaration.
 
     Args:
@@ -208,8 +214,18 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
         output_transform: processing of its contribution before the residual update
             (``OutputTransform``; its ``before_reduce_scatter`` states the order kept; a
             finalize handoff from a stage with one before the sum completes through it).
+        parallel: the second stage of a parallel block (Cohere's ``x + attn(ln(x)) +
+            mlp(ln(x))``, GPT-NeoX's with two norms): its input is read, with its own norm,
+            from the residual the attention before it read, and the attention's partial
+            output joins this FFN's sum, so one collective completes both (a dense SCOPED
+            FFN after a PARTIAL attention, plain updates on both).
     """
     _check_transform(output_transform)
+    if parallel and (sparse or dispatches or sequence_parallel or output_transform is not None
+                     or reduction is not ProducerReduction.SCOPED):
+        raise ValueError("declare_ffn: parallel=True is for a dense SCOPED FFN without "
+                         "sequence_parallel, dispatch or output_transform (its output and the "
+                         "attention's partial are summed together)")
     if dispatches and not sparse:
         raise ValueError("declare_ffn: dispatches=True is for a MoE (sparse=True): a dense "
                          "FFN has no routed tokens to dispatch")
@@ -234,7 +250,7 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
                             sequence_parallel=sequence_parallel, dispatches=dispatches,
                             output_transform=output_transform,
                             residual=_layer_residual(update, read, output_transform),
-                            previous=previous,
+                            previous=previous, parallel=parallel,
                             prepared_from=prepared_from, terminal=terminal)
 
 

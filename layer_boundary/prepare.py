@@ -88,6 +88,9 @@ class EntryPath:
     # rebuilds from its own declaration; None where the producer decides per batch
     declared: object = None
     latent_first: bool = False  # an input-scattered batch: the latent runs before the move
+    # a parallel block's FFN: the producer's output is set aside (it joins this stage's sum
+    # at its finish) and the residual it was to update is read as it is
+    beside: bool = False
 
     def __post_init__(self) -> None:
         self.direct = self.latent is None and not self.input_move.moves
@@ -123,6 +126,9 @@ class EntryPath:
         """
         c = stream.contribution
         if c is None:
+            return self._enter_written(stream, hidden, facts, extra)
+        if self.beside:
+            stream.set_aside()
             return self._enter_written(stream, hidden, facts, extra)
         path = self.arrivals.get(c.key)
         if path is None or (self.assumes_plain and c.update is not PLAIN_ADD):
@@ -233,6 +239,10 @@ class EntryPath:
         what = "update+read" if kind is not ReadKind.ADD_NORM else (
             add if normless else f"{add}+norm")
         read = f"{what} on {self.update_rows}"
+        if self.beside:
+            read = "norm" if kind is ReadKind.ADD_NORM and not normless else "read"
+            return (f"the attention's partial set aside; {read} of the same residual on "
+                    f"{self.update_rows}{self._compute_steps(self.input_move)}")
         if self.stack_entry:
             text = f"enter: norm on {self.local}"
             text += self._compute_steps(self.enter_input)
@@ -267,7 +277,7 @@ class EntryPath:
             return (self.enter_residual.expected(facts, width)
                     + self.enter_input.expected(facts, input_width))
         out = []
-        if key is not None:
+        if key is not None and not self.beside:  # beside: the arrival is set aside
             path = self.arrivals[key]
             if path.sum_before_read is not None:
                 return path.sum_before_read.expected(facts, width)

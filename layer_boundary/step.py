@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import parallel_block
 from .exit import ExitDecision
 from .output import HandoffOutput, TransformedHandoff
 from .residual.access import start_completion
@@ -49,7 +50,7 @@ class StageStep:
     """
 
     __slots__ = ("stage", "path", "entry", "exit", "update", "transform", "fixed", "scope",
-                 "folds", "issues_early")
+                 "folds", "issues_early", "joins")
 
     def __init__(self, stage, path) -> None:
         """``stage``: the StageBoundary; ``path``: one of its plan's paths."""
@@ -64,6 +65,7 @@ class StageStep:
         # the update folds in at the producer's finish (nothing pending leaves); else a
         # two-batch-overlap microbatch may issue its owed sum then
         self.folds, self.issues_early = out.at_producer, out.issues_early
+        self.joins = declaration.parallel  # the attention's partial joins this output's sum
         self.fixed = None if out.choices else out.default
         self.scope = (None if self.fixed is None or self.fixed.flags.sequence_parallel
                       is not None else (self.fixed.flags, None, NO_ADAPTERS))
@@ -127,6 +129,8 @@ class StageStep:
         if self.transform is not None:
             value = (TransformedHandoff(value, self.transform)
                      if isinstance(value, HandoffOutput) else self.transform(value))
+        if self.joins:
+            value = parallel_block.join(stream, value, decision, facts)
         if decision.hands_off and isinstance(value, HandoffOutput):  # under its own key
             handle = stream.leave(value, decision.owed, self.update, decision.rows, True,
                                   decision.declared)

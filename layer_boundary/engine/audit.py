@@ -55,7 +55,8 @@ def expected_sum(stage, forward, parallel) -> tuple[object, range]:
     for it in ``forward``)."""
     variant, mode, facts = forward
     path = stage.plan.paths.get((variant, mode))
-    if path is None:
+    if path is None or getattr(stage.following, "parallel", False):
+        # a parallel block's attention: its partial joins the FFN's sum, audited there
         return None, range(0, 1)
     out = path.decl.output
     which = out.linears_sum if out.linears_sum is not None else out.sum_group

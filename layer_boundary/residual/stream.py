@@ -129,7 +129,8 @@ class ResidualStream:
     next boundary call (a branch's stream forks from its ``parent``)."""
 
     __slots__ = ("residual", "residual_rows", "contribution", "handle", "stage", "step",
-                 "prepared_input", "parent", "branch_output", "owner", "pending", "made_by")
+                 "prepared_input", "parent", "branch_output", "owner", "pending", "made_by",
+                 "beside")
 
     def __init__(self, parent: ResidualStream | None = None) -> None:
         self.residual: torch.Tensor | None = None
@@ -149,6 +150,9 @@ class ResidualStream:
         # the update whose apply made the residual (None: the stack's input, or what the model
         # wrote before any update): an extra joins a residual only where that update is plain
         self.made_by = None
+        # a parallel block's attention output, set aside while the FFN beside it reads the
+        # same residual; it joins the FFN's output at its finish (``parallel_block.join``)
+        self.beside: Contribution | None = None
 
     @classmethod
     def arrive(cls, forward_batch) -> ResidualStream:
@@ -197,6 +201,17 @@ class ResidualStream:
             self.made_by = self.contribution.update
         self.residual, self.residual_rows = residual, rows
         self.contribution, self.handle = None, handle
+
+    def set_aside(self) -> Contribution:
+        """Hold the pending contribution beside the turn (a parallel block's attention output,
+        while its FFN reads the residual): the stream is written again until ``take_beside``."""
+        c, self.beside, self.contribution = self.contribution, self.contribution, None
+        return c
+
+    def take_beside(self) -> Contribution | None:
+        """The contribution ``set_aside`` held (None: none), no longer held."""
+        c, self.beside = self.beside, None
+        return c
 
     def extra_update(self):
         """The update an extra added now joins: the pending one, or the one that made the
