@@ -525,7 +525,10 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
                               declaration=declaration)
         if following is not None and following.parallel:
             # the FFN beside it joins this output to its own sum: never issued early
-            exit_path = dataclasses.replace(exit_path, issues_early=False)
+            default = exit_path.default
+            joined = dataclasses.replace(default, label=f"{default.label}, joined to the "
+                                                        "parallel FFN's")
+            exit_path = dataclasses.replace(exit_path, default=joined, issues_early=False)
         prev_output = prev_exit = None
         if prev is not None:
             prev_output = resolve_output(prev, declaration, runtime, layouts, fusions,

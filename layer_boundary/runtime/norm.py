@@ -1,4 +1,4 @@
-"""RMSNorm with an fp32 entry point for boundary reads that accumulate in fp32."""
+"""RMSNorm and LayerNorm with an fp32 entry point for boundary reads that accumulate in fp32."""
 
 from __future__ import annotations
 
@@ -34,6 +34,28 @@ class RMSNorm(nn.Module):
     def normalize_fp32(self, x32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Normalise an fp32 tensor and round once to ``out_dtype`` (as HF: round, then scale)."""
         return self.weight * rms_fp32(x32, self.eps).to(out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize_fp32(x.float(), x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed in fp32, its weight (and bias, where it has one) applied in fp32, the
+    result rounded once: Cohere's ``CohereLayerNorm`` (no bias) and, in fp32, GPT-NeoX's
+    ``nn.LayerNorm``; ``normalize_fp32`` takes the boundary's fp32 sum. Per token, and an
+    empty batch of rows is fine."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True,
+                 dtype=torch.float32):
+        super().__init__()
+        self.eps, self.shape = eps, (hidden_size,)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def normalize_fp32(self, x32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x32, self.shape, self.weight.float(), bias, self.eps).to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.normalize_fp32(x.float(), x.dtype)
