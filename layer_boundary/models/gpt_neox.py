@@ -1,0 +1,185 @@
+"""GPT-NeoX (Pythia) with layer boundaries: a parallel block read through two norms.
+
+Facts from transformers' ``modeling_gpt_neox``: with ``use_parallel_residual`` (the default)
+a layer is ``x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))``, else the
+sequential ``h = x + attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))``; the
+norms are ``nn.LayerNorm`` with bias, as is ``final_layer_norm``; ``query_key_value`` holds q,
+k and v per head (heads-major, [heads, (q, k, v), head_dim]), with ``attention_bias`` on it and
+on ``dense``; the rotary embedding turns the first ``partial_rotary_factor`` of each head
+(``rotary_pct`` in older configs, default 0.25) in the rotate-half form, the rest passes
+through; the MLP is ``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` with biases; the head
+(``lm_head``, ``embed_out`` in older checkpoints) is untied by default.
+
+The parallel layer is two stages, a PARTIAL attention and an FFN declared ``parallel=True``
+with its own norm, so the attention's partial joins the MLP's sum: one collective a layer
+(``parallel_block.py``). The fused ``query_key_value`` loads with ``runtime.fused.load_per_head``,
+each rank reading only its heads' rows.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import declare_attn, declare_ffn
+from ..runtime.args import BoundaryRuntime
+from ..runtime.fused import load_per_head, use_loader
+from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
+from ..runtime.norm import LayerNorm
+from .base import CausalLM
+from .config import (BOOL, DECODER, OBJECT, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
+                     require, required)
+from .kv_cache import KVCache
+from .layers import DecoderLayer, GqaAttention
+from .qwen3 import check_tp
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .rope import inverse_frequencies
+
+# hidden_act -> F.gelu's approximation (transformers' gelu is exact; gelu_new the tanh form)
+GELUS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+NO_SP = "its parallel blocks join the attention's partial to the MLP's sum on unscattered rows"
+# what older checkpoints hold beside the weights: attention mask buffers, the rotary table
+BUFFERS = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
+NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.layers.", "model.layers."),
+         ("gpt_neox.final_layer_norm.", "model.norm."), ("embed_out.", "lm_head."),
+         (".attention.query_key_value.", ".self_attn.qkv_proj."),
+         (".attention.dense.", ".self_attn.o_proj."))
+
+
+@dataclass(frozen=True)
+class GPTNeoXConfig(CheckedConfig):
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # as many as heads (multi-head attention)
+    head_dim: int
+    rotary_dim: int
+    layer_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    approximate: str = "none"
+    use_parallel_residual: bool = True
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+    model_type: str = "gpt_neox"
+
+    fields = {**{f: c for f, c in DECODER.items() if f != "rms_norm_eps"},
+              "layer_norm_eps": POSITIVE_NUMBER, "use_parallel_residual": BOOL,
+              "rotary_pct": POSITIVE_NUMBER, "rotary_emb_base": POSITIVE_NUMBER,
+              "partial_rotary_factor": POSITIVE_NUMBER, "rope_parameters": OBJECT}
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> GPTNeoXConfig:
+        if cfg.get("quantization_config"):
+            raise CheckpointError("config.json quantization_config is not supported "
+                                  "(unquantized checkpoints only)")
+        act = cfg.get("hidden_act", "gelu")
+        if act not in GELUS:
+            raise CheckpointError(f"config.json hidden_act {act!r} is not supported "
+                                  f"({', '.join(GELUS)} only)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
+                                  "(default only)")
+        heads, hidden = require(cfg, "num_attention_heads"), require(cfg, "hidden_size")
+        if hidden % heads:
+            raise CheckpointError(f"config.json hidden_size={hidden} is not divisible by "
+                                  f"num_attention_heads={heads}")
+        head_dim = hidden // heads
+        factor = rope.get("partial_rotary_factor", cfg.get("rotary_pct", 0.25))
+        if not POSITIVE_NUMBER.ok(factor) or factor > 1:
+            raise CheckpointError(f"config.json partial_rotary_factor must be in (0, 1], got "
+                                  f"{factor!r}")
+        rotary = int(head_dim * factor)
+        if rotary < 2 or rotary % 2:
+            raise CheckpointError(f"config.json partial_rotary_factor={factor} turns {rotary} "
+                                  f"of {head_dim} head dims; an even number of at least 2 is "
+                                  "needed")
+        theta = rope.get("rope_theta", cfg.get("rotary_emb_base", 10000.0))
+        return cls(**required(cfg, "vocab_size", "intermediate_size", "num_hidden_layers"),
+                   hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
+                   head_dim=head_dim, rotary_dim=rotary,
+                   layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+                   rope_theta=float(theta), approximate=GELUS[act],
+                   use_parallel_residual=bool(cfg.get("use_parallel_residual", True)),
+                   attention_bias=bool(cfg.get("attention_bias", True)),
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def check_parallel(cfg: GPTNeoXConfig, dims) -> None:
+    """Heads over attention TP, ``intermediate_size`` over TP."""
+    check_tp(cfg, dims.attn_tp, dims.tp)
+
+
+class GPTNeoXMLP(nn.Module):
+    """``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` with biases, its inner dim over TP."""
+
+    def __init__(self, cfg: GPTNeoXConfig, runtime: BoundaryRuntime, dtype) -> None:
+        super().__init__()
+        group = runtime.parallel.tp_group
+        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, group,
+                                                  bias=True, dtype=dtype, name="dense_h_to_4h")
+        self.dense_4h_to_h = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, group,
+                                               bias=True, dtype=dtype, name="dense_4h_to_h")
+        self.approximate = cfg.approximate
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
+
+
+class GPTNeoXLayer(DecoderLayer):
+    """Attention (fused per-head q/k/v, partial rotary, PARTIAL) and the MLP, each read
+    through its own LayerNorm: of the same residual (a parallel block), or sequentially."""
+
+    def __init__(self, cfg: GPTNeoXConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__(cfg.hidden_size, cfg.layer_norm_eps, dtype, input_norms=False)
+        h, eps = cfg.hidden_size, cfg.layer_norm_eps
+        self.input_layernorm = LayerNorm(h, eps, dtype=dtype)
+        self.post_attention_layernorm = LayerNorm(h, eps, dtype=dtype)
+        self.self_attn = GqaAttention(
+            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id,
+            runtime, dtype, bias=cfg.attention_bias, rotary_dim=cfg.rotary_dim,
+            inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim))
+        qkv = self.self_attn.qkv_proj
+        use_loader(qkv, load_per_head(qkv, name=f"gpt_neox.layers.{layer_id}.attention."
+                                                "query_key_value"))
+        self.mlp = GPTNeoXMLP(cfg, runtime, dtype)
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        return declare_attn(), declare_ffn(parallel=cfg.use_parallel_residual)
+
+
+@register_model("gpt_neox", GPTNeoXConfig, architectures=("GPTNeoXForCausalLM",),
+                boundary_reduction="rs+rsv", positional_cache=True,
+                check_parallel=check_parallel, context_parallel=True, sequence_parallel=NO_SP,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+class GPTNeoXForCausalLM(CausalLM):
+    """Pythia: parallel blocks with two LayerNorms, partial rotary, biases, fused per-head
+    q/k/v, an untied head."""
+
+    layer_cls = GPTNeoXLayer
+
+    @staticmethod
+    def final_norm(cfg, dtype) -> torch.nn.Module:
+        return LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if BUFFERS.search(name):
+            return None
+        for theirs, ours in NAMES:
+            name = name.replace(theirs, ours)
+        return name
+
+    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
+        attn = self.model.layers[0].self_attn
+        return KVCache(self.stage.layers, slots, max_len, attn.qkv_proj.num_kv_heads,
+                       attn.head_dim, self.dtype, device=self.device)
