@@ -59,6 +59,9 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
         raise RuntimeError(f"branch_input: stage {source.name} left no pending output to merge "
                            "the branch into")
     path, facts = entry.plan.select(forward_batch)
+    observer = active_observer()
+    if observer is not None:  # the input's movement is the entry stage's, not the source's
+        observer.enter(entry.sites.prepare)
     x = path.branch_in.move(facts, hidden_states) if path.branch_in.moves else hidden_states
     branch = ResidualStream(parent=stream)
     branch.owner = stream.owner  # installed on the same forward batch
