@@ -161,7 +161,8 @@ def bind_entry(name: str, edge: EdgeDecl, producer_exit: ExitPath | None, decl, 
         local_to_update=table.lookup(None, local, target),
         capture_move=table.lookup(None, target, local), residual_src=edge.residual_src,
         declared=next((d for d in decisions if d.declared), None), latent_first=latent_first,
-        assumes_plain=declared_plain, beside=decl.parallel)
+        assumes_plain=declared_plain, beside=decl.parallel,
+        beside_shares_input=decl.parallel and compute == layouts.attention and not table.cp)
 
 
 def _arrival(key, decision: ExitDecision, target, mode, table, layouts, candidates,

@@ -18,7 +18,7 @@ from .layout import Layout
 from .ops import Movement
 from .primitives import SLICE_DP
 from .residual import ReadKind, is_plain, read_kind
-from .residual.add_norm import PLAIN_ADD, accumulate_dtype
+from .residual.add_norm import PLAIN_ADD, Fp32Norm, accumulate_dtype
 from .residual.stream import ArrivalKey, Turn
 from .runtime.agreement import AGREEMENT
 from .runtime.quant import QuantizedInput
@@ -91,6 +91,9 @@ class EntryPath:
     # a parallel block's FFN: the producer's output is set aside (it joins this stage's sum
     # at its finish) and the residual it was to update is read as it is
     beside: bool = False
+    # ... and its compute rows are the attention's (no attention DP or CP): where the
+    # attention read through the very same norm and read, its compute input is this one
+    beside_shares_input: bool = False
 
     def __post_init__(self) -> None:
         self.direct = self.latent is None and not self.input_move.moves
@@ -128,8 +131,7 @@ class EntryPath:
         if c is None:
             return self._enter_written(stream, hidden, facts, extra)
         if self.beside:
-            stream.set_aside()
-            return self._enter_written(stream, hidden, facts, extra)
+            return self._enter_beside(stream, hidden, facts, extra)
         path = self.arrivals.get(c.key)
         if path is None or (self.assumes_plain and c.update is not PLAIN_ADD):
             path = self.arrival(c)  # places it, or names what does not match
@@ -151,6 +153,21 @@ class EntryPath:
         x, residual = self.read.update_and_read(c.update, residual, value, self.norm)
         stream.write(residual, PREPARED, self.update_rows)
         return x if self.direct else self._to_compute(facts, x, self.input_move)
+
+    def _enter_beside(self, stream, hidden, facts, extra):
+        """A parallel block's FFN: the attention's output set aside, the residual it read
+        read again through this stage's norm, or (Cohere's one norm, on the attention's
+        rows) the attention's own compute input taken as it is: no second norm, no second
+        gather."""
+        attn, x = stream.stage, stream.prepared_input
+        stream.set_aside()
+        if (self.beside_shares_input and extra is None and x is not None and attn is not None
+                and _unwrapped(attn.norm) is _unwrapped(self.norm)
+                and attn.declaration.residual.read is self.read
+                and attn.qkv_latent_func is None and stream.residual_rows is self.update_rows):
+            stream.write(stream.residual, PREPARED, self.update_rows)
+            return x
+        return self._enter_written(stream, hidden, facts, extra)
 
     def _enter_written(self, stream, hidden, facts, extra):
         """``enter`` where nothing is pending: a written residual, or the stack's input."""
@@ -241,8 +258,10 @@ class EntryPath:
         read = f"{what} on {self.update_rows}"
         if self.beside:
             read = "norm" if kind is ReadKind.ADD_NORM and not normless else "read"
+            shared = (" (the attention's input itself where it reads through the same norm)"
+                      if self.beside_shares_input else "")
             return (f"the attention's partial set aside; {read} of the same residual on "
-                    f"{self.update_rows}{self._compute_steps(self.input_move)}")
+                    f"{self.update_rows}{self._compute_steps(self.input_move)}{shared}")
         if self.stack_entry:
             text = f"enter: norm on {self.local}"
             text += self._compute_steps(self.enter_input)
@@ -283,6 +302,11 @@ class EntryPath:
                 return path.sum_before_read.expected(facts, width)
             out += path.complete.expected(facts, width)
         return out + self.input_move.expected(facts, input_width)
+
+
+def _unwrapped(norm):
+    """The model's norm behind a boundary's ``Fp32Norm`` adapter."""
+    return norm.norm if isinstance(norm, Fp32Norm) else norm
 
 
 def _moved(move: Movement, facts, x):

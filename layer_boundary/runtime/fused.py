@@ -10,9 +10,10 @@ What a loader receives: ``models/loader.load_weights`` hands a parameter's ``wei
 the checkpoint tensor filed under the parameter's name, always the whole, unsharded tensor:
 a ``CheckpointSlice`` (its shape and dtype from the safetensors header, its rows read on
 demand; ``shards.py``) where the loader declares ``reads_slices``, as these do, else a plain
-tensor already cast to the parameter's dtype (a hand-built module, a test). The loaders here
-check the full shape first, then read with ``shards.take`` only the rows this rank keeps: one
-contiguous run of rows per block, or one run for all of a rank's interleaved heads.
+tensor already cast to the parameter's dtype (``iter_weights(lazy=False)``, a test). The
+loaders here check the full shape first, then read with ``shards.take`` only the rows this
+rank keeps: one contiguous run of rows per block, or one run for all of a rank's interleaved
+heads.
 
 A loader is installed with ``use_loader(linear, loader)``: on the linear's weight and bias,
 and on the linear itself, so what loads through ``linear.weight_loader`` (a LoRA adapter's B,

@@ -1,0 +1,152 @@
+"""Phi-3 (``Phi3ForCausalLM``) with layer boundaries: Llama's pre-norm decoder (RMSNorm, GQA,
+a SiLU-gated MLP) whose checkpoint fuses the projections, following transformers'
+``modeling_phi3``:
+
+* ``self_attn.qkv_proj.weight`` is [q; k; v] rows ([heads + 2 * kv_heads] * head_dim, no
+  bias) and ``mlp.gate_up_proj.weight`` is [gate; up] rows (2 * intermediate, no bias); each
+  loads into the merged linear of its name, a rank reading only its rows of each block
+  (``runtime/fused.py``). The MLP is ``down(up * silu(gate))``, gate and up the two halves of
+  ``gate_up_proj``'s output.
+* the rotary embedding turns the first ``int(head_dim * partial_rotary_factor)`` dims of
+  each head (rotate-half over them; the factor from the rope dict, else the top level, else
+  1); the default rope type only: ``longrope`` (and its legacy names ``su``/``yarn``) picks
+  its short or long factors by the sequence's length and is refused by name.
+* ``sliding_window`` (null: none) masks as transformers' sliding-window causal mask does: a
+  query at position q sees keys q - sliding_window + 1 .. q. Every layer slides, on the
+  positional cache (``GqaAttention(window=)``).
+* a rope dict in ``rope_scaling`` wins over ``rope_parameters``, as Phi-3's config reads it;
+  ``rms_norm_eps`` defaults to 1e-5; the dropouts (``resid_pdrop``, ``embd_pdrop``,
+  ``attention_dropout``) are identities in eval and are not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import nn
+
+from .. import declare_attn, declare_ffn
+from ..runtime.args import BoundaryRuntime
+from ..runtime.fused import load_fused_blocks, use_loader
+from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
+from .config import (DECODER, POSITIVE_INT, POSITIVE_NUMBER, CheckpointError,
+                     check_unquantized_silu)
+from .layers import DecoderLayer, GqaAttention
+from .llama import LlamaForCausalLM, check_parallel
+from .qwen3 import Qwen3Config
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .rope import inverse_frequencies
+
+# transformers' Phi3Config defaults, for what a config.json leaves out
+DEFAULTS = {"rms_norm_eps": 1e-5}
+
+
+def read_rope(cfg: dict) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) as Phi-3's config reads them; rope types other than
+    default refused by name."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported (default "
+                              "only; longrope switches its factors by sequence length)")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    for field, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+        if not POSITIVE_NUMBER.ok(value):
+            raise CheckpointError(f"config.json {field} must be {POSITIVE_NUMBER.what}, got "
+                                  f"{value!r}")
+    return float(theta), float(partial)
+
+
+@dataclass(frozen=True)
+class Phi3Config(Qwen3Config):
+    """Qwen3's dense fields (no biases, no q/k norm), the rotary's width and the window."""
+
+    rotary_dim: int = 0  # the leading dims of each head that rotate
+    sliding_window: int | None = None
+    model_type: str = "phi3"
+
+    # transformers' Phi-3 has no biases: it reads no attention_bias
+    fields = {**{f: c for f, c in DECODER.items() if f != "attention_bias"},
+              "partial_rotary_factor": POSITIVE_NUMBER, "sliding_window": POSITIVE_INT,
+              "original_max_position_embeddings": POSITIVE_INT}
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> Phi3Config:
+        check_unquantized_silu(cfg)
+        cfg = {**DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+        theta, partial = read_rope(cfg)
+        # the rope is read above; Qwen3's reader sees its plain form
+        dense = Qwen3Config.from_dict({**cfg, "rope_parameters": {"rope_theta": theta},
+                                       "rope_scaling": None, "attention_bias": False}).__dict__
+        dense.pop("model_type")
+        head_dim = dense["head_dim"]
+        rotary_dim = int(head_dim * partial)  # transformers' int(), so the same dims rotate
+        if partial > 1 or rotary_dim < 2 or rotary_dim % 2:
+            raise CheckpointError(f"config.json partial_rotary_factor={partial!r} rotates "
+                                  f"{rotary_dim} of head_dim={head_dim} dims; an even count "
+                                  "from 2 to head_dim is supported")
+        return cls(**dense, rotary_dim=rotary_dim, sliding_window=cfg.get("sliding_window"))
+
+
+class Phi3MLP(nn.Module):
+    """``down(up * silu(gate))`` with gate and up in one column-parallel ``gate_up_proj``:
+    on each rank its gate rows then its up rows (loaded from the fused tensor), so the two
+    halves of its output are this rank's gate and up."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, runtime: BoundaryRuntime,
+                 dtype) -> None:
+        super().__init__()
+        group = runtime.parallel.tp_group
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * intermediate_size, group,
+                                                 dtype=dtype, name="gate_up_proj")
+        use_loader(self.gate_up_proj, load_fused_blocks(
+            self.gate_up_proj, (intermediate_size, intermediate_size), (0, 1),
+            name="mlp.gate_up_proj"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, group, dtype=dtype,
+                                           name="down_proj")
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2 * I/tp] -> 2 x [T, I/tp]
+        return self.down_proj(up * F.silu(gate))
+
+
+class Phi3DecoderLayer(DecoderLayer):
+    """GQA (fused q/k/v, partial rotary, the sliding window; PARTIAL: ``o_proj`` never
+    reduces, the boundary owns the attention-TP sum), then the fused gated MLP over TP."""
+
+    def __init__(self, cfg: Phi3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = GqaAttention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            layer_id, runtime, dtype, window=cfg.sliding_window,
+            inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
+            rotary_dim=cfg.rotary_dim)
+        qkv = self.self_attn.qkv_proj
+        q_rows = cfg.num_attention_heads * cfg.head_dim
+        kv_rows = cfg.num_key_value_heads * cfg.head_dim
+        use_loader(qkv, load_fused_blocks(qkv, (q_rows, kv_rows, kv_rows), ("q", "k", "v"),
+                                          name="self_attn.qkv_proj"))
+        self.mlp = Phi3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        # the attention's and the MLP's linears move the rows in a sequence-parallel batch
+        return declare_attn(sequence_parallel=True), declare_ffn(sequence_parallel=True)
+
+
+@register_model("phi3", Phi3Config, architectures=("Phi3ForCausalLM",),
+                boundary_reduction="rs+rsv", positional_cache=True,
+                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: Llama's skeleton and head with the fused checkpoint tensors loaded as they are
+    (nothing stacked at load), the window on a positional cache."""
+
+    layer_cls = Phi3DecoderLayer
+
+    def stacked_params(self) -> list:
+        return []
