@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
     from .output import HandoffOutput, OutputTransform
     from .residual import StageRead, StageUpdate
     from .residual.post_norm import PostNormAdd
+    from .residual.scaled import ScaledAdd
     from .residual.stream import OwedOutput, ResidualStream
     from .stage import StageBoundary, boundary_guard_filter, stage_boundaries
     from .stack import LayerStack, append_stages, layer_stack
@@ -51,6 +52,7 @@ _EXPORTS = {
     'StageRead': '.residual',
     'StageUpdate': '.residual',
     'PostNormAdd': '.residual.post_norm',
+    'ScaledAdd': '.residual.scaled',
     'OwedOutput': '.residual.stream',
     'ResidualStream': '.residual.stream',
     'StageBoundary': '.stage',
@@ -76,7 +78,7 @@ __all__ = [
     "BatchVariant", "FfnExit", "HandoffOutput", "OutputTransform", "Layout", "MixerExit", "Owed",
     "OwedOutput",
     "ProducerReduction", "ResidualStream", "StageBoundary", "StageDeclaration", "StageKind",
-    "StageRead", "StageUpdate", "PostNormAdd",
+    "StageRead", "StageUpdate", "PostNormAdd", "ScaledAdd",
     "SumGroup", "TokenAxis", "declare_attn", "declare_ffn", "make_attn_stage",
     "make_ffn_stage", "make_stages", "install_fusion", "boundary_guard_filter",
     "stage_boundaries",

@@ -25,7 +25,7 @@ LEVELS = {
     "capabilities": 0,  # the one table of combination rules: the runtime asks it too
     "layout": 1, "contracts": 1, "ops": 1, "row_facts": 1, "primitives": 1,
     "output": 2, "residual": 2, "fusions": 2,
-    "exit": 3, "prepare": 3, "boundary": 3, "construction": 3, "step": 3,
+    "exit": 3, "prepare": 3, "boundary": 3, "construction": 3, "step": 3, "parallel_block": 3,
     "stage": 4, "capture": 4, "stack": 4, "factories": 4, "adapters": 4,
     "": 5,  # the package root: the public surface
     "models": 6,
@@ -33,7 +33,7 @@ LEVELS = {
     "__main__": 8,  # ``python -m layer_boundary``: the engine's command line
 }
 MODEL_SURFACE = ("", "runtime", "residual", "residual.batch", "residual.mhc", "residual.quant",
-                 "models", "capabilities")
+                 "residual.scaled", "residual.short_conv", "models", "capabilities")
 
 
 def level(module: str) -> int:

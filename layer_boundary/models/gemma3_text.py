@@ -178,14 +178,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     layer_cls = Gemma3DecoderLayer
 
+    @staticmethod
+    def final_norm(cfg, dtype) -> torch.nn.Module:
+        return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
     def __init__(self, cfg: Gemma3TextConfig, runtime, dtype=torch.float32, fusions=None):
         super().__init__(cfg, runtime, dtype, fusions)
         if self.stage.first:
             self.model.embed_tokens = rebuilt_as(
                 self.model.embed_tokens, ScaledEmbedding,
                 scale=embedding_scale(cfg.hidden_size, self.dtype))
-        if self.stage.last:
-            self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=self.dtype)
-            if cfg.final_logit_softcapping is not None:
-                self.lm_head = rebuilt_as(self.lm_head, ScaledLMHead,
-                                          cap=float(cfg.final_logit_softcapping))
+        if self.stage.last and cfg.final_logit_softcapping is not None:
+            self.lm_head = rebuilt_as(self.lm_head, ScaledLMHead,
+                                      cap=float(cfg.final_logit_softcapping))

@@ -260,10 +260,10 @@ class GptOssForCausalLM(Qwen3ForCausalLM):
 
     layer_cls = GptOssDecoderLayer
 
-    def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
-        super().__init__(cfg, runtime, dtype, fusions)
-        if self.stage.last:  # the final norm as the layers' (fp32 scale)
-            self.model.norm = Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    @staticmethod
+    def final_norm(cfg, dtype) -> torch.nn.Module:
+        return Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)  # the layers'
 
     def stacked_params(self) -> list:
         return super().stacked_params() + fused_expert_params()

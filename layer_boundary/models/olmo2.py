@@ -67,11 +67,10 @@ class PostNormCausalLM(LlamaForCausalLM):
     """Llama's skeleton (stacked q/k/v, a positional cache) with the final norm as the
     post norms compute (fp32 scale)."""
 
-    def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
-        super().__init__(cfg, runtime, dtype, fusions)
-        if self.stage.last:
-            self.model.norm = Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
-                                               dtype=self.dtype)
+
+    @staticmethod
+    def final_norm(cfg, dtype) -> torch.nn.Module:
+        return Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def kv_window(self) -> int | None:
         return None  # positional: sliding layers (OLMo-3) mask their own window

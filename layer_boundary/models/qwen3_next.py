@@ -350,10 +350,10 @@ class Qwen3NextForCausalLM(CausalLM):
 
     layer_cls = Qwen3NextDecoderLayer
 
-    def __init__(self, cfg, runtime, dtype=torch.float32, fusions=None):
-        super().__init__(cfg, runtime, dtype, fusions)
-        if self.stage.last:  # the final norm is zero-centered too
-            self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    @staticmethod
+    def final_norm(cfg, dtype) -> torch.nn.Module:
+        return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)  # zero-centered
 
     def make_kv_cache(self, slots: int, max_len: int) -> HybridCache:
         """This stage's attention layers' k/v and DeltaNet layers' conv windows and recurrent

@@ -37,6 +37,10 @@ class StageUpdate(Protocol):
 
     def apply(self, residual: torch.Tensor | None, contribution: torch.Tensor) -> torch.Tensor: ...
 
+    # Optional, declared on the class (``declared``): ``apply_fp32(residual, contribution)``,
+    # the updated residual in fp32, unrounded; the add+norm read then rounds it once for the
+    # residual and normalises the fp32 sum, as for the plain add (``ScaledAdd``).
+
 
 @runtime_checkable
 class StageRead(Protocol):

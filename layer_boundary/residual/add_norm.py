@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ReadKind, is_plain
+from . import ReadKind, declared, is_plain
 
 # filled once at import and never written again: a memo written during a forward would
 # change what a compiled graph guards on, and recompile it
@@ -58,6 +58,12 @@ class PlainAdd:
 
 
 class AddNormRead:
+    """The norm of the updated residual. A plain add is formed in fp32 here; an update that
+    is not plain is applied, then read, unless it declares ``apply_fp32(residual,
+    contribution)`` (its updated residual in fp32, unrounded: ``ScaledAdd``), which is read
+    as the plain add's sum is (rounded once for the residual, the norm reading it unrounded).
+    """
+
     before_gather = False
     kind = ReadKind.ADD_NORM
 
@@ -68,10 +74,19 @@ class AddNormRead:
         return norm(residual), residual
 
     def update_and_read(self, update, residual, contribution, norm):
+        if update is not PLAIN_ADD and not is_plain(update):
+            # an update that declares its fp32 sum (``ScaledAdd``) is read as the plain add
+            # is: the sum rounded once for the residual, the norm reading it unrounded;
+            # any other is applied (rounded), then read
+            apply_fp32 = declared(update, "apply_fp32")
+            if apply_fp32 is not None:
+                total = apply_fp32(residual, contribution)
+                dtype = (contribution if residual is None else residual).dtype
+                return norm.normalize_fp32(total, dtype), total.to(dtype=dtype)
+            if residual is not None:
+                return self.read(update.apply(residual, contribution), norm)
         if residual is None:
             return norm(contribution), contribution
-        if update is not PLAIN_ADD and not is_plain(update):
-            return self.read(update.apply(residual, contribution), norm)
         dtype = residual.dtype
         if dtype is FP32 and contribution.dtype is FP32:  # the sum is fp32 already: no casts
             total = residual + contribution

@@ -1,0 +1,106 @@
+"""IBM Granite (3.x dense) with layer boundaries: Llama with four constants of the config.
+
+What transformers' ``modeling_granite.py`` adds to Llama, and where it lives here:
+
+* ``embedding_multiplier``: the embedding's output times it (``inputs_embeds *
+  embedding_multiplier``, a Python float on the model-dtype rows: ``head.ScaledEmbedding``);
+* ``attention_multiplier``: the softmax scale itself, in place of ``head_dim ** -0.5``
+  (``GqaAttention(scaling=)``);
+* ``residual_multiplier``: each stage's output scaled before it joins the residual,
+  ``residual + out * residual_multiplier`` (the scaled residual update,
+  ``residual.scaled.ScaledAdd``, declared on both producers of every layer; the plain add
+  where it is 1);
+* ``logits_scaling``: the logits divided by it (``head.ScaledLMHead.divisor``).
+
+Every multiplier defaults to 1, as transformers' ``GraniteConfig`` does. The rest is Llama's:
+GQA with optional biases, the default or llama3 rope, a SwiGLU MLP with an optional bias,
+RMSNorms that round then scale, a head tied or not. GraniteMoE (``granitemoe.py``) is this
+model with its MoE FFN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import declare_attn, declare_ffn
+from ..residual.scaled import scaled_update
+from ..runtime.args import BoundaryRuntime
+from .config import POSITIVE_NUMBER
+from .head import ScaledEmbedding, ScaledLMHead, rebuilt_as
+from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+
+# transformers' GraniteConfig fields beyond Llama's, each defaulting to 1
+MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+               "logits_scaling")
+
+
+@dataclass(frozen=True)
+class GraniteConfig(LlamaConfig):
+    """Llama's fields (``mlp_bias``, the llama3 rope) and Granite's four multipliers."""
+
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    model_type: str = "granite"
+
+    fields = {**LlamaConfig.fields, **dict.fromkeys(MULTIPLIERS, POSITIVE_NUMBER)}
+
+    @classmethod
+    def read(cls, cfg: dict) -> dict:
+        multipliers = {f: float(cfg[f]) if cfg.get(f) is not None else 1.0
+                       for f in MULTIPLIERS}
+        return dict(super().read(cfg), **multipliers)
+
+
+def granite_attention(cfg: GraniteConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
+    """GQA whose softmax scale is ``attention_multiplier`` (PARTIAL: ``o_proj`` never
+    reduces, the boundary owns the attention-TP sum)."""
+    return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                        cfg.head_dim, layer_id, runtime, dtype, bias=cfg.attention_bias,
+                        inv_freq=cfg.inverse_frequencies(), scaling=cfg.attention_multiplier)
+
+
+class GraniteDecoderLayer(DecoderLayer):
+    """Llama's layer (GQA, then the gated MLP over TP) whose two outputs join the residual
+    scaled by ``residual_multiplier``."""
+
+    def __init__(self, cfg: GraniteConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
+                 fusions=None):
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = granite_attention(cfg, layer_id, runtime, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype,
+                            bias=cfg.mlp_bias)
+        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    @classmethod
+    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
+        # the update is a constant of the config: a neighbour's declaration is the same one
+        update = scaled_update(cfg.residual_multiplier)
+        return (declare_attn(sequence_parallel=True, update=update),
+                declare_ffn(sequence_parallel=True, update=update))
+
+
+@register_model("granite", GraniteConfig, architectures=("GraniteForCausalLM",),
+                boundary_reduction="rs+rsv", positional_cache=True,
+                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Llama's skeleton (stacked q/k/v, a positional cache) with Granite's layers, its
+    embedding scaled by ``embedding_multiplier`` and its logits divided by
+    ``logits_scaling``."""
+
+    layer_cls = GraniteDecoderLayer
+
+    def __init__(self, cfg: GraniteConfig, runtime, dtype=torch.float32, fusions=None):
+        super().__init__(cfg, runtime, dtype, fusions)
+        # rebuilt around the very weights, so a tied head stays tied
+        if self.stage.first:
+            self.model.embed_tokens = rebuilt_as(self.model.embed_tokens, ScaledEmbedding,
+                                                 scale=cfg.embedding_multiplier)
+        if self.stage.last:
+            self.lm_head = rebuilt_as(self.lm_head, ScaledLMHead, divisor=cfg.logits_scaling)
