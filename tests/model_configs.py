@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import torch
 from checkpoints import TINY, TINY_MOE
+from cohere_checkpoints import TINY_COHERE, TINY_COHERE2
 from ds4_checkpoints import TINY_DS4
 from ds_checkpoints import TINY_DS
+from gpt_neox_checkpoints import TINY_NEOX
 from exaone4_checkpoints import TINY_EXAONE4
+from granite_checkpoints import TINY_GRANITE, TINY_GRANITEMOE
 from gemma3_checkpoints import LAYER_TYPES, TINY_GEMMA3, WINDOW
 from lc_checkpoints import TINY_LC
 from nh_checkpoints import TINY_NH
 from olmo_checkpoints import OLMO3_WINDOW, TINY_OLMO
+from phi3_checkpoints import TINY_PHI3
 from qwen3_next_checkpoints import TINY_35, TINY_35_MOE, TINY_NEXT
 
 from layer_boundary.models.registry import model_class
@@ -42,6 +46,13 @@ CONFIGS = {
                                              layer_types=LAYER_TYPES)),
     # post norms without input norms; the full layer unroped beside the sliding ones
     "exaone4": ("Exaone4Config", dict(TINY_EXAONE4, sliding_window=WINDOW)),
+    "granite": ("GraniteConfig", TINY_GRANITE),  # scaled residual updates, embedding, logits
+    "granitemoe": ("GraniteMoeConfig", TINY_GRANITEMOE),
+    "phi3": ("Phi3Config", TINY_PHI3),  # fused q/k/v and gate/up, partial rotary, a window
+    # parallel blocks: the attention's partial joins the MLP's sum
+    "cohere": ("CohereConfig", TINY_COHERE),
+    "cohere2": ("Cohere2Config", TINY_COHERE2),
+    "gpt_neox": ("GPTNeoXConfig", TINY_NEOX),
 }
 
 
