@@ -20,6 +20,7 @@ from .exit import ExitPath
 from .layout import Layouts, RowMode, SumGroup, TokenAxis, sum_group
 from .ops import Movement, RowFacts, UnsupportedBoundary, cp_share_sizes, movement_table
 from .prepare import EntryPath
+from .residual import declared
 from .residual.stream import START_FIRST
 
 __all__ = ["StagePlan", "StagePath", "UnsupportedBoundary", "build_plan", "select_mode",
@@ -481,6 +482,7 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
         raise UnsupportedBoundary(f"stage {name}: {exc}") from None
     if declaration.parallel:
         parallel_block.check(name, declaration, variants)
+    _check_token_rows(name, declaration, variants)
     if declaration.dispatches:
         if not runtime.dispatches_moe:
             raise UnsupportedBoundary(
@@ -513,6 +515,20 @@ def build_plan(name: str, declaration, norm, following, runtime, qkv_latent_func
     return StagePlan(name, declaration, paths, runtime, tables)
 
 
+def _check_token_rows(name: str, declaration, variants) -> None:
+    """Refuse a stage whose residual update needs each request's tokens in order
+    (``token_rows``: a short convolution) where a batch gives a rank other rows than its DP
+    rank's own: a CP or sequence-parallel batch (not built for it yet)."""
+    update = declaration.residual.update
+    if not declared(update, "token_rows", False):
+        return
+    others = [v.value for v in variants if v is not BatchVariant.ORDINARY]
+    if others:
+        raise UnsupportedBoundary(f"stage {name}: {update!r} needs each request's tokens in "
+                                  f"order, and the {', '.join(others)} batch variant is not "
+                                  "built for it")
+
+
 def _build_path(name, declaration, norm, following, runtime, variant, mode, table,
                 qkv_latent_func, fusions) -> StagePath:
     """One (variant, mode) path of a stage."""
@@ -536,8 +552,13 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
             prev_exit = bind_exit(prev_output, mode, table, fusions=fusions,
                                   declaration=prev)
         residual = layouts.residual(mode)
+        # an update that needs each request's tokens in order (a short convolution) runs on
+        # this DP rank's own rows whatever the row mode: the producer's output is completed
+        # onto them, and the residual stays there until a later entry moves it back
+        update_rows = (layouts.local if prev is not None and declared(
+            prev.residual.update, "token_rows", False) else residual)
         edge = EdgeDecl(prev_output, stage_input,
-                        layouts.local if prev is None else residual, residual)
+                        layouts.local if prev is None else residual, update_rows)
         entry = bind_entry(name, edge, prev_exit, declaration, norm, mode, table,
                            parallel=runtime.parallel, qkv_latent_func=qkv_latent_func,
                            fusions=fusions,

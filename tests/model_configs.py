@@ -10,6 +10,8 @@ from cohere_checkpoints import TINY_COHERE, TINY_COHERE2
 from ds4_checkpoints import TINY_DS4
 from ds_checkpoints import TINY_DS
 from gpt_neox_checkpoints import TINY_NEOX
+from inkling_checkpoints import LAYERS as INKLING_LAYERS
+from inkling_checkpoints import TINY_INKLING
 from exaone4_checkpoints import TINY_EXAONE4
 from granite_checkpoints import TINY_GRANITE, TINY_GRANITEMOE
 from gemma3_checkpoints import LAYER_TYPES, TINY_GEMMA3, WINDOW
@@ -53,6 +55,8 @@ CONFIGS = {
     "cohere": ("CohereConfig", TINY_COHERE),
     "cohere2": ("Cohere2Config", TINY_COHERE2),
     "gpt_neox": ("GPTNeoXConfig", TINY_NEOX),
+    # short convolutions as residual updates, applied on each DP rank's own rows
+    "inkling_text": ("InklingTextConfig", dict(TINY_INKLING, **INKLING_LAYERS)),
 }
 
 

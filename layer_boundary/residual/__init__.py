@@ -37,7 +37,10 @@ class StageUpdate(Protocol):
 
     def apply(self, residual: torch.Tensor | None, contribution: torch.Tensor) -> torch.Tensor: ...
 
-    # Optional, declared on the class (``declared``): ``apply_fp32(residual, contribution)``,
+    # Optional, declared on the class (``declared``): ``token_rows``: the update needs each DP
+    # rank's complete output on its own token rows, in order (a short convolution), so the
+    # consumer completes it onto the local rows and applies it there in every row mode.
+    # ``apply_fp32(residual, contribution)``,
     # the updated residual in fp32, unrounded; the add+norm read then rounds it once for the
     # residual and normalises the fp32 sum, as for the plain add (``ScaledAdd``).
 

@@ -1,0 +1,207 @@
+"""The short-convolution residual update: ``residual + (y + conv(y))``, where ``y`` is the
+producer's complete output and ``conv`` a causal channelwise (depthwise) convolution along
+each request's tokens (Inkling's ``attn_sconv``/``mlp_sconv``; transformers'
+``InklingShortConvolution``, which keeps its weight and its arithmetic in fp32).
+
+The update is deferred: the consumer completes the producer's sum, convolves it, adds it to
+the residual and reads its input through its own norm. What it supports, declared here and
+nowhere inherited:
+
+- not ``plain``: the convolution mixes a channel over a request's earlier tokens, so it never
+  moves before the producer's sum and no fused add+norm candidate stands in for it;
+- not ``portable``: it holds its layer's weights and its requests' windows, so a declared
+  partial sum may not cross a pipeline cut with it pending (``to_pp`` refuses by name);
+- not per token: it needs each DP rank's complete output on that rank's own token rows, in
+  token order. It declares so (``token_rows``), and the consumer's path is built to complete
+  the producer's output onto those rows (the local rows) and apply the update there in every
+  row mode: under ``rs``/``rsv`` the sum lands on the DP rank's rows (an all-reduce, or a
+  reduce-scatter then a gather), the residual is gathered to them, and the next entry moves
+  it back to its scattered slice; a convolution given other rows raises
+  ``SHORT_CONV_ROWS``;
+- its decode state (each request's last ``kernel - 1`` outputs) lives in the model's cache,
+  ``forward_batch.kv_cache.short_conv`` (a ``ShortConvState``), keyed by the update's name;
+- it reads the forward's requests, so it applies only inside ``running(forward_batch)``: a
+  model runs each layer in that scope, and the last layer of a pipeline stage folds its own
+  update in before it returns (``residual.batch.fold``), since what leaves the stack runs
+  outside the layers (a two-batch-overlap microbatch's final norm runs after the other
+  microbatch's last layer);
+- an empty DP rank has no rows and no requests: nothing to convolve;
+- a snapshot refuses it (``snapshot requires a plain residual update``); a capture sees the
+  residual it leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .add_norm import accumulate_dtype
+
+SHORT_CONV_ROWS = "short convolution needs its original token rows"
+UNBOUND = ("a short-convolution update applies inside its layer's call: run the layer under "
+           "short_conv.running(forward_batch), and fold the pending update in (residual.batch"
+           ".fold) before the last layer of a pipeline stage returns")
+
+
+class _Bound:
+    """The forward batch whose layer runs now (``running``)."""
+
+    batch = None
+
+
+_BOUND = _Bound()
+
+
+@contextlib.contextmanager
+def running(forward_batch):
+    """The scope of one layer's call on ``forward_batch``: the short-convolution updates
+    applied in it read this batch's requests and cache."""
+    previous, _BOUND.batch = _BOUND.batch, forward_batch
+    try:
+        yield forward_batch
+    finally:
+        _BOUND.batch = previous
+
+
+class ShortConvState:
+    """Per request slot and convolution (``key``): its last ``kernel - 1`` inputs, fp32
+    [slots, kernel - 1, channels], zeros until a prompt writes them."""
+
+    def __init__(self, slots: int, channels: dict, kernel: int, device="cpu") -> None:
+        self.kernel = kernel
+        self.windows = {key: torch.zeros((slots, kernel - 1, c), dtype=torch.float32,
+                                         device=device) for key, c in channels.items()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        window = self.windows.get(key)
+        if window is None:
+            raise KeyError(f"the cache holds no short-convolution state for {key}")
+        return window
+
+    def snapshot(self) -> dict:
+        return {key: t.clone() for key, t in self.windows.items()}
+
+    def restore(self, saved: dict) -> None:
+        for key, t in saved.items():
+            self.windows[key].copy_(t)
+
+
+def state_of(forward_batch, key: str) -> torch.Tensor:
+    """Convolution ``key``'s windows in the batch's cache."""
+    store = getattr(forward_batch.kv_cache, "short_conv", None)
+    if store is None:
+        raise RuntimeError(f"{key}: the batch's cache keeps no short-convolution state "
+                           "(kv_cache.short_conv, a ShortConvState)")
+    return store[key]
+
+
+def decode_step(forward_batch) -> bool:
+    """Every request adds one token to a cached prefix: one call convolves them all."""
+    return bool(forward_batch.extend_lens) and all(
+        n == 1 and p > 0 for n, p in zip(forward_batch.extend_lens, forward_batch.prefix_lens))
+
+
+class ShortConv(nn.Module):
+    """``x + conv(x)``: the causal depthwise convolution of ``channels`` channels over each
+    request's tokens, in fp32 (``conv1d.weight`` [channels, 1, kernel], fp32 whatever the
+    model's dtype, as transformers keeps it), the result in ``x``'s dtype."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=torch.float32),
+                                          requires_grad=False)
+
+    def forward(self, x: torch.Tensor, window: torch.Tensor, forward_batch) -> torch.Tensor:
+        """x: [T, C], the batch's requests concatenated in token order; ``window``: the
+        state [slots, kernel - 1, C] each request continues from (where it has a prefix)
+        and leaves its last inputs in."""
+        if x.shape[0] == 0:
+            return x
+        if x.shape[0] != forward_batch.num_tokens:
+            raise ValueError(f"a short convolution got {x.shape[0]} rows; the batch holds "
+                             f"{forward_batch.num_tokens} tokens ({SHORT_CONV_ROWS})")
+        x32 = x.float()
+        if decode_step(forward_batch):
+            conv = self._decode(x32, window, forward_batch)
+        else:
+            conv = torch.cat([self._request(x32[start:end], window, slot, prefix)
+                              for slot, prefix, start, end in _requests(forward_batch)])
+        return (x32 + conv).to(dtype=x.dtype)
+
+    def _taps(self) -> torch.Tensor:
+        return self.conv1d.weight[:, 0]  # [C, kernel]
+
+    def _request(self, x32, window, slot: int, prefix: int) -> torch.Tensor:
+        """One request's rows [n, C] after its cached window (zeros for a fresh prompt)."""
+        keep = self.kernel - 1
+        past = window[slot] if prefix else window.new_zeros(window.shape[1:])
+        inputs = torch.cat((past, x32))  # [kernel - 1 + n, C]
+        window[slot] = inputs[inputs.shape[0] - keep:]
+        # each row's window of kernel inputs, [n, C, kernel]: elementwise products rather
+        # than a depthwise conv1d, whose CPU kernel is far slower at these sizes
+        return (inputs.unfold(0, self.kernel, 1) * self._taps()).sum(-1)
+
+    def _decode(self, x32, window, forward_batch) -> torch.Tensor:
+        """One row per request [R, C], every window moved on by one."""
+        slots = torch.tensor(forward_batch.req_slots, dtype=torch.long, device=x32.device)
+        inputs = torch.cat((window[slots], x32[:, None]), dim=1)  # [R, kernel, C]
+        window[slots] = inputs[:, 1:]
+        return (inputs.transpose(1, 2) * self._taps()).sum(-1)
+
+
+def _requests(forward_batch):
+    """(slot, prefix length, first row, end row) of each request, in row order."""
+    start = 0
+    for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
+                               forward_batch.extend_lens):
+        yield slot, prefix, start, start + n
+        start += n
+
+
+class ShortConvUpdate:
+    """``residual + conv(output)`` with the producer's ``ShortConv`` (``conv`` includes the
+    output itself: ``y + conv(y)``).
+
+    Args:
+        conv: the producer's ``ShortConv`` (holding its layer's weights); None for a
+            neighbour's description of the stage (``elsewhere``), which never applies it.
+        name: its key in the cache's ``ShortConvState`` and what errors call it
+            (``layer3.attn_sconv``).
+    """
+
+    plain = False
+    portable = False  # it holds its layer's weights and its requests' windows
+    at_producer = False
+    # the consumer applies it on each DP rank's own token rows, in order, in every row mode
+    # and batch variant (``construction._build_path``: the output completes onto them)
+    token_rows = True
+
+    def __init__(self, conv: ShortConv | None, *, name: str) -> None:
+        self.conv, self.name = conv, name
+
+    @classmethod
+    def of(cls, layer, attr: str, index: int) -> ShortConvUpdate:
+        """Layer ``index``'s convolution ``attr``: the layer's own module, or (``layer``
+        None: a neighbour's declaration) a description that never runs."""
+        name = f"layer{index}.{attr}"
+        return cls(getattr(layer, attr) if layer is not None else None, name=name)
+
+    def apply(self, residual: torch.Tensor | None, contribution: torch.Tensor) -> torch.Tensor:
+        if self.conv is None:
+            raise RuntimeError(f"{self.name} holds another rank's weights: this short-"
+                               "convolution update only describes a neighbour's stage")
+        forward_batch = _BOUND.batch
+        if forward_batch is None:
+            raise RuntimeError(f"{self.name}: {UNBOUND}")
+        out = self.conv(contribution, state_of(forward_batch, self.name), forward_batch)
+        if residual is None:
+            return out
+        acc = accumulate_dtype(residual.dtype)
+        return (residual.to(dtype=acc) + out.to(dtype=acc)).to(dtype=residual.dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"

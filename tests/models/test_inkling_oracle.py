@@ -1,0 +1,63 @@
+"""Inkling's text model (``models/inkling.py``: short convolutions as residual updates and on
+k/v, relative-bias attention on sliding and full layers, dense and MoE layers with shared
+experts) at world 1 against transformers (fp32, eager): prefill logits at every position and
+KV-cache decode steps within 1e-5, a window and a relative extent shorter than the prompts;
+a second config with log-scaled full layers, one kv head, a 3-tap kernel and every layer a
+MoE. Refusals named: config fields it does not compute, and a runtime whose residual would
+leave the token rows its convolutions need."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import hf_oracle, with_config
+from inkling_checkpoints import hf_inkling
+from oracle import assert_decode_matches, assert_prefill_matches, world1
+
+from layer_boundary.models import load_config, load_model
+from layer_boundary.models.config import CheckpointError
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [7, 8, 9], [50, 3, 17, 33, 2, 61, 33, 12, 5]]
+STEPS = 4
+
+VARIANTS = {
+    "window-dense-moe": {},
+    "log-scaling-mqa-k3-all-moe": dict(
+        seed=1, log_scaling_n_floor=2, log_scaling_alpha=0.5, num_key_value_heads=1,
+        swa_num_key_value_heads=1, head_dim=16, conv_kernel_size=3, local_layer_ids=[1, 2],
+        mlp_layer_types=["sparse"] * 4),
+}
+
+
+@pytest.fixture(scope="module")
+def inkling_dir(tmp_path_factory):
+    return hf_inkling(tmp_path_factory.mktemp("inkling") / "inkling")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_world1_matches_transformers(tmp_path, inkling_dir, variant):
+    path = inkling_dir if not VARIANTS[variant] else hf_inkling(tmp_path / variant,
+                                                                **VARIANTS[variant])
+    ours, ref = load_model(path, world1()), hf_oracle("InklingForCausalLM", path)
+    assert_prefill_matches(ours, ref, PROMPTS)
+    assert_decode_matches(ours, ref, PROMPTS, STEPS)
+
+
+def test_the_config_reads_each_layers_kind(inkling_dir):
+    cfg = load_config(inkling_dir)
+    assert cfg.sliding == (True, False, True, False)
+    assert cfg.sparse == (False, True, False, True)
+    assert cfg.full_heads == (4, 2, 8) and cfg.sliding_heads == (4, 4, 8)
+    assert (cfg.sliding_window_size, cfg.rel_extent, cfg.conv_kernel_size) == (3, 5, 4)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"unpadded_vocab_size": 60}, "unpadded_vocab_size=60 below vocab_size=64"),
+    ({"shared_expert_sink": False}, "shared_expert_sink=false is not supported"),
+    ({"layer_types": ["hybrid"] * 3}, "layer_types must list num_hidden_layers=4"),
+    ({"mlp_layer_types": ["moe"] * 4}, "mlp_layer_types must list"),
+    ({"d_rel": "4"}, "field d_rel must be a positive integer"),
+])
+def test_a_config_it_cannot_run_is_refused_by_name(tmp_path, inkling_dir, fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_config(with_config(inkling_dir, tmp_path / "bad", **fields))
