@@ -19,6 +19,9 @@ def plan_rows(model, mode: RowMode = RowMode.AR, variant=None) -> list[dict]:
         ends_branch = source is not None and (i + 1 == len(boundaries)
                                               or boundaries[i + 1].branch_source is not source)
         if ends_branch:  # the branch's way back into the stack
+            # its owed sum is completed by branch_output(), not by the next input
+            row = rows[-1]
+            row["exit"] = row["exit"].replace("left to the next input", "left to branch_output")
             origin = next(b for b in boundaries if b.declaration is source)
             rows.append(describe_merge(origin, boundary, mode))
     return rows

@@ -157,3 +157,7 @@ def test_plan_shows_both_branches_and_the_merge(tmp_path, capsys, restore_logger
                   "--boundary-reduction", "ar", "--tokens", "5,0", "--json"], capsys)
     stages = {s["stage"]: s for s in json.loads(out)["stages"]}
     assert stages["layer1.branch.ffn1.merge"]["entry"].endswith("added to layer1.ffn's output")
+    # the branch's last FFN leaves its sum to branch_output, which completes it (not the
+    # next input, which takes the merged output)
+    assert stages["layer0.branch.ffn1"]["exit"] == "tp sum left to branch_output (all-reduce)"
+    assert "next input" not in stages["layer0.branch.ffn1"]["exit"]
