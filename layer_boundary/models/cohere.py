@@ -23,7 +23,7 @@ from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import LayerNorm
 from .config import (BOOL, DECODER, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
-                     check_unquantized_silu, require, required)
+                     check_unquantized_silu, default_rope, require, required)
 from .head import ScaledLMHead, rebuilt_as
 from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .llama import LlamaForCausalLM, check_parallel
@@ -66,11 +66,7 @@ class CohereConfig(CheckedConfig):
         if cfg.get("use_qk_norm"):
             raise CheckpointError("config.json use_qk_norm=true is not supported (Command-R+'s "
                                   "per-head q/k LayerNorm)")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
-                                  "(default only)")
+        rope = default_rope(cfg)
         heads = require(cfg, "num_attention_heads")
         return dict(
             **required(cfg, "vocab_size", "hidden_size", "intermediate_size",

@@ -190,6 +190,17 @@ def quantized_read(cfg, layer: int, modules: tuple[str, ...]):
     return QuantizedRead(block[1])
 
 
+def default_rope(cfg: dict) -> dict:
+    """The rope dict of a config.json (``rope_parameters``, else the legacy ``rope_scaling``;
+    empty: neither), refused by name unless its type is the default one."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
+                              "(default only)")
+    return rope
+
+
 def check_unquantized_silu(cfg: dict) -> None:
     """Reject a quantized config.json or one whose ``hidden_act`` is not silu."""
     if cfg.get("quantization_config"):

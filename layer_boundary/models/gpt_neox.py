@@ -32,7 +32,7 @@ from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import LayerNorm
 from .base import CausalLM
 from .config import (BOOL, DECODER, OBJECT, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
-                     require, required)
+                     default_rope, require, required)
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GqaAttention
 from .qwen3 import check_tp
@@ -82,11 +82,7 @@ class GPTNeoXConfig(CheckedConfig):
         if act not in GELUS:
             raise CheckpointError(f"config.json hidden_act {act!r} is not supported "
                                   f"({', '.join(GELUS)} only)")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
-                                  "(default only)")
+        rope = default_rope(cfg)
         heads, hidden = require(cfg, "num_attention_heads"), require(cfg, "hidden_size")
         if hidden % heads:
             raise CheckpointError(f"config.json hidden_size={hidden} is not divisible by "

@@ -13,8 +13,8 @@ from .base import CausalLM
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .rope import inverse_frequencies
-from .config import (DECODER, CheckedConfig, CheckpointError, fp8_quantization, quantized_read,
-                     require, required)
+from .config import (DECODER, CheckedConfig, CheckpointError, default_rope, fp8_quantization,
+                     quantized_read, require, required)
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
 
@@ -41,11 +41,7 @@ class Qwen3Config(CheckedConfig):
 
     @classmethod
     def from_dict(cls, cfg: dict) -> Qwen3Config:
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
-                                  "(default only)")
+        rope = default_rope(cfg)
         if cfg.get("use_sliding_window"):
             raise CheckpointError("config.json use_sliding_window=true is not supported")
         heads = require(cfg, "num_attention_heads")

@@ -92,6 +92,20 @@ def run_matching_world1(spec: RunSpec, mode: str) -> list:
     return results
 
 
+ONE_SUM_A_LAYER = [("all_reduce", "embed"), ("all_reduce", "layer1.attn.prepare"),
+                   ("all_reduce", "layer2.attn.prepare"), ("all_reduce", "final_norm")]
+
+
+def assert_one_all_reduce_a_layer(spec: RunSpec) -> None:
+    """A 3-layer parallel-block model (Cohere, GPT-NeoX) at tp 2 under ar matches world 1,
+    and its prefill runs one all-reduce a layer (each attention's partial joins its MLP's
+    sum; the next layer's input or the final norm completes both) plus the embedding's."""
+    results = run_matching_world1(spec, "ar")
+    sums = [(e.kind, e.site) for e in results[0].ledger if e.step == 0
+            and e.kind in ("all_reduce", "reduce_scatter")]
+    assert sums == ONE_SUM_A_LAYER, sums
+
+
 @contextlib.contextmanager
 def package_logger_kept():
     """``main()`` points the package logger at the current stdout; put its handlers,
