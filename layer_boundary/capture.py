@@ -37,13 +37,13 @@ def prepare_capturing(stage, hidden_states, forward_batch, capture_output,
                       captured_last_layer_outputs, post_residual_addition):
     """``stage.prepare(hidden_states, forward_batch, ...)`` with its capture arguments (see
     ``StageBoundary.prepare``)."""
-    if not stage._is_attn:
+    if not stage.is_attention:
         for name, value in (("capture_output", capture_output),
                             ("captured_last_layer_outputs", captured_last_layer_outputs),
                             ("post_residual_addition", post_residual_addition)):
             if value is not None:
                 raise TypeError(f"FFN prepare() does not accept {name}")
-    stream, step, facts = stage._turn(hidden_states, forward_batch)
+    stream, step, facts = stage.turn(hidden_states, forward_batch)
     entry = step.entry
     extra = post_residual_addition
     if extra is not None:
@@ -55,7 +55,7 @@ def prepare_capturing(stage, hidden_states, forward_batch, capture_output,
         observer.enter(stage.sites.prepare)
     captured = False
     if stream.handle is None:  # an initial stream: the input, before enter
-        if isinstance(hidden_states, OwedOutput):  # pragma: no cover - _turn refused it
+        if isinstance(hidden_states, OwedOutput):  # pragma: no cover - turn() refused it
             raise RuntimeError(NOT_OURS)
         if capture_output is not None:
             capture_output(hidden_states, owned=False)
@@ -81,7 +81,7 @@ def prepare_capturing(stage, hidden_states, forward_batch, capture_output,
         keep(captured_last_layer_outputs,
              visible(entry.read, entry.input_move.move(facts, stream.residual)),
              entry.input_move.allocates)
-    stream.stage, stream.step, stream.prepared_input = stage, step, compute_input
+    stream.begin(stage, step, compute_input)
     if observer is not None:
         observer.boundary(stage.sites.prepare, stream, facts)
         observer.enter(stage.sites.compute)

@@ -141,7 +141,7 @@ class StageExit:
         self._facts, self._adapter_rows = facts, adapter_rows
         self._decision = self._previous = None
         self._state = ExitState.NEW
-        stream.handle = self
+        stream.hold(self)
 
     def __enter__(self):
         if self._state is not ExitState.NEW:

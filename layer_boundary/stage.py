@@ -19,7 +19,7 @@ from .residual import batch as residual_batch
 from .residual.add_norm import Fp32Norm
 from .residual.stream import COMPUTING, NOT_OURS, START_FIRST, OwedOutput, Turn, stream_of
 from .runtime.args import get_runtime
-from .runtime.context import FORWARD_STATE, NO_ADAPTERS
+from .runtime.context import NO_ADAPTERS, close_scope, open_scope
 from .runtime.ledger import HOOK, active_observer
 from .step import Sites, StageStep
 
@@ -82,7 +82,7 @@ class StageBoundary:
         self._steps: dict = {}
         self._entry_steps: dict = {}
         self._is_partial = declaration.reduction is ProducerReduction.PARTIAL
-        self._is_attn = declaration.kind is StageKind.ATTN
+        self.is_attention = declaration.kind is StageKind.ATTN  # an attention (or mixer) stage
         self._branch_entry = declaration.prepared_from is not None
         self._exit_cls = (FfnExit if declaration.kind is StageKind.FFN
                           else AttnExit if self._is_partial else MixerExit)
@@ -109,7 +109,7 @@ class StageBoundary:
 
     # -- selecting the turn
 
-    def _turn(self, hidden_states, forward_batch: ForwardBatch):
+    def turn(self, hidden_states, forward_batch: ForwardBatch):
         """(stream, step, row facts) of this stage's entry, after the checks every entry
         makes. This batch's own stream handed exactly the object the last call returned,
         nothing in flight, rows placed for these counts by this stage's runtime: identity
@@ -159,7 +159,7 @@ class StageBoundary:
         step = stream.step
         if step is None:  # a branch's entry: branch_input prepared it
             step, facts = self._select(forward_batch)
-            stream.step = step
+            stream.bind_step(step)
             return stream, step, facts
         return stream, step, forward_batch.boundary.facts
 
@@ -190,12 +190,12 @@ class StageBoundary:
 
             return prepare_capturing(self, hidden_states, forward_batch, capture_output,
                                      captured_last_layer_outputs, post_residual_addition)
-        stream, step, facts = self._turn(hidden_states, forward_batch)
+        stream, step, facts = self.turn(hidden_states, forward_batch)
         observer = active_observer() if HOOK.observer is not None else None
         if observer is not None:
             observer.enter(self.sites.prepare)
         x = step.entry.enter(stream, hidden_states, facts)
-        stream.stage, stream.step, stream.prepared_input = self, step, x
+        stream.begin(self, step, x)
         if observer is not None:
             observer.boundary(self.sites.prepare, stream, facts)
             observer.enter(self.sites.compute)
@@ -257,7 +257,7 @@ class StageBoundary:
 
         Returns what the model passes on, as ``finish()`` does.
         """
-        stream, step, facts = self._turn(hidden_states, forward_batch)
+        stream, step, facts = self.turn(hidden_states, forward_batch)
         scope = step.scope
         if scope is None or HOOK.observer is not None or not forward_batch.boundary.plain:
             # the exit object's way: a per-batch choice, scattered rows, adapters, overlap,
@@ -267,19 +267,14 @@ class StageBoundary:
                 out = compute(*leading, x, forward_batch)
             return output.finish(out)
         x = step.entry.enter(stream, hidden_states, facts)
-        stream.stage, stream.step, stream.prepared_input = self, step, x
-        # the step's prebuilt scope, swapped in and out here (``runtime.context.open_scope``
-        # and ``close_scope`` for an exit object): two calls per stage measured about a point
-        # of the eager decode overhead (benchmarks/suite.py)
-        state = FORWARD_STATE
-        previous, state.scope = state.scope, scope
-        state.open_scopes += 1
-        stream.handle = COMPUTING
+        stream.begin(self, step, x)
+        # the step's prebuilt scope: no exit object, the same two calls
+        previous = open_scope(scope)
+        stream.hold(COMPUTING)
         try:
             out = compute(*leading, x, forward_batch)
         finally:
-            state.scope = previous
-            state.open_scopes -= 1
+            close_scope(previous)
         return step.publish(stream, out, step.fixed, facts, forward_batch)
 
     def _adapter_rows(self, forward_batch: ForwardBatch):
@@ -305,7 +300,7 @@ class StageBoundary:
 
         Returns what the model passes on.
         """
-        if self._is_attn:
+        if self.is_attention:
             raise RuntimeError(f"postprocess() is for FFN stages; stage {self.name} publishes "
                                "with finish() or exit()")
         stream, step, facts = self._turn_taken(forward_batch, "postprocess()")
@@ -403,11 +398,9 @@ class StageBoundary:
                     f"stage {self.name}: the {name} from the previous pipeline stage has "
                     f"{tensors[name].shape[0]} rows; this rank holds {facts.count(layout)} on "
                     f"{layout} in this batch")
-        stream.residual, stream.residual_rows = tensors["residual"], entry.residual_src
-        stream.made_by = update
+        handle = stream.rebuild(tensors["residual"], entry.residual_src, update)
         if entry.declared is None:
-            stream.handle = OwedOutput(stream)  # opaque: the residual is on the stream's rows
-            return stream.handle
+            return handle  # opaque: the residual is on the stream's rows
         return stream.leave(tensors["partial"], entry.declared.owed, update,
                             entry.declared.rows, declared=True)
 

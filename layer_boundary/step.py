@@ -23,7 +23,7 @@ from .exit import ExitDecision
 from .output import HandoffOutput, TransformedHandoff
 from .residual.access import start_completion
 from .residual.batch import fold_stream
-from .runtime.context import NO_ADAPTERS, SequenceParallelScope
+from .runtime.context import NO_ADAPTERS, Scope, SequenceParallelScope
 from .runtime.ledger import HOOK, active_observer
 
 Tensor = torch.Tensor  # a module global: ``torch.Tensor`` is a lookup in torch's large namespace
@@ -68,7 +68,7 @@ class StageStep:
         self.joins = declaration.parallel  # the attention's partial joins this output's sum
         self.fixed = None if out.choices else out.default
         self.scope = (None if self.fixed is None or self.fixed.flags.sequence_parallel
-                      is not None else (self.fixed.flags, None, NO_ADAPTERS))
+                      is not None else Scope(self.fixed.flags, None, NO_ADAPTERS))
 
     def decide(self, forward_batch) -> ExitDecision:
         """The decision this exit takes for ``forward_batch``."""
@@ -76,13 +76,13 @@ class StageStep:
         return fixed if fixed is not None else self.exit.select(forward_batch)
 
     @staticmethod
-    def scope_of(decision: ExitDecision, facts, adapter_rows) -> tuple:
+    def scope_of(decision: ExitDecision, facts, adapter_rows) -> Scope:
         """What compute sees inside ``decision``'s scope: its flags, the sequence-parallel
         movements on this forward's rows (or None), each compute row's adapter slot."""
         flags = decision.flags
         moves = flags.sequence_parallel
-        return (flags, None if moves is None else SequenceParallelScope(moves, facts),
-                adapter_rows)
+        return Scope(flags, None if moves is None else SequenceParallelScope(moves, facts),
+                     adapter_rows)
 
     def check_output(self, stream, value, decision: ExitDecision) -> None:
         """What compute returned, refused by name where it cannot be published (before

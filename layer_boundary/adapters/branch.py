@@ -28,7 +28,7 @@ from __future__ import annotations
 from ..exit import StageExit
 from ..residual import is_plain
 from ..residual.access import complete_onto, local_rows
-from ..residual.stream import ResidualStream, Turn, stream_of
+from ..residual.stream import Turn, stream_of
 from ..runtime.ledger import active_observer
 from ..stage import StageBoundary
 
@@ -63,13 +63,8 @@ def branch_input(source: StageBoundary, hidden_states, forward_batch):
     if observer is not None:  # the input's movement is the entry stage's, not the source's
         observer.enter(entry.sites.prepare)
     x = path.branch_in.move(facts, hidden_states) if path.branch_in.moves else hidden_states
-    branch = ResidualStream(parent=stream)
-    branch.owner = stream.owner  # installed on the same forward batch
-    branch.residual, branch.residual_rows = stream.residual, stream.residual_rows
-    branch.made_by = stream.made_by
     # the entry's turn: its exit() selects its step
-    branch.handle, branch.stage, branch.prepared_input = Turn.PREPARED, entry, x
-    forward_batch.boundary.stream = branch
+    forward_batch.boundary.stream = stream.fork(entry, x)
     return x
 
 
@@ -88,7 +83,7 @@ def branch_output(hidden_states, forward_batch):
         raise RuntimeError("branch_output() needs the branch's last output; nothing is pending")
     _enter(stream, "branch_output")
     facts = forward_batch.row_facts
-    stream.branch_output = complete_onto(stream, facts, local_rows(facts)).value
+    stream.close_branch(complete_onto(stream, facts, local_rows(facts)).value)
     return stream.branch_output
 
 
@@ -121,7 +116,7 @@ def merge_branch(source_output, branch_output_, forward_batch):
         value = value + facts.movement(None, b.rows, s.rows).move(facts, b.value)
     else:  # one rank adds it before the sum the source still owes
         value = facts.add_on_one_rank(value, s.rows, b.value)
-    main.residual, main.residual_rows = branch.residual, branch.residual_rows
+    main.rejoin(branch)
     forward_batch.boundary.stream = main
     return main.leave(value, s.owed, s.update, s.rows, declared=s.declared)
 

@@ -35,7 +35,7 @@ def complete_onto(stream: ResidualStream, facts, target: Layout) -> Contribution
     pending and the completed value becomes the handle."""
     c = stream.contribution
     if c.owed is None and not c.handoff and c.rows == target:
-        stream.handle = c.value  # already complete there (an opaque handle may have stood in)
+        stream.expose(c.value)  # already complete there
         return c
     declared = c.completed_declared or (c.declared and c.owed is not None)
     stream.leave(completed(c, facts, target), None, c.update, target,
@@ -57,5 +57,4 @@ def start_completion(stream: ResidualStream, facts) -> None:
     microbatch computes meanwhile (two-batch overlap). The handle stays opaque."""
     with issuing_async() as issued:
         complete_onto(stream, facts, stream.residual_rows or local_rows(facts))
-    stream.pending = issued or None
-    stream.handle = OwedOutput(stream)
+    stream.issue(issued)

@@ -177,7 +177,7 @@ class ShortConvUpdate:
     portable = False  # it holds its layer's weights and its requests' windows
     at_producer = False
     # the consumer applies it on each DP rank's own token rows, in order, in every row mode
-    # and batch variant (``construction._build_path``: the output completes onto them)
+    # and batch variant (its consumer's path is built to complete the output onto them)
     token_rows = True
 
     def __init__(self, conv: ShortConv | None, *, name: str) -> None:

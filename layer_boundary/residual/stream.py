@@ -202,6 +202,59 @@ class ResidualStream:
         self.residual, self.residual_rows = residual, rows
         self.contribution, self.handle = None, handle
 
+    # -- the turn's transitions: the one place the stream's slots are written
+
+    def begin(self, stage, step, compute_input) -> None:
+        """``stage`` holds the turn: its prepare (on bound ``step``; None for a branch's entry,
+        which selects its own) returned ``compute_input``."""
+        self.stage, self.step, self.prepared_input = stage, step, compute_input
+
+    def bind_step(self, step) -> None:
+        """A branch's entry chose its step at its exit (its prepare was ``branch_input``)."""
+        self.step = step
+
+    def hold(self, holder) -> None:
+        """Something other than a layer output holds the turn: an exit object while its scope
+        is open, or ``Turn.COMPUTING`` while ``StageBoundary.run`` computes."""
+        self.handle = holder
+
+    def expose(self, value) -> None:
+        """The pending contribution's value, complete where it is, is the handle now (an
+        opaque handle may have stood in for it)."""
+        self.handle = value
+
+    def issue(self, issued: list | None) -> None:
+        """The contribution's collectives were issued asynchronously (two-batch overlap): the
+        next boundary call waits for ``issued``; the handle is opaque meanwhile."""
+        self.pending = issued or None
+        self.handle = OwedOutput(self)
+
+    def rebuild(self, residual: torch.Tensor, rows: Layout, made_by) -> OwedOutput:
+        """A pipeline receiver's stream: the residual the previous stage sent, on ``rows``,
+        made by ``made_by``; nothing pending. Returns the (opaque) handle."""
+        self.residual, self.residual_rows, self.made_by = residual, rows, made_by
+        self.handle = OwedOutput(self)
+        return self.handle
+
+    def fork(self, entry, compute_input) -> ResidualStream:
+        """A branch's stream: this stream's residual (the source's), installed on the same
+        forward batch, with ``entry``'s turn taken and its input ``compute_input``."""
+        branch = ResidualStream(parent=self)
+        branch.owner = self.owner
+        branch.residual, branch.residual_rows = self.residual, self.residual_rows
+        branch.made_by = self.made_by
+        branch.handle = Turn.PREPARED
+        branch.begin(entry, None, compute_input)
+        return branch
+
+    def close_branch(self, value) -> None:
+        """A branch's last output, complete on local rows: what ``merge_branch`` takes."""
+        self.branch_output = value
+
+    def rejoin(self, branch: ResidualStream) -> None:
+        """Back from ``branch``: its residual is this stream's again."""
+        self.residual, self.residual_rows = branch.residual, branch.residual_rows
+
     def set_aside(self) -> Contribution:
         """Hold the pending contribution beside the turn (a parallel block's attention output,
         while its FFN reads the residual): the stream is written again until ``take_beside``."""

@@ -9,6 +9,7 @@ the two movements its linears run, on the forward's row facts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .parallel import Parallel
 
@@ -71,36 +72,57 @@ class SequenceParallelScope:
 NO_FLAGS = ForwardFlags()
 
 
+class _NoAdapters:
+    """The adapter rows of a batch whose rows all run the base model (a sentinel: compared
+    by identity)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NO_ADAPTERS"
+
+
+NO_ADAPTERS = _NoAdapters()
+
+
+class Scope(NamedTuple):
+    """What compute sees inside one exit scope: its flags, its sequence-parallel movements on
+    this forward's rows (None: compute's rows are not scattered), and each compute row's
+    adapter slot (``NO_ADAPTERS``: none runs; None outside any exit scope, where an adapted
+    linear refuses to run)."""
+
+    flags: ForwardFlags
+    sequence_parallel: SequenceParallelScope | None
+    adapter_rows: object
+
+
+OUTSIDE = Scope(NO_FLAGS, None, None)
+
+
 class _ForwardState:
-    """What compute sees now: ``scope``, the innermost open exit's (flags, its
-    sequence-parallel scope or None, its rows' adapter slots), swapped whole on entry and
-    restored on leaving; ``open_scopes``, how many are open."""
+    """What compute sees now: ``scope``, the innermost open exit's ``Scope``, swapped whole
+    on entry and restored on leaving (``open_scope``/``close_scope``, its only writers);
+    ``open_scopes``, how many are open."""
 
     __slots__ = ("scope", "open_scopes")
 
     def __init__(self) -> None:
-        # outside any exit scope: no flags, no scattered rows, and no adapter rows (None:
-        # an adapted linear outside a scope refuses to run; NO_ADAPTERS inside one of a
-        # batch without adapters)
-        self.scope: tuple = OUTSIDE
+        self.scope: Scope = OUTSIDE
         self.open_scopes = 0  # exit scopes entered and not yet left
 
 
-OUTSIDE = (NO_FLAGS, None, None)  # (flags, sequence-parallel scope, adapter rows)
-
-# the scope compute sees now; exit scopes (exit.py, stage.py) swap it on entry and restore it
-# on leaving, on every stage of every forward
+# the scope compute sees now; exit scopes (an exit object, ``StageBoundary.run``) open it on
+# entry and close it on leaving, on every stage of every forward
 FORWARD_STATE = _ForwardState()
 
 
 def get_forward() -> ForwardFlags:
     """Flags of the innermost open exit scope (all False outside one)."""
-    return FORWARD_STATE.scope[0]
+    return FORWARD_STATE.scope.flags
 
 
-def open_scope(scope: tuple) -> tuple:
-    """Enter an exit's compute scope: ``scope`` is (flags, sequence-parallel scope or None,
-    adapter rows); returns the scope it replaces, for ``close_scope``."""
+def open_scope(scope: Scope) -> Scope:
+    """Enter an exit's compute scope; returns the scope it replaces, for ``close_scope``."""
     state = FORWARD_STATE
     previous = state.scope
     state.scope = scope
@@ -108,39 +130,22 @@ def open_scope(scope: tuple) -> tuple:
     return previous
 
 
-def close_scope(previous: tuple) -> None:
+def close_scope(previous: Scope) -> None:
     """Leave an exit's compute scope, restoring what ``open_scope`` returned."""
     state = FORWARD_STATE
     state.scope = previous
     state.open_scopes -= 1
 
 
-def swap_flags(flags: ForwardFlags, opening: bool, scope=None):
-    """Install ``flags`` (and the sequence-parallel ``scope`` they open, or None), keeping the
-    adapter rows, and return the previous pair (``opening``: a scope is entered, else left);
-    what a test's hand-made scope does."""
-    previous = FORWARD_STATE.scope
-    current = (flags, scope, previous[2])
-    if opening:
-        open_scope(current)
-    else:
-        close_scope(current)
-    return previous[0], previous[1]
-
-
-# the adapter rows of a batch whose rows all run the base model
-NO_ADAPTERS = "no adapters"
-
-
 def adapter_rows():
     """The open exit's adapter slot per compute row (-1: the base model), NO_ADAPTERS, or
     None outside any exit scope."""
-    return FORWARD_STATE.scope[2]
+    return FORWARD_STATE.scope.adapter_rows
 
 
 def sequence_parallel_scope() -> SequenceParallelScope | None:
     """The open sequence-parallel exit's movements (None outside one)."""
-    return FORWARD_STATE.scope[1]
+    return FORWARD_STATE.scope.sequence_parallel
 
 
 def open_exit_scopes() -> int:

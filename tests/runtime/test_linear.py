@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed.pool import get_pool
-from layer_boundary.runtime.context import NO_FLAGS, ForwardFlags, get_forward, swap_flags
+from layer_boundary.runtime.context import (NO_FLAGS, OUTSIDE, ForwardFlags, close_scope,
+                                            get_forward, open_scope)
 from layer_boundary.runtime.ledger import LEDGER
 from layer_boundary.runtime.linear import (
     ColumnParallelLinear,
@@ -83,13 +84,14 @@ def _row(weight, bias, x, reduce_results, flags):
         layer.bias.weight_loader(layer.bias, bias)
     k = weight.shape[1] // group.size
     x_local = x[:, group.rank * k:(group.rank + 1) * k]  # input features split contiguously
-    previous = swap_flags(NO_FLAGS if flags is None else flags, opening=True)
+    # a hand-made exit scope: these flags, no scattered rows, no adapters
+    previous = open_scope(OUTSIDE._replace(flags=NO_FLAGS if flags is None else flags))
     try:
         with LEDGER.recording() as entries:
             y = layer(x_local)
     finally:
-        swap_flags(previous[0], False, previous[1])
-    return group.rank, y, _entries(entries), get_forward() is previous[0]
+        close_scope(previous)
+    return group.rank, y, _entries(entries), get_forward() is previous.flags
 
 
 @pytest.mark.parametrize("tp", [2, 4])
