@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..residual.batch import per_forward
 from ..runtime.invariant import BATCH_INVARIANT
 
 CHUNK = 512  # query rows per masked call: the mask and any fallback scores stay O(rows x keys)
@@ -126,7 +125,7 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                 window)
     if cache.window is not None:
         return _ring_attention(cache, layer, q, k, v, forward_batch, scaling, sinks)
-    groups = per_forward(forward_batch, "attention groups", lambda: _groups(forward_batch))
+    groups = forward_batch.per_forward("attention groups", lambda: _groups(forward_batch))
     if len(groups) == 1 and groups[0].contiguous:  # a decode step, equal prompts: no gather
         g = groups[0]
         return _group_attention(cache, layer, g, q.view(len(g.slots), g.rows, *q.shape[1:]),

@@ -6,7 +6,6 @@ import math
 
 import torch
 
-from ..residual.batch import per_forward
 
 
 def inverse_frequencies(theta: float, dim: int) -> torch.Tensor:
@@ -99,7 +98,7 @@ def forward_cos_sin(forward_batch, key: tuple, positions: torch.Tensor, inv_freq
         return positions, cos, sin
 
     slot = ("rope", key, dtype, share is None, full_width) + ((scale,) if scale != 1.0 else ())
-    made_for, cos, sin = per_forward(forward_batch, slot, table)
+    made_for, cos, sin = forward_batch.per_forward(slot, table)
     if made_for is not positions:  # a layer given other positions than the forward's own
         _, cos, sin = table()
     return cos, sin

@@ -56,24 +56,9 @@ def start(forward_batch: ForwardBatch) -> ResidualStream:
 
 
 def per_forward(forward_batch: ForwardBatch, key, compute):
-    """What one forward's layers compute once and share: ``compute()`` on the first call with
-    ``key`` after the stack's entry, the same object on later calls of that forward (a
-    microbatch of two-batch overlap is a forward of its own). Outside a stack (no state on
-    the batch, or a forward that has left it) it is computed on every call.
-
-    Args:
-        forward_batch: the batch the stack runs.
-        key: what names the value (hashable, fixed at construction: never a tensor).
-        compute: makes the value; called with no arguments.
-    """
-    state = forward_batch.boundary
-    if state is None or state.stream is None:
-        return compute()
-    memo = state.memo
-    value = memo.get(key)
-    if value is None:
-        value = memo[key] = compute()
-    return value
+    """``forward_batch.per_forward(key, compute)``: the cache lives on the forward batch (this
+    name stays for engines that call it)."""
+    return forward_batch.per_forward(key, compute)
 
 
 def _checked(hidden_states, forward_batch) -> ResidualStream:

@@ -55,6 +55,7 @@ class BoundaryState(Protocol):
 
     stream: object  # the residual stream between stack entry and exit (None outside)
     facts: object  # the forward's row facts, placed by its first boundary (None before)
+    memo: dict  # what the forward computes once and shares (``ForwardBatch.per_forward``)
 
 
 @dataclass(eq=False)
@@ -142,6 +143,26 @@ class ForwardBatch:
     def rows(self):
         """``row_facts``, by its earlier name (deprecated: ``rows`` names layouts)."""
         return None if self.boundary is None else self.boundary.facts
+
+    def per_forward(self, key, compute):
+        """What one forward's layers compute once and share (the rotary tables of its
+        positions, its attention groups): ``compute()`` on the first call with ``key`` after
+        the stack's entry, the same object on later calls of that forward (a microbatch of
+        two-batch overlap is a forward of its own); computed on every call outside a stack
+        (no boundary state, or a forward that has left it), whose cache is gone with it.
+
+        Args:
+            key: what names the value (hashable, fixed at construction: never a tensor).
+            compute: makes the value; called with no arguments.
+        """
+        state = self.boundary
+        if state is None or state.stream is None:
+            return compute()
+        memo = state.memo
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = compute()
+        return value
 
     @property
     def num_tokens(self) -> int:

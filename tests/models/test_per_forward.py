@@ -63,8 +63,7 @@ def test_each_forward_computes_its_rotary_table_and_groups_once(model, monkeypat
         assert fb.boundary.stream is None and fb.boundary.memo == {}
 
     tables.clear()
-    monkeypatch.setattr(rope, "per_forward", lambda fb, key, compute: compute())
-    monkeypatch.setattr(attention, "per_forward", lambda fb, key, compute: compute())
+    monkeypatch.setattr(ForwardBatch, "per_forward", lambda fb, key, compute: compute())
     own, _ = _forwards(model, two_batch)
     assert len(tables) == LAYERS * forwards  # every layer its own, as before the memo
     for a, b in zip(shared, own):
@@ -120,6 +119,6 @@ def test_partial_and_mla_rotary_is_one_table_per_forward(model_type, monkeypatch
     shared = prefill()
     assert len(tables) == 1
     tables.clear()
-    monkeypatch.setattr(rope, "per_forward", lambda fb, key, compute: compute())
+    monkeypatch.setattr(ForwardBatch, "per_forward", lambda fb, key, compute: compute())
     assert torch.equal(prefill(), shared)
     assert len(tables) > 1  # each attention layer its own (and each of its q and k)
