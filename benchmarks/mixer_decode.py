@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tiny checkpoints
 
-from nh_checkpoints import hf_nemotron_h  # noqa: E402
+from checkpoints.nh import hf_nemotron_h  # noqa: E402
+from checkpoints.qwen3_next import hf_qwen3_next  # noqa: E402
 from oracle import world1  # noqa: E402
-from qwen3_next_checkpoints import hf_qwen3_next  # noqa: E402
 
 from layer_boundary.models import gated_deltanet, load_model, mamba2  # noqa: E402
 from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402

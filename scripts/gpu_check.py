@@ -58,7 +58,7 @@ def guarded(check: str):
 
 def checkpoints(root: Path) -> dict:
     from checkpoints import hf_qwen3, hf_qwen3_moe
-    from qwen3_next_checkpoints import hf_qwen3_next
+    from checkpoints.qwen3_next import hf_qwen3_next
 
     return {"qwen3": hf_qwen3(root / "qwen3"), "qwen3_moe": hf_qwen3_moe(root / "qwen3_moe"),
             "qwen3_5_moe": hf_qwen3_next(root / "qwen3_5_moe", "qwen3_5_moe")}

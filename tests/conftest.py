@@ -4,7 +4,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/checkpoints.py for the rank workers too
+# tests/ on the path whatever pytest's import mode (its default prepends it, importlib mode
+# does not), so the checkpoints package and the test modules import; the rank workers get this
+# sys.path too (distributed/pool.py), to unpickle the test functions they run
+sys.path.insert(0, str(Path(__file__).parent))
 # examples/ (the GPT-2 outside model, the engine loop): importable here and in rank workers
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 os.environ.setdefault("LAYER_BOUNDARY_CACHE", str(Path(__file__).parent.parent / ".cache"))

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import torch
 from checkpoints import TINY, TINY_MOE
-from cohere_checkpoints import TINY_COHERE, TINY_COHERE2
-from ds4_checkpoints import TINY_DS4
-from ds_checkpoints import TINY_DS
-from gpt_neox_checkpoints import TINY_NEOX
-from inkling_checkpoints import LAYERS as INKLING_LAYERS
-from inkling_checkpoints import TINY_INKLING
-from exaone4_checkpoints import TINY_EXAONE4
-from granite_checkpoints import TINY_GRANITE, TINY_GRANITEMOE
-from gemma3_checkpoints import LAYER_TYPES, TINY_GEMMA3, WINDOW
-from lc_checkpoints import TINY_LC
-from nh_checkpoints import TINY_NH
-from olmo_checkpoints import OLMO3_WINDOW, TINY_OLMO
-from phi3_checkpoints import TINY_PHI3
-from qwen3_next_checkpoints import TINY_35, TINY_35_MOE, TINY_NEXT
+from checkpoints.cohere import TINY_COHERE, TINY_COHERE2
+from checkpoints.ds import TINY_DS
+from checkpoints.ds4 import TINY_DS4
+from checkpoints.exaone4 import TINY_EXAONE4
+from checkpoints.gemma3 import LAYER_TYPES, TINY_GEMMA3, WINDOW
+from checkpoints.gpt_neox import TINY_NEOX
+from checkpoints.granite import TINY_GRANITE, TINY_GRANITEMOE
+from checkpoints.inkling import LAYERS as INKLING_LAYERS
+from checkpoints.inkling import TINY_INKLING
+from checkpoints.lc import TINY_LC
+from checkpoints.nh import TINY_NH
+from checkpoints.olmo import OLMO3_WINDOW, TINY_OLMO
+from checkpoints.phi3 import TINY_PHI3
+from checkpoints.qwen3_next import TINY_35, TINY_35_MOE, TINY_NEXT
 
 from layer_boundary.models.registry import model_class
 from layer_boundary.runtime import BoundaryRuntime, ParallelDims

@@ -333,7 +333,7 @@ def test_moe_checkpoint_runs_with_expert_parallelism(qwen3_moe_dir, cache_dir):
 
 @pytest.mark.timeout(300)
 def test_deepseek_v3_checkpoint_runs_with_expert_parallelism(tmp_path_factory, cache_dir):
-    from ds_checkpoints import hf_deepseek_v3
+    from checkpoints.ds import hf_deepseek_v3
 
     path = hf_deepseek_v3(tmp_path_factory.mktemp("ds_cli"))
     proc = _in_process("--model", path, "--tp", 2, "--ep", 2, *PROMPT_ARGS, "--max-new-tokens",

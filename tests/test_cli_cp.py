@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from ds4_checkpoints import hf_deepseek_v4
-from lc_checkpoints import hf_longcat_flash
-from llama_checkpoints import hf_mistral
-from nh_checkpoints import hf_nemotron_h
+from checkpoints.ds4 import hf_deepseek_v4
+from checkpoints.lc import hf_longcat_flash
+from checkpoints.llama import hf_mistral
+from checkpoints.nh import hf_nemotron_h
 
 from distributed.checks import cli_ok
 from layer_boundary.engine.cli import main

@@ -68,7 +68,7 @@ def test_a_text_prompt_on_the_builtin_checkpoint_prints_decoded_text(capsys):
 
 
 def test_a_nemotron_h_plan_labels_its_mamba2_mixers(tmp_path, capsys):
-    from nh_checkpoints import hf_nemotron_h
+    from checkpoints.nh import hf_nemotron_h
 
     path = hf_nemotron_h(tmp_path / "nh")
     kinds = json.loads((path / "config.json").read_text())["layers_block_type"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from ds_checkpoints import hf_deepseek_v3
-from nh_checkpoints import hf_nemotron_h
+from checkpoints.ds import hf_deepseek_v3
+from checkpoints.nh import hf_nemotron_h
 
 from distributed.checks import cli_ok
 from layer_boundary.engine.cli import main

@@ -87,8 +87,8 @@ def dirs(qwen3_dir, qwen3_moe_dir, tmp_path_factory) -> dict[str, str]:
     """One checkpoint per model a pair needs (its FP8 copy too), a one-layer draft of their
     vocabulary, and a LoRA adapter of each (on linears the model shards)."""
     from checkpoints import hf_qwen3
-    from ds_checkpoints import hf_deepseek_v3
-    from fp8_checkpoints import fp8_checkpoint
+    from checkpoints.ds import hf_deepseek_v3
+    from checkpoints.fp8 import fp8_checkpoint
 
     root = tmp_path_factory.mktemp("combinations")
     out = {"qwen3": str(qwen3_dir), "qwen3_moe": str(qwen3_moe_dir),

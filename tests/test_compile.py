@@ -70,7 +70,7 @@ def test_inductor_run_command(qwen3_dir, capsys):
 
 @pytest.fixture(scope="module")
 def deepseek_dir(tmp_path_factory):
-    from ds_checkpoints import hf_deepseek_v3
+    from checkpoints.ds import hf_deepseek_v3
 
     return hf_deepseek_v3(tmp_path_factory.mktemp("ds_compile"))
 

@@ -286,7 +286,7 @@ def test_an_adapter_on_an_absorbed_projection_is_refused_by_name(tmp_path):
     """DeepSeek-V3's MLA absorbs kv_b_proj into its queries and output (its cache holds the
     latent), so that linear never runs: peft can adapt it, this model cannot, and says so
     before attaching anything."""
-    from ds_checkpoints import hf_deepseek_v3
+    from checkpoints.ds import hf_deepseek_v3
 
     from layer_boundary.adapters.lora import LoraError, attach_lora
     from layer_boundary.models import load_model

@@ -8,10 +8,10 @@ import functools
 
 import torch
 from checkpoints import hf_qwen3, hf_qwen3_moe, hf_reference, hf_reference_moe
-from ds4_checkpoints import TINY_DS4, hf_deepseek_v4, hf_deepseek_v4_reference
-from ds_checkpoints import hf_deepseek_v3, hf_deepseek_v3_reference
-from lc_checkpoints import hf_longcat_flash, hf_longcat_flash_reference
-from nh_checkpoints import hf_nemotron_h, hf_nemotron_h_reference
+from checkpoints.ds import hf_deepseek_v3, hf_deepseek_v3_reference
+from checkpoints.ds4 import TINY_DS4, hf_deepseek_v4, hf_deepseek_v4_reference
+from checkpoints.lc import hf_longcat_flash, hf_longcat_flash_reference
+from checkpoints.nh import hf_nemotron_h, hf_nemotron_h_reference
 
 PROMPTS = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (35, 8), (9, 7, 9, 3, 2))
 STEPS = 3

@@ -6,7 +6,7 @@ embedding's."""
 from __future__ import annotations
 
 import pytest
-from cohere_checkpoints import hf_cohere, hf_cohere2
+from checkpoints.cohere import hf_cohere, hf_cohere2
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -7,8 +7,8 @@ rank 0). Prompts of different lengths, one shorter than 2 x cp, and a DP rank wi
 from __future__ import annotations
 
 import pytest
-from ds_checkpoints import hf_deepseek_v3
-from llama_checkpoints import hf_llama
+from checkpoints.ds import hf_deepseek_v3
+from checkpoints.llama import hf_llama
 
 from layer_boundary.models import load_config
 from layer_boundary.ops import cp_share_sizes

@@ -7,7 +7,7 @@ moe_ep x moe_tp, prefill and KV-cache decode."""
 from __future__ import annotations
 
 import pytest
-from deepseek_v2_checkpoints import hf_deepseek_v2
+from checkpoints.deepseek_v2 import hf_deepseek_v2
 
 from .checks import MOE_TOPOLOGIES, run_moe_topology, topology_id
 

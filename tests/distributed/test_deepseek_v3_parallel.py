@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from ds_checkpoints import hf_deepseek_v3
+from checkpoints.ds import hf_deepseek_v3
 
 from layer_boundary.models import load_config
 from layer_boundary.engine.runner import RunSpec, merge, run_rank

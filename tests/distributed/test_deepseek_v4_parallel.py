@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from ds4_checkpoints import TINY_DS4, hf_deepseek_v4
+from checkpoints.ds4 import TINY_DS4, hf_deepseek_v4
 
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 

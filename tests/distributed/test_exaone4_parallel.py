@@ -6,7 +6,7 @@ and KV-cache decode steps."""
 from __future__ import annotations
 
 import pytest
-from exaone4_checkpoints import hf_exaone4
+from checkpoints.exaone4 import hf_exaone4
 
 from layer_boundary.engine.runner import RunSpec
 

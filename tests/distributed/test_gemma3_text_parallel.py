@@ -7,7 +7,7 @@ with a prefill and KV-cache decode steps."""
 from __future__ import annotations
 
 import pytest
-from gemma3_checkpoints import hf_gemma3
+from checkpoints.gemma3 import hf_gemma3
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -7,7 +7,7 @@ over moe_ep x moe_tp, prefill and KV-cache decode."""
 from __future__ import annotations
 
 import pytest
-from glm4_moe_checkpoints import hf_glm4_moe
+from checkpoints.glm4_moe import hf_glm4_moe
 
 from .checks import MOE_TOPOLOGIES, run_moe_topology, topology_id
 

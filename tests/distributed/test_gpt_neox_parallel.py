@@ -5,7 +5,7 @@ all-reduce a layer plus the embedding's."""
 from __future__ import annotations
 
 import pytest
-from gpt_neox_checkpoints import hf_neox
+from checkpoints.gpt_neox import hf_neox
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -8,7 +8,7 @@ decode steps."""
 from __future__ import annotations
 
 import pytest
-from gpt_oss_checkpoints import hf_gpt_oss
+from checkpoints.gpt_oss import hf_gpt_oss
 
 from layer_boundary.engine.runner import RunSpec
 

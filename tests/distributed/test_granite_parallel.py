@@ -7,7 +7,7 @@ The other layouts (pp 2, bf16, CP) are checked from the command line."""
 from __future__ import annotations
 
 import pytest
-from granite_checkpoints import hf_granite, hf_granitemoe
+from checkpoints.granite import hf_granite, hf_granitemoe
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -7,7 +7,7 @@ a pipeline cut (each stage's last layer folds its update in before the cut)."""
 from __future__ import annotations
 
 import pytest
-from inkling_checkpoints import hf_inkling
+from checkpoints.inkling import hf_inkling
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -6,7 +6,7 @@ Mistral's sliding window shorter than the prompts (its ring cache through decode
 from __future__ import annotations
 
 import pytest
-from llama_checkpoints import WINDOW, hf_llama, hf_mistral
+from checkpoints.llama import WINDOW, hf_llama, hf_mistral
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from lc_checkpoints import TINY_LC, hf_longcat_flash
+from checkpoints.lc import TINY_LC, hf_longcat_flash
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -8,7 +8,7 @@ all-to-all MoE, a pipeline cut and a CP batch."""
 from __future__ import annotations
 
 import pytest
-from mixtral_checkpoints import hf_minimax_m2
+from checkpoints.mixtral import hf_minimax_m2
 
 from layer_boundary.engine.runner import RunSpec
 

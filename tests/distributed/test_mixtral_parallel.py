@@ -7,7 +7,7 @@ a CP batch (the window on each share)."""
 from __future__ import annotations
 
 import pytest
-from mixtral_checkpoints import hf_mixtral
+from checkpoints.mixtral import hf_mixtral
 
 from layer_boundary.engine.runner import RunSpec
 

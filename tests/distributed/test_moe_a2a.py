@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from ds4_checkpoints import hf_deepseek_v4
-from ds_checkpoints import hf_deepseek_v3
-from lc_checkpoints import hf_longcat_flash
-from nh_checkpoints import hf_nemotron_h
+from checkpoints.ds import hf_deepseek_v3
+from checkpoints.ds4 import hf_deepseek_v4
+from checkpoints.lc import hf_longcat_flash
+from checkpoints.nh import hf_nemotron_h
 
 from layer_boundary.adapters.tbo import TboPolicy
 from layer_boundary.engine.runner import RunSpec, merge, run_rank

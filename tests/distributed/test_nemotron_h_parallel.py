@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 import pytest
-from nh_checkpoints import TINY_NH, hf_nemotron_h
+from checkpoints.nh import TINY_NH, hf_nemotron_h
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ds_checkpoints import hf_deepseek_v3, hf_deepseek_v3_reference
+from checkpoints.ds import hf_deepseek_v3, hf_deepseek_v3_reference
 
 from layer_boundary import stage_boundaries
 from layer_boundary.models import load_model

@@ -15,7 +15,7 @@ import functools
 
 import pytest
 import torch
-from olmo_checkpoints import hf_olmo2
+from checkpoints.olmo import hf_olmo2
 from olmo_like import load_olmo_like
 
 from layer_boundary.runtime import (BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims,

@@ -7,7 +7,7 @@ a prefill and KV-cache decode steps."""
 from __future__ import annotations
 
 import pytest
-from olmo_checkpoints import hf_olmo2, hf_olmo3
+from checkpoints.olmo import hf_olmo2, hf_olmo3
 
 from layer_boundary.engine.runner import RunSpec
 

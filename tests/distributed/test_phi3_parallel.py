@@ -6,7 +6,7 @@ steps past the window."""
 from __future__ import annotations
 
 import pytest
-from phi3_checkpoints import hf_phi3
+from checkpoints.phi3 import hf_phi3
 
 from layer_boundary.engine.runner import RunSpec
 

@@ -8,7 +8,7 @@ is scattered; the sampled tokens reach every stage.
 from __future__ import annotations
 
 import pytest
-from ds4_checkpoints import TINY_DS4
+from checkpoints.ds4 import TINY_DS4
 
 from layer_boundary.engine.generate import requests_of
 from layer_boundary.engine.runner import RunSpec, merge, run_rank

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from qwen3_next_checkpoints import hf_qwen3_next
+from checkpoints.qwen3_next import hf_qwen3_next
 
 from layer_boundary.models import load_config
 from layer_boundary.engine.runner import RunSpec, merge, run_rank

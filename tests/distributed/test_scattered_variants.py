@@ -11,9 +11,9 @@ The ledger figures are checked against the analytic byte lists."""
 from __future__ import annotations
 
 import pytest
-from ds_checkpoints import hf_deepseek_v3
-from lc_checkpoints import hf_longcat_flash
-from llama_checkpoints import hf_llama
+from checkpoints.ds import hf_deepseek_v3
+from checkpoints.lc import hf_longcat_flash
+from checkpoints.llama import hf_llama
 
 from layer_boundary.models import load_config
 from layer_boundary.engine.runner import RunSpec, merge, run_rank

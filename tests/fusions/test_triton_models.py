@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from checkpoints.ds import hf_deepseek_v3
+from checkpoints.fp8 import fp8_checkpoint
+from checkpoints.qwen3_next import hf_qwen3_next
 from distributed.checks import assert_logits_match
 from distributed.pool import get_pool
-from ds_checkpoints import hf_deepseek_v3
-from fp8_checkpoints import fp8_checkpoint
 from offers import offers_not_as_declared
-from qwen3_next_checkpoints import hf_qwen3_next
 
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 

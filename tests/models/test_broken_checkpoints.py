@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 from checkpoints import hf_qwen3, hf_qwen3_moe
-from ds4_checkpoints import hf_deepseek_v4
-from ds_checkpoints import hf_deepseek_v3
-from lc_checkpoints import hf_longcat_flash
-from nh_checkpoints import hf_nemotron_h
+from checkpoints.ds import hf_deepseek_v3
+from checkpoints.ds4 import hf_deepseek_v4
+from checkpoints.lc import hf_longcat_flash
+from checkpoints.nh import hf_nemotron_h
 from oracle import world1
 from safetensors.torch import load_file, save_file
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import hf_oracle, with_config
-from cohere_checkpoints import hf_cohere, hf_cohere2
+from checkpoints.cohere import hf_cohere, hf_cohere2
 from oracle import assert_decode_matches, assert_prefill_matches, world1
 
 from layer_boundary.models import load_config, load_model

@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from deepseek_v2_checkpoints import hf_deepseek_v2, hf_deepseek_v2_reference
+from checkpoints.deepseek_v2 import hf_deepseek_v2, hf_deepseek_v2_reference
 from test_llama_oracle import assert_matches
 
 from layer_boundary.models import load_config

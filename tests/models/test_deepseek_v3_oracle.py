@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ds_checkpoints import TINY_DS, hf_deepseek_v3, hf_deepseek_v3_reference
+from checkpoints.ds import TINY_DS, hf_deepseek_v3, hf_deepseek_v3_reference
 
 from layer_boundary.models import load_model
 from layer_boundary.models.deepseek_v3 import DeepseekV3Config, check_parallel

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ds4_checkpoints import TINY_DS4, hf_deepseek_v4, hf_deepseek_v4_reference
+from checkpoints.ds4 import TINY_DS4, hf_deepseek_v4, hf_deepseek_v4_reference
 from oracle import TOL, assert_decode_matches, assert_prefill_matches, world1
 from oracle import prefill as oracle_prefill
 

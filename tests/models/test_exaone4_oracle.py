@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import hf_oracle, with_config
-from exaone4_checkpoints import WINDOW, hf_exaone4
+from checkpoints.exaone4 import WINDOW, hf_exaone4
 from oracle import assert_decode_matches, assert_prefill_matches, world1
 
 from layer_boundary.models import load_config, load_model

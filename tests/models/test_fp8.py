@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_qwen3_moe
+from checkpoints.ds import hf_deepseek_v3
+from checkpoints.fp8 import fp8_checkpoint
 from distributed.checks import assert_logits_match
 from distributed.pool import get_pool
-from ds_checkpoints import hf_deepseek_v3
-from fp8_checkpoints import fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from layer_boundary.engine.cli import main

@@ -4,7 +4,7 @@ The oracle is transformers on the dequantized weights whose stages read their no
 input as the package's rule says (docs/features.md, FP8): quantized-dequantized per token and
 per 1 x block_k group wherever every linear consuming it is FP8 (attention's q/k/v or MLA
 latent projections, a dense MLP's gate/up, a MoE's routed and shared experts), the router
-reading it unquantized (``fp8_checkpoints.fake_quantized_oracle``). Hidden size 56 leaves a
+reading it unquantized (``checkpoints.fp8.fake_quantized_oracle``). Hidden size 56 leaves a
 partial last group at every block size (16, 32, 128), and partial weight blocks beside it.
 
 The tolerance is 1e-5 x the logit scale: a difference in what any stage reads is 1e-3 or
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_qwen3, hf_qwen3_moe
-from ds_checkpoints import hf_deepseek_v3
-from fp8_checkpoints import dequantized_oracle, fake_quantized_oracle, fp8_checkpoint
+from checkpoints.ds import hf_deepseek_v3
+from checkpoints.fp8 import dequantized_oracle, fake_quantized_oracle, fp8_checkpoint
 
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from checkpoints import hf_oracle, with_config
-from gemma3_checkpoints import WINDOW, hf_gemma3
+from checkpoints.gemma3 import WINDOW, hf_gemma3
 from oracle import assert_decode_matches, assert_prefill_matches, world1
 
 from layer_boundary.models import load_config, load_model

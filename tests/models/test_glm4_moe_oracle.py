@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from glm4_moe_checkpoints import hf_glm4_moe, hf_glm4_moe_reference
+from checkpoints.glm4_moe import hf_glm4_moe, hf_glm4_moe_reference
 from test_llama_oracle import assert_matches
 
 from layer_boundary.models import load_config

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import hf_oracle, with_config
-from gpt_neox_checkpoints import hf_neox
+from checkpoints.gpt_neox import hf_neox
 from oracle import assert_decode_matches, assert_prefill_matches, world1
 from safetensors.torch import load_file, save_file
 

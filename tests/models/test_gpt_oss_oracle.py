@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import with_config
-from gpt_oss_checkpoints import hf_gpt_oss, hf_gpt_oss_reference
+from checkpoints.gpt_oss import hf_gpt_oss, hf_gpt_oss_reference
 from oracle import assert_decode_matches, assert_prefill_matches, world1
 
 from layer_boundary.models import load_config, load_model

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import hf_oracle, with_config
-from granite_checkpoints import hf_granite, hf_granitemoe
+from checkpoints.granite import hf_granite, hf_granitemoe
 from oracle import assert_decode_matches, assert_prefill_matches, world1
 
 from layer_boundary.models import load_config, load_model

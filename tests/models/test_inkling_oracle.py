@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import hf_oracle, with_config
-from inkling_checkpoints import hf_inkling
+from checkpoints.inkling import hf_inkling
 from oracle import assert_decode_matches, assert_prefill_matches, world1
 
 from layer_boundary.models import load_config, load_model

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import with_config
-from llama_checkpoints import (LLAMA3_ROPE, WINDOW, hf_llama, hf_llama_reference, hf_mistral,
+from checkpoints.llama import (LLAMA3_ROPE, WINDOW, hf_llama, hf_llama_reference, hf_mistral,
                                hf_mistral_reference)
 
 from layer_boundary.models import load_config, load_model, model_class

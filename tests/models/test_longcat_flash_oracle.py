@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from lc_checkpoints import TINY_LC, hf_longcat_flash, hf_longcat_flash_reference
+from checkpoints.lc import TINY_LC, hf_longcat_flash, hf_longcat_flash_reference
 from oracle import MLA_TOL, assert_decode_matches, assert_prefill_matches, world1
 
 from distributed.checks import cli_ok

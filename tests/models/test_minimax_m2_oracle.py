@@ -11,7 +11,7 @@ import json
 
 import pytest
 import transformers
-from mixtral_checkpoints import (ROTARY_DIM, TINY_MIXTRAL, hf_minimax_m2,
+from checkpoints.mixtral import (ROTARY_DIM, TINY_MIXTRAL, hf_minimax_m2,
                                  hf_minimax_m2_reference)
 from test_llama_oracle import assert_matches, world1
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nh_checkpoints import hf_nemotron_h
+from checkpoints.nh import hf_nemotron_h
+from checkpoints.qwen3_next import hf_qwen3_next
 from oracle import world1
-from qwen3_next_checkpoints import hf_qwen3_next
 
 from layer_boundary.models import load_model
 from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import transformers
-from mixtral_checkpoints import TINY_MIXTRAL, WINDOW, hf_mixtral, hf_mixtral_reference
+from checkpoints.mixtral import TINY_MIXTRAL, WINDOW, hf_mixtral, hf_mixtral_reference
 from test_llama_oracle import assert_matches, world1
 
 from layer_boundary.engine.generate import greedy_generate

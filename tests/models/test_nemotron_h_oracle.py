@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from nh_checkpoints import TINY_NH, hf_nemotron_h, hf_nemotron_h_reference
+from checkpoints.nh import TINY_NH, hf_nemotron_h, hf_nemotron_h_reference
 from oracle import TOL, hf_cached_decode, world1
 
 from distributed.checks import cli_ok

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from checkpoints import hf_oracle
-from olmo_checkpoints import hf_olmo2
+from checkpoints.olmo import hf_olmo2
 from olmo_like import OlmoLikeLayer, load_olmo_like
 
 from layer_boundary.models import load_model, open_checkpoint

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from checkpoints import hf_oracle
-from olmo_checkpoints import OLMO3_WINDOW, hf_olmo2, hf_olmo3
+from checkpoints.olmo import OLMO3_WINDOW, hf_olmo2, hf_olmo3
 
 from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.models import load_model, open_checkpoint

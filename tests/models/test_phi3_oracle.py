@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 from checkpoints import hf_oracle, with_config
+from checkpoints.phi3 import WINDOW, hf_phi3
 from oracle import assert_decode_matches, assert_prefill_matches, world1
-from phi3_checkpoints import WINDOW, hf_phi3
 
 from layer_boundary.models import load_config, load_model
 from layer_boundary.models.config import CheckpointError

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from qwen3_next_checkpoints import TINY_NEXT, hf_qwen3_next, hf_qwen3_next_reference
+from checkpoints.qwen3_next import TINY_NEXT, hf_qwen3_next, hf_qwen3_next_reference
 from oracle import TOL, hf_cached_decode, prefill, world1
 
 from distributed.checks import cli_ok

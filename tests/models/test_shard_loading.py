@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import hf_qwen3_moe
+from checkpoints.ds import hf_deepseek_v3
 from distributed.pool import get_pool
-from ds_checkpoints import hf_deepseek_v3
 
 from layer_boundary.models import load_model
 from layer_boundary.engine.runner import make_runtime, RunSpec

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 # 2 decoder layers (4 attentions). 8 routed + 2 zero (identity) experts, top-2. Sizes divide
 # tp 4, moe_ep 4 and moe_tp 4; head_dim must equal qk_rope_head_dim (transformers builds the

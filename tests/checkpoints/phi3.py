@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints import save_random
+from . import save_random
 
 WINDOW = 4
 TINY_PHI3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 # 3 layers: dense, MoE, MoE. No q LoRA (V2-Lite's q_proj); 8 routed experts in 4 groups of 2,
 # top-2 from the best 2 groups (group_limited_greedy); 2 shared experts. Sizes divide tp 4,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import save_random
+
+from . import save_random
 
 TINY_INKLING = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 # Two consecutive DeltaNets (0-1), gated attention (2, 4), a dense layer (1) among MoEs, a
 # terminal attention layer. DeltaNet: 4 key heads of 32 serving 8 value heads of 16 (each key

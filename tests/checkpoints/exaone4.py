@@ -1,12 +1,12 @@
 """Tiny EXAONE-4 checkpoints (transformers' save_pretrained, every weight random): Gemma-3's
-tiny shape (``gemma3_checkpoints``) with transformers' default schedule (every fourth layer
+tiny shape (``checkpoints.gemma3``) with transformers' default schedule (every fourth layer
 full, unroped beside the sliding window)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gemma3_checkpoints import TINY_GEMMA3, WINDOW, save_random
+from .gemma3 import TINY_GEMMA3, WINDOW, save_random
 
 TINY_EXAONE4 = {k: v for k, v in TINY_GEMMA3.items() if k != "head_dim"}  # it derives it
 

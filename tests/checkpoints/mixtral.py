@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 TINY_MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,

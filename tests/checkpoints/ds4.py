@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 # 3 layers: hash-routed, top-k routed, hash-routed. Sliding window 4 (prompts run past it).
 # 8 heads in 4 output groups, head_dim 16 with 8 rope channels; q_lora_rank (24) differs from

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import save_random
+
+from . import save_random
 
 TINY_NEOX = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                  num_attention_heads=4, max_position_embeddings=64, eos_token_id=0,

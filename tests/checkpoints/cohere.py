@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints import save_random
-from gemma3_checkpoints import LAYER_TYPES, TINY_GEMMA3, WINDOW
+from . import save_random
+from .gemma3 import LAYER_TYPES, TINY_GEMMA3, WINDOW
 
 TINY_COHERE = {k: v for k, v in TINY_GEMMA3.items() if k != "head_dim"}  # hidden / heads
 TINY_COHERE2 = dict(TINY_COHERE, sliding_window=WINDOW, layer_types=LAYER_TYPES)

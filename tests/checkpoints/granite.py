@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints import save_random
+from . import save_random
 
 TINY_GRANITE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

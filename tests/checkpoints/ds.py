@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 # 3 layers: dense, MoE, MoE. 8 routed experts in 4 groups of 2, top-2 from the best 2 groups.
 # Sizes divide tp 4, moe_ep 4 and moe_tp 4.

@@ -1,5 +1,9 @@
 """Tiny checkpoints for tests: written by transformers' save_pretrained (the oracle's own
-format) or by the package's built-in writer, always random, norms included."""
+format) or by the package's built-in writer, always random, norms included.
+
+Qwen3 and Qwen3-MoE are written here; every other architecture has its own writer, a module
+beside this file (``checkpoints.ds``, ``checkpoints.gemma3``, ...) built on ``save_random``
+or ``hf_oracle``."""
 
 from __future__ import annotations
 

@@ -67,9 +67,9 @@ def dequantized_oracle(model_class: str, src: Path, fp8_dir: Path):
     dequantized value (fp32, eager attention and experts). The dequantized tensors are written
     as a checkpoint and loaded by transformers itself: it fuses the per-expert tensors on disk
     into its experts' parameters, which share no name with them."""
-    from checkpoints import hf_oracle
-
     from layer_boundary.models.loader import dequantized, iter_weights
+
+    from . import hf_oracle
 
     block = tuple(json.loads((Path(fp8_dir) / "config.json").read_text())
                   ["quantization_config"]["weight_block_size"])

@@ -1,12 +1,12 @@
 """Tiny Gemma-3 (text) checkpoints (transformers' save_pretrained, every weight random): 4
 layers (pp 2 splits them), 4 heads of 8 over 2 kv heads, sliding and full layers with a
-window shorter than the prompts and their decode steps. ``exaone4_checkpoints`` shares them."""
+window shorter than the prompts and their decode steps. ``checkpoints.exaone4`` shares them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints import save_random  # noqa: F401 - the shared writer, re-exported
+from . import save_random  # noqa: F401 - the shared writer, re-exported
 
 TINY_GEMMA3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,

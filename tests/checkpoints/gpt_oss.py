@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 # 4 layers (sliding, full, sliding, full: transformers' default layer_types), a window of 3
 # (the prompts outgrow it), 8 experts top-2; sizes divide tp 4, moe_ep 4 and moe_tp 4. The

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 # 3 layers: dense, MoE, MoE. GQA 4 heads of 16 over 2 kv heads (tp 4 replicates kv heads), the
 # default partial rotary (8 of 16 dims), q/k norms and q/k/v biases; 8 routed experts in 2

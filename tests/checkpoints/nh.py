@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 
 import torch
-from checkpoints import hf_oracle, randomize
+
+from . import hf_oracle, randomize
 
 # Every block kind, two consecutive mixers (0-1) and two consecutive FFNs (4-5), a terminal
 # MoE. Mamba: 8 heads of 8 in 2 B/C groups, so tp 4 splits a group over 2 ranks (group

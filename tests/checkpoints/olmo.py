@@ -17,7 +17,8 @@ OLMO3_WINDOW = 3
 
 def _save(cls: str, config_cls: str, path: Path, seed: int, overrides: dict) -> Path:
     import transformers
-    from checkpoints import randomize
+
+    from . import randomize
 
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(getattr(transformers, config_cls)(**{**TINY_OLMO,

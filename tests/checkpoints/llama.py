@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import TINY, hf_oracle, randomize
+
+from . import TINY, hf_oracle, randomize
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
