@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..runtime.defaults import BOUNDARY_REDUCTIONS, START_TIMEOUT_S
+from .fusion_providers import FUSION_PROVIDERS
 from .logs import LEVELS
 
 
@@ -75,6 +76,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``layer-boundary`` parser: ``run``, ``plan``, ``sweep`` and ``bench``."""
     from .. import __version__
 
     parser = argparse.ArgumentParser(
@@ -89,11 +91,51 @@ def build_parser() -> argparse.ArgumentParser:
     log_level.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower,
                            help="what the command says while it works (its report always "
                                 "prints)")
+    _run_parser(sub, log_level)
+    _plan_parser(sub, log_level)
+    _sweep_parser(sub, log_level)
+    _bench_parser(sub, log_level)
+    return parser
+
+
+def _run_parser(sub, log_level) -> None:
+    """``run``'s options (the order here is --help's)."""
     run = sub.add_parser("run", formatter_class=_HelpFormatter, parents=[log_level],
                          help="generate on parallel CPU ranks and check parity with world 1")
     _topology_args(run)
     _variant_args(run)
     _policy_arg(run)
+    _request_args(run)
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--logits-out", help="write per-prompt, per-step logits (safetensors)")
+    run.add_argument("--no-reference", action="store_true", help="skip the world-1 parity run")
+    run.add_argument("--no-allreduce-fusion", action="store_true",
+                     help="complete every FFN all-reduce in compute instead of deferring it")
+    run.add_argument("--no-rs-padding", action="store_true",
+                     help="forbid padding rows for fixed-size reduce-scatter (rs falls back)")
+    run.add_argument("--compile", action="store_true",
+                     help="run each rank's forward under torch.compile(fullgraph=True) "
+                          "(inductor); parity is checked against eager world 1")
+    run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
+                     default=None, help="the torch.compile backend (implies --compile)")
+    _device_args(run)
+    _fusion_arg(run)
+    _check_args(run)
+    _pipeline_args(run)
+    run.add_argument("--split-prefill", type=_positive, default=1,
+                     help="run each stage's prefill in this many layer-range segments")
+    _timeout_args(run)
+    run.add_argument("--tbo", nargs="?", const="auto", choices=("auto", "always"),
+                     default=None,
+                     help="two-batch overlap: a forward as two interleaved microbatches where "
+                          "the overlap pays (auto, the default: collectives on their own "
+                          "hardware, NCCL, and tokens in both halves on every DP rank; never "
+                          "on gloo's CPU ranks), or every forward (always)")
+    _speculative_args(run)
+
+
+def _request_args(run) -> None:
+    """What ``run`` generates: the prompts, their adapters, the dtype and the length."""
     run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                      help="the dtype weights and activations run in (auto: the checkpoint's "
                           "config.json dtype, float32 where it names none)")
@@ -109,21 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(none: the base model; default: every prompt on the base model)")
     run.add_argument("--max-new-tokens", type=_positive, default=4,
                      help="tokens generated per prompt, the prefill's included")
-    run.add_argument("--json", action="store_true", help="print one JSON object")
-    run.add_argument("--logits-out", help="write per-prompt, per-step logits (safetensors)")
-    run.add_argument("--no-reference", action="store_true", help="skip the world-1 parity run")
-    run.add_argument("--no-allreduce-fusion", action="store_true",
-                     help="complete every FFN all-reduce in compute instead of deferring it")
-    run.add_argument("--no-rs-padding", action="store_true",
-                     help="forbid padding rows for fixed-size reduce-scatter (rs falls back)")
-    run.add_argument("--compile", action="store_true",
-                     help="run each rank's forward under torch.compile(fullgraph=True) "
-                          "(inductor); parity is checked against eager world 1")
-    run.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"),
-                     default=None, help="the torch.compile backend (implies --compile)")
-    _device_args(run)
+
+
+def _fusion_arg(run) -> None:
     run.add_argument("--fusions", "--fusion-provider", dest="fusion_provider",
-                     choices=("reference", "reference-terminal", "decline", "triton"),
+                     choices=FUSION_PROVIDERS,
                      default=None, help="install a fusion provider on every rank's model: "
                                         "triton (add + RMSNorm kernels after each arriving "
                                         "sum, on every row mode, and the terminal service; "
@@ -131,10 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(torch-op all-reduce + add + norm candidates), "
                                         "reference-terminal (also the final norm's terminal "
                                         "service), decline (asked, declines every candidate)")
-    _check_args(run)
-    _pipeline_args(run)
-    run.add_argument("--split-prefill", type=_positive, default=1,
-                     help="run each stage's prefill in this many layer-range segments")
+
+
+def _timeout_args(run) -> None:
+    """How long ``run`` waits on a silent peer and on a starting rank."""
     run.add_argument("--collective-timeout", type=_collective_seconds, default=None,
                      metavar="SECONDS",
                      help="how long a collective waits for a silent peer before the job ends "
@@ -143,12 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how long a rank may take to start (import, load, join) before the "
                           f"job ends naming it; start-up is not silence (default "
                           f"{START_TIMEOUT_S:.0f} s)")
-    run.add_argument("--tbo", nargs="?", const="auto", choices=("auto", "always"),
-                     default=None,
-                     help="two-batch overlap: a forward as two interleaved microbatches where "
-                          "the overlap pays (auto, the default: collectives on their own "
-                          "hardware, NCCL, and tokens in both halves on every DP rank; never "
-                          "on gloo's CPU ranks), or every forward (always)")
+
+
+def _speculative_args(run) -> None:
     run.add_argument("--draft-model", default=None,
                      help="speculative decoding: a draft checkpoint with the target's vocabulary")
     run.add_argument("--speculative-algorithm", choices=("draft", "nextn"), default=None,
@@ -159,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--speculative-boundary-reduction", choices=BOUNDARY_REDUCTIONS,
                      default="auto", help="the draft stack's own boundary-reduction policy")
 
+
+def _plan_parser(sub, log_level) -> None:
+    """``plan``'s options: run's topology flags, and the batch shape."""
     plan = sub.add_parser("plan", formatter_class=_HelpFormatter, parents=[log_level],
                           help="print the per-stage boundary paths for a batch shape")
     _topology_args(plan)  # the same flags as run's: plan shows the topology run would run
@@ -176,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "DP rank's tokens taken as one-token requests)")
     _pipeline_args(plan)
 
-    _sweep_parser(sub, log_level)
 
+def _bench_parser(sub, log_level) -> None:
+    """``bench``'s options."""
     bench = sub.add_parser("bench", formatter_class=_HelpFormatter, parents=[log_level],
                            help="boundary overhead against a hand-written decoder")
     bench.add_argument("--hidden", type=_positive, default=256,
@@ -189,7 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed forwards of each kind, interleaved")
     bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
                        help="run both forwards under torch.compile(fullgraph=True)")
-    return parser
 
 
 def _sweep_parser(sub, log_level) -> None:

@@ -8,9 +8,9 @@ import torch
 
 from ..adapters.tbo import TboPolicy
 from ..capabilities import CapabilityError, Feature, Setup, check
+from .fusion_providers import FUSION_PROVIDERS
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-FUSION_PROVIDERS = ("reference", "reference-terminal", "decline", "triton")
 SPECULATIVE_ALGORITHMS = ("draft", "nextn")
 DEVICES = ("cpu", "cuda")
 

@@ -7,12 +7,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
 
 from ..adapters.tbo import TboPolicy
+from ..models import open_checkpoint
+from ..models.estimate import check_fits, check_sizes
+from ..models.loader import check_fp8_tensors, safetensors_files
+from ..models.tiny import builtin_checkpoint
+from ..runtime.launch import init_distributed, launched_by_torchrun, spawn
+from ..runtime.parallel import ParallelDims, TopologyError
 from .args import UsageError, engine_names, model_folder, tokenizer, tp_dp
 from .checks import (check_ep, check_lengths, check_lora, check_pipeline,
                      check_speculative_steps, job_memory)
+from .features import check_spec
+from .fusion_providers import FUSION_PROVIDERS
+from .logits_file import check_target
 from .logs import setup_logging
+from .report import report
+from .runner import RunSpec, backend_for, merge, run_rank
 
 log = logging.getLogger("layer_boundary")
 
@@ -33,18 +50,10 @@ def spec_from_args(args):
     combination is a one-line error here (a ``UsageError``, or the checkpoint's, topology's or
     combination table's own), before any rank starts. Each checkpoint's config.json is read
     once, into the spec."""
-    from ..models import open_checkpoint
-    from ..models.estimate import check_fits, check_sizes
-    from ..models.loader import check_fp8_tensors, safetensors_files
-    from ..models.tiny import builtin_checkpoint
-    from ..runtime.parallel import ParallelDims
-    from .features import check_spec
-    from .runner import RunSpec
-
     engine_names(args)
     if args.require_fusions and args.fusion_provider is None:
         raise UsageError("--require-fusions needs a provider to require: --fusions "
-                         "reference|reference-terminal|decline|triton")
+                         + "|".join(FUSION_PROVIDERS))
     args.draft_model = model_folder(args.draft_model, "--draft-model")
     model_dir = model_folder(args.model) or str(builtin_checkpoint())
     checkpoint = open_checkpoint(model_dir)
@@ -61,8 +70,6 @@ def spec_from_args(args):
     if args.draft_model or args.speculative_algorithm:
         check_speculative_steps(checkpoint, prompts, args.max_new_tokens, args.speculative_steps)
     if args.logits_out:  # refused now, not after the whole run
-        from .logits_file import check_target
-
         check_target(args.logits_out, logits_bytes(cfg.vocab_size, prompts, args.max_new_tokens))
     check_ep(args, checkpoint)
     tp, dp = tp_dp(args)
@@ -112,10 +119,6 @@ def logits_bytes(vocab_size: int, prompts, max_new_tokens: int) -> int:
 def rank_entry(spec):
     """One spawned rank's job: ``run_rank(spec)`` from a fixed seed; it prints nothing (the
     process that spawned it reports, and has already said what the checks found)."""
-    import torch
-
-    from .runner import run_rank
-
     setup_logging(1)
     torch.manual_seed(0)
     return run_rank(spec)
@@ -123,11 +126,6 @@ def rank_entry(spec):
 
 def cmd_run(args) -> int:
     """``layer-boundary run``: the exit status (0: parity passed or not checked)."""
-    from ..runtime.parallel import TopologyError
-    from ..runtime.launch import init_distributed, launched_by_torchrun
-    from .report import report
-    from .runner import backend_for, run_rank
-
     timeout = args.collective_timeout or (
         COMPILE_COLLECTIVE_TIMEOUT_S if (args.compile or args.compile_backend) else None)
     if launched_by_torchrun():
@@ -143,8 +141,6 @@ def cmd_run(args) -> int:
         spec = spec_from_args(args)
         if spec.world_size != world:
             raise TopologyError(f"--pp {spec.pp} x --tp {spec.tp} != torchrun world size {world}")
-        import torch.distributed as dist
-
         result = run_rank(spec, world)
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
@@ -162,10 +158,6 @@ def cmd_run(args) -> int:
 
 def _spawned_run(args, timeout) -> int:
     """``run`` on ranks this process spawns, then the reference and the report."""
-    from .report import report
-    from .runner import backend_for, run_rank
-    from ..runtime.launch import spawn
-
     spec = spec_from_args(args)
     if args.disable_cuda_graph and spec.device == "cpu" and not args.json:
         log.info("note: --disable-cuda-graph ignored: the CPU runs no CUDA graphs")
@@ -205,8 +197,6 @@ class Stopped(SystemExit):
     number, and the CLI names the signal."""
 
     def __init__(self, signum: int) -> None:
-        import signal
-
         super().__init__(128 + signum)
         self.signal = signal.Signals(signum).name
 
@@ -215,9 +205,6 @@ class Stopped(SystemExit):
 def _stop_on_sigterm():
     """SIGTERM ends the job like Ctrl-C (the spawner stops every rank on its way out), as a
     ``Stopped`` the CLI reports by name."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -234,10 +221,6 @@ def _stop_on_sigterm():
 
 def reference_run(spec):
     """The same requests on one rank, in this process (size-1 groups need no torch.distributed)."""
-    from dataclasses import replace
-
-    from .runner import merge, run_rank
-
     return merge([run_rank(replace(spec, tp=1, dp=1, ep=1, cp=1, pp=1, pp_layers=None,
                                split_prefill=1, tbo=TboPolicy.OFF, draft_model=None,
                                draft_checkpoint=None, speculative_algorithm=None, compile=None,

@@ -27,6 +27,7 @@ from .audit import STRICT_ENV, AuditError, audit, not_audited
 from .compiled import compile_forward, compiled_graphs
 from .describe import plan_rows
 from .features import check_draft, check_spec  # noqa: F401 - check_draft: the public name
+from .fusion_providers import make_fusions
 from .generate import Generation, greedy_generate, takes_padded_batches
 from .graphs import (CapturedDecode, GraphDecision, Graphs, InductorSkips, decide_graphs,
                      decode_step)
@@ -60,7 +61,7 @@ class RunSpec:
     allreduce_fusion: bool = True
     rs_padding: bool = True
     trace: bool = False  # record the residual stream after every boundary call
-    fusions: str | None = None  # None | "reference" | "reference-terminal" | "decline" | "triton"
+    fusions: str | None = None  # None, or one of fusion_providers.FUSION_PROVIDERS
     device: str = "cpu"  # "cuda": each rank on its own GPU (LOCAL_RANK), or sharing one
     model_options: tuple = ()  # (name, value) engine options of the model
     # run each forward under torch.compile(fullgraph=True) with this backend ("inductor",
@@ -434,24 +435,6 @@ def load_draft(spec: RunSpec, target_runtime: BoundaryRuntime, target):
     runtime = BoundaryRuntime(target_runtime.parallel, boundary_reduction=policy,
                               allreduce_fusion=spec.allreduce_fusion, rs_padding=spec.rs_padding)
     return load_model(draft, runtime, dtype=DTYPES[spec.dtype], device=target.device)
-
-
-def make_fusions(name: str | None):
-    """The fusion provider a run spec names (reference providers run on CPU; the Triton one
-    compiles its kernels for CUDA, or runs them under the Triton interpreter on the CPU)."""
-    if name is None:
-        return None
-    if name == "triton":  # FUSION_PROVIDERS
-        from ..fusions.triton_provider import TritonFusions
-
-        return TritonFusions(terminal_finalize=True)
-    from ..fusions.reference import ReferenceFusions
-
-    options = {"reference": {}, "reference-terminal": {"terminal_finalize": True},
-               "decline": {"decline": True}}  # FUSION_PROVIDERS
-    if name not in options:
-        raise ValueError(f"unknown fusion provider {name!r} (known: {', '.join(options)})")
-    return ReferenceFusions(**options[name])
 
 
 def _set_ledger_step(step: int) -> None:

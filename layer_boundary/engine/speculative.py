@@ -121,116 +121,165 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     # a proposal past the tokens a request emits is never used, and each one is a draft
     # forward and a cache row: 100,000 steps for 4 tokens would run for ever
     steps = min(steps, max_new_tokens)
-    agree = _Agreement(parallel, target.device)
-    mine = requests_of(dp_rank, dp, len(prompts))
-    n = len(mine)
-    # the target's adapter slot of each of this rank's requests, by its cache slot
-    mine_adapters = None if adapters is None else [adapters[i] for i in mine]
-    room = max(len(p) for p in prompts) + max_new_tokens + steps + 1
-    t_cache, d_cache = target.make_kv_cache(max(1, n), room), draft.make_kv_cache(max(1, n), room)
-    context = [list(prompts[i]) for i in mine]
-    emitted = [[] for _ in mine]
-    logits = [[] for _ in mine]
-    stats = SpeculativeStats()
-    step = 0
-
-    def log_step():
-        nonlocal step
+    run = _Speculation(target, draft, prompts, max_new_tokens, steps,
+                       _Agreement(parallel, target.device), requests_of(dp_rank, dp, len(prompts)),
+                       adapters, variants)
+    if on_step is not None:
+        on_step(0)
+    run.prefill()
+    step = 1
+    while run.agree.any(run.unfinished()):
         if on_step is not None:
             on_step(step)
         step += 1
+        run.round()
+    return run.result()
 
-    # a NextN draft reads the target's hidden state before each of its tokens
-    nextn = getattr(draft, "needs_target_hidden", False)
-    target_hidden = [[] for _ in mine]  # per request: the target's hidden state by position
 
-    def keep_hidden(j, rows) -> None:
-        if nextn:
-            target_hidden[j].extend(rows)
+class _Speculation:
+    """This rank's requests through the rounds: both caches, what each request has emitted,
+    and how far each cache holds its tokens. Every method runs the same forwards and
+    collectives on every rank."""
 
-    def draft_forward(active, new, prefix, last_hidden):
+    def __init__(self, target, draft, prompts, max_new_tokens: int, steps: int, agree, mine,
+                 adapters, variants) -> None:
+        self.target, self.draft, self.agree = target, draft, agree
+        self.max_new_tokens, self.steps, self.variants = max_new_tokens, steps, variants
+        self.mine, n = mine, len(mine)
+        # the target's adapter slot of each of this rank's requests, by its cache slot
+        self.adapters = None if adapters is None else [adapters[i] for i in mine]
+        room = max(len(p) for p in prompts) + max_new_tokens + steps + 1
+        self.t_cache = target.make_kv_cache(max(1, n), room)
+        self.d_cache = draft.make_kv_cache(max(1, n), room)
+        self.context = [list(prompts[i]) for i in mine]
+        self.emitted = [[] for _ in mine]
+        self.logits = [[] for _ in mine]
+        self.stats = SpeculativeStats()
+        # a NextN draft reads the target's hidden state before each of its tokens
+        self.nextn = getattr(draft, "needs_target_hidden", False)
+        self.target_hidden = [[] for _ in mine]  # per request: the target's, by position
+        self.t_len: list[int] = []  # tokens in the target's cache, per request
+        self.d_len: list[int] = []  # tokens in the draft's cache, per request
+
+    def _target_forward(self, new, prefix, slots, variant, hidden=False):
+        return _forward(self.target, self.agree, ForwardMode.EXTEND, new, prefix, slots,
+                        self.t_cache, hidden=hidden, adapters=self.adapters, variant=variant)
+
+    def _keep_hidden(self, j: int, rows) -> None:
+        if self.nextn:
+            self.target_hidden[j].extend(rows)
+
+    def _draft_forward(self, active, new, prefix, last_hidden):
         """The draft over ``new`` tokens per request: (logits, its own hidden states)."""
-        if not nextn:
-            return _forward(draft, agree, ForwardMode.EXTEND, new, prefix, active, d_cache)
+        if not self.nextn:
+            return _forward(self.draft, self.agree, ForwardMode.EXTEND, new, prefix, active,
+                            self.d_cache)
         rows = []  # the token at position q pairs with the hidden state at q - 1: the
         for j, toks, p in zip(active, new, prefix):  # target's where known, else the draft's
-            known = target_hidden[j]
+            known = self.target_hidden[j]
             rows += [known[q - 1] if q - 1 < len(known) else last_hidden[j]
                      for q in range(p, p + len(toks))]
         prev = (torch.stack(rows) if rows
-                else torch.zeros((0, draft.config.hidden_size), dtype=draft.dtype))
-        return _forward(draft, agree, ForwardMode.EXTEND, new, prefix, active, d_cache,
-                        prev=prev)
+                else torch.zeros((0, self.draft.config.hidden_size), dtype=self.draft.dtype))
+        return _forward(self.draft, self.agree, ForwardMode.EXTEND, new, prefix, active,
+                        self.d_cache, prev=prev)
 
-    # prefill both stacks; the target's first token is emitted
-    log_step()
-    slots = list(range(n))
-    out, hidden = _forward(target, agree, ForwardMode.EXTEND, context, [0] * n, slots, t_cache,
-                           hidden=nextn, adapters=mine_adapters, variant=variants[0])
-    start = 0
-    for j, end in enumerate(_ends(context)):
-        emitted[j].append(int(out[end].argmax()))
-        logits[j].append(out[end].float().clone())
-        keep_hidden(j, list(hidden[start:end + 1]) if nextn else [])
-        start = end + 1
-    t_len = [len(c) for c in context]  # tokens in the target's cache
-    if nextn:  # no hidden state precedes position 0: the draft starts at position 1
-        draft_forward(slots, [c[1:] for c in context], [1] * n, {})
-        d_len = [len(c) for c in context]
-    else:
-        _forward(draft, agree, ForwardMode.EXTEND, context, [0] * n, slots, d_cache)
-        d_len = [len(c) for c in context]  # tokens in the draft's cache
+    def prefill(self) -> None:
+        """Both stacks over the prompts; the target's first token is emitted."""
+        context, n = self.context, len(self.context)
+        slots = list(range(n))
+        out, hidden = self._target_forward(context, [0] * n, slots, self.variants[0],
+                                           hidden=self.nextn)
+        start = 0
+        for j, end in enumerate(_ends(context)):
+            self.emitted[j].append(int(out[end].argmax()))
+            self.logits[j].append(out[end].float().clone())
+            self._keep_hidden(j, list(hidden[start:end + 1]) if self.nextn else [])
+            start = end + 1
+        self.t_len = [len(c) for c in context]
+        if self.nextn:  # no hidden state precedes position 0: the draft starts at position 1
+            self._draft_forward(slots, [c[1:] for c in context], [1] * n, {})
+        else:
+            _forward(self.draft, self.agree, ForwardMode.EXTEND, context, [0] * n, slots,
+                     self.d_cache)
+        self.d_len = [len(c) for c in context]
 
-    while agree.any(any(len(e) < max_new_tokens for e in emitted)):
-        log_step()
-        active = [j for j in range(n) if len(emitted[j]) < max_new_tokens]
-        seq = {j: context[j] + emitted[j] for j in active}
-        proposal = {j: [] for j in active}
-        last_hidden = {}
-        for _ in range(steps):  # the draft: catch up, then one proposal per forward
-            new = [(seq[j] + proposal[j])[d_len[j]:] for j in active]
-            out, hid = draft_forward(active, new, [d_len[j] for j in active], last_hidden)
-            for j, end, toks in zip(active, _ends(new), new):
-                d_len[j] += len(toks)
-                proposal[j].append(int(out[end].argmax()))
-                if nextn:
-                    last_hidden[j] = hid[end]
-        saved = t_cache.snapshot()
-        verify = [seq[j][t_len[j]:] + proposal[j] for j in active]
-        out, hidden = _forward(target, agree, ForwardMode.EXTEND, verify,
-                               [t_len[j] for j in active], active, t_cache, hidden=nextn,
-                               adapters=mine_adapters, variant=variants[1])
-        stats.target_forwards += 1
-        stats.request_rounds += len(active)
+    def unfinished(self) -> bool:
+        return any(len(e) < self.max_new_tokens for e in self.emitted)
+
+    def round(self) -> None:
+        """Draft, verify, accept the confirmed prefix, and rebuild a folding cache that took
+        rejected tokens."""
+        active = [j for j in range(len(self.mine)) if len(self.emitted[j]) < self.max_new_tokens]
+        seq = {j: self.context[j] + self.emitted[j] for j in active}
+        proposal = self._propose(active, seq)
+        saved = self.t_cache.snapshot()
+        verify = [seq[j][self.t_len[j]:] + proposal[j] for j in active]
+        out, hidden = self._target_forward(verify, [self.t_len[j] for j in active], active,
+                                           self.variants[1], hidden=self.nextn)
+        self.stats.target_forwards += 1
+        self.stats.request_rounds += len(active)
         start, accepted = 0, {}
         for j, toks in zip(active, verify):
-            rows = out[start:start + len(toks)]  # the target's logits at these positions
-            first = len(toks) - steps - 1  # rows before the proposals' predictors
-            choice = rows[first:].argmax(-1).tolist()  # steps + 1 greedy tokens
-            a = 0
-            while a < steps and choice[a] == proposal[j][a]:
-                a += 1
-            accepted[j] = a
-            if nextn:  # the committed positions' hidden states
-                keep_hidden(j, list(hidden[start:start + first + a + 1]))
+            rows = slice(start, start + len(toks))
+            accepted[j] = self._accept(j, toks, out[rows], hidden[rows] if self.nextn else None,
+                                       len(seq[j]), proposal[j])
             start += len(toks)
-            for i in range(a + 1):
-                emitted[j].append(choice[i])
-                logits[j].append(rows[first + i].float().clone())
-            stats.proposed += steps
-            stats.accepted += a
-            stats.emitted += a + 1
-            t_len[j] += len(toks) - steps + a  # what precedes the proposals, then the accepted
-            d_len[j] = min(d_len[j], len(seq[j]) + a)  # the draft's entries that stay true
-        stats.per_round.append(dict(accepted))
-        rejected = any(accepted[j] < steps for j in active)
-        if not t_cache.positional and agree.any(rejected):
-            # the cache folded the rejected tokens in: back to before the round, and again
-            t_cache.restore(saved)
-            again = [toks[:len(toks) - steps + accepted[j]] for j, toks in zip(active, verify)]
-            _forward(target, agree, ForwardMode.EXTEND, again,
-                     [t_len[j] - len(t) for j, t in zip(active, again)], active, t_cache,
-                     adapters=mine_adapters, variant=variants[1])
-            stats.reruns += 1
-    generated = [e[:max_new_tokens] for e in emitted]
-    return Generation(mine, generated, [lg[:max_new_tokens] for lg in logits]), stats
+        self.stats.per_round.append(dict(accepted))
+        self._rollback(saved, active, verify, accepted)
+
+    def _propose(self, active, seq) -> dict:
+        """``steps`` draft tokens per active request: the draft catches up on the tokens it
+        has not seen, then proposes one token a forward."""
+        proposal = {j: [] for j in active}
+        last_hidden = {}
+        for _ in range(self.steps):
+            new = [(seq[j] + proposal[j])[self.d_len[j]:] for j in active]
+            out, hid = self._draft_forward(active, new, [self.d_len[j] for j in active],
+                                           last_hidden)
+            for j, end, toks in zip(active, _ends(new), new):
+                self.d_len[j] += len(toks)
+                proposal[j].append(int(out[end].argmax()))
+                if self.nextn:
+                    last_hidden[j] = hid[end]
+        return proposal
+
+    def _accept(self, j: int, toks, rows, hidden, seq_len: int, proposal) -> int:
+        """Request ``j``'s verified tokens: the longest prefix of ``proposal`` the target's
+        own argmax confirms, and the target's token after it, emitted; the count accepted.
+        ``rows``: the target's logits at ``toks``' positions (``hidden``: its hidden states
+        there, NextN only)."""
+        steps = self.steps
+        first = len(toks) - steps - 1  # rows before the proposals' predictors
+        choice = rows[first:].argmax(-1).tolist()  # steps + 1 greedy tokens
+        a = 0
+        while a < steps and choice[a] == proposal[a]:
+            a += 1
+        if self.nextn:  # the committed positions' hidden states
+            self._keep_hidden(j, list(hidden[:first + a + 1]))
+        for i in range(a + 1):
+            self.emitted[j].append(choice[i])
+            self.logits[j].append(rows[first + i].float().clone())
+        self.stats.proposed += steps
+        self.stats.accepted += a
+        self.stats.emitted += a + 1
+        self.t_len[j] += len(toks) - steps + a  # what precedes the proposals, then the accepted
+        self.d_len[j] = min(self.d_len[j], seq_len + a)  # the draft's entries that stay true
+        return a
+
+    def _rollback(self, saved, active, verify, accepted) -> None:
+        """A positional cache's rejected rows are overwritten later; a cache that folded
+        them in goes back to ``saved`` and takes the accepted tokens again."""
+        rejected = any(accepted[j] < self.steps for j in active)
+        if self.t_cache.positional or not self.agree.any(rejected):
+            return
+        self.t_cache.restore(saved)
+        again = [toks[:len(toks) - self.steps + accepted[j]] for j, toks in zip(active, verify)]
+        self._target_forward(again, [self.t_len[j] - len(t) for j, t in zip(active, again)],
+                             active, self.variants[1])
+        self.stats.reruns += 1
+
+    def result(self) -> tuple[Generation, SpeculativeStats]:
+        n = self.max_new_tokens
+        return (Generation(self.mine, [e[:n] for e in self.emitted],
+                           [lg[:n] for lg in self.logits]), self.stats)
