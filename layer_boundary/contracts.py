@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .layout import Layout, SumGroup
 from .runtime.forward_batch import BatchVariant
 
-__all__ = ["BatchVariant", "ProducerReduction", "StageKind", "Owed", "StageInput",
+__all__ = ["BatchVariant", "ProducerReduction", "StageKind", "Owed", "PathKey", "StageInput",
            "StageOutput", "StageDecl", "EdgeDecl", "UnsupportedBoundary"]
 
 
@@ -36,6 +37,14 @@ class StageKind(enum.Enum):
 
     ATTN = "attention"
     FFN = "ffn"
+
+
+class PathKey(NamedTuple):
+    """What a forward's placement selects a stage's path by: its batch variant and row mode,
+    as their plain values (a forward hashes it on every stage)."""
+
+    variant: str
+    mode: str
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The package imports only downward (checked on the source, so CI enforces it).
 
-The host runtime stands below the library and imports nothing from it but the table of
-combination rules (``capabilities``), which imports only the runtime; ``residual/`` never
+The host runtime stands below the library and imports nothing from it (the table of
+combination rules lives in ``runtime/``; ``capabilities`` above it only re-exports it), nor
+any third-party package but torch, numpy, safetensors and huggingface_hub; ``residual/`` never
 imports the stage layer; models use the public surface (the package root, the runtime,
 ``residual.batch`` and the residual protocols), never internals such as ``ops`` or ``output``;
 the engine (``engine/``: runner, command line, bench, generation drivers) stands on top, and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "layer_boundary"
 # below. Longest prefix wins.
 LEVELS = {
     "runtime": 0,
-    "capabilities": 0,  # the one table of combination rules: the runtime asks it too
+    "capabilities": 0,  # re-exports the table of combination rules, which the runtime holds
     "layout": 1, "contracts": 1, "ops": 1, "row_facts": 1, "primitives": 1,
     "output": 2, "residual": 2, "fusions": 2,
     "exit": 3, "prepare": 3, "boundary": 3, "construction": 3, "step": 3, "parallel_block": 3,
+    "row_modes": 3,  # which row mode a forward takes: construction's decision, beside it
     "stage": 4, "capture": 4, "stack": 4, "factories": 4, "adapters": 4,
     "": 5,  # the package root: the public surface
     "models": 6,
@@ -91,9 +94,8 @@ def test_imports_go_only_downward(module):
     for target in imports_of(module, MODULES[module]):
         assert level(target) <= mine, f"{module or 'layer_boundary'} (level {mine}) imports " \
                                       f"{target or 'layer_boundary'} (level {level(target)})"
-        if module.startswith("runtime"):  # below the library; the rules table is beside it
-            assert target.startswith("runtime") or target == "capabilities", \
-                f"runtime module {module} imports {target}"
+        if module.startswith("runtime"):  # below the library: nothing of it
+            assert _in_runtime(target), f"runtime module {module} imports {target}"
         if module == "capabilities":
             assert target.startswith("runtime."), f"capabilities imports {target}"
         if module.startswith("residual"):
@@ -108,6 +110,39 @@ def test_imports_go_only_downward(module):
 
 def _in_engine(module: str) -> bool:
     return module == "engine" or module.startswith("engine.")
+
+
+def _in_runtime(module: str) -> bool:
+    return module == "runtime" or module.startswith("runtime.")
+
+
+# what a runtime module may import besides the runtime itself: the runtime serves engines
+# that bring only these (and the standard library)
+RUNTIME_THIRD_PARTY = frozenset({"torch", "numpy", "safetensors", "huggingface_hub"})
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level names of the absolute imports in ``path``, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _in_runtime(m)))
+def test_the_runtime_imports_only_itself_torch_and_the_standard_library(module):
+    """A runtime module imports runtime modules, the standard library, torch, numpy,
+    safetensors and huggingface_hub: nothing of the library above it."""
+    path = MODULES[module]
+    for target in imports_of(module, path):
+        assert _in_runtime(target), f"runtime module {module} imports {target or 'the root'}"
+    allowed = set(sys.stdlib_module_names) | RUNTIME_THIRD_PARTY | {"__future__"}
+    outside = _top_level_imports(path) - allowed
+    # an absolute import of the package itself is checked above, as a package module
+    assert outside <= {"layer_boundary"}, f"runtime module {module} imports {sorted(outside)}"
 
 
 def test_the_engine_is_a_subpackage_at_the_top():
@@ -135,6 +170,9 @@ def test_the_check_sees_imports():
     assert level("runtime.linear") == 0 and level("models.qwen3") == 6 and level("") == 5
     assert "models.pipeline" in imports_of("models.base", MODULES["models.base"])
     assert "engine.generate" in imports_of("engine.runner", MODULES["engine.runner"])
+    # the runtime asks the rules table at its own level, not above it
+    assert "runtime.capabilities" in imports_of("runtime.args", MODULES["runtime.args"])
+    assert "torch" in _top_level_imports(MODULES["runtime.collectives"])
 
 
 def test_no_two_modules_import_each_other():

@@ -115,7 +115,7 @@ class ForwardState:
     stream: ResidualStream | None = None
     facts: object = None
     runtime: object = None  # the BoundaryRuntime that placed the facts
-    path_key: tuple = ()  # (batch variant, row mode): what the stages' plans select on
+    path_key: tuple = ()  # a contracts.PathKey (batch variant, row mode): what plans select on
     plain: bool = True
     segment: tuple | None = None
     moved: dict = field(default_factory=dict)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import check_runtime
+from .capabilities import check_runtime
 from .defaults import BOUNDARY_REDUCTIONS  # noqa: F401 - the choices, stated once there
 from .forward_batch import BatchVariant
 from .parallel import Parallel

@@ -4,7 +4,8 @@ Every collective of the package goes through here, so an observer (the ledger) s
 A size-1 group short-circuits without touching torch.distributed, and so does a collective
 whose every participant holds no rows (callers pass sizes every rank agrees on, so all skip
 together). Observers are told what a call logically moves: padded rows for fixed-size
-collectives, real rows for the variable-size ones, whatever gloo needs underneath.
+collectives, real rows for the variable-size ones, whatever gloo needs underneath. How gloo
+runs a movement fast (gathered sums, exchanged reduce-scatters, polled waits) is ``gloo``'s.
 
 The in-place ``torch.distributed`` calls trace under ``torch.compile(fullgraph=True)``; the
 one that does not (a reduce-scatter of uneven blocks) runs as a custom op while compiling.
@@ -14,12 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
+from . import gloo
 from .agreement import AGREEMENT
+from .gloo import complete as _complete
+# names callers and tests read here since before the tactics moved to ``gloo``
+from .gloo import GATHER_SUM_MAX_BYTES, MAX_POLLS, poll as _poll  # noqa: F401
 from .invariant import BATCH_INVARIANT
 from .ledger import active_observer
 from .parallel import Group, process_group
@@ -73,44 +77,7 @@ def _issue(call, polls: bool, *keep) -> None:
     if _synchronous():
         _complete(call, polls)
     else:
-        work = call(async_op=True)
-        _ISSUED.append((_Polled(work) if polls else work, keep))
-
-
-def _complete(call, polls: bool) -> None:
-    """Run a torch.distributed call (``call(async_op=...)``) to completion: where the group
-    ``polls``, issued asynchronously and polled (compiled graphs trace the plain call)."""
-    if polls and not torch.compiler.is_compiling():
-        _poll(call(async_op=True))
-    else:
-        call(async_op=False)
-
-
-# polls before a wait sleeps in torch's ``wait()`` after all: a collective here completes in
-# well under 10k polls (a poll is a sched_yield, about a microsecond on an idle core), so only
-# a stalled peer, or a work handle that never reports completion, reaches it
-MAX_POLLS = 1 << 15
-
-
-def _poll(work) -> None:
-    for _ in range(MAX_POLLS):
-        if work.is_completed():  # a failed collective completes too: wait() raises it
-            break
-        os.sched_yield()
-    work.wait()
-
-
-class _Polled:
-    """A work handle whose ``wait()`` polls (what ``issuing_async()`` hands back where the
-    group ``polls``)."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work) -> None:
-        self.work = work
-
-    def wait(self) -> None:
-        _poll(self.work)
+        _ISSUED.append((gloo.waitable(call(async_op=True), polls), keep))
 
 
 def _observe(kind: str, group: Group, numel: int, dtype, site: str | None,
@@ -140,22 +107,12 @@ def _agree(kind: str, group: Group, numel: int, dtype) -> None:
     AGREEMENT.compare(every.view(group.size, -1), mine, group)
 
 
-# gloo's all-reduce of a small tensor costs more than gathering every rank's tensor and
-# summing it here (this project's 2-core VM, fp32: at 2 ranks 1-256 KB took 0.3-0.7 of the
-# all-reduce's time, 1 MB 1.2x; at 4 ranks 1-16 KB 0.65-0.8, 256 KB even, 1 MB 1.5x; a tp-2
-# one-request decode step 0.75-0.85 of its time with every sum gathered). Up to this many
-# gathered bytes (group size x the tensor's), a sum on gloo runs as a gather.
-GATHER_SUM_MAX_BYTES = 1 << 19
-
-
 def sums_by_gather(x: torch.Tensor, group: Group) -> bool:
     """Whether ``all_reduce_rows`` sums ``x`` over ``group`` as an all-gather and a local sum:
-    on gloo, up to ``GATHER_SUM_MAX_BYTES`` gathered; NCCL's all-reduce is the one to use.
-    Batch-invariant (``runtime.invariant``): always, so each element's sum is the same
-    additions in group rank order whatever the tensor's size."""
-    return BATCH_INVARIANT.on or (
-        group.backend == "gloo"
-        and group.size * x.numel() * x.element_size() <= GATHER_SUM_MAX_BYTES)
+    where gloo gathers it faster (``gloo.gathers_small_sum``); NCCL's all-reduce is the one
+    to use. Batch-invariant (``runtime.invariant``): always, so each element's sum is the
+    same additions in group rank order whatever the tensor's size."""
+    return BATCH_INVARIANT.on or gloo.gathers_small_sum(x, group)
 
 
 def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> torch.Tensor:
@@ -171,10 +128,7 @@ def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> t
     if _synchronous() and sums_by_gather(x, group):
         _observe("all_reduce", group, x.numel(), x.dtype, site,
                  wire_numel=group.size * x.numel(), wire_kind="all_gather")
-        gathered = x.new_empty((group.size * x.numel(),))
-        _complete(lambda async_op: _all_gather_single(gathered, x.view(-1), group.pg,
-                                                      async_op), group.polls)
-        return torch.sum(gathered.view(group.size, *x.shape), dim=0, out=x)
+        return gloo.sum_by_gather(x, group, _all_gather_single)
     _observe("all_reduce", group, x.numel(), x.dtype, site)
     _issue(lambda async_op: dist.all_reduce(x, group=group.pg, async_op=async_op),
            group.polls, x)
@@ -183,12 +137,11 @@ def all_reduce_rows(x: torch.Tensor, group: Group, site: str | None = None) -> t
 
 def sums_by_exchange(group: Group) -> bool:
     """Whether a synchronous reduce-scatter over ``group`` runs as an all-to-all of the blocks
-    and a local sum of the blocks this rank receives, in group rank order: on gloo, whose own
-    reduce-scatter is an all-reduce of the whole tensor (twice the bytes) and whose work
-    handle cannot be polled; the exchange moves the ring figure and polls where the group
-    does. NCCL's reduce-scatter is the one to use. Batch-invariant: always (the sum of a
-    block in group rank order, as ``sums_by_gather``)."""
-    return BATCH_INVARIANT.on or group.backend == "gloo"
+    and a local sum of the blocks this rank receives, in group rank order: where gloo
+    exchanges it faster (``gloo.exchanges_reduce_scatter``); NCCL's reduce-scatter is the one
+    to use. Batch-invariant: always (the sum of a block in group rank order, as
+    ``sums_by_gather``)."""
+    return BATCH_INVARIANT.on or gloo.exchanges_reduce_scatter(group)
 
 
 def _sum_by_exchange(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
@@ -196,11 +149,7 @@ def _sum_by_exchange(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.T
     mine, width = sizes[group.rank], math.prod(x.shape[1:])
     _observe("reduce_scatter", group, x.numel(), x.dtype, None,
              wire_numel=(sum(sizes) - mine) * width, wire_kind="all_to_all")
-    received = x.new_empty((group.size * mine, *x.shape[1:]))
-    _complete(lambda async_op: dist.all_to_all_single(
-        received, x, output_split_sizes=[mine] * group.size, input_split_sizes=sizes,
-        group=group.pg, async_op=async_op), group.polls)
-    return torch.sum(received.view(group.size, mine, *x.shape[1:]), dim=0)
+    return gloo.sum_by_exchange(x, group, sizes)
 
 
 def _exchanges(group: Group) -> bool:

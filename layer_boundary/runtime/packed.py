@@ -4,19 +4,17 @@ A CPU matmul through ``F.linear`` (MKL) re-packs the weight panel on every call;
 counts of decoding and of short prefills that packing costs as much as the product, and the
 weights stream from memory twice. Engines that serve on CPUs pack each weight once in the
 layout the matmul kernel reads (oneDNN's reordered weights, as inductor's freezing pass and
-the CPU backends of serving engines do). Measured on this project's 2-core VM (hidden 1024,
-eight distinct weights a pass so they come from memory): a packed fp32 linear took 0.41-0.54
-of MKL's time at 16 rows, 0.57-0.81 at 64 and 0.73-0.88 at 256.
+the CPU backends of serving engines do); a packed linear ran faster at each row count
+measured, 16 to 256 (docs/benchmarks.md, "Figures behind the runtime's choices").
 
 A single row is a matrix-vector product, which the layout laid out for 16 rows serves no
 better than MKL. There the lever is the plain weight's own layout: MKL reads a weight stored
 [in, out] row-major (``weight.t()`` contiguous) as a plain product and streams it, where the
 usual [out, in] storage takes its transposed path. For a wide weight (more outputs than
-inputs) the transposed storage ran a one-row step's matmuls in 0.65 of MKL's time at hidden
-256 and 0.79-0.85 at hidden 1024 (tp 1 and tp 4 shards, every layer's weights in turn, so
-they come from memory), 0.85 on hidden-256 tp-2 shards that stay in cache; for a narrow
-weight (fewer outputs, such as ``down_proj``) it was slower, so those stay as they are.
-oneDNN's product on the plain weight, tried before, was no better at one row overall.
+inputs) the transposed storage ran a one-row step's matmuls faster, from memory and from
+cache alike; for a narrow weight (fewer outputs, such as ``down_proj``) it was slower, so
+those stay as they are. oneDNN's product on the plain weight, tried before, was no better at
+one row overall (the figures: docs/benchmarks.md).
 
 Decided at construction: ``pack_linears(model)`` (called by ``models.load_model`` once the
 weights are in), for each tensor-parallel linear and LM head whose weight lives on the CPU in
@@ -43,8 +41,7 @@ from .invariant import BATCH_INVARIANT
 
 ROWS_HINT = 16  # the row count oneDNN lays the weight out for; any row count runs on it
 # oneDNN's fixed work per call is about what MKL's whole product costs for a small weight
-# (256x256 at 16 rows: 0.98 of MKL's time packed, at 4 rows 1.28): only weights of more than
-# this many elements are packed
+# (docs/benchmarks.md): only weights of more than this many elements are packed
 PACK_MIN = 1 << 16
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

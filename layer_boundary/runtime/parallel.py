@@ -11,11 +11,12 @@ group in the same order, once, here; nothing else in the package creates groups.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+# ranks_fit_cores: read here since before it moved to ``gloo``
+from .gloo import ranks_fit_cores, waits_by_polling  # noqa: F401
 from .launch import collective_timeout
 
 
@@ -82,30 +83,13 @@ class Group:
     def polls(self) -> bool:
         """Whether this rank waits for the group's collectives by polling them, yielding the
         CPU between polls, rather than sleeping in torch's ``wait()``: on gloo, where this
-        host has a core for each of its ranks (``ranks_fit_cores``), so a waiting rank's
-        poll takes no core another rank's compute needs for long. Decided once."""
-        return self.backend == "gloo" and ranks_fit_cores()
+        host has a core for each of its ranks (``gloo.waits_by_polling``). Decided once."""
+        return waits_by_polling(self.backend)
 
     @property
     def key(self) -> str:
         """Names this group among all groups of the world (for ``process_group``)."""
         return f"{self.name}:{','.join(map(str, self.ranks))}"
-
-
-def ranks_fit_cores() -> bool:
-    """Whether this host's ranks (``LOCAL_WORLD_SIZE``, which torchrun and our spawner set;
-    else the world) fit the cores this process may run on.
-
-    A gloo collective that sleeps in ``wait()`` hands its wake-up to the scheduler, which on
-    a virtual machine costs a halted vCPU's wake. Measured on this project's 2-core VM, 2
-    ranks, 17 sums of 256 KB between compute: 1.1-1.4 ms a sum sleeping, 0.5-0.8 polling,
-    and polling still ahead with two compute threads a rank (the poll yields to them). Four
-    ranks on the 2 cores also polled faster when every rank computed alike; but where ranks
-    outnumber cores, a rank waiting on another's longer work (a later pipeline stage) would
-    keep taking turns on the core that work needs, so there they sleep."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return local <= (cores or 1)
 
 
 # torch process groups by Group.key: code that can carry only strings (a custom op traced by
