@@ -25,7 +25,7 @@ from .gloo import complete as _complete
 # names callers and tests read here since before the tactics moved to ``gloo``
 from .gloo import GATHER_SUM_MAX_BYTES, MAX_POLLS, poll as _poll  # noqa: F401
 from .invariant import BATCH_INVARIANT
-from .ledger import active_observer
+from .ledger import active_observer, declares_wire
 from .parallel import Group, process_group
 
 # Work handles of the collectives issued inside ``issuing_async()`` (None outside it)
@@ -88,7 +88,7 @@ def _observe(kind: str, group: Group, numel: int, dtype, site: str | None,
     observer = active_observer()
     if observer is None:
         return
-    if wire_numel is not None and "records_wire" in type(observer).__dict__:
+    if wire_numel is not None and declares_wire(observer):
         observer.collective(kind, group, numel, dtype, site, wire_numel=wire_numel,
                             wire_kind=wire_kind)
     else:

@@ -24,7 +24,13 @@ import torch
 
 class Observer(Protocol):
     """What watches a forward's collectives (the ledger, traces): ``enter(site)`` as a
-    boundary call starts, ``collective(kind, group, numel, dtype, site)`` for each one."""
+    boundary call starts, ``collective(kind, group, numel, dtype, site)`` for each one.
+
+    ``records_wire``: it takes what the backend moves too (``collective(..., wire_numel=,
+    wire_kind=)``); declared on the observer's own class (``declares_wire``), never inherited
+    by a subclass whose ``collective`` may take five arguments only."""
+
+    records_wire: bool
 
     def enter(self, site: str) -> None: ...
 
@@ -44,6 +50,11 @@ class _Hook:
 
 
 HOOK = _Hook()
+
+
+def declares_wire(observer) -> bool:
+    """Whether ``observer``'s own class declares ``records_wire``."""
+    return type(observer).__dict__.get("records_wire", False) is True
 
 
 def active_observer() -> Observer | None:
