@@ -253,6 +253,7 @@ class _Watch:
         self.timeout_s, self.silent_s, self.start_timeout_s = timeout_s, silent_s, start_timeout_s
         self.start = time.monotonic()
         self.beats: dict[int, float] = {}  # rank -> last heartbeat (from its first one on)
+        self.first_beats: dict[int, float] = {}  # rank -> when its first heartbeat arrived
         self.stopped: dict[int, float] = {}  # rank -> when the OS first reported it stopped
         self.results: dict[int, object] = {}
         self.errors: list = []
@@ -268,6 +269,7 @@ class _Watch:
             while conn.poll():
                 status, payload = pickle.loads(conn.recv_bytes())
                 self.beats[rank] = time.monotonic()
+                self.first_beats.setdefault(rank, self.beats[rank])
                 if status == "ok":
                     self.results[rank] = pickle.loads(payload)
                 elif status == "error":
@@ -292,12 +294,19 @@ class _Watch:
                         f"{state})")
         else:
             self.stopped.pop(rank, None)
-        last = self.beats.get(rank)
-        if last is None:
-            if now - self.start > self.start_timeout_s:
-                return f"rank {rank} did not start within {self.start_timeout_s:.0f} s"
-        elif now - last > self.silent_s:
+        last = self.beats.get(rank)  # None: not started yet (``_started_late`` judges that)
+        if last is not None and now - last > self.silent_s:
             return f"rank {rank} stopped responding (no heartbeat for {self.silent_s:.0f} s)"
+        return None
+
+    def _started_late(self, now: float) -> str | None:
+        """The first rank whose first heartbeat arrived (or has not, by ``now``) later than
+        the start window after the spawn, done since or not: a rank that ran its whole job
+        before the spawner read its pipe still started when its first message arrived."""
+        for rank in range(len(self.procs)):
+            first = self.first_beats.get(rank, now)
+            if first - self.start > self.start_timeout_s:
+                return f"rank {rank} did not start within {self.start_timeout_s:.0f} s"
         return None
 
     def collect(self) -> list:
@@ -326,6 +335,7 @@ class _Watch:
                         continue
                     self.closed.add(rank)
                 lost = lost or self._lost(rank, now)
+            lost = lost or self._started_late(now)
             if self.rendezvous:
                 rank = min(self.rendezvous)
                 raise _RendezvousFailed(rank, self.rendezvous[rank].splitlines()[0])
