@@ -303,6 +303,10 @@ class StageBoundary:
         if self.is_attention:
             raise RuntimeError(f"postprocess() is for FFN stages; stage {self.name} publishes "
                                "with finish() or exit()")
+        if self.declaration.parallel:
+            raise RuntimeError(f"stage {self.name} is a parallel block's FFN: its sum also "
+                               "completes the attention's partial, so it publishes through "
+                               "exit(), not postprocess()")
         stream, step, facts = self._turn_taken(forward_batch, "postprocess()")
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError("postprocess() takes the complete compute output tensor, got "

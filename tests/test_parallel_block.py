@@ -180,6 +180,18 @@ def test_a_sequence_parallel_runtime_is_refused_by_name():
             _stack(rt, declare_attn(), declare_ffn(parallel=True))
 
 
+def test_a_parallel_ffn_refuses_postprocess_before_anything_changes():
+    rt = runtime()
+    layers, _ = build(rt, two_norms=False)
+    b = DpBatch((4,), rt)
+    residual_batch.start(b.fb)
+    layer = layers[0]
+    h = layer.attn.finish(layer.attn_c(layer.attn.prepare(seeded((4, HIDDEN), 1), b.fb)), b.fb)
+    x = layer.ffn.prepare(h, b.fb)
+    with pytest.raises(RuntimeError, match="parallel block's FFN: its sum also completes"):
+        layer.ffn.postprocess(layer.ffn_c(x), b.fb)
+
+
 @pytest.mark.parametrize("kwargs", [dict(sparse=True), dict(sequence_parallel=True)])
 def test_a_parallel_ffn_is_a_dense_scoped_one(kwargs):
     with pytest.raises(ValueError, match="parallel=True is for a dense SCOPED FFN"):
