@@ -98,6 +98,15 @@ def test_a_job_larger_than_the_machine_is_refused_with_both_figures(qwen3_dir, c
     assert "per rank (parameters " in err and "this machine has 104.9 KB available" in err
 
 
+@pytest.mark.parametrize("value", ["abc", "inf", "nan", "-1", "0"])
+def test_a_memory_budget_that_is_no_positive_number_is_named(qwen3_dir, capsys, restore_logger,
+                                                             monkeypatch, value):
+    monkeypatch.setenv("LAYER_BOUNDARY_MEMORY_GB", value)
+    err = _one_line_error(capsys, ["--model", qwen3_dir],
+                          f"LAYER_BOUNDARY_MEMORY_GB={value!r} must be a positive, finite")
+    assert "Traceback" not in err
+
+
 def test_plan_prints_the_estimate(qwen3_dir, capsys, restore_logger):
     assert main(["plan", "--model", str(qwen3_dir), "--tp", "2", "--json"]) == 0
     memory = json.loads(capsys.readouterr().out)["memory"]

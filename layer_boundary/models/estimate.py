@@ -205,6 +205,25 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+MEMORY_ENV = "LAYER_BOUNDARY_MEMORY_GB"
+
+
+def memory_override() -> int | None:
+    """The bytes ``LAYER_BOUNDARY_MEMORY_GB`` grants (None: unset), refused by name unless it
+    is a positive, finite number of gigabytes."""
+    raw = os.environ.get(MEMORY_ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{MEMORY_ENV}={raw!r} must be a positive, finite number of "
+                         "gigabytes (the memory a job may use on this machine)")
+    return int(value * GB)
+
+
 def check_fits(estimate: MemoryEstimate, available: int | None = None) -> None:
     """Refuse, naming both figures, an estimate over the memory this machine has.
 
@@ -213,9 +232,9 @@ def check_fits(estimate: MemoryEstimate, available: int | None = None) -> None:
         available: bytes to compare with (default: ``available_memory()``; None: unknown,
             nothing refused). ``LAYER_BOUNDARY_MEMORY_GB`` overrides it (a test's budget).
     """
-    override = os.environ.get("LAYER_BOUNDARY_MEMORY_GB")
-    if override:
-        available = int(float(override) * GB)
+    override = memory_override()
+    if override is not None:
+        available = override
     elif available is None:
         available = available_memory()
     if available is not None and estimate.total > available:
