@@ -92,11 +92,49 @@ MLA = {f: POSITIVE_INT for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_di
                                  "qk_rope_head_dim", "v_head_dim")}
 
 
+# sizes every architecture shares, bounded where a tensor index (int64 elements, int32 in
+# kernels) still holds them: beyond, a config is refused by name before any arithmetic
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim")
+MAX_SIZE = 2 ** 31 - 1
+FRACTION = Check(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+# what a rope dict (rope_parameters / rope_scaling, or one of them per layer type) may say
+ROPE_FIELDS = {"rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": FRACTION,
+               "factor": POSITIVE_NUMBER}
+
+
+def validate_shared(cfg: dict) -> None:
+    """The fields every architecture shares, checked once for all (whether or not a model
+    reads them): the rope's theta, rotary fraction and scaling factor at the top level and in
+    its rope dicts, and the size fields' bound."""
+    for field in ("rope_theta", "partial_rotary_factor"):
+        if cfg.get(field) is not None and not ROPE_FIELDS[field].ok(cfg[field]):
+            raise CheckpointError(f"config.json field {field} must be "
+                                  f"{ROPE_FIELDS[field].what}, got {cfg[field]!r}")
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(name)
+        if not isinstance(rope, dict):
+            continue
+        nested = [(f"{name}.{k}", v) for k, v in rope.items() if isinstance(v, dict)]
+        for where, part in nested or [(name, rope)]:
+            for field, check in ROPE_FIELDS.items():
+                if part.get(field) is not None and not check.ok(part[field]):
+                    raise CheckpointError(f"config.json {where}.{field} must be "
+                                          f"{check.what}, got {part[field]!r}")
+    for field in SIZES:
+        value = cfg.get(field)
+        if _is_int(value) and value > MAX_SIZE:
+            raise CheckpointError(f"config.json field {field}={value} is beyond any model "
+                                  f"this package runs (at most {MAX_SIZE:,})")
+
+
 def validate(cfg: dict, fields: dict, *, experts: tuple = (), top_k: tuple = (),
              extra_experts: str | None = None) -> None:
-    """Check every declared field ``cfg`` sets; then that the experts chosen per token fit
-    the experts there are (``experts``/``top_k``: the names the architecture may use;
-    ``extra_experts``: a field counting experts chosen beside them, LongCat's identity ones)."""
+    """Check the fields every architecture shares (``validate_shared``), then every declared
+    field ``cfg`` sets; then that the experts chosen per token fit the experts there are
+    (``experts``/``top_k``: the names the architecture may use; ``extra_experts``: a field
+    counting experts chosen beside them, LongCat's identity ones)."""
+    validate_shared(cfg)
     for field, check in fields.items():
         if cfg.get(field) is not None and not check.ok(cfg[field]):
             raise CheckpointError(f"config.json field {field} must be {check.what}, got "

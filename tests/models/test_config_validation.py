@@ -4,6 +4,7 @@ the field: never a traceback, never a silent misread."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -60,3 +61,36 @@ def test_an_unwritable_logits_out_is_refused_before_the_run(dirs, tmp_path, caps
                  "--logits-out", str(tmp_path / "missing" / "logits.safetensors")])
     assert code == 2
     assert "--logits-out" in capsys.readouterr().err
+
+
+# the shared fields' hostile values: each architecture goes through the same check
+SHARED_HOSTILE = [
+    ({"rope_theta": -1.0}, "field rope_theta must be a positive number, got -1.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}},
+     "rope_parameters.rope_theta must be a positive number, got -1.0"),
+    ({"partial_rotary_factor": 2.0}, "field partial_rotary_factor must be a number in (0, 1]"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                          "partial_rotary_factor": 0}},
+     "rope_parameters.partial_rotary_factor must be a number in (0, 1], got 0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}},
+     "rope_scaling.factor must be a positive number, got -2.0"),
+    ({"vocab_size": 2 ** 63}, "field vocab_size=9223372036854775808 is beyond any model"),
+]
+
+
+@pytest.mark.parametrize("fields,message", SHARED_HOSTILE,
+                         ids=["theta", "dict-theta", "fraction", "dict-fraction", "factor",
+                              "vocab"])
+def test_every_architecture_refuses_the_shared_fields_hostile_values(fields, message):
+    """Every architecture of tests/model_configs.py, from its tiny transformers config with
+    the hostile value put in: the one shared check names it (glm4_moe, deepseek_v2 and
+    minimax_m2 ran a negative top-level theta; every model a negative one in its rope dict)."""
+    import transformers
+    from model_configs import CONFIGS
+
+    from layer_boundary.models.registry import model_class
+
+    for model_type, (cls_name, tiny) in CONFIGS.items():
+        raw = {**getattr(transformers, cls_name)(**tiny).to_dict(), **fields}
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            model_class(model_type).config_class.validate(raw)

@@ -70,7 +70,7 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 2, "long_factor": [2.0] 
     ({"partial_rotary_factor": 0.1, "rope_parameters": {"rope_theta": 1e4}},
      r"partial_rotary_factor=0.1 rotates 0 of head_dim=8 dims"),
     ({"partial_rotary_factor": 1.5, "rope_parameters": {"rope_theta": 1e4}},
-     r"partial_rotary_factor=1.5 rotates 12"),
+     r"partial_rotary_factor must be a number in \(0, 1\], got 1.5"),
     ({"sliding_window": 0}, "sliding_window must be a positive integer"),
     ({"hidden_act": "gelu_new"}, "hidden_act 'gelu_new' is not supported"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config is not supported"),
