@@ -53,6 +53,16 @@ def test_engine_names_mean_ours(theirs, ours):
     assert (a.tp, a.dp, a.pp, a.ep) == (b.tp, b.dp, b.pp, b.ep)
 
 
+@pytest.mark.parametrize("flags", [["--data-parallel-size", "1"], ["--dp-size", "1"]])
+def test_one_replica_is_the_no_op_it_says(qwen3_dir, flags):
+    """vLLM's --data-parallel-size 1 and SGLang's --dp-size 1 (without dp attention) name the
+    one engine this runs: accepted, and the topology is the one without them."""
+    base = ["run", "--model", str(qwen3_dir), "--tp", "2", "--dp", "1"]
+    plain = spec_from_args(build_parser().parse_args(base))
+    spec = spec_from_args(build_parser().parse_args([*base, *flags]))
+    assert (spec.tp, spec.dp) == (plain.tp, plain.dp) == (2, 1)
+
+
 def test_expert_parallel_names(qwen3_moe_dir, qwen3_dir):
     moe = ["run", "--model", str(qwen3_moe_dir), "--tp", "2"]
     assert spec_from_args(build_parser().parse_args([*moe, "--ep-size", "2"])).ep == 2

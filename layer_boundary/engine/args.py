@@ -301,7 +301,8 @@ def _topology_args(parser) -> None:
     parser.add_argument("--enable-dp-attention", action="store_true",
                         help="SGLang's switch: --dp-size is attention data parallelism")
     parser.add_argument("--data-parallel-size", type=_positive, default=None,
-                        help="vLLM's engine replicas: refused, this runs one engine (see --dp)")
+                        help="vLLM's engine replicas: this runs one engine, so only 1 (a no-op) "
+                             "is accepted (see --dp)")
     parser.add_argument("--ep", "--ep-size", dest="ep", type=_positive, default=None,
                         help="expert parallelism of MoE layers over the TP ranks (dividing "
                              "tp; default 1)")
@@ -336,11 +337,14 @@ def _variant_args(parser) -> None:
 def engine_names(args) -> None:
     """Resolve the parallelism flags engine users type (vLLM's and SGLang's names) onto ours,
     in place, or refuse by name where the meaning differs."""
-    if getattr(args, "data_parallel_size", None) is not None:
+    # one engine replica is what this runs: vLLM's and SGLang's replica counts of 1 are no-ops
+    if getattr(args, "data_parallel_size", None) not in (None, 1):
         raise UsageError("--data-parallel-size is vLLM's number of engine replicas; this "
                          "runs one engine. Attention data parallelism inside the TP group is "
                          "--dp N (SGLang: --enable-dp-attention --dp-size N)")
     dp_size = getattr(args, "dp_size", None)
+    if dp_size == 1 and not getattr(args, "enable_dp_attention", False):
+        dp_size = None  # SGLang's one data-parallel replica
     if dp_size is not None:
         if not args.enable_dp_attention:
             raise UsageError("--dp-size without --enable-dp-attention is SGLang's number of "
