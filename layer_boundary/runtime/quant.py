@@ -107,15 +107,20 @@ def check_scale_dtype(dtype, name: str) -> None:
 
 
 def check_scale_values(scale_inv: torch.Tensor, name: str) -> None:
-    """Block scales a quantizer writes (amax / 448 of a block: positive and finite), or the
-    error naming the tensor: a zero, negative or non-finite scale would give wrong weights
-    that still load."""
+    """Block scales a quantizer writes (amax / 448 of a block: positive normal floats), or
+    the error naming the tensor: a zero, negative, subnormal (1e-45 in fp32: its block's
+    weights vanish) or non-finite scale would give wrong weights that still load."""
     scale = scale_inv.float()
     if not bool(torch.isfinite(scale).all()):
         raise ValueError(f"{name}.weight_scale_inv holds non-finite values (NaN or Inf)")
     if scale.numel() and float(scale.min()) <= 0:
         raise ValueError(f"{name}.weight_scale_inv holds a scale <= 0 ({float(scale.min())}); "
                          "FP8 block scales are positive")
+    tiny = torch.finfo(scale_inv.dtype).tiny  # the smallest normal number of its own dtype
+    if scale.numel() and float(scale.min()) < tiny:
+        raise ValueError(f"{name}.weight_scale_inv holds a subnormal scale "
+                         f"({float(scale.min()):.3g}, below {scale_inv.dtype}'s smallest "
+                         f"normal {tiny:.3g}); FP8 block scales are positive normal numbers")
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

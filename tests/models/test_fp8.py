@@ -132,8 +132,10 @@ def broken(fp8_dirs, tmp_path_factory) -> dict[str, str]:
     nan = scale.clone()
     nan[1, 2] = float("nan")
     # values no quantizer writes: each loads as a weight of wrong numbers unless refused
+    subnormal = scale.clone()
+    subnormal[0, 1] = 1e-45  # positive, but below fp32's smallest normal: its block vanishes
     values = {"int_scales": (scale * 1e4).to(torch.int32), "zero_scales": torch.zeros_like(scale),
-              "negative_scales": -scale, "nan_scales": nan}
+              "negative_scales": -scale, "nan_scales": nan, "subnormal_scales": subnormal}
     return {"scales": variant("scales", bad_scales, cfg),
             "unscaled": variant("unscaled", unscaled, cfg),
             "no_config": variant("no_config", tensors, no_config),
@@ -157,7 +159,10 @@ def broken(fp8_dirs, tmp_path_factory) -> dict[str, str]:
     ("negative_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv holds "
                         "a scale <= 0 (-"),
     ("nan_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv holds "
-                   "non-finite values (NaN or Inf)")])
+                   "non-finite values (NaN or Inf)"),
+    ("subnormal_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv "
+                         "holds a subnormal scale (1.4e-45, below torch.float32's smallest "
+                         "normal 1.18e-38)")])
 def test_bad_quantized_input_is_a_one_line_error(broken, case, message, capsys, restore_logger):
     assert main(["run", "--model", broken[case], "--tp", "1", "--no-reference"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -165,7 +170,8 @@ def test_bad_quantized_input_is_a_one_line_error(broken, case, message, capsys, 
     assert message in err[0], err
 
 
-@pytest.mark.parametrize("case", ["int_scales", "zero_scales", "negative_scales", "nan_scales"])
+@pytest.mark.parametrize("case", ["int_scales", "zero_scales", "negative_scales", "nan_scales",
+                                  "subnormal_scales"])
 def test_a_reader_that_skips_the_header_check_refuses_the_scales_too(broken, case):
     """``dequantized()`` (what every rank and the NextN draft load through) checks the scales it
     reads: the header check before the ranks is not the only guard."""
