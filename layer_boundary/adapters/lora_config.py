@@ -170,6 +170,12 @@ def read_config(folder: Path, label: str, model_type: str | None) -> tuple[Adapt
         raise bad("lora_alpha", "a finite number")
     if not isinstance(cfg.get("use_rslora", False), bool):
         raise bad("use_rslora", "true or false")
+    # inert in a forward that does not train, but peft builds torch.nn.Dropout(lora_dropout),
+    # which refuses anything but a probability: so does loading it here
+    dropout = cfg.get("lora_dropout", 0.0)
+    if not (_number(dropout) and 0 <= dropout <= 1):
+        raise bad("lora_dropout", "a probability between 0 and 1 (peft builds a "
+                                  "torch.nn.Dropout of it)")
     targets = cfg.get("target_modules")
     if targets is None:
         if model_type not in _DEFAULT_TARGETS:

@@ -171,6 +171,13 @@ CONFIG_REFUSALS = [
                                                       "got nan"),
     ("str-alpha", {"lora_alpha": "8"}, None, "lora_alpha must be a finite number, got '8'"),
     ("zero-r", {"r": 0}, None, "r must be a positive integer, got 0"),
+    # peft's LoraConfig takes them; its model refuses them building torch.nn.Dropout
+    ("dropout-1.5", {"lora_dropout": 1.5}, None, "lora_dropout must be a probability between "
+                                                 "0 and 1 (peft builds a torch.nn.Dropout of "
+                                                 "it), got 1.5"),
+    ("dropout-str", {"lora_dropout": "x"}, None, "lora_dropout must be a probability between "
+                                                 "0 and 1 (peft builds a torch.nn.Dropout of "
+                                                 "it), got 'x'"),
     ("regex-layers", {"target_modules": ".*q_proj", "layers_to_transform": [0]}, None,
      "layers_to_transform cannot be used when target_modules is a str"),
     ("pattern-alone", {"layers_pattern": "layers"}, None,
