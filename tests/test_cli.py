@@ -200,8 +200,9 @@ def test_json_report_has_the_documented_shape_and_passes_parity(default_json, bu
 
     parity = report["parity"]
     assert set(parity) == {"tokens_match", "max_abs_diff", "non_finite", "logit_scale",
-                           "tolerance"}
+                           "tolerance", "tolerance_kind"}
     assert parity["non_finite"] == [] and parity["tolerance"] >= 1e-5
+    assert parity["tolerance_kind"] == "absolute"  # fp32, no quantized reads
     assert parity["tokens_match"] is True
     assert isinstance(parity["max_abs_diff"], float)
     assert 0.0 <= parity["max_abs_diff"] <= 1e-5

@@ -129,3 +129,18 @@ def test_bf16_passes_and_a_corrupted_shard_fails(qwen3_dir):
     assert ok, verdict
     ok, verdict = _verdict(spec, get_pool(4).run(corrupted_rank_run, spec, 1, 1.0))
     assert not ok, verdict
+
+
+def test_the_verdict_records_the_bound_that_judged_it():
+    """A bf16 run's tolerance is its prefill bound, not the fp32 figure; an FP8 run's too."""
+    from layer_boundary.engine.parity import BF16_PREFILL_BOUND, FP8_PREFILL_BOUND
+
+    run = gen([[[4.0, 1.0], [3.0, 2.0]]])
+    for dtype, quantized, bound in (("bfloat16", False, BF16_PREFILL_BOUND),
+                                    ("float32", True, FP8_PREFILL_BOUND)):
+        verdict = parity(run, run)
+        assert verdict_ok(verdict, dtype, run, run, quantized=quantized)[0]
+        assert (verdict["tolerance"], verdict["tolerance_kind"]) == (bound, "prefill_relative")
+    verdict = parity(run, run)
+    assert verdict_ok(verdict, "float32", run, run)[0]
+    assert (verdict["tolerance"], verdict["tolerance_kind"]) == (1e-5 * 4.0, "absolute")

@@ -62,13 +62,20 @@ class Outcome:
     ok: bool
 
 
+def reads_quantized(spec) -> bool:
+    """Whether ``spec``'s model reads FP8-quantized inputs (an FP8 checkpoint)."""
+    checkpoint = spec.checkpoint
+    return checkpoint is not None and getattr(checkpoint.config, "fp8_block", None) is not None
+
+
 def judge(spec, results, reference) -> Outcome:
     from .parity import parity, verdict_ok
     from .runner import merge
 
     run = merge(results)
     verdict = parity(run, reference) if reference is not None else None
-    ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference)
+    ok, how = (True, "") if verdict is None else verdict_ok(verdict, spec.dtype, run, reference,
+                                                            quantized=reads_quantized(spec))
     invariance = invariance_check(run, results) if spec.batch_invariant else None
     audited = audit_summary(results)
     ok = ok and (invariance is None or invariance["ok"]) and not audited["violations"]

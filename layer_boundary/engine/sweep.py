@@ -160,6 +160,7 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
     from ..models.tiny import builtin_checkpoint
     from .args import build_parser
     from .parity import parity, verdict_ok
+    from .report import reads_quantized
     from .report import audit_summary
     from .run_command import reference_run
     from .runner import merge
@@ -197,7 +198,8 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
             continue
         run = merge(results)
         verdict = parity(run, references[asked])
-        ok, how = verdict_ok(verdict, spec.dtype, run, references[asked])
+        ok, how = verdict_ok(verdict, spec.dtype, run, references[asked],
+                             quantized=reads_quantized(spec))
         audited = audit_summary(results)
         once = ("not audited: " + audited["why"] if not audited["audited"] else
                 "PASS" if not audited["violations"] else "; ".join(audited["violations"][:3]))
