@@ -630,3 +630,22 @@ def test_run_leaves_no_process_behind_in_its_process_group(qwen3_dir):
     assert out[0] == "rc=0", out
     left = [line for line in out[1:] if "bash -c" not in line and "ps -o" not in line]
     assert left == [], f"left behind in the run's process group: {left}"
+
+
+@pytest.mark.parametrize("argv,code,message", [
+    (["run", "--tp", "3", "--dp", "2", "--json"], 2, "dp"),  # a topology refused by name
+    (["run", "--tp", "two", "--json"], 2, "the arguments were refused"),  # argparse's refusal
+])
+def test_json_prints_one_object_for_a_refused_job(argv, code, message, capsys, restore_logger):
+    """Under --json every outcome is one JSON object on stdout: a named error too (it printed
+    nothing there), with its exit code; the one-line error stays on stderr."""
+    try:
+        got = main(argv)
+    except SystemExit as exc:
+        got = exc.code
+    assert got == code
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
+    assert record["verdict"] == "ERROR" and record["exit_code"] == code
+    assert message in record["error"], record
+    assert captured.err.strip()

@@ -139,15 +139,19 @@ def test_bench_prints_the_spread_and_warns_within_noise(capsys, monkeypatch):
 def test_the_json_verdict_is_the_exit_status(qwen3_dir, capsys, monkeypatch, restore_logger):
     """``run --json`` leads with its verdict and the reason: NOT_CHECKED without a reference,
     FAIL (exit 1) where parity fails, as the text report and the exit status say."""
-    from layer_boundary.engine import parity
+    import importlib
+
     from layer_boundary.engine.cli import main
+
+    # the module (the package's lazy ``parity`` name is the function)
+    parity = importlib.import_module("layer_boundary.engine.parity")
 
     args = ["run", "--model", str(qwen3_dir), "--tp", "1", "--dp", "1", "--json",
             "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
     report = json.loads(cli_ok([*args, "--no-reference"], capsys).strip().splitlines()[-1])
     assert (report["verdict"], report["reason"]) == ("NOT_CHECKED",
                                                      "--no-reference: nothing compared")
-    monkeypatch.setattr(parity, "verdict_ok", lambda *a: (False, "forced by the test"))
+    monkeypatch.setattr(parity, "verdict_ok", lambda *a, **k: (False, "forced by the test"))
     assert main([*args, "--tbo", "always"]) == 1  # a split run has a world-1 reference
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["verdict"] == "FAIL" and report["reason"].endswith(", forced by the test")

@@ -9,6 +9,7 @@ logging.
 from __future__ import annotations
 
 import logging
+import json
 import sys
 
 # only what parsing needs: a command imports torch and the package when it runs, so --help
@@ -54,8 +55,22 @@ def _stop_helpers() -> None:
                 pass
 
 
+def _json_outcome(verdict: str, message: str, code: int) -> None:
+    """``--json``'s one object for an outcome without a report (a refused argument, a named
+    error, a failed or stopped job): what a script reads on stdout whatever happened."""
+    print(json.dumps({"verdict": verdict, "error": message, "exit_code": code}), flush=True)
+
+
 def _main(argv) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse refused the arguments (its message is on stderr)
+        if exc.code == 2 and "--json" in argv:
+            _json_outcome("ERROR", "the arguments were refused (argparse's message is on "
+                                   "stderr)", 2)
+        raise
+    as_json = bool(getattr(args, "json", False))
     set_level(getattr(args, "log_level", "info"))
     if getattr(args, "fusion_provider", None) == "triton":
         # without CUDA the kernels run under the interpreter, chosen before anything imports
@@ -89,15 +104,21 @@ def _main(argv) -> int:
             return cmd_bench(args)
     except (CheckpointError, TopologyError, UnsupportedBoundary, UsageError, ValueError) as exc:
         print(f"layer-boundary: error: {exc}", file=sys.stderr)
+        if as_json:
+            _json_outcome("ERROR", str(exc), 2)
         return 2
     except RankError as exc:  # a rank crashed, died or fell silent: the job is over
         hint = (" (a rank that imports or loads slowly: --start-timeout SECONDS widens the "
                 "start-up window)" if "did not start within" in str(exc) else "")
         print(f"layer-boundary: error: {exc}{hint}", file=sys.stderr)
+        if as_json:
+            _json_outcome("ERROR", f"{exc}{hint}", 1)
         return 1
     except Stopped as exc:  # SIGTERM: the spawner has stopped the ranks on the way out
-        print(f"layer-boundary: stopped by {exc.signal}; every rank it started is stopped",
-              file=sys.stderr)
+        message = f"stopped by {exc.signal}; every rank it started is stopped"
+        print(f"layer-boundary: {message}", file=sys.stderr)
+        if as_json:
+            _json_outcome("STOPPED", message, exc.code)
         return exc.code
     return 0
 
