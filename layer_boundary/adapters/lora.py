@@ -155,6 +155,12 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
             if module is None:
                 unprefixed.append(key)
                 continue
+            if module.endswith(".base_layer"):
+                # peft loads it over the base model's own weight (for every request, the
+                # adapter's or not): a wrong number if skipped, and no per-request adapter
+                raise LoraError(f"{label}: tensor {key} is a base-layer weight, which peft "
+                                "loads over the base model's; adapters here leave the base "
+                                "model as it is (not supported)")
             if not config.targets_module(module):
                 dropped.add(module)
                 continue

@@ -192,6 +192,11 @@ CONFIG_REFUSALS = [
      "adapter_config.json targets none of the modules whose weights {file} holds"),
     ("no-peft-type", {"peft_type": None}, None,
      "{dir}/adapter_config.json has no peft_type (peft reads the adapter type there)"),
+    ("base-layer", {}, lambda w: {**w, f"base_model.model.{Q0}.base_layer.weight":
+                                  torch.zeros(64, 64)},
+     f"tensor base_model.model.{Q0}.base_layer.weight is a base-layer weight, which peft "
+     "loads over the base model's; adapters here leave the base model as it is (not "
+     "supported)"),
     ("int32", {}, _set(f"{Q0}.lora_A.weight", lambda t: (t * 100).to(torch.int32)),
      f"{Q0} lora_A is I32; LoRA weights must be floating point (F16, BF16, F32, F64)"),
     ("nan", {}, _set(f"{D1}.lora_B.weight", lambda t: t.index_fill(0, torch.tensor([3]),
