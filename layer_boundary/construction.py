@@ -21,8 +21,7 @@ from .layout import Layouts, RowMode, SumGroup, TokenAxis, sum_group
 from .ops import Movement, RowFacts, UnsupportedBoundary, cp_share_sizes, movement_table
 from .prepare import EntryPath
 from .residual import declared
-from .row_modes import (SCATTERED_VARIANTS, keeps_scattered, layer_rows_moved,  # noqa: F401
-                        plan_variants, select_mode, supported_modes)
+from .row_modes import SCATTERED_VARIANTS, plan_variants, select_mode, supported_modes
 from .residual.stream import START_FIRST
 
 __all__ = ["StagePlan", "StagePath", "UnsupportedBoundary", "build_plan", "select_mode",

@@ -65,11 +65,9 @@ def join(stream, value: torch.Tensor, decision, facts) -> torch.Tensor:
     if c is None:
         raise RuntimeError(NOTHING_TO_JOIN.format(stage=stream.stage.name))
     part = c.value.complete() if c.handoff else c.value
-    if decision.owed is None and c.owed is not None:
-        raise RuntimeError(f"stage {stream.stage.name} is a parallel block's FFN, and its "
-                           "output was completed in compute: the attention's partial would "
-                           "miss its sum (publish through exit(), not postprocess())")
-    if facts is None or decision.owed is None:  # one rank's sum: it is all here
+    # nothing owed: a TP group of one rank (an output completed in compute, postprocess(),
+    # is refused by the stage), so the attention's output is all here
+    if facts is None or decision.owed is None:
         return _add(value, part)
     layouts, rows = facts.layouts, c.rows
     if c.owed is None:  # complete: one of the ranks holding these rows adds it

@@ -12,7 +12,7 @@ import pytest
 from distributed.checks import assert_logits_match
 from distributed.pool import get_pool
 
-from layer_boundary.construction import layer_rows_moved, select_mode
+from layer_boundary.row_modes import layer_rows_moved, select_mode
 from layer_boundary.layout import RowMode
 from layer_boundary.engine.runner import RunSpec, merge, run_rank
 from layer_boundary.runtime import (BatchVariant, BoundaryRuntime, ParallelDims,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..adapters.tbo import TboPolicy, split_counts
-from ..construction import select_mode
+from ..row_modes import select_mode
 from ..contracts import BatchVariant
 from ..layout import RowMode
 from ..models import open_checkpoint

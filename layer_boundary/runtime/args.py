@@ -54,7 +54,7 @@ class BoundaryRuntime:
     # such a runtime has no ar path
     moe_a2a_backend: str = "none"
     # ``auto`` as asked: each batch takes a scattered path only where it sends fewer rows
-    # than ar (construction.select_mode); False: the policy's own preference, always
+    # than ar (row_modes.select_mode); False: the policy's own preference, always
     choose_by_bytes: bool = False
 
     def __post_init__(self) -> None:

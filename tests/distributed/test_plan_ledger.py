@@ -12,7 +12,7 @@ import pytest
 
 from layer_boundary import stage_boundaries
 from layer_boundary.contracts import BatchVariant
-from layer_boundary.construction import select_mode
+from layer_boundary.row_modes import select_mode
 from layer_boundary.models import load_model
 from layer_boundary.engine.generate import greedy_generate, requests_of
 from layer_boundary.engine.runner import RunSpec, make_runtime
