@@ -23,8 +23,7 @@ meaning what they mean to peft (``lora_config.py``); ranks may differ between ad
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,19 +32,9 @@ from torch import nn
 from ..capabilities import Feature, check_model
 from ..runtime.context import NO_ADAPTERS, adapter_rows
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from . import lora_base
 from .lora_config import AdapterConfig, LoraError, read_config
-
-log = logging.getLogger(__name__)
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str, *args) -> None:
-    """A warning about an adapter, once per process: the command line reads each adapter in
-    its check and again in its world-1 reference run."""
-    text = msg % args
-    if text not in _WARNED:
-        _WARNED.add(text)
-        log.warning("%s", text)
+from .lora_config import warn_once as _warn_once
 
 _PREFIX = "base_model.model."  # what peft's saved keys start with
 _PAIR = (".lora_A.weight", ".lora_B.weight")
@@ -96,6 +85,7 @@ class Adapter:
     file: Path
     config: AdapterConfig
     modules: dict
+    base: list = field(default_factory=list)  # lora_base.BaseTensor: its other tensors
 
 
 def _one_line(exc: Exception) -> str:
@@ -116,22 +106,23 @@ def _open(f: Path, label: str):
 
 def _split(key: str) -> tuple[str | None, str | None]:
     """(module, "lora_A" or "lora_B" or None) of a saved tensor name; module None: the name
-    lacks peft's prefix (peft loads no such tensor)."""
+    lacks peft's prefix (peft loads no such tensor), or is no LoRA tensor (a base-model one)."""
     if not key.startswith(_PREFIX):
         return None, None
     name = key[len(_PREFIX):]
     for suffix in _PAIR:
         if name.endswith(suffix):
             return name[:-len(suffix)], suffix[1:7]
-    return (name.rpartition(".lora_")[0] if ".lora_" in name else name.rpartition(".")[0]), None
+    return (name.rpartition(".lora_")[0], None) if ".lora_" in name else (None, "base")
 
 
 def read_adapter(path, name: str | None = None, model_type: str | None = None) -> Adapter:
     """A PEFT LoRA folder's config and the header of its weights, each checked as far as the
     files go (the model's shapes are ``attach_lora``'s check); no tensor data read.
 
-    Tensors for modules the config does not target are not applied (peft does not load
-    them either) and are named in a warning.
+    LoRA tensors for modules the config does not target are not applied (peft does not load
+    them either) and are named in a warning; tensors that are no LoRA weights are kept as
+    ``base`` (``lora_base``: whether peft loads them depends on every adapter loaded).
 
     Args:
         path: the folder (``adapter_config.json`` + ``adapter_model.safetensors``).
@@ -148,20 +139,14 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
     if not f.is_file():
         raise LoraError(f"{label}: no adapter_model.safetensors in {path}")
     modules: dict[str, dict] = {}
-    dropped, unprefixed = set(), []
+    base, dropped, unprefixed = [], set(), []
     with _open(f, label) as handle:
         for key in handle.keys():
             module, which = _split(key)
-            if module is None:
+            if module is None and which is None:
                 unprefixed.append(key)
                 continue
-            if module.endswith(".base_layer"):
-                # peft loads it over the base model's own weight (for every request, the
-                # adapter's or not): a wrong number if skipped, and no per-request adapter
-                raise LoraError(f"{label}: tensor {key} is a base-layer weight, which peft "
-                                "loads over the base model's; adapters here leave the base "
-                                "model as it is (not supported)")
-            if not config.targets_module(module):
+            if module is not None and not config.targets_module(module):
                 dropped.add(module)
                 continue
             if which is None:
@@ -173,6 +158,9 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
             except Exception as exc:
                 raise LoraError(f"{label}: {f} is not a readable safetensors file: tensor "
                                 f"{key}: {_one_line(exc)}") from None
+            if which == "base":  # whether peft loads it depends on every adapter's targets
+                base.append(lora_base.base_tensor(key, key[len(_PREFIX):], shape, dtype))
+                continue
             if dtype not in _FLOATS:
                 raise LoraError(f"{label}: {module} {which} is {dtype}; LoRA weights must be "
                                 f"floating point ({', '.join(_FLOATS)})")
@@ -192,7 +180,7 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
         if config.init == "orthogonal" and r % 2:
             raise LoraError(f"{label}: {module} has r={r}, and init_lora_weights='orthogonal' "
                             "needs an even rank (peft refuses it)")
-    if not modules:
+    if not modules and not base:
         raise LoraError(f"{label}: adapter_config.json targets none of the modules whose "
                         f"weights {f} holds" if dropped else
                         f"{label}: {f} holds no LoRA weights under peft's {_PREFIX} prefix")
@@ -204,7 +192,7 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
         _warn_once("%s: not applied, as peft does not load them: %d tensors without peft's "
                     "%s prefix: %s", label, len(unprefixed), _PREFIX,
                     ", ".join(sorted(unprefixed)))
-    return Adapter(label, f, config, modules)
+    return Adapter(label, f, config, modules, base)
 
 
 def _load(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -261,16 +249,21 @@ def _full_shape(linear, shard) -> tuple[int, int] | None:
     return None
 
 
-def attach_lora(model, adapters) -> dict[str, int]:
+def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
     """Load ``adapters`` ((name, PEFT folder) pairs) onto ``model``'s parallel linears.
 
     Every adapter is read and checked (its config as peft reads it, its file, its weights'
-    shapes against the model's, their values finite) before any is attached.
+    shapes against the model's, their values finite) before any is attached. Tensors of an
+    adapter that peft loads over the base model (``lora_base``: a ``base_layer`` weight, an
+    embedding, a norm) are loaded over ``model``'s, in adapter order, for every request.
 
     Args:
         model: a ``CausalLM`` (its ``stacked_params`` name the fused projections' parts,
             its ``local_name`` the modules on this pipeline stage).
         adapters: (name, folder) pairs; slot i of ``ForwardBatch.lora_ids`` is adapter i.
+        checkpoint: the base checkpoint (folder or ``models.Checkpoint``) ``model`` was
+            loaded from; needed only for adapters holding base-model tensors, whose names
+            and shapes are checked against it.
 
     Returns {name: slot}.
 
@@ -285,6 +278,8 @@ def attach_lora(model, adapters) -> dict[str, int]:
         raise LoraError(f"LoRA adapter names must differ, got {names}")
     model_type = getattr(model, "model_type", None)
     read = [read_adapter(folder, name, model_type) for name, folder in adapters]
+    base = (lora_base.plan(read, _facts(checkpoint), model.ties_head())
+            if any(adapter.base for adapter in read) else [])
     # {linear: (our module name, {part: {slot: checkpoint module}})}
     plan: dict[nn.Module, tuple[str, dict]] = {}
     for slot, adapter in enumerate(read):
@@ -314,6 +309,7 @@ def attach_lora(model, adapters) -> dict[str, int]:
                                 "for another base model?)")
             plan.setdefault(linear, (ours, {}))[1].setdefault(shard, {})[slot] = module
     weights = [_load(adapter) for adapter in read]
+    overrides = lora_base.read_tensors(base, _open)
     built = {}
     for linear, (ours, parts) in plan.items():
         shards = []
@@ -324,9 +320,25 @@ def attach_lora(model, adapters) -> dict[str, int]:
                 ab[slot] = (a, b * read[slot].config.scaling(module))
             shards.append(_shard(linear, shard, ab, len(adapters)))
         built[linear] = LoraWeights(shards, ours)
-    for linear, lora in built.items():  # every adapter checked: attach them all
+    lora_base.load_over(model, overrides)  # every adapter checked: load and attach them all
+    for linear, lora in built.items():
         linear.lora = lora
     return {name: slot for slot, name in enumerate(names)}
+
+
+def _facts(checkpoint) -> dict | None:
+    """The base checkpoint's {tensor: (shape, dtype)} (None: not given), read once per
+    ``Checkpoint``."""
+    from ..models.loader import header_facts
+
+    if checkpoint is None:
+        return None
+    memo = getattr(checkpoint, "memo", None)
+    if memo is None:
+        return header_facts(checkpoint)
+    if "header_facts" not in memo:
+        memo["header_facts"] = header_facts(checkpoint.folder)
+    return memo["header_facts"]
 
 
 def _shard(linear, shard, per_slot: dict, count: int):

@@ -12,6 +12,7 @@ key (``get_pattern_key``, ``peft/utils/other.py``), its scaling alpha / r (alpha
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -20,6 +21,19 @@ from pathlib import Path
 
 class LoraError(ValueError):
     """An adapter that cannot be applied to this model, named with what is wrong."""
+
+
+_log = logging.getLogger("layer_boundary.adapters.lora")
+_WARNED: set[str] = set()
+
+
+def warn_once(msg: str, *args) -> None:
+    """A warning about an adapter, once per process: the command line reads each adapter in
+    its check and again in its world-1 reference run."""
+    text = msg % args
+    if text not in _WARNED:
+        _WARNED.add(text)
+        _log.warning("%s", text)
 
 
 # LoraConfig fields that change what a loaded adapter computes and that are not implemented

@@ -34,7 +34,7 @@ def check_lora(spec) -> None:
         runtime = runtime_of(spec, virtual_parallel(spec.dims()))
         with torch.device("meta"):  # the targets and shards checked, no weights materialized
             model = spec.checkpoint.model_class(spec.checkpoint.config, runtime)
-            attach_lora(model, adapters)
+            attach_lora(model, adapters, spec.checkpoint)
     except LoraError as exc:
         raise UsageError(str(exc)) from None
 

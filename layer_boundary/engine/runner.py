@@ -284,7 +284,7 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
     if spec.lora:
         from ..adapters.lora import attach_lora, lora_slots
 
-        names = list(attach_lora(model, spec.lora))
+        names = list(attach_lora(model, spec.lora, spec.checkpoint))
         adapters = lora_slots(names, spec.prompt_lora or ("none",) * len(spec.prompts))
     run = run_forward(spec, model, par)
     forward, captured, skips, pads = run.forward, run.captured, run.skips, run.pads

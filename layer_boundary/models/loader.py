@@ -175,7 +175,8 @@ def _dequantize(weight, scale_inv, block, name: str) -> torch.Tensor:
     return out
 
 
-def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=None) -> None:
+def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=None,
+                 complete: bool = True) -> None:
     """Copy checkpoint tensors into ``module``'s (sharded) parameters.
 
     ``stacked``: (fused_param_part, checkpoint_part, shard_id) triples, e.g.
@@ -183,6 +184,8 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
     ``skip``: checkpoint name prefixes/suffixes to ignore (such as a tied lm_head).
     ``locate``: checkpoint name -> the name it loads as (None: not on this rank), e.g. a
     pipeline stage's renumbered layers; errors name the checkpoint's tensor.
+    ``complete``: every parameter must have been loaded (False: ``weights`` rewrite some of
+    an already loaded module, as an adapter's base-model tensors do).
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     expected = {n for n, p in module.named_parameters()}
@@ -238,6 +241,8 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
                 f"checkpoint tensor {name} (shape {tuple(tensor.shape)}) does not fit parameter "
                 f"{target} (local shape {tuple(param.shape)}): {exc}") from None
         loaded.setdefault(target, set()).add(shard)
+    if not complete:
+        return
     missing = sorted(n for n in expected if n not in loaded)
     partial = sorted(n for n, need in shards_needed.items()
                      if n in loaded and not need <= loaded[n])

@@ -128,6 +128,21 @@ def pack_linears(model: torch.nn.Module, min_elements: int | None = None) -> int
     return count
 
 
+def refresh_packed(model: torch.nn.Module) -> int:
+    """Pack again each packed weight of ``model`` written since it was packed (``pack_linears``
+    packed it, so it qualifies whatever its size); returns how many. A stale copy is never
+    read (``linear`` checks), but the weight's matmuls run unpacked until this runs."""
+    count = 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None and getattr(type(module), "packs_weight", False):
+            weight = module.weight
+            if packed.data_ptr != weight.data_ptr() or packed.version != weight._version:
+                module.packed = pack(weight, 0)
+                count += 1
+    return count
+
+
 def packed_bytes(model: torch.nn.Module) -> int:
     """The bytes ``pack_linears`` (at ``PACK_MIN``) would add on the CPU for ``model`` (built
     anywhere, the meta device included): one copy of each weight it packs, each shared one

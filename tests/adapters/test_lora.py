@@ -39,15 +39,44 @@ def _peft_adapter(base: str, path, seed: int, **config):
     return str(path)
 
 
+# tensors of b's file that peft loads over the base model, for every prompt: each of a
+# module's own weight, under base_layer where a loaded adapter targets it (gate_proj: a
+# does), a fused projection's q part, a row-parallel weight, the vocabulary-split embedding
+# and head, a norm; and two that peft ignores (a module's weight under the wrong name)
+BASE_LOADS = ("model.layers.0.self_attn.q_proj.base_layer.weight",
+              "model.layers.1.mlp.gate_proj.base_layer.weight",
+              "model.layers.1.mlp.down_proj.base_layer.weight",
+              "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
+BASE_IGNORED = ("model.layers.2.self_attn.q_proj.weight",
+                "model.layers.2.input_layernorm.base_layer.weight")
+
+
+def _with_base_tensors(folder: str, base) -> str:
+    """``folder``'s adapter file with ``BASE_LOADS`` and ``BASE_IGNORED`` added (random, of
+    the checkpoint tensors' scale)."""
+    from safetensors.torch import load_file, save_file
+
+    file = f"{folder}/adapter_model.safetensors"
+    ckpt = load_file(str(next(base.glob("*.safetensors"))))
+    g = torch.Generator().manual_seed(5)
+    extra = {}
+    for key in BASE_LOADS + BASE_IGNORED:
+        t = ckpt[key.replace(".base_layer", "")]
+        extra[f"base_model.model.{key}"] = (t.mean() + t.std().clamp(min=0.1) *
+                                            torch.randn(t.shape, generator=g))
+    save_file({**load_file(file), **extra}, file)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def adapters(qwen3_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lora")
+    b = _peft_adapter(str(qwen3_dir), root / "b", 2, r=2, lora_alpha=3, use_rslora=True,
+                      target_modules=["q_proj", "v_proj", "down_proj"])
     return {"a": _peft_adapter(str(qwen3_dir), root / "a", 1, r=4, lora_alpha=8,
                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                "gate_proj", "up_proj", "down_proj"]),
-            "b": _peft_adapter(str(qwen3_dir), root / "b", 2, r=2, lora_alpha=3,
-                               use_rslora=True, target_modules=["q_proj", "v_proj",
-                                                                "down_proj"])}
+            "b": _with_base_tensors(b, qwen3_dir)}
 
 
 def spec_of(qwen3_dir, adapters, **kw) -> RunSpec:
@@ -79,8 +108,8 @@ def test_world1_matches_peft_for_each_prompts_adapter(qwen3_dir, adapters, world
         else:
             ref.set_adapter(choice)
             expected = hf_cached_decode(ref, prompt, world1.generated[j][:-1])
-            # the adapter really moves this prompt's numbers
-            assert (ours - torch.stack(plain.logits[j])).abs().max() > 100 * TOL
+        # the adapter, or b's base-model tensors for a base-model prompt, move its numbers
+        assert (ours - torch.stack(plain.logits[j])).abs().max() > 100 * TOL
         scale = expected.abs().max().item()
         assert (ours - expected[:STEPS]).abs().max().item() <= TOL * max(1.0, scale), j
         assert world1.generated[j] == expected.argmax(-1).tolist()

@@ -11,6 +11,7 @@ the module or the file, and what is wrong, before anything is attached.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import logging
 import struct
 from pathlib import Path
@@ -77,6 +78,19 @@ def _unprefixed(w):
     return {**w, **{k.removeprefix("base_model.model."): 10 * v for k, v in w.items()}}
 
 
+def _base_tensors(**shapes):
+    """Adds tensors peft may load over the base model (key after peft's prefix -> shape),
+    random around one (a norm's scale) or zero."""
+    def edit(w):
+        g = torch.Generator().manual_seed(len(w))
+        for key, shape in shapes.items():
+            centre = 1.0 if len(shape) == 1 else 0.0
+            w[f"base_model.model.{key.replace('__', '.')}"] = (
+                centre + 0.2 * torch.randn(shape, generator=g))
+        return w
+    return edit
+
+
 # (id, source adapter, config fields, tensors' transform): the full adapter's file holds every
 # linear of every layer, so each config below leaves some of its tensors unapplied
 NUMERIC = [
@@ -90,6 +104,20 @@ NUMERIC = [
     ("one-layer", "full", {"layers_to_transform": 1}, None),
     ("patterns", "patterned", {}, None),
     ("unprefixed", "full", {"target_modules": ["q_proj"]}, _unprefixed),
+    # loaded: a target's own weight under base_layer, an untargeted linear's, the embedding,
+    # the head, a norm; ignored: an untargeted module's under base_layer, a target's without
+    ("base-tensors", "full", {"target_modules": ["q_proj", "v_proj"]}, _base_tensors(
+        **{"model__layers__0__self_attn__q_proj__base_layer__weight": (128, 64),
+           "model__layers__1__mlp__gate_proj__weight": (96, 64),
+           "model__embed_tokens__weight": (96, 64), "lm_head__weight": (96, 64),
+           "model__layers__2__post_attention_layernorm__weight": (64,),
+           "model__layers__0__self_attn__k_proj__base_layer__weight": (32, 64),
+           "model__layers__1__self_attn__v_proj__weight": (32, 64)})),
+    # all-linear wraps every linear (o_proj's own name is ignored), not the embedding or norms
+    ("base-all-linear", "full", {"target_modules": "all-linear"}, _base_tensors(
+        **{"model__layers__2__self_attn__o_proj__base_layer__weight": (64, 128),
+           "model__layers__0__self_attn__o_proj__weight": (64, 128),
+           "model__embed_tokens__weight": (96, 64), "model__norm__weight": (64,)})),
 ]
 
 
@@ -122,6 +150,13 @@ def _meta_model(qwen3_dir):
                                       BoundaryRuntime(virtual_parallel(ParallelDims())))
 
 
+# not loaded by peft: a target's own weight without base_layer, a module that no adapter
+# targets under base_layer (layer 1's q_proj: only layer 0's is adapted), a tensor the base
+# model does not have
+IGNORED = ("model.layers.0.self_attn.q_proj.weight",
+           "model.layers.1.self_attn.q_proj.base_layer.weight", "model.layers.7.norm.weight")
+
+
 def test_what_peft_ignores_is_named_in_a_warning(qwen3_dir, saved, tmp_path,
                                                              caplog):
     from layer_boundary.adapters.lora import attach_lora
@@ -129,9 +164,10 @@ def test_what_peft_ignores_is_named_in_a_warning(qwen3_dir, saved, tmp_path,
     folder = variant(saved["full"], tmp_path / "a", {"target_modules": ["q_proj"],
                                                      "layers_to_transform": [0],
                                                      "a_later_field": 1},
-                     lambda w: {**w, "lm_head.lora_A.weight": torch.zeros(4, 64)})
+                     lambda w: {**w, "lm_head.lora_A.weight": torch.zeros(4, 64),
+                                **{f"base_model.model.{k}": torch.ones(64) for k in IGNORED}})
     with caplog.at_level(logging.WARNING, logger="layer_boundary.adapters.lora"):
-        attach_lora(_meta_model(qwen3_dir), [("a", str(folder))])
+        attach_lora(_meta_model(qwen3_dir), [("a", str(folder))], str(qwen3_dir))
     dropped = sorted(f"model.layers.{i}.{m}" for i in range(3) for m in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -142,7 +178,13 @@ def test_what_peft_ignores_is_named_in_a_warning(qwen3_dir, saved, tmp_path,
         "LoRA adapter a: not applied, as peft does not apply them: the weights of 20 modules "
         f"adapter_config.json does not target: {', '.join(dropped)}",
         "LoRA adapter a: not applied, as peft does not load them: 1 tensors without peft's "
-        "base_model.model. prefix: lm_head.lora_A.weight"]
+        "base_model.model. prefix: lm_head.lora_A.weight",
+        "LoRA adapter a: not applied, as peft does not load them: 2 tensors named as no "
+        "parameter of peft's model (a targeted module's own weight is saved under base_layer, "
+        "any other module's without): " + ", ".join(f"base_model.model.{k}"
+                                                    for k in IGNORED[:2]),
+        "LoRA adapter a: not applied, as peft does not load them: 1 tensors the base model "
+        f"does not have: base_model.model.{IGNORED[2]}"]
 
 
 def _set(key, fn):
@@ -192,11 +234,23 @@ CONFIG_REFUSALS = [
      "adapter_config.json targets none of the modules whose weights {file} holds"),
     ("no-peft-type", {"peft_type": None}, None,
      "{dir}/adapter_config.json has no peft_type (peft reads the adapter type there)"),
-    ("base-layer", {}, lambda w: {**w, f"base_model.model.{Q0}.base_layer.weight":
+    # a tensor peft loads over the base model's: its shape must be the checkpoint's (peft's
+    # load_state_dict refuses a size mismatch); here also floating point and finite
+    ("base-shape", {}, lambda w: {**w, f"base_model.model.{Q0}.base_layer.weight":
                                   torch.zeros(64, 64)},
-     f"tensor base_model.model.{Q0}.base_layer.weight is a base-layer weight, which peft "
-     "loads over the base model's; adapters here leave the base model as it is (not "
-     "supported)"),
+     f"tensor base_model.model.{Q0}.base_layer.weight has shape [64, 64], and the base "
+     f"model's {Q0}.weight has [128, 64] (peft refuses it: size mismatch)"),
+    ("base-vocab", {}, lambda w: {**w, "base_model.model.model.embed_tokens.weight":
+                                  torch.zeros(99, 64)},
+     "tensor base_model.model.model.embed_tokens.weight has shape [99, 64], and the base "
+     "model's model.embed_tokens.weight has [96, 64] (peft refuses it: size mismatch)"),
+    ("base-int", {}, lambda w: {**w, "base_model.model.model.norm.weight":
+                                torch.ones(64, dtype=torch.int32)},
+     "tensor base_model.model.model.norm.weight is I32; base-model tensors must be floating "
+     "point (F16, BF16, F32, F64)"),
+    ("base-nan", {}, lambda w: {**w, "base_model.model.model.norm.weight":
+                                torch.full((64,), float("nan"))},
+     "tensor base_model.model.model.norm.weight holds NaN or Inf values"),
     ("int32", {}, _set(f"{Q0}.lora_A.weight", lambda t: (t * 100).to(torch.int32)),
      f"{Q0} lora_A is I32; LoRA weights must be floating point (F16, BF16, F32, F64)"),
     ("nan", {}, _set(f"{D1}.lora_B.weight", lambda t: t.index_fill(0, torch.tensor([3]),
@@ -313,3 +367,86 @@ def test_an_adapter_on_an_absorbed_projection_is_refused_by_name(tmp_path):
                                         r"absorbs that projection into its attention"):
         attach_lora(model, [("a", str(folder))])
     assert not [m for m in model.modules() if getattr(m, "lora", None) is not None]
+
+
+@pytest.mark.timeout(180)
+def test_a_tied_head_loads_over_the_embedding_as_in_peft(qwen3_tied_dir, tmp_path):
+    """A tied model's ``lm_head.weight`` is its embedding: peft loads an adapter's head over
+    it, after the embedding's own; world 1 and a pipeline whose last stage reads the
+    embedding as its head both give peft's numbers."""
+    import peft
+    import transformers
+    from distributed.checks import assert_logits_match
+    from distributed.pool import get_pool
+
+    src = _peft_adapter(str(qwen3_tied_dir), tmp_path / "src", 6, r=2, target_modules=["q_proj"])
+    folder = str(variant(src, tmp_path / "a", tensors=_base_tensors(
+        model__embed_tokens__weight=(96, 64), lm_head__weight=(96, 64))))
+    spec = RunSpec(str(qwen3_tied_dir), prompts=(PROMPT, PROMPT[:3]), max_new_tokens=2,
+                   lora=(("x", folder),), prompt_lora=("x", "none"))
+    ours = merge([run_rank(spec, world_size=1)])
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(qwen3_tied_dir), dtype=torch.float32, attn_implementation="eager")
+    ref = peft.PeftModel.from_pretrained(base, folder).eval()
+    for j, prompt in enumerate(spec.prompts):
+        if j:
+            with ref.disable_adapter():
+                expected = hf_cached_decode(ref, prompt, ours.generated[j][:-1])
+        else:
+            expected = hf_cached_decode(ref, prompt, ours.generated[j][:-1])
+        got = torch.stack(ours.logits[j])
+        scale = expected.abs().max().item()
+        assert (got - expected[:2]).abs().max().item() <= TOL * max(1.0, scale), j
+    assert_logits_match(merge(get_pool(2).run(run_rank, replace(spec, pp=2))), ours, 2)
+
+
+def test_a_refused_adapter_leaves_the_base_weights_as_loaded(qwen3_dir, saved, tmp_path):
+    """Every adapter is checked before any base-model tensor is loaded; without the base
+    checkpoint to check them against, an adapter holding them is refused by name."""
+    from layer_boundary.adapters.lora import LoraError, attach_lora
+    from layer_boundary.models import load_model
+    from layer_boundary.runtime.args import BoundaryRuntime
+    from layer_boundary.runtime.packed import pack_linears
+    from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+
+    good = variant(saved["full"], tmp_path / "a", tensors=_base_tensors(
+        model__norm__weight=(64,),
+        model__layers__0__self_attn__q_proj__base_layer__weight=(128, 64)))
+    bad = variant(saved["full"], tmp_path / "b",
+                  tensors=_set(f"{D1}.lora_B.weight", lambda t: t * float("inf")))
+    model = load_model(qwen3_dir, BoundaryRuntime(build_parallel(ParallelDims(world_size=1))))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(LoraError, match=f"^LoRA adapter b: {D1} lora_B holds NaN or Inf"):
+        attach_lora(model, [("a", str(good)), ("b", str(bad))], str(qwen3_dir))
+    with pytest.raises(LoraError, match=r"^LoRA adapter a: holds base-model tensors "
+                                        r"\(base_model\.model\.model\.\S+\), which peft "
+                                        r"loads over the base model's: attach_lora needs the "
+                                        r"base checkpoint"):
+        attach_lora(model, [("a", str(good))])
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    pack_linears(model, 0)
+    attach_lora(model, [("a", str(good))], str(qwen3_dir))
+    assert not torch.equal(before["model.norm.weight"], model.model.norm.weight)
+    # the rewritten projection's packed copy is the new weight's (else it runs unpacked)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert not torch.equal(before["model.layers.0.self_attn.qkv_proj.weight"], qkv.weight)
+    assert (qkv.packed is not None and qkv.packed.version == qkv.weight._version
+            and qkv.packed.data_ptr == qkv.weight.data_ptr())
+
+
+def test_a_base_tensor_over_a_quantized_weight_is_refused_by_name(qwen3_dir, saved, tmp_path):
+    """Over an FP8 checkpoint's block-quantized weight a float tensor would need quantizing
+    (or the weight's blocks dropping): refused, naming both."""
+    from checkpoints.fp8 import fp8_checkpoint
+
+    from layer_boundary.adapters.lora import LoraError, attach_lora
+
+    fp8 = fp8_checkpoint(qwen3_dir, tmp_path / "fp8")
+    folder = variant(saved["full"], tmp_path / "a", tensors=_base_tensors(
+        model__layers__0__self_attn__q_proj__base_layer__weight=(128, 64)))
+    with pytest.raises(LoraError, match=r"^LoRA adapter a: tensor base_model\.model\.model\."
+                                        r"layers\.0\.self_attn\.q_proj\.base_layer\.weight "
+                                        r"would replace the checkpoint's model\.layers\.0\."
+                                        r"self_attn\.q_proj\.weight, which is F8_E4M3 \(a "
+                                        r"quantized weight\): not supported$"):
+        attach_lora(_meta_model(fp8), [("a", str(folder))], str(fp8))
