@@ -4,6 +4,9 @@ line both make before anything is built, loaded or sent."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import torch
 
 from ..adapters.tbo import TboPolicy
@@ -83,7 +86,31 @@ def check_spec(spec) -> None:
                 raise ValueError(f"--batch-invariant does not combine with {why}")
     if spec.speculative and spec.speculative_steps < 1:
         raise ValueError(f"--speculative-steps must be at least 1, got {spec.speculative_steps}")
+    _check_triton(spec)
     check(setup_of(spec))
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` imports (or would), without importing it."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def _check_triton(spec) -> None:
+    """The Triton provider's needs, before any rank imports it: the triton package, and on the
+    CPU no compiled forward (its kernels run under the Triton interpreter there, a Python
+    function torch's compiler refuses to trace)."""
+    if spec.fusions != "triton":
+        return
+    if not _installed("triton"):
+        raise CapabilityError("--fusions triton needs the triton package, which is not "
+                              "installed (pip install triton)")
+    if spec.compile is not None and spec.device == "cpu":
+        raise CapabilityError(f"--fusions triton does not combine with --compile "
+                              f"{spec.compile} on the CPU: its kernels run under the Triton "
+                              "interpreter there, which torch's compiler cannot trace (drop "
+                              "one of them, or run --device cuda)")
 
 
 def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:
