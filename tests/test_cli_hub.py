@@ -45,3 +45,40 @@ def test_a_repo_id_in_no_cache_is_a_one_line_error(tmp_path, monkeypatch, capsys
     assert capsys.readouterr().err.strip().splitlines() == [
         "layer-boundary: error: --model tiny-org/absent: no such folder, and the repo id is not "
         "in the Hugging Face cache (HF_HUB_OFFLINE is set, so nothing is downloaded)"]
+
+
+def test_an_adapter_repo_id_runs_from_the_hub_cache(qwen3_dir, tmp_path, monkeypatch, capsys,
+                                                    restore_logger):
+    """``--lora NAME=ORG/REPO`` resolves as ``--model`` does: the adapter from the cache gives
+    the same numbers as its folder; one in no cache is a one-line error naming the flag."""
+    import peft
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32)
+    folder = tmp_path / "adapter"
+    peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                              init_lora_weights=False)).save_pretrained(folder)
+    repo = hub_cache(tmp_path / "hub", folder, repo="tiny-org/tiny-lora")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    common = ["run", "--model", str(qwen3_dir), "--tp", "1", "--dp", "1", "--json",
+              "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--prompt-lora", "x"]
+    runs = {}
+    for name, extra in (("hub", ["--lora", f"x={repo}"]), ("local", ["--lora", f"x={folder}"]),
+                        ("plain", [])):
+        args = [*common, *extra, "--logits-out", str(tmp_path / f"{name}.safetensors")]
+        if not extra:
+            args.remove("--prompt-lora")
+            args.remove("x")
+        json.loads(cli_ok(args, capsys).strip().splitlines()[-1])
+        runs[name] = load_file(str(tmp_path / f"{name}.safetensors"))
+    assert runs["hub"].keys() == runs["local"].keys()
+    assert all(torch.equal(runs["hub"][k], runs["local"][k]) for k in runs["hub"])
+    assert not all(torch.equal(runs["plain"][k], runs["local"][k]) for k in runs["hub"])
+    assert main(["run", "--model", str(qwen3_dir), "--lora", "x=tiny-org/absent"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "layer-boundary: error: --lora x=tiny-org/absent: no such folder, and the repo id is "
+        "not in the Hugging Face cache (HF_HUB_OFFLINE is set, so nothing is downloaded)"]

@@ -144,7 +144,8 @@ def _request_args(run) -> None:
     run.add_argument("--prompt", action="append", default=None,
                      help="a text prompt (repeatable; needs tokenizer.json in the checkpoint)")
     run.add_argument("--lora", type=_lora_arg, action="append", default=None,
-                     metavar="NAME=DIR", help="load a PEFT LoRA adapter folder under NAME "
+                     metavar="NAME=DIR", help="load a PEFT LoRA adapter under NAME: a folder "
+                                              "or a Hugging Face repo id, as --model takes "
                                               "(repeatable)")
     run.add_argument("--prompt-lora", action="append", default=None, metavar="NAME|none",
                      help="the adapter of one prompt, given once per prompt in prompt order "
@@ -425,19 +426,21 @@ def model_folder(name: str | None, what: str = "--model") -> str | None:
     """The checkpoint folder ``name`` means: a folder as it is, else a Hugging Face repo id
     (``org/name``) resolved through ``huggingface_hub``: the local cache first (``HF_HOME``,
     ``HF_HUB_CACHE``), then a download of its config, weights and tokenizer unless
-    ``HF_HUB_OFFLINE`` is set. Anything else is a one-line error naming ``what``."""
+    ``HF_HUB_OFFLINE`` is set. Anything else is a one-line error naming ``what`` (the flag;
+    one ending in "=", such as ``--lora a=``, is joined to ``name`` without a space)."""
     import os
     import re
 
     if name is None or os.path.isdir(name):
         return name
+    label = f"{what}{name}" if what.endswith("=") else f"{what} {name}"
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", name) or ".." in name:
         return name  # not a repo id: the checkpoint reader names the missing folder
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     except ImportError:
-        raise UsageError(f"{what} {name}: no such folder, and a repo id needs huggingface_hub "
+        raise UsageError(f"{label}: no such folder, and a repo id needs huggingface_hub "
                          "(pip install huggingface_hub)") from None
     cache = os.environ.get("HF_HUB_CACHE")  # read now: the hub library reads it at import
     try:
@@ -446,13 +449,13 @@ def model_folder(name: str | None, what: str = "--model") -> str | None:
     except LocalEntryNotFoundError:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise UsageError(f"{what} {name}: no such folder, and the repo id is not in the Hugging "
+        raise UsageError(f"{label}: no such folder, and the repo id is not in the Hugging "
                          "Face cache (HF_HUB_OFFLINE is set, so nothing is downloaded)")
     try:
         return snapshot_download(name, allow_patterns=HUB_FILES, cache_dir=cache)
     except (HfHubHTTPError, OSError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UsageError(f"{what} {name}: no such folder, not in the Hugging Face cache, and "
+        raise UsageError(f"{label}: no such folder, not in the Hugging Face cache, and "
                          f"not downloaded: {reason}") from None
 
 

@@ -55,6 +55,8 @@ def spec_from_args(args):
         raise UsageError("--require-fusions needs a provider to require: --fusions "
                          + "|".join(FUSION_PROVIDERS))
     args.draft_model = model_folder(args.draft_model, "--draft-model")
+    args.lora = [(name, model_folder(folder, f"--lora {name}="))
+                 for name, folder in args.lora or ()]  # a folder, or a repo id as --model takes
     model_dir = model_folder(args.model) or str(builtin_checkpoint())
     checkpoint = open_checkpoint(model_dir)
     cfg = checkpoint.config
