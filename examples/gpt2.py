@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from layer_boundary import declare_attn, declare_ffn, layer_stack, make_stages
-from layer_boundary.models.config import (BOOL, OBJECT, POSITIVE_INT, POSITIVE_NUMBER,
-                                          CheckedConfig, CheckpointError, check_divisible,
-                                          read_config, require, required)
+from layer_boundary.models.config import (BOOL, POSITIVE_INT, CheckedConfig, CheckpointError,
+                                          check_divisible, read_config, require, required)
 from layer_boundary.models.kv_cache import KVCache, cached_attention
 from layer_boundary.models.loader import iter_weights, load_weights
 from layer_boundary.residual import batch as residual_batch
@@ -63,14 +62,12 @@ class GPT2Config(CheckedConfig):
 
     # every field read below, checked before from_dict reads it (a string where a count
     # belongs is an error naming the field, never a misread)
+    # GPT-2's own names (vocab_size, layer_norm_epsilon, tie_word_embeddings and
+    # quantization_config are shared fields, checked for every model)
     fields = {
-        **{f: POSITIVE_INT for f in ("vocab_size", "n_positions", "n_embd", "n_layer",
-                                     "n_head", "n_inner")},
-        "layer_norm_epsilon": POSITIVE_NUMBER,
+        **{f: POSITIVE_INT for f in ("n_positions", "n_embd", "n_layer", "n_head", "n_inner")},
         **{f: BOOL for f in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx",
-                             "reorder_and_upcast_attn", "add_cross_attention",
-                             "tie_word_embeddings")},
-        "quantization_config": OBJECT,
+                             "reorder_and_upcast_attn", "add_cross_attention")},
     }
 
     @property

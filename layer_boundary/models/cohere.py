@@ -51,9 +51,7 @@ class CohereConfig(CheckedConfig):
     attention_bias: bool = False
     model_type: str = "cohere"
 
-    fields = {**{f: c for f, c in DECODER.items() if f != "rms_norm_eps"},
-              "layer_norm_eps": POSITIVE_NUMBER, "logit_scale": POSITIVE_NUMBER,
-              "use_qk_norm": BOOL}
+    fields = {**DECODER, "logit_scale": POSITIVE_NUMBER, "use_qk_norm": BOOL}
 
     @classmethod
     def from_dict(cls, cfg: dict) -> CohereConfig:

@@ -10,6 +10,7 @@ never a silent misread (``"false"`` read as true, ``0`` read as absent). Null co
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -64,53 +65,64 @@ class Check:
 
 POSITIVE_INT = Check(lambda v: _is_int(v) and v >= 1, "a positive integer")
 NON_NEGATIVE_INT = Check(lambda v: _is_int(v) and v >= 0, "a non-negative integer")
-POSITIVE_NUMBER = Check(lambda v: _is_number(v) and v > 0, "a positive number")
+POSITIVE_NUMBER = Check(lambda v: _is_number(v) and math.isfinite(v) and v > 0,
+                        "a positive number")
+FRACTION = Check(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
 BOOL = Check(lambda v: isinstance(v, bool), "true or false")
 INT_LIST = Check(lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
                  "a list of integers")
 OBJECT = Check(lambda v: isinstance(v, dict), "an object")
-
-# the fields every decoder-only checkpoint of the reference architectures may carry
-DECODER = {
-    **{f: POSITIVE_INT for f in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                 "num_attention_heads", "num_key_value_heads", "head_dim",
-                                 "intermediate_size", "max_position_embeddings")},
-    "rms_norm_eps": POSITIVE_NUMBER, "rope_theta": POSITIVE_NUMBER,
-    "tie_word_embeddings": BOOL, "attention_bias": BOOL,
-    "rope_parameters": OBJECT, "rope_scaling": OBJECT, "quantization_config": OBJECT,
-}
-# routed experts (each architecture names them its own way)
-EXPERTS = {
-    **{f: POSITIVE_INT for f in ("moe_intermediate_size", "num_experts", "num_local_experts",
-                                 "n_routed_experts", "num_experts_per_tok")},
-    "norm_topk_prob": BOOL, "routed_scaling_factor": POSITIVE_NUMBER,
-}
-# DeepSeek's grouped router and shared experts
-GROUPED_ROUTER = {f: POSITIVE_INT for f in ("n_group", "topk_group", "n_shared_experts")}
-# multi-head latent attention
-MLA = {f: POSITIVE_INT for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                 "qk_rope_head_dim", "v_head_dim")}
-
 
 # sizes every architecture shares, bounded where a tensor index (int64 elements, int32 in
 # kernels) still holds them: beyond, a config is refused by name before any arithmetic
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads", "num_key_value_heads", "head_dim")
 MAX_SIZE = 2 ** 31 - 1
-FRACTION = Check(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+# the names routed experts go by (their count, then how many a token picks)
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERTS_PER_TOKEN = ("num_experts_per_tok",)
+# the names a norm's epsilon goes by
+NORM_EPSILONS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")
+
+# The fields architectures share, checked here the same way for every architecture wherever a
+# config.json sets them, whether or not its model reads them: a config class declares only
+# its own fields (``fields``), and re-declares a shared one only where its architecture means
+# something else by it (``shared_overrides``: Qwen3-Next's ``num_experts`` 0 is a dense model).
+SHARED = {
+    **dict.fromkeys(SIZES + ("max_position_embeddings", "moe_intermediate_size",
+                             "sliding_window"), POSITIVE_INT),
+    **dict.fromkeys(EXPERT_COUNTS + EXPERTS_PER_TOKEN + ("n_shared_experts", "n_group",
+                                                         "topk_group"), POSITIVE_INT),
+    **dict.fromkeys(NORM_EPSILONS, POSITIVE_NUMBER),
+    "rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": FRACTION,
+    "rope_parameters": OBJECT, "rope_scaling": OBJECT, "quantization_config": OBJECT,
+    "tie_word_embeddings": BOOL,
+}
 # what a rope dict (rope_parameters / rope_scaling, or one of them per layer type) may say
 ROPE_FIELDS = {"rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": FRACTION,
                "factor": POSITIVE_NUMBER}
 
+# groups of fields some architectures read and others do not (the shared ones aside)
+DECODER = {"attention_bias": BOOL}
+EXPERTS = {"norm_topk_prob": BOOL, "routed_scaling_factor": POSITIVE_NUMBER}
+# multi-head latent attention
+MLA = {f: POSITIVE_INT for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                 "qk_rope_head_dim", "v_head_dim")}
 
-def validate_shared(cfg: dict) -> None:
-    """The fields every architecture shares, checked once for all (whether or not a model
-    reads them): the rope's theta, rotary fraction and scaling factor at the top level and in
-    its rope dicts, and the size fields' bound."""
-    for field in ("rope_theta", "partial_rotary_factor"):
-        if cfg.get(field) is not None and not ROPE_FIELDS[field].ok(cfg[field]):
-            raise CheckpointError(f"config.json field {field} must be "
-                                  f"{ROPE_FIELDS[field].what}, got {cfg[field]!r}")
+
+def _check(cfg: dict, field: str, check: Check, where: str = "field ") -> None:
+    if cfg.get(field) is not None and not check.ok(cfg[field]):
+        raise CheckpointError(f"config.json {where}{field} must be {check.what}, got "
+                              f"{cfg[field]!r}")
+
+
+def validate_shared(cfg: dict, overrides: dict | None = None) -> None:
+    """The fields every architecture shares (``SHARED``, less ``overrides``: field -> the
+    architecture's own check), checked once for all: each field's type and range, the rope
+    dicts' (per layer type too), the size fields' bound, and the attention heads' grouping."""
+    checks = {**SHARED, **(overrides or {})}
+    for field, check in checks.items():
+        _check(cfg, field, check)
     for name in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(name)
         if not isinstance(rope, dict):
@@ -118,27 +130,29 @@ def validate_shared(cfg: dict) -> None:
         nested = [(f"{name}.{k}", v) for k, v in rope.items() if isinstance(v, dict)]
         for where, part in nested or [(name, rope)]:
             for field, check in ROPE_FIELDS.items():
-                if part.get(field) is not None and not check.ok(part[field]):
-                    raise CheckpointError(f"config.json {where}.{field} must be "
-                                          f"{check.what}, got {part[field]!r}")
+                _check(part, field, check, f"{where}.")
     for field in SIZES:
         value = cfg.get(field)
         if _is_int(value) and value > MAX_SIZE:
             raise CheckpointError(f"config.json field {field}={value} is beyond any model "
                                   f"this package runs (at most {MAX_SIZE:,})")
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if _is_int(heads) and _is_int(kv) and heads % kv:
+        raise CheckpointError(f"config.json field num_attention_heads={heads} is not a multiple "
+                              f"of num_key_value_heads={kv} (each key/value head serves a "
+                              "whole group of query heads)")
 
 
-def validate(cfg: dict, fields: dict, *, experts: tuple = (), top_k: tuple = (),
-             extra_experts: str | None = None) -> None:
+def validate(cfg: dict, fields: dict, *, experts: tuple = EXPERT_COUNTS,
+             top_k: tuple = EXPERTS_PER_TOKEN, extra_experts: str | None = None,
+             overrides: dict | None = None) -> None:
     """Check the fields every architecture shares (``validate_shared``), then every declared
     field ``cfg`` sets; then that the experts chosen per token fit the experts there are
     (``experts``/``top_k``: the names the architecture may use; ``extra_experts``: a field
     counting experts chosen beside them, LongCat's identity ones)."""
-    validate_shared(cfg)
+    validate_shared(cfg, overrides)
     for field, check in fields.items():
-        if cfg.get(field) is not None and not check.ok(cfg[field]):
-            raise CheckpointError(f"config.json field {field} must be {check.what}, got "
-                                  f"{cfg[field]!r}")
+        _check(cfg, field, check)
     count = next((cfg[f] for f in experts if cfg.get(f) is not None), None)
     k = next((cfg[f] for f in top_k if cfg.get(f) is not None), None)
     extra = (cfg.get(extra_experts) or 0) if extra_experts else 0
@@ -148,19 +162,21 @@ def validate(cfg: dict, fields: dict, *, experts: tuple = (), top_k: tuple = (),
 
 
 class CheckedConfig:
-    """What a model's config class declares about config.json: the fields it reads and the
-    check of each (``fields``), and the names its experts and experts per token go by (for
-    the check that one fits the other)."""
+    """What a model's config class declares about config.json: the fields it reads beyond
+    the shared ones and the check of each (``fields``), a shared field it means differently
+    (``shared_overrides``), and the names its experts and experts per token go by (for the
+    check that one fits the other)."""
 
     fields: ClassVar[dict] = {}
-    expert_fields: ClassVar[tuple] = ()
-    top_k_fields: ClassVar[tuple] = ()
+    shared_overrides: ClassVar[dict] = {}
+    expert_fields: ClassVar[tuple] = EXPERT_COUNTS
+    top_k_fields: ClassVar[tuple] = EXPERTS_PER_TOKEN
     extra_expert_field: ClassVar[str | None] = None
 
     @classmethod
     def validate(cls, raw: dict) -> None:
         validate(raw, cls.fields, experts=cls.expert_fields, top_k=cls.top_k_fields,
-                 extra_experts=cls.extra_expert_field)
+                 extra_experts=cls.extra_expert_field, overrides=cls.shared_overrides)
 
 
 def require(cfg: dict, field: str, kind=int):
@@ -278,7 +294,7 @@ def check_grouped_router(experts: int, n_group: int, topk_group: int, top_k: int
 SLIDING, FULL = "sliding_attention", "full_attention"
 STRING_LIST = Check(lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                     "a list of strings")
-SLIDING_FIELDS = {"layer_types": STRING_LIST, "sliding_window": POSITIVE_INT}
+SLIDING_FIELDS = {"layer_types": STRING_LIST}  # sliding_window is a shared field
 
 
 def layer_windows(cfg: dict, layers: int, default=None) -> tuple:

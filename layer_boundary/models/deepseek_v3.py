@@ -36,7 +36,7 @@ from .attention import cached_attention
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP
 from .rope import apply_rope, forward_cos_sin, inverse_frequencies, rope_key
-from .config import (DECODER, EXPERTS, GROUPED_ROUTER, MLA, NON_NEGATIVE_INT, CheckedConfig,
+from .config import (DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, CheckedConfig,
                      CheckpointError, check_divisible, check_grouped_router,
                      check_unquantized_silu, fp8_quantization, quantized_read, require,
                      required)
@@ -113,7 +113,7 @@ class DeepseekV3Config(CheckedConfig):
     fp8_skip: tuple = ()
     model_type: str = "deepseek_v3"
 
-    fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, **MLA,
+    fields = {**DECODER, **EXPERTS, **MLA,
               "first_k_dense_replace": NON_NEGATIVE_INT,
               "num_nextn_predict_layers": NON_NEGATIVE_INT}
     expert_fields, top_k_fields = ("n_routed_experts",), ("num_experts_per_tok",)

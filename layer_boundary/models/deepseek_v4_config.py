@@ -124,9 +124,9 @@ class DeepseekV4Config(CheckedConfig):
     tie_word_embeddings: bool = False
     model_type: str = "deepseek_v4"
 
-    fields = {**DECODER, **EXPERTS, "n_shared_experts": POSITIVE_INT, "mlp_bias": BOOL,
-              **{f: POSITIVE_INT for f in ("hc_mult", "hc_sinkhorn_iters", "sliding_window",
-                                           "o_groups", "o_lora_rank", "q_lora_rank")}}
+    fields = {**DECODER, **EXPERTS, "mlp_bias": BOOL,
+              **{f: POSITIVE_INT for f in ("hc_mult", "hc_sinkhorn_iters", "o_groups",
+                                           "o_lora_rank", "q_lora_rank")}}
     expert_fields, top_k_fields = ("n_routed_experts",), ("num_experts_per_tok",)
 
     @property

@@ -90,7 +90,7 @@ class Gemma3TextConfig(Qwen3Config):
               "final_logit_softcapping": POSITIVE_NUMBER,
               "attn_logit_softcapping": POSITIVE_NUMBER, "use_bidirectional_attention": BOOL,
               "hidden_activation": STRING, "rope_local_base_freq": POSITIVE_NUMBER,
-              "sliding_window_pattern": POSITIVE_INT, "partial_rotary_factor": POSITIVE_NUMBER}
+              "sliding_window_pattern": POSITIVE_INT}
 
     @classmethod
     def from_dict(cls, cfg: dict) -> Gemma3TextConfig:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .. import declare_attn
 from ..runtime.args import BoundaryRuntime
-from .config import (BOOL, DECODER, EXPERTS, GROUPED_ROUTER, NON_NEGATIVE_INT, CheckedConfig,
+from .config import (BOOL, DECODER, EXPERTS, NON_NEGATIVE_INT, CheckedConfig,
                      CheckpointError, check_grouped_router, check_unquantized_silu, require,
                      required)
 from .deepseek_v3 import DeepseekV3MoE, ffn_declaration
@@ -68,7 +68,7 @@ class Glm4MoeConfig(CheckedConfig):
     shared_experts_tp1: bool = False
     model_type: str = "glm4_moe"
 
-    fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, "use_qk_norm": BOOL,
+    fields = {**DECODER, **EXPERTS, "use_qk_norm": BOOL,
               "first_k_dense_replace": NON_NEGATIVE_INT,
               "num_nextn_predict_layers": NON_NEGATIVE_INT}
     expert_fields = ("n_routed_experts", "num_local_experts")

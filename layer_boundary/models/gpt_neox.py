@@ -31,7 +31,7 @@ from ..runtime.fused import load_per_head, use_loader
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import LayerNorm
 from .base import CausalLM
-from .config import (BOOL, DECODER, OBJECT, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
+from .config import (BOOL, DECODER, FRACTION, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
                      default_rope, require, required)
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GqaAttention
@@ -68,10 +68,9 @@ class GPTNeoXConfig(CheckedConfig):
     tie_word_embeddings: bool = False
     model_type: str = "gpt_neox"
 
-    fields = {**{f: c for f, c in DECODER.items() if f != "rms_norm_eps"},
-              "layer_norm_eps": POSITIVE_NUMBER, "use_parallel_residual": BOOL,
-              "rotary_pct": POSITIVE_NUMBER, "rotary_emb_base": POSITIVE_NUMBER,
-              "partial_rotary_factor": POSITIVE_NUMBER, "rope_parameters": OBJECT}
+    # rotary_pct and rotary_emb_base: NeoX's own names for the rotary fraction and theta
+    fields = {**DECODER, "use_parallel_residual": BOOL, "rotary_pct": FRACTION,
+              "rotary_emb_base": POSITIVE_NUMBER}
 
     @classmethod
     def from_dict(cls, cfg: dict) -> GPTNeoXConfig:

@@ -128,8 +128,7 @@ class GptOssConfig(CheckedConfig):
     model_type: str = "gpt_oss"
 
     fields = {**DECODER, **EXPERTS, **SLIDING_FIELDS, "swiglu_alpha": POSITIVE_NUMBER,
-              "swiglu_limit": POSITIVE_NUMBER, "original_max_position_embeddings": POSITIVE_INT,
-              "partial_rotary_factor": POSITIVE_NUMBER}
+              "swiglu_limit": POSITIVE_NUMBER, "original_max_position_embeddings": POSITIVE_INT}
     expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
 
     @classmethod

@@ -30,7 +30,7 @@ from ..residual.scaled import scaled_update
 from ..runtime.args import BoundaryRuntime
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take
-from .config import EXPERTS, CheckpointError
+from .config import CheckpointError
 from .granite import GraniteConfig, GraniteForCausalLM, granite_attention
 from .layers import DecoderLayer
 from .mixtral import check_moe_parallel
@@ -51,8 +51,7 @@ class GraniteMoeConfig(GraniteConfig):
     num_experts_per_tok: int = 0
     model_type: str = "granitemoe"
 
-    fields = {**{f: c for f, c in GraniteConfig.fields.items() if f != "mlp_bias"},
-              **{f: EXPERTS[f] for f in DEFAULTS}}
+    fields = {f: c for f, c in GraniteConfig.fields.items() if f != "mlp_bias"}
     expert_fields, top_k_fields = ("num_local_experts",), ("num_experts_per_tok",)
 
     @classmethod

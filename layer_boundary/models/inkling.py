@@ -113,10 +113,9 @@ class InklingConfig(CheckedConfig):
 
     fields = {**DECODER, **EXPERTS,
               **{f: POSITIVE_INT for f in ("swa_num_attention_heads", "swa_num_key_value_heads",
-                                           "swa_head_dim", "sliding_window_size",
-                                           "sliding_window", "d_rel", "rel_extent",
-                                           "log_scaling_n_floor", "conv_kernel_size",
-                                           "sconv_kernel_size", "n_shared_experts",
+                                           "swa_head_dim", "sliding_window_size", "d_rel",
+                                           "rel_extent", "log_scaling_n_floor",
+                                           "conv_kernel_size", "sconv_kernel_size",
                                            "unpadded_vocab_size", "dense_intermediate_size")},
               **{f: POSITIVE_NUMBER for f in ("log_scaling_alpha", "route_scale",
                                               "logits_mup_width_multiplier",

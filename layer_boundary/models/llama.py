@@ -110,8 +110,7 @@ class LlamaConfig(Qwen3Config):
     rope: Llama3Rope | None = None
     model_type: str = "llama"
 
-    fields = {**DECODER, "mlp_bias": BOOL, "partial_rotary_factor": POSITIVE_NUMBER,
-              "original_max_position_embeddings": POSITIVE_INT}
+    fields = {**DECODER, "mlp_bias": BOOL, "original_max_position_embeddings": POSITIVE_INT}
 
     @classmethod
     def from_dict(cls, cfg: dict) -> LlamaConfig:

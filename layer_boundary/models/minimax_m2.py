@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.args import BoundaryRuntime
-from .config import (BOOL, DECODER, EXPERTS, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER,
+from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER,
                      Check, CheckpointError, check_unquantized_silu, require)
 from .layers import GqaAttention
 from .mixtral import (MixtralDecoderLayer, MixtralForCausalLM, check_moe_parallel,
@@ -81,12 +81,9 @@ class MiniMaxM2Config(Qwen3Config):
     num_experts_per_tok: int = 0
     model_type: str = "minimax_m2"
 
-    fields = {**{f: c for f, c in DECODER.items() if f != "attention_bias"},
-              **{f: EXPERTS[f] for f in ("num_local_experts", "num_experts",
-                                         "num_experts_per_tok")},
-              "rotary_dim": POSITIVE_INT, "partial_rotary_factor": POSITIVE_NUMBER,
-              "use_qk_norm": BOOL, "use_routing_bias": BOOL, "qk_norm_type": STRING,
-              "scoring_func": STRING, "shared_intermediate_size": NON_NEGATIVE_INT}
+    fields = {"rotary_dim": POSITIVE_INT, "use_qk_norm": BOOL, "use_routing_bias": BOOL,
+              "qk_norm_type": STRING, "scoring_func": STRING,
+              "shared_intermediate_size": NON_NEGATIVE_INT}
     expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
 
     @classmethod

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import POSITIVE_INT
 from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
@@ -22,8 +21,7 @@ class MistralConfig(LlamaConfig):
 
     # transformers' Mistral has no biases: it reads neither attention_bias nor mlp_bias
     fields = {**{f: c for f, c in LlamaConfig.fields.items()
-                 if f not in ("attention_bias", "mlp_bias")},
-              "sliding_window": POSITIVE_INT}
+                 if f not in ("attention_bias", "mlp_bias")}}
 
     @classmethod
     def read(cls, cfg: dict) -> dict:

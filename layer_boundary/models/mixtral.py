@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
-from .config import EXPERTS, check_divisible, require
+from .config import check_divisible, require
 from .layers import DecoderLayer, GqaAttention
 from .mistral import MistralConfig
 from .llama import LlamaForCausalLM
@@ -53,9 +53,7 @@ class MixtralConfig(MistralConfig):
     num_experts_per_tok: int = 0
     model_type: str = "mixtral"
 
-    fields = {**MistralConfig.fields,
-              **{f: EXPERTS[f] for f in ("num_local_experts", "num_experts",
-                                         "num_experts_per_tok")}}
+    fields = MistralConfig.fields
     expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
 
     @classmethod

@@ -29,8 +29,8 @@ from .. import ProducerReduction, append_stages, declare_attn, declare_ffn
 from ..runtime import (BoundaryRuntime, ColumnParallelLinear, RMSNorm,
                        RowParallelLinear)
 from .base import CausalLM
-from .config import (BOOL, DECODER, EXPERTS, GROUPED_ROUTER, POSITIVE_INT, POSITIVE_NUMBER,
-                     CheckedConfig, CheckpointError, check_grouped_router, require)
+from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
+                     check_grouped_router, require)
 from .deepseek_v3 import DeepseekV3Router
 from .kv_cache import KVCache
 from .layers import GqaAttention
@@ -102,7 +102,7 @@ class NemotronHConfig(CheckedConfig):
     tie_word_embeddings: bool = False
     model_type: str = "nemotron_h"
 
-    fields = {**DECODER, **EXPERTS, **GROUPED_ROUTER, "layer_norm_epsilon": POSITIVE_NUMBER,
+    fields = {**DECODER, **EXPERTS,
               **{f: BOOL for f in ("mlp_bias", "use_bias", "use_conv_bias")},
               **{f: POSITIVE_INT for f in ("mamba_num_heads", "mamba_head_dim", "n_groups",
                                            "ssm_state_size", "conv_kernel", "chunk_size")}}

@@ -30,7 +30,7 @@ from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.fused import load_fused_blocks, use_loader
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
-from .config import (DECODER, POSITIVE_INT, POSITIVE_NUMBER, CheckpointError,
+from .config import (POSITIVE_INT, POSITIVE_NUMBER, CheckpointError,
                      check_unquantized_silu)
 from .layers import DecoderLayer, GqaAttention
 from .llama import LlamaForCausalLM, check_parallel
@@ -68,9 +68,7 @@ class Phi3Config(Qwen3Config):
     model_type: str = "phi3"
 
     # transformers' Phi-3 has no biases: it reads no attention_bias
-    fields = {**{f: c for f, c in DECODER.items() if f != "attention_bias"},
-              "partial_rotary_factor": POSITIVE_NUMBER, "sliding_window": POSITIVE_INT,
-              "original_max_position_embeddings": POSITIVE_INT}
+    fields = {"original_max_position_embeddings": POSITIVE_INT}
 
     @classmethod
     def from_dict(cls, cfg: dict) -> Phi3Config:

@@ -35,7 +35,7 @@ from ..runtime import GemmaRMSNorm, QKVParallelLinear, RowParallelLinear
 from ..runtime.args import BoundaryRuntime
 from .base import CausalLM
 from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT,
-                     POSITIVE_NUMBER, CheckedConfig, CheckpointError, check_unquantized_silu,
+                     CheckedConfig, CheckpointError, check_unquantized_silu,
                      require)
 from .gated_deltanet import GatedDeltaNet, check_heads as check_linear_heads
 from .attention import cached_attention
@@ -121,13 +121,13 @@ class Qwen3NextConfig(CheckedConfig):
     split_projections: bool = False
     model_type: str = "qwen3_next"
 
-    fields = {**DECODER, **EXPERTS, "num_experts": NON_NEGATIVE_INT,
-              "decoder_sparse_step": POSITIVE_INT, "mlp_only_layers": INT_LIST,
-              "partial_rotary_factor": POSITIVE_NUMBER, "full_attention_interval": POSITIVE_INT,
+    fields = {**DECODER, **EXPERTS, "decoder_sparse_step": POSITIVE_INT,
+              "mlp_only_layers": INT_LIST, "full_attention_interval": POSITIVE_INT,
               **{f: POSITIVE_INT for f in (
                   "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                   "linear_value_head_dim", "linear_conv_kernel_dim",
                   "shared_expert_intermediate_size")}}
+    shared_overrides = {"num_experts": NON_NEGATIVE_INT}  # 0: every layer's FFN is dense
     expert_fields, top_k_fields = ("num_experts",), ("num_experts_per_tok",)
 
     @property

@@ -63,34 +63,122 @@ def test_an_unwritable_logits_out_is_refused_before_the_run(dirs, tmp_path, caps
     assert "--logits-out" in capsys.readouterr().err
 
 
-# the shared fields' hostile values: each architecture goes through the same check
+# the shared fields' hostile values: each architecture goes through the same check, whether
+# or not its model reads the field (id, fields put in, the error's text)
 SHARED_HOSTILE = [
-    ({"rope_theta": -1.0}, "field rope_theta must be a positive number, got -1.0"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}},
+    ("theta", {"rope_theta": -1.0}, "field rope_theta must be a positive number, got -1.0"),
+    ("dict-theta", {"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}},
      "rope_parameters.rope_theta must be a positive number, got -1.0"),
-    ({"partial_rotary_factor": 2.0}, "field partial_rotary_factor must be a number in (0, 1]"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                          "partial_rotary_factor": 0}},
+    ("fraction", {"partial_rotary_factor": 2.0},
+     "field partial_rotary_factor must be a number in (0, 1]"),
+    ("dict-fraction", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                           "partial_rotary_factor": 0}},
      "rope_parameters.partial_rotary_factor must be a number in (0, 1], got 0"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}},
+    ("factor", {"rope_scaling": {"rope_type": "linear", "factor": -2.0}},
      "rope_scaling.factor must be a positive number, got -2.0"),
-    ({"vocab_size": 2 ** 63}, "field vocab_size=9223372036854775808 is beyond any model"),
+    ("rope-string", {"rope_scaling": "linear"},
+     "field rope_scaling must be an object, got 'linear'"),
+    ("vocab-huge", {"vocab_size": 2 ** 63},
+     "field vocab_size=9223372036854775808 is beyond any model"),
+    ("vocab-zero", {"vocab_size": 0}, "field vocab_size must be a positive integer, got 0"),
+    ("head-dim", {"head_dim": -8}, "field head_dim must be a positive integer, got -8"),
+    ("head-dim-string", {"head_dim": "64"},
+     "field head_dim must be a positive integer, got '64'"),
+    ("heads", {"num_attention_heads": 0},
+     "field num_attention_heads must be a positive integer, got 0"),
+    ("kv-heads", {"num_key_value_heads": True},
+     "field num_key_value_heads must be a positive integer, got True"),
+    ("head-groups", {"num_attention_heads": 6, "num_key_value_heads": 4},
+     "field num_attention_heads=6 is not a multiple of num_key_value_heads=4"),
+    ("positions", {"max_position_embeddings": 0},
+     "field max_position_embeddings must be a positive integer, got 0"),
+    ("window", {"sliding_window": -1}, "field sliding_window must be a positive integer, got -1"),
+    ("window-string", {"sliding_window": "4096"},
+     "field sliding_window must be a positive integer, got '4096'"),
+    ("experts", {"n_routed_experts": 0}, "field n_routed_experts must be a positive integer"),
+    ("local-experts", {"num_local_experts": -4},
+     "field num_local_experts must be a positive integer, got -4"),
+    ("top-k", {"num_experts_per_tok": 0},
+     "field num_experts_per_tok must be a positive integer, got 0"),
+    ("top-k-past-experts", {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
+                            "num_experts_per_tok": 999},
+     "field num_experts_per_tok=999 exceeds the 4 experts"),
+    ("expert-size", {"moe_intermediate_size": -1},
+     "field moe_intermediate_size must be a positive integer, got -1"),
+    ("rms-eps", {"rms_norm_eps": -1e-6}, "field rms_norm_eps must be a positive number"),
+    ("ln-eps", {"layer_norm_eps": 0}, "field layer_norm_eps must be a positive number, got 0"),
+    ("ln-epsilon", {"layer_norm_epsilon": "1e-5"},
+     "field layer_norm_epsilon must be a positive number, got '1e-5'"),
+    ("eps-nan", {"norm_epsilon": float("nan")},
+     "field norm_epsilon must be a positive number, got nan"),
+    ("eps-inf", {"rms_norm_eps": float("inf")},
+     "field rms_norm_eps must be a positive number, got inf"),
 ]
 
 
-@pytest.mark.parametrize("fields,message", SHARED_HOSTILE,
-                         ids=["theta", "dict-theta", "fraction", "dict-fraction", "factor",
-                              "vocab"])
-def test_every_architecture_refuses_the_shared_fields_hostile_values(fields, message):
-    """Every architecture of tests/model_configs.py, from its tiny transformers config with
-    the hostile value put in: the one shared check names it (glm4_moe, deepseek_v2 and
-    minimax_m2 ran a negative top-level theta; every model a negative one in its rope dict)."""
-    import transformers
+def every_architecture() -> dict:
+    """model_type -> (transformers config class, tiny fields) for every registered
+    architecture: tests/model_configs.py's, and the ones its construction tests leave out."""
+    from checkpoints import TINY
+    from checkpoints.deepseek_v2 import TINY_DS2
+    from checkpoints.glm4_moe import TINY_GLM
+    from checkpoints.gpt_oss import TINY_GPT_OSS
+    from checkpoints.mixtral import ROTARY_DIM, TINY_MIXTRAL
+    from checkpoints.olmo import TINY_OLMO
+    from checkpoints.qwen3_next import TINY_35, TINY_35_MOE
     from model_configs import CONFIGS
+
+    from layer_boundary.models.registry import model_types
+
+    every = {**CONFIGS,
+             "deepseek_v2": ("DeepseekV2Config", TINY_DS2),
+             "glm4_moe": ("Glm4MoeConfig", TINY_GLM),
+             "gpt_oss": ("GptOssConfig", TINY_GPT_OSS),
+             "minimax_m2": ("MiniMaxM2Config", dict(TINY_MIXTRAL, rotary_dim=ROTARY_DIM)),
+             "mistral": ("MistralConfig", TINY),
+             "mixtral": ("MixtralConfig", TINY_MIXTRAL),
+             "olmo2": ("Olmo2Config", TINY_OLMO),
+             "qwen3_5": ("Qwen3_5TextConfig", TINY_35),
+             "qwen3_5_moe": ("Qwen3_5MoeTextConfig", TINY_35_MOE)}
+    assert set(every) == set(model_types())
+    return every
+
+
+def test_every_architectures_tiny_config_passes_the_checks():
+    """The walk below starts from valid configs: each one's refusal is the hostile value's."""
+    import transformers
 
     from layer_boundary.models.registry import model_class
 
-    for model_type, (cls_name, tiny) in CONFIGS.items():
+    for model_type, (cls_name, tiny) in every_architecture().items():
+        model_class(model_type).config_class.validate(getattr(transformers, cls_name)(**tiny)
+                                                      .to_dict())
+
+
+@pytest.mark.parametrize("fields,message", [c[1:] for c in SHARED_HOSTILE],
+                         ids=[c[0] for c in SHARED_HOSTILE])
+def test_every_architecture_refuses_the_shared_fields_hostile_values(fields, message):
+    """Every registered architecture, from its tiny transformers config with the hostile
+    value put in: the one shared check names it (glm4_moe, deepseek_v2 and
+    minimax_m2 ran a negative top-level theta; every model a negative one in its rope dict)."""
+    import transformers
+
+    from layer_boundary.models.registry import model_class
+
+    for model_type, (cls_name, tiny) in every_architecture().items():
         raw = {**getattr(transformers, cls_name)(**tiny).to_dict(), **fields}
         with pytest.raises(CheckpointError, match=re.escape(message)):
             model_class(model_type).config_class.validate(raw)
+
+
+def test_every_registered_architecture_declares_only_its_own_fields():
+    """The shared fields are checked in one place: a config class re-declares one only as a
+    named override (Qwen3-Next's num_experts, where 0 is a dense model), never as a laxer
+    copy (Llama's partial_rotary_factor accepted 2.0 once)."""
+    from layer_boundary.models.config import SHARED
+    from layer_boundary.models.registry import model_class, model_types
+
+    for model_type in model_types():
+        cls = model_class(model_type).config_class
+        assert not set(cls.fields) & set(SHARED), (model_type, set(cls.fields) & set(SHARED))
+        assert set(cls.shared_overrides) <= set(SHARED), model_type
