@@ -278,7 +278,7 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
         raise LoraError(f"LoRA adapter names must differ, got {names}")
     model_type = getattr(model, "model_type", None)
     read = [read_adapter(folder, name, model_type) for name, folder in adapters]
-    base = (lora_base.plan(read, _facts(checkpoint), model.ties_head())
+    base = (lora_base.plan(read, _facts(checkpoint), model)
             if any(adapter.base for adapter in read) else [])
     # {linear: (our module name, {part: {slot: checkpoint module}})}
     plan: dict[nn.Module, tuple[str, dict]] = {}

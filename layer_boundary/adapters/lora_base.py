@@ -87,7 +87,7 @@ def _wrapped(adapters, module: str, facts: dict) -> bool:
     return False
 
 
-def plan(read: list, facts: dict | None, ties_head: bool) -> list[BaseLoad]:
+def plan(read: list, facts: dict | None, model) -> list[BaseLoad]:
     """The tensors ``read`` (the checked adapters, in load order) load over the base model,
     each checked against the checkpoint (``facts``: ``loader.header_facts``); those peft
     ignores are named in a warning. No tensor data read.
@@ -96,9 +96,13 @@ def plan(read: list, facts: dict | None, ties_head: bool) -> list[BaseLoad]:
         read: ``lora.Adapter``s; slot order is load order.
         facts: the base checkpoint's {name: (shape, dtype)}; None: not known (an adapter
             holding base tensors is then refused).
-        ties_head: the model's head is its embedding.
+        model: the ``CausalLM`` they load into (whether its head is its embedding, and its
+            names for the checkpoint's tensors, as transformers names them).
     """
     loads = []
+    # transformers' name -> the checkpoint's (they differ where a model renames), and
+    # transformers' name -> (shape, dtype)
+    names = known = None
     for k, adapter in enumerate(read):
         if not adapter.base:
             continue
@@ -107,15 +111,22 @@ def plan(read: list, facts: dict | None, ties_head: bool) -> list[BaseLoad]:
                             f"({adapter.base[0].key}), which peft loads over the base model's: "
                             "attach_lora needs the base checkpoint to check them against "
                             "(pass checkpoint=)")
+        if names is None:
+            names = {**{model.checkpoint_name(n) or n: n for n in facts}, **{n: n for n in facts}}
+            known = {name: facts[ours] for name, ours in names.items()}
         ignored, missing, mine = [], [], []
         for t in adapter.base:
-            if t.wrapped != _wrapped(read[:k + 1], t.module, facts):
+            if t.wrapped != _wrapped(read[:k + 1], t.module, known):
                 ignored.append(t.key)
                 continue
-            target = t.name
-            if ties_head and target == f"{_HEAD}.weight":
+            target = names.get(t.name)
+            if model.ties_head() and t.name == f"{_HEAD}.weight":
                 target = _embedding(facts)
-            if target not in facts:
+                if target is None:
+                    raise LoraError(f"{adapter.label}: tensor {t.key} is the model's tied "
+                                    "head, which is its embedding, and the checkpoint holds no "
+                                    "one embedding to load it over: not supported")
+            if target is None:
                 missing.append(t.key)
                 continue
             shape, dtype = facts[target]
@@ -139,9 +150,10 @@ def plan(read: list, facts: dict | None, ties_head: bool) -> list[BaseLoad]:
     return loads
 
 
-def _embedding(facts: dict) -> str:
-    names = [n for n in facts if n.endswith("embed_tokens.weight")]
-    return names[0] if len(names) == 1 else f"{_HEAD}.weight"
+def _embedding(facts: dict) -> str | None:
+    """The checkpoint's input embedding (a tied head's tensor), where it holds just one."""
+    names = [n for n in facts if n.endswith(("embed_tokens.weight", "embeddings.weight"))]
+    return names[0] if len(names) == 1 else None
 
 
 def _report(label: str, loads, ignored, missing) -> None:

@@ -450,3 +450,27 @@ def test_a_base_tensor_over_a_quantized_weight_is_refused_by_name(qwen3_dir, sav
                                         r"self_attn\.q_proj\.weight, which is F8_E4M3 \(a "
                                         r"quantized weight\): not supported$"):
         attach_lora(_meta_model(fp8), [("a", str(folder))], str(fp8))
+
+
+def test_a_tied_head_without_one_embedding_to_load_over_is_refused(qwen3_tied_dir, tmp_path):
+    """Which tensor a tied head's ``lm_head.weight`` replaces is the checkpoint's one input
+    embedding; where the checkpoint holds two, the adapter is refused rather than guessed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from layer_boundary.adapters.lora import LoraError, attach_lora
+
+    base = tmp_path / "base"
+    shutil.copytree(qwen3_tied_dir, base)
+    weights = base / "model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({**tensors, "mtp.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()},
+              str(weights))
+    src = _peft_adapter(str(qwen3_tied_dir), tmp_path / "src", 6, r=2, target_modules=["q_proj"])
+    folder = variant(src, tmp_path / "a", tensors=_base_tensors(lm_head__weight=(96, 64)))
+    with pytest.raises(LoraError, match=r"^LoRA adapter a: tensor base_model\.model\.lm_head\."
+                                        r"weight is the model's tied head, which is its "
+                                        r"embedding, and the checkpoint holds no one embedding "
+                                        r"to load it over: not supported$"):
+        attach_lora(_meta_model(base), [("a", str(folder))], str(base))
