@@ -3,11 +3,15 @@ the model class serving it, handed along instead of the folder so nothing reads 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from ..runtime.args import resolve_boundary_reduction
 from . import config as config_json
 from .registry import auto_policy, model_class
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,4 +67,36 @@ def open_checkpoint(path) -> Checkpoint:
     raw = config_json.read_config(path)  # the one read of config.json
     cls = model_class(raw.get("model_type"))
     cls.config_class.validate(raw)
-    return Checkpoint(str(path), raw, cls.config_class.from_dict(raw), cls)
+    return Checkpoint(str(path), raw, _tied_as_stored(path, cls.config_class.from_dict(raw)),
+                      cls)
+
+
+# a head and an input embedding as checkpoints name them (GPT-NeoX: embed_out, embed_in)
+_HEADS = ("lm_head.weight", "embed_out.weight")
+_EMBEDDINGS = ("embed_tokens.weight", "embeddings.weight", "embed_in.weight")
+
+
+def _tied_as_stored(folder, config):
+    """``config``, untied where transformers unties it: a ``tie_word_embeddings`` config whose
+    checkpoint holds both a head and an embedding with different values (transformers warns
+    and keeps both, ``PreTrainedModel.tie_weights``); equal ones stay tied."""
+    if not (getattr(config, "tie_word_embeddings", False) and "tie_word_embeddings" in
+            {f.name for f in dataclasses.fields(config)}):
+        return config
+    from ..runtime.shards import whole
+    from .loader import header_facts, iter_weights
+
+    names = list(header_facts(folder))
+    heads = [n for n in names if n.endswith(_HEADS)]
+    embeddings = [n for n in names if n.endswith(_EMBEDDINGS)]
+    if len(heads) != 1 or len(embeddings) != 1:
+        return config
+    tensors = {name: whole(t) for name, t in iter_weights(folder, lazy=True)
+               if name in (heads[0], embeddings[0])}
+    head, embedding = tensors[heads[0]], tensors[embeddings[0]]
+    if head.shape == embedding.shape and bool((head == embedding).all()):
+        return config
+    log.warning("%s: config.json ties the head to the embedding, and the checkpoint holds %s "
+                "and %s with different values: both are loaded, untied, as transformers does "
+                "(set tie_word_embeddings false to say so)", folder, heads[0], embeddings[0])
+    return dataclasses.replace(config, tie_word_embeddings=False)

@@ -23,7 +23,7 @@ from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import LayerNorm
 from .config import (BOOL, DECODER, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
-                     check_unquantized_silu, default_rope, require, required)
+                     check_unquantized_silu, default_rope, number, require, required, theta_of)
 from .head import ScaledLMHead, rebuilt_as
 from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .llama import LlamaForCausalLM, check_parallel
@@ -72,9 +72,9 @@ class CohereConfig(CheckedConfig):
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or require(cfg, "hidden_size") // heads,
-            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            logit_scale=float(cfg.get("logit_scale", 0.0625)),
+            layer_norm_eps=number(cfg, "layer_norm_eps", 1e-5),
+            rope_theta=theta_of(rope, cfg, 10000.0),
+            logit_scale=number(cfg, "logit_scale", 0.0625),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             attention_bias=bool(cfg.get("attention_bias", False)))
 

@@ -4,7 +4,10 @@ A model's config class declares the fields it reads and how each is checked (``f
 dict of field name to one of the validators below, usually built from the shared groups);
 ``validate`` runs them once, before ``from_dict`` reads anything, so a string, a bool where a
 number belongs, a zero count or a list where an object belongs is an error naming the field,
-never a silent misread (``"false"`` read as true, ``0`` read as absent). Null counts as absent.
+never a silent misread (``"false"`` read as true, ``0`` read as absent). A null counts as
+absent where transformers reads None as "none" (a window, a rope dict, a head_dim to derive);
+where a model reads a number with a default, transformers would compute with None, so the
+null is refused by name (``number``, ``integer``).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ BOOL = Check(lambda v: isinstance(v, bool), "true or false")
 INT_LIST = Check(lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
                  "a list of integers")
 OBJECT = Check(lambda v: isinstance(v, dict), "an object")
+STRING = Check(lambda v: isinstance(v, str), "a string")
 
 # sizes every architecture shares, bounded where a tensor index (int64 elements, int32 in
 # kernels) still holds them: beyond, a config is refused by name before any arithmetic
@@ -97,6 +101,7 @@ SHARED = {
     "rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": FRACTION,
     "rope_parameters": OBJECT, "rope_scaling": OBJECT, "quantization_config": OBJECT,
     "tie_word_embeddings": BOOL,
+    **dict.fromkeys(("hidden_act", "hidden_activation", "scoring_func"), STRING),
 }
 # what a rope dict (rope_parameters / rope_scaling, or one of them per layer type) may say
 ROPE_FIELDS = {"rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": FRACTION,
@@ -177,6 +182,29 @@ class CheckedConfig:
     def validate(cls, raw: dict) -> None:
         validate(raw, cls.fields, experts=cls.expert_fields, top_k=cls.top_k_fields,
                  extra_experts=cls.extra_expert_field, overrides=cls.shared_overrides)
+
+
+def number(cfg: dict, field: str, default: float, where: str = "field ") -> float:
+    """``cfg[field]`` (checked already) as a float, ``default`` where config.json leaves it
+    out. A null is refused by name: transformers reads it as None, which no model computes
+    with (``where``: how the error names the field's place)."""
+    if field not in cfg:
+        return float(default)
+    if cfg[field] is None:
+        raise CheckpointError(f"config.json {where}{field} is null: give a number, or leave "
+                              f"it out for the default {default}")
+    return float(cfg[field])
+
+
+def integer(cfg: dict, field: str, default: int) -> int:
+    """``number``, for a count."""
+    return int(number(cfg, field, default))
+
+
+def theta_of(rope: dict, cfg: dict, default: float) -> float:
+    """The rope's theta: its rope dict's, else config.json's top-level one, else
+    ``default``."""
+    return number(rope, "rope_theta", number(cfg, "rope_theta", default), "rope dict's ")
 
 
 def require(cfg: dict, field: str, kind=int):

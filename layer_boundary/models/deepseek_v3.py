@@ -36,10 +36,9 @@ from .attention import cached_attention
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP
 from .rope import apply_rope, forward_cos_sin, inverse_frequencies, rope_key
-from .config import (DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, CheckedConfig,
-                     CheckpointError, check_divisible, check_grouped_router,
-                     check_unquantized_silu, fp8_quantization, quantized_read, require,
-                     required)
+from .config import (DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, CheckedConfig, CheckpointError,
+                     check_divisible, check_grouped_router, check_unquantized_silu,
+                     fp8_quantization, number, quantized_read, require, required, theta_of)
 from .registry import register_model
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params, experts_fp8_group
 
@@ -177,8 +176,8 @@ class DeepseekV3Config(CheckedConfig):
             topk_group=topk_group,
             routed_scaling_factor=float(require(cfg, "routed_scaling_factor", float)),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=theta_of(rope, cfg, 10000.0),
             rope_interleave=bool(cfg.get("rope_interleave", True)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import GemmaRMSNorm
 from .head import ScaledEmbedding, ScaledLMHead, embedding_scale, rebuilt_as
-from .config import (BOOL, DECODER, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
-                     SLIDING_FIELDS, Check, CheckpointError, layer_windows)
+from .config import (BOOL, DECODER, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING, SLIDING_FIELDS,
+                     CheckpointError, layer_windows, number)
 from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
 from .llama import LlamaForCausalLM, check_parallel
 from .qwen3 import Qwen3Config
@@ -44,7 +44,6 @@ DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
             "query_pre_attn_scalar": 256, "sliding_window": 4096,
             "hidden_activation": "gelu_pytorch_tanh"}
 DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
-STRING = Check(lambda v: isinstance(v, str), "a string")
 
 
 def read_ropes(cfg: dict) -> dict:
@@ -89,7 +88,7 @@ class Gemma3TextConfig(Qwen3Config):
     fields = {**DECODER, **SLIDING_FIELDS, "query_pre_attn_scalar": POSITIVE_NUMBER,
               "final_logit_softcapping": POSITIVE_NUMBER,
               "attn_logit_softcapping": POSITIVE_NUMBER, "use_bidirectional_attention": BOOL,
-              "hidden_activation": STRING, "rope_local_base_freq": POSITIVE_NUMBER,
+              "rope_local_base_freq": POSITIVE_NUMBER,
               "sliding_window_pattern": POSITIVE_INT}
 
     @classmethod
@@ -118,7 +117,8 @@ class Gemma3TextConfig(Qwen3Config):
         ropes = read_ropes(cfg)
         return cls(**dense, windows=windows,
                    ropes=tuple(ropes[SLIDING if w is not None else FULL] for w in windows),
-                   query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
+                   query_pre_attn_scalar=number(cfg, "query_pre_attn_scalar",
+                                                DEFAULTS["query_pre_attn_scalar"]),
                    final_logit_softcapping=cfg.get("final_logit_softcapping"),
                    approximate=ACTIVATIONS[act])
 

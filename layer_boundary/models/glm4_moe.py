@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from .. import declare_attn
 from ..runtime.args import BoundaryRuntime
-from .config import (BOOL, DECODER, EXPERTS, NON_NEGATIVE_INT, CheckedConfig,
-                     CheckpointError, check_grouped_router, check_unquantized_silu, require,
+from .config import (BOOL, DECODER, EXPERTS, NON_NEGATIVE_INT, CheckedConfig, CheckpointError,
+                     check_grouped_router, check_unquantized_silu, integer, number, require,
                      required)
 from .deepseek_v3 import DeepseekV3MoE, ffn_declaration
 from .deepseek_v3 import check_parallel as check_experts
@@ -88,7 +88,7 @@ class Glm4MoeConfig(CheckedConfig):
         experts = require(cfg, "n_routed_experts" if "n_routed_experts" in cfg
                           else "num_local_experts")
         top_k = require(cfg, "num_experts_per_tok")
-        n_group, topk_group = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+        n_group, topk_group = integer(cfg, "n_group", 1), integer(cfg, "topk_group", 1)
         check_grouped_router(experts, n_group, topk_group, top_k)
         mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
         if mtp is not None and not NON_NEGATIVE_INT.ok(mtp):
@@ -101,14 +101,14 @@ class Glm4MoeConfig(CheckedConfig):
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             n_routed_experts=experts, num_experts_per_tok=top_k,
-            n_shared_experts=cfg.get("n_shared_experts") or 1,
+            n_shared_experts=integer(cfg, "n_shared_experts", 1),
             first_k_dense_replace=cfg.get("first_k_dense_replace", 1) or 0,
             n_group=n_group, topk_group=topk_group,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            routed_scaling_factor=number(cfg, "routed_scaling_factor", 1.0),
             use_qk_norm=bool(cfg.get("use_qk_norm", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-5),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_nextn_predict_layers=mtp or 0,
             **rope)

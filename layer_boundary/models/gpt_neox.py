@@ -32,7 +32,7 @@ from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import LayerNorm
 from .base import CausalLM
 from .config import (BOOL, DECODER, FRACTION, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
-                     default_rope, require, required)
+                     default_rope, number, require, required)
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GqaAttention
 from .qwen3 import check_tp
@@ -100,7 +100,7 @@ class GPTNeoXConfig(CheckedConfig):
         return cls(**required(cfg, "vocab_size", "intermediate_size", "num_hidden_layers"),
                    hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
                    head_dim=head_dim, rotary_dim=rotary,
-                   layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+                   layer_norm_eps=number(cfg, "layer_norm_eps", 1e-5),
                    rope_theta=float(theta), approximate=GELUS[act],
                    use_parallel_residual=bool(cfg.get("use_parallel_residual", True)),
                    attention_bias=bool(cfg.get("attention_bias", True)),

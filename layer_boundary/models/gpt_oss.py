@@ -27,9 +27,9 @@ from torch import nn
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import Fp32ScaleRMSNorm
-from .config import (BOOL, DECODER, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER,
-                     SLIDING, SLIDING_FIELDS, CheckedConfig, CheckpointError, check_divisible,
-                     layer_windows, require, required)
+from .config import (BOOL, DECODER, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
+                     SLIDING_FIELDS, CheckedConfig, CheckpointError, check_divisible,
+                     layer_windows, number, require, required)
 from .layers import DecoderLayer, GqaAttention
 from .llama import read_rope as llama_rope
 from .moe import FusedMoE, fused_expert_params
@@ -158,9 +158,9 @@ class GptOssConfig(CheckedConfig):
             num_hidden_layers=layers, head_dim=head_dim, **sized,
             windows=layer_windows({**cfg, **window}, layers, default_layer_types),
             rope_theta=theta, rope=rope,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-5),
+            swiglu_alpha=number(cfg, "swiglu_alpha", 1.702),
+            swiglu_limit=number(cfg, "swiglu_limit", 7.0),
             attention_bias=bool(cfg.get("attention_bias", True)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 

@@ -27,7 +27,7 @@ import torch
 from .. import declare_attn, declare_ffn
 from ..residual.scaled import scaled_update
 from ..runtime.args import BoundaryRuntime
-from .config import POSITIVE_NUMBER
+from .config import POSITIVE_NUMBER, number
 from .head import ScaledEmbedding, ScaledLMHead, rebuilt_as
 from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
@@ -52,8 +52,7 @@ class GraniteConfig(LlamaConfig):
 
     @classmethod
     def read(cls, cfg: dict) -> dict:
-        multipliers = {f: float(cfg[f]) if cfg.get(f) is not None else 1.0
-                       for f in MULTIPLIERS}
+        multipliers = {f: number(cfg, f, 1.0) for f in MULTIPLIERS}
         return dict(super().read(cfg), **multipliers)
 
 

@@ -30,7 +30,7 @@ from ..residual.scaled import scaled_update
 from ..runtime.args import BoundaryRuntime
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take
-from .config import CheckpointError
+from .config import CheckpointError, integer
 from .granite import GraniteConfig, GraniteForCausalLM, granite_attention
 from .layers import DecoderLayer
 from .mixtral import check_moe_parallel
@@ -56,8 +56,8 @@ class GraniteMoeConfig(GraniteConfig):
 
     @classmethod
     def read(cls, cfg: dict) -> dict:
-        cfg = {**cfg, **{k: v for k, v in DEFAULTS.items() if cfg.get(k) is None}}
-        experts, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+        experts, k = (integer(cfg, field, default) for field, default in DEFAULTS.items())
+        cfg = {**cfg, "num_local_experts": experts, "num_experts_per_tok": k}
         if k > experts:  # validate() checks it where config.json names both
             raise CheckpointError(f"config.json field num_experts_per_tok={k} exceeds the "
                                   f"{experts} experts")

@@ -48,8 +48,8 @@ from .base import CausalLM
 from .deepseek_v3 import (DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_kv_cache,
                           mla_rope)
 from .kv_cache import KVCache
-from .config import (BOOL, DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, POSITIVE_INT,
-                     CheckedConfig, CheckpointError, check_divisible, require)
+from .config import (BOOL, DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
+                     CheckpointError, check_divisible, number, require, theta_of)
 from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
 
@@ -179,8 +179,8 @@ class LongcatFlashConfig(CheckedConfig):
             v_head_dim=require(cfg, "v_head_dim"),
             routed_scaling_factor=float(require(cfg, "routed_scaling_factor", float)
                                         if "routed_scaling_factor" in cfg else 6.0),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", DEFAULT_ROPE_THETA))),
+            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-5),
+            rope_theta=theta_of(rope, cfg, DEFAULT_ROPE_THETA),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
         )

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.args import BoundaryRuntime
-from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER,
-                     Check, CheckpointError, check_unquantized_silu, require)
+from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, STRING,
+                     CheckpointError, check_unquantized_silu, require)
 from .layers import GqaAttention
 from .mixtral import (MixtralDecoderLayer, MixtralForCausalLM, check_moe_parallel,
                       experts_count, with_defaults)
@@ -31,7 +31,6 @@ from .rope import inverse_frequencies
 
 # transformers' defaults where config.json leaves a field out
 MINIMAX_DEFAULTS = {"rope_theta": 5e6, "head_dim": 128}
-STRING = Check(lambda v: isinstance(v, str), "a string")
 
 
 def rotary_dims(cfg: dict, head_dim: int) -> int:
@@ -82,7 +81,7 @@ class MiniMaxM2Config(Qwen3Config):
     model_type: str = "minimax_m2"
 
     fields = {"rotary_dim": POSITIVE_INT, "use_qk_norm": BOOL, "use_routing_bias": BOOL,
-              "qk_norm_type": STRING, "scoring_func": STRING,
+              "qk_norm_type": STRING,
               "shared_intermediate_size": NON_NEGATIVE_INT}
     expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
 

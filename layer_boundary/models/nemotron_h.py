@@ -30,7 +30,7 @@ from ..runtime import (BoundaryRuntime, ColumnParallelLinear, RMSNorm,
                        RowParallelLinear)
 from .base import CausalLM
 from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
-                     check_grouped_router, require)
+                     check_grouped_router, integer, number, require)
 from .deepseek_v3 import DeepseekV3Router
 from .kv_cache import KVCache
 from .layers import GqaAttention
@@ -144,7 +144,7 @@ class NemotronHConfig(CheckedConfig):
         out = dict(vocab_size=require(cfg, "vocab_size"), hidden_size=require(cfg, "hidden_size"),
                    layers_block_type=types,
                    mlp_hidden_act=cfg.get("mlp_hidden_act", "relu2"),
-                   layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+                   layer_norm_epsilon=number(cfg, "layer_norm_epsilon", 1e-5),
                    tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
         if ATTENTION in types:
             heads = require(cfg, "num_attention_heads")
@@ -176,14 +176,14 @@ class NemotronHConfig(CheckedConfig):
 
 def _moe_fields(cfg: dict) -> dict:
     experts, top_k = require(cfg, "n_routed_experts"), require(cfg, "num_experts_per_tok")
-    n_group, topk_group = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    n_group, topk_group = integer(cfg, "n_group", 1), integer(cfg, "topk_group", 1)
     check_grouped_router(experts, n_group, topk_group, top_k)
     return dict(n_routed_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=require(cfg, "moe_intermediate_size"),
                 moe_shared_expert_intermediate_size=require(
                     cfg, "moe_shared_expert_intermediate_size"),
                 n_group=n_group, topk_group=topk_group,
-                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                routed_scaling_factor=number(cfg, "routed_scaling_factor", 1.0),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
 
 

@@ -14,7 +14,7 @@ from .kv_cache import KVCache
 from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .rope import inverse_frequencies
 from .config import (DECODER, CheckedConfig, CheckpointError, default_rope, fp8_quantization,
-                     quantized_read, require, required)
+                     number, quantized_read, require, required, theta_of)
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
 
@@ -53,8 +53,8 @@ class Qwen3Config(CheckedConfig):
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or require(cfg, "hidden_size") // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=theta_of(rope, cfg, 10000.0),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
         )

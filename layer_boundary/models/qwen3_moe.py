@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
-from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, quantized_read, require
+from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, integer, quantized_read, require
 from .registry import NO_QKV_LATENT, register_model
 from ..runtime.quant import fake_quantize
 from .moe import FusedMoE, expert_stacked_params, experts_fp8_group
@@ -42,7 +42,7 @@ class Qwen3MoeConfig(Qwen3Config):
                                        else "num_local_experts"),
                    num_experts_per_tok=require(cfg, "num_experts_per_tok"),
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                   decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+                   decoder_sparse_step=integer(cfg, "decoder_sparse_step", 1),
                    mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
     def is_sparse(self, layer_id: int) -> bool:

@@ -34,9 +34,8 @@ from .. import ProducerReduction, declare_attn, declare_ffn
 from ..runtime import GemmaRMSNorm, QKVParallelLinear, RowParallelLinear
 from ..runtime.args import BoundaryRuntime
 from .base import CausalLM
-from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT,
-                     CheckedConfig, CheckpointError, check_unquantized_silu,
-                     require)
+from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
+                     CheckpointError, check_unquantized_silu, integer, number, require, theta_of)
 from .gated_deltanet import GatedDeltaNet, check_heads as check_linear_heads
 from .attention import cached_attention
 from .kv_cache import KVCache
@@ -87,7 +86,7 @@ def rope_fields(cfg: dict, head_dim: int, default_factor: float = 0.25) -> dict:
         raise CheckpointError(f"config.json partial_rotary_factor={factor} gives {rotary_dim} "
                               f"rotary dims of head_dim={head_dim} (a positive even number "
                               "is needed)")
-    return dict(rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+    return dict(rope_theta=theta_of(rope, cfg, 10000.0),
                 rotary_dim=rotary_dim)
 
 
@@ -148,7 +147,7 @@ class Qwen3NextConfig(CheckedConfig):
         check_unquantized_silu(cfg)
         types = layer_types(cfg)
         out = dict(vocab_size=require(cfg, "vocab_size"), hidden_size=require(cfg, "hidden_size"),
-                   layer_types=types, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                   layer_types=types, rms_norm_eps=number(cfg, "rms_norm_eps", 1e-6),
                    tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
         if FULL in types:
             heads, head_dim = require(cfg, "num_attention_heads"), require(cfg, "head_dim")
@@ -160,7 +159,7 @@ class Qwen3NextConfig(CheckedConfig):
             out.update({f: require(cfg, f) for f in (
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                 "linear_value_head_dim")},
-                linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim") or 4)
+                linear_conv_kernel_dim=integer(cfg, "linear_conv_kernel_dim", 4))
             if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
                 raise CheckpointError(
                     f"config.json linear_num_value_heads={out['linear_num_value_heads']} is not "
@@ -172,7 +171,7 @@ class Qwen3NextConfig(CheckedConfig):
                        shared_expert_intermediate_size=require(
                            cfg, "shared_expert_intermediate_size"),
                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                       decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+                       decoder_sparse_step=integer(cfg, "decoder_sparse_step", 1),
                        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
         out.update(forced)
         config = cls(**out)

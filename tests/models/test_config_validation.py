@@ -182,3 +182,25 @@ def test_every_registered_architecture_declares_only_its_own_fields():
         cls = model_class(model_type).config_class
         assert not set(cls.fields) & set(SHARED), (model_type, set(cls.fields) & set(SHARED))
         assert set(cls.shared_overrides) <= set(SHARED), model_type
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), -1, "x", [1], {}],
+                         ids=["null", "nan", "negative", "string", "list", "object"])
+def test_any_field_of_any_architecture_is_read_or_refused_by_name(value):
+    """Each field of every architecture's config.json set to one odd value: the config is
+    read or refused with a ``CheckpointError``, never a traceback (a null rms_norm_eps or
+    logit_scale ended in float(None); a list scoring_func in an unhashable lookup)."""
+    import transformers
+
+    from layer_boundary.models.registry import model_class
+
+    for model_type, (cls_name, tiny) in every_architecture().items():
+        config_class = model_class(model_type).config_class
+        base = getattr(transformers, cls_name)(**tiny).to_dict()
+        for field in base:
+            raw = {**base, field: value}
+            try:
+                config_class.validate(raw)
+                config_class.from_dict(raw)
+            except CheckpointError:
+                pass
