@@ -276,10 +276,13 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
     names = [name for name, _ in adapters]
     if len(set(names)) != len(names):
         raise LoraError(f"LoRA adapter names must differ, got {names}")
+    if "none" in names:
+        raise LoraError("LoRA adapter none: none is --prompt-lora's name for the base model; "
+                        "give the adapter another name")
     model_type = getattr(model, "model_type", None)
     read = [read_adapter(folder, name, model_type) for name, folder in adapters]
-    base = (lora_base.plan(read, _facts(checkpoint), model)
-            if any(adapter.base for adapter in read) else [])
+    facts = _facts(checkpoint)
+    base = lora_base.plan(read, facts, model) if any(adapter.base for adapter in read) else []
     # {linear: (our module name, {part: {slot: checkpoint module}})}
     plan: dict[nn.Module, tuple[str, dict]] = {}
     for slot, adapter in enumerate(read):
@@ -308,6 +311,8 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
                                 f"features, and the model's {leaf} gives {shape[0]} (an adapter "
                                 "for another base model?)")
             plan.setdefault(linear, (ours, {}))[1].setdefault(shard, {})[slot] = module
+    if facts is not None:
+        _check_initialized(read, facts, model)
     weights = [_load(adapter) for adapter in read]
     overrides = lora_base.read_tensors(base, _open)
     built = {}
@@ -317,13 +322,56 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
             ab = {}
             for slot, module in per_slot.items():
                 a, b = weights[slot][module]
-                ab[slot] = (a, b * read[slot].config.scaling(module))
+                scaling = read[slot].config.scaling(module)
+                if not bool(torch.isfinite(b * scaling).all()):
+                    raise LoraError(f"{read[slot].label}: {module} lora_B times its scaling "
+                                    f"{scaling:g} (lora_alpha / r) overflows a float")
+                ab[slot] = (a, b * scaling)
             shards.append(_shard(linear, shard, ab, len(adapters)))
         built[linear] = LoraWeights(shards, ours)
     lora_base.load_over(model, overrides)  # every adapter checked: load and attach them all
     for linear, lora in built.items():
         linear.lora = lora
     return {name: slot for slot, name in enumerate(names)}
+
+
+# initializations under which a targeted module the file holds no weights for adds a random
+# delta in peft (its LoRA B is zero under the others: such a module adds nothing, as here)
+_RANDOM_INIT = (False, "orthogonal")
+
+
+def _check_initialized(read: list, facts: dict, model) -> None:
+    """Refuse an adapter whose config targets a linear of this model that its file holds no
+    weights for, where peft would initialize them at random (``init_lora_weights`` false or
+    orthogonal): its output would be a draw, not the adapter's.
+
+    Args:
+        read: the ``Adapter``s.
+        facts: the base checkpoint's {name: (shape, dtype)}.
+        model: the ``CausalLM`` (transformers' names for the checkpoint's tensors; its
+            adaptable linears on this pipeline stage).
+    """
+    if all(adapter.config.init not in _RANDOM_INIT for adapter in read):
+        return
+    named = {(model.checkpoint_name(n) or n): fact for n, fact in facts.items()}
+    linears = []
+    for name, (shape, _) in sorted(named.items()):
+        module = name[:-len(".weight")]
+        if name.endswith(".weight") and len(shape) == 2:
+            found = _target(model, module)
+            if found is not None and _full_shape(found[0], found[1]) is not None:
+                linears.append(module)
+    for adapter in read:
+        if adapter.config.init not in _RANDOM_INIT:
+            continue
+        missing = [m for m in linears
+                   if m not in adapter.modules and lora_base.wrapped([adapter], m, named)]
+        if missing:
+            raise LoraError(f"{adapter.label}: adapter_config.json targets {missing[0]} "
+                            f"({len(missing)} modules in all), and {adapter.file} holds no "
+                            "weights for it: peft initializes them at random "
+                            f"(init_lora_weights={adapter.config.init!r}), so its output "
+                            "would be a draw, not the adapter's")
 
 
 def _facts(checkpoint) -> dict | None:

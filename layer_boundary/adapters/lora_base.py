@@ -15,9 +15,10 @@ model's (adapters disabled) and every adapter's. Its names say which do:
 * a tied head's ``lm_head.weight`` is the embedding's tensor.
 
 A loaded tensor's shape must be the checkpoint's (peft refuses a size mismatch); here it must
-also be a finite floating-point tensor of an unquantized weight, or the adapter is refused by
-name. Each is then loaded through the model's own checkpoint loader, so it is sharded and
-placed exactly as the checkpoint's tensor of that name was.
+also be a finite floating-point tensor over a floating-point one (adapters do not run on FP8
+checkpoints), or the adapter is refused by name. Each is then loaded through the model's own
+checkpoint loader, so it is sharded and placed exactly as the checkpoint's tensor of that name
+was.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _linear(module: str, facts: dict) -> bool:
             and "embed" not in module.rpartition(".")[2])
 
 
-def _wrapped(adapters, module: str, facts: dict) -> bool:
+def wrapped(adapters, module: str, facts: dict) -> bool:
     """Whether ``module`` is a LoRA layer once ``adapters`` are loaded (any targets it)."""
     for adapter in adapters:
         targets = adapter.config.targets
@@ -116,7 +117,7 @@ def plan(read: list, facts: dict | None, model) -> list[BaseLoad]:
             known = {name: facts[ours] for name, ours in names.items()}
         ignored, missing, mine = [], [], []
         for t in adapter.base:
-            if t.wrapped != _wrapped(read[:k + 1], t.module, known):
+            if t.wrapped != wrapped(read[:k + 1], t.module, known):
                 ignored.append(t.key)
                 continue
             target = names.get(t.name)
@@ -132,8 +133,8 @@ def plan(read: list, facts: dict | None, model) -> list[BaseLoad]:
             shape, dtype = facts[target]
             if dtype not in _FLOATS:
                 raise LoraError(f"{adapter.label}: tensor {t.key} would replace the "
-                                f"checkpoint's {target}, which is {dtype} (a quantized "
-                                "weight): not supported")
+                                f"checkpoint's {target}, which is {dtype}, not a float "
+                                "weight: not supported")
             if t.dtype not in _FLOATS:
                 raise LoraError(f"{adapter.label}: tensor {t.key} is {t.dtype}; base-model "
                                 f"tensors must be floating point ({', '.join(_FLOATS)})")

@@ -61,7 +61,13 @@ _OUTPUT_HEAD = "lm_head"  # what all-linear leaves out (the output embedding)
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite number that a float holds (JSON's integers are unbounded: 10**400 is not)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def _rank(x) -> bool:
@@ -145,6 +151,9 @@ def read_config(folder: Path, label: str, model_type: str | None) -> tuple[Adapt
         label: "LoRA adapter NAME", which starts every error.
         model_type: the base model's, for peft's default ``target_modules``.
     """
+    if not folder.is_dir():
+        raise LoraError(f"{label}: {folder} is not a folder" if folder.exists() else
+                        f"{label}: no such folder {folder}")
     f = folder / "adapter_config.json"
     if not f.is_file():
         raise LoraError(f"{label}: no adapter_config.json in {folder}")

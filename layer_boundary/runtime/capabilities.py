@@ -140,6 +140,8 @@ PAIRS: tuple[PairRule, ...] = (
           "the whole stack, not in layer segments"),
     _pair(F.COMPILE, F.LORA, "an adapted linear picks each row's adapter by data-dependent "
           "indexing, a graph break under fullgraph"),
+    _pair(F.LORA, F.FP8, "an FP8 checkpoint's stages read their inputs quantized, and peft's "
+          "adapter beside an FP8 linear reads the unquantized input"),
 )
 del F
 

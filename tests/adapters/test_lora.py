@@ -202,12 +202,16 @@ def foreign_adapter(tmp_path_factory, adapters) -> str:
     ("no_adapters", "--prompt-lora needs adapters: load them with --lora NAME=DIR"),
     ("foreign", "LoRA adapter a: model.layers.0.self_attn.x_proj is a target, and the qwen3 "
                 "model has no parallel linear for it"),
-    ("missing", "LoRA adapter a: no adapter_config.json in /nonexistent"),
+    ("missing", "LoRA adapter a: no such folder /nonexistent"),
+    ("a-file", "LoRA adapter a: /etc/hostname is not a folder"),
+    ("none-name", "LoRA adapter none: none is --prompt-lora's name for the base model; give "
+                  "the adapter another name"),
     ("sp", "--sequence-parallel does not combine with --lora yet (BatchVariant.SEQUENCE_PARALLEL, "
            "attach_lora)")])
 def test_bad_adapter_input_is_a_one_line_error(qwen3_dir, adapters, foreign_adapter, case,
                                                message, capsys, restore_logger):
-    lora = {"foreign": f"a={foreign_adapter}", "missing": "a=/nonexistent"}.get(
+    lora = {"foreign": f"a={foreign_adapter}", "missing": "a=/nonexistent",
+            "a-file": "a=/etc/hostname", "none-name": f"none={adapters['a']}"}.get(
         case, f"a={adapters['a']}")
     args = ["run", "--model", str(qwen3_dir), "--tp", "2", "--prompt-ids", "1,2",
             "--prompt-ids", "3"]

@@ -104,6 +104,9 @@ NUMERIC = [
     ("one-layer", "full", {"layers_to_transform": 1}, None),
     ("patterns", "patterned", {}, None),
     ("unprefixed", "full", {"target_modules": ["q_proj"]}, _unprefixed),
+    # a target without weights in the file: peft's default init leaves its B zero
+    ("unsaved-target", "full", {"init_lora_weights": True},
+     lambda w: {k: v for k, v in w.items() if "layers.1.self_attn.q_proj" not in k}),
     # loaded: a target's own weight under base_layer, an untargeted linear's, the embedding,
     # the head, a norm; ignored: an untargeted module's under base_layer, a target's without
     ("base-tensors", "full", {"target_modules": ["q_proj", "v_proj"]}, _base_tensors(
@@ -213,6 +216,20 @@ CONFIG_REFUSALS = [
                                                       "got nan"),
     ("str-alpha", {"lora_alpha": "8"}, None, "lora_alpha must be a finite number, got '8'"),
     ("zero-r", {"r": 0}, None, "r must be a positive integer, got 0"),
+    # JSON's integers are unbounded: one no float holds is not finite (it was an
+    # OverflowError traceback), and a finite alpha whose scaling overflows B is refused
+    ("alpha-bigint", {"lora_alpha": 10 ** 400}, None,
+     f"lora_alpha must be a finite number, got {10 ** 400!r}"),
+    ("alpha-overflow", {"lora_alpha": 1e300}, None,
+     "model.layers.0.mlp.down_proj lora_B times its scaling 2.5e+299 (lora_alpha / r) "
+     "overflows a float"),
+    # targeted, no weights in the file, and peft's init_lora_weights=False draws them at
+    # random: the adapter's output would be a draw (it ran as if the module had no adapter)
+    ("random-init", {}, lambda w: {k: v for k, v in w.items() if "layers.1.self_attn.q_proj"
+                                   not in k},
+     "adapter_config.json targets model.layers.1.self_attn.q_proj (1 modules in all), and "
+     "{file} holds no weights for it: peft initializes them at random "
+     "(init_lora_weights=False), so its output would be a draw, not the adapter's"),
     # peft's LoraConfig takes them; its model refuses them building torch.nn.Dropout
     ("dropout-1.5", {"lora_dropout": 1.5}, None, "lora_dropout must be a probability between "
                                                  "0 and 1 (peft builds a torch.nn.Dropout of "
@@ -434,22 +451,41 @@ def test_a_refused_adapter_leaves_the_base_weights_as_loaded(qwen3_dir, saved, t
             and qkv.packed.data_ptr == qkv.weight.data_ptr())
 
 
-def test_a_base_tensor_over_a_quantized_weight_is_refused_by_name(qwen3_dir, saved, tmp_path):
-    """Over an FP8 checkpoint's block-quantized weight a float tensor would need quantizing
-    (or the weight's blocks dropping): refused, naming both."""
+def test_an_adapter_on_an_fp8_checkpoint_is_refused_by_name(qwen3_dir, saved, tmp_path,
+                                                            capsys, restore_logger):
+    """An FP8 checkpoint's stages read their inputs quantized; peft's adapter beside an FP8
+    linear reads the unquantized input (its delta moved the logits by 1.5% of their scale)."""
     from checkpoints.fp8 import fp8_checkpoint
+
+    fp8 = fp8_checkpoint(qwen3_dir, tmp_path / "fp8")
+    assert main(["run", "--model", str(fp8), "--lora", f"a={saved['full']}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "layer-boundary: error: --lora does not combine with an FP8 checkpoint yet "
+        "(attach_lora, config.json quantization_config): an FP8 checkpoint's stages read their "
+        "inputs quantized, and peft's adapter beside an FP8 linear reads the unquantized input"]
+
+
+def test_a_base_tensor_over_a_tensor_that_is_not_float_is_refused(qwen3_dir, saved, tmp_path):
+    """A checkpoint's integer tensor (a hash router's table) is no weight to load a float
+    over."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from layer_boundary.adapters.lora import LoraError, attach_lora
 
-    fp8 = fp8_checkpoint(qwen3_dir, tmp_path / "fp8")
+    base = tmp_path / "base"
+    shutil.copytree(qwen3_dir, base)
+    tensors = load_file(str(base / "model.safetensors"))
+    save_file({**tensors, "model.table.weight": torch.zeros(4, 4, dtype=torch.int64)},
+              str(base / "model.safetensors"))
     folder = variant(saved["full"], tmp_path / "a", tensors=_base_tensors(
-        model__layers__0__self_attn__q_proj__base_layer__weight=(128, 64)))
+        model__table__weight=(4, 4)))
     with pytest.raises(LoraError, match=r"^LoRA adapter a: tensor base_model\.model\.model\."
-                                        r"layers\.0\.self_attn\.q_proj\.base_layer\.weight "
-                                        r"would replace the checkpoint's model\.layers\.0\."
-                                        r"self_attn\.q_proj\.weight, which is F8_E4M3 \(a "
-                                        r"quantized weight\): not supported$"):
-        attach_lora(_meta_model(fp8), [("a", str(folder))], str(fp8))
+                                        r"table\.weight would replace the checkpoint's model\."
+                                        r"table\.weight, which is I64, not a float weight: not "
+                                        r"supported$"):
+        attach_lora(_meta_model(base), [("a", str(folder))], str(base))
 
 
 def test_a_tied_head_without_one_embedding_to_load_over_is_refused(qwen3_tied_dir, tmp_path):
