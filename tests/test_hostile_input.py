@@ -314,3 +314,13 @@ def test_a_missing_triton_is_named_before_any_rank(qwen3_dir, capsys, restore_lo
     _one_line_error(capsys, ["--model", qwen3_dir, "--tp", 2, "--fusions", "triton"],
                     "--fusions triton needs the triton package, which is not installed (pip "
                     "install triton)")
+
+
+def test_plan_tokens_past_the_positions_are_named(qwen3_dir, capsys, restore_logger):
+    """A plan's --tokens was built as a list of ids: 10**11 of them was a MemoryError."""
+    assert main(["plan", "--model", str(qwen3_dir), "--tokens", "100000000000,1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    limit = json.loads((qwen3_dir / "config.json").read_text())["max_position_embeddings"]
+    assert err == [f"{ERROR}--tokens 100000000000 on one DP rank is more than the {limit} "
+                   "positions a request may have here (the checkpoint's "
+                   "max_position_embeddings, at most 16,777,216)"]

@@ -67,6 +67,11 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# the most tokens a plan takes on one DP rank when the checkpoint names no position limit:
+# the plan is one request of them, built as a list of ids
+MAX_PLAN_TOKENS = 1 << 24
+
+
 def explain_plan(args) -> PlanExplanation:
     """The explanation ``plan`` prints for its parsed ``args``: every check ``run`` makes of
     the same flags first, then each pipeline stage built on the meta device."""
@@ -82,6 +87,13 @@ def explain_plan(args) -> PlanExplanation:
     counts = args.tokens if args.tokens is not None else (4,) * args.dp
     if len(counts) != args.dp:
         raise UsageError(f"--tokens gives {len(counts)} DP token counts but --dp is {args.dp}")
+    limit = checkpoint.raw.get("max_position_embeddings")
+    limit = limit if isinstance(limit, int) and limit > 0 else MAX_PLAN_TOKENS
+    if max(counts) > min(limit, MAX_PLAN_TOKENS):
+        raise UsageError(f"--tokens {max(counts)} on one DP rank is more than the "
+                         f"{min(limit, MAX_PLAN_TOKENS)} positions a request may have here (the "
+                         "checkpoint's max_position_embeddings, at most "
+                         f"{MAX_PLAN_TOKENS:,})")
     # memory for one request per DP rank of its --tokens, decoded for the run's default steps
     memory = job_memory(replace(spec, prompts=tuple((1,) * c for c in counts if c) or ((1,),)),
                         reference=False)
