@@ -61,7 +61,8 @@ def spec_from_args(args):
     checkpoint = open_checkpoint(model_dir)
     cfg = checkpoint.config
     safetensors_files(model_dir)  # a missing weights file is a one-line error before any rank
-    check_fp8_tensors(model_dir, getattr(cfg, "fp8_block", None))  # headers only
+    check_fp8_tensors(model_dir, getattr(cfg, "fp8_block", None),  # headers only
+                      getattr(cfg, "fp8_skip", ()))
     prompts = _prompts(args, model_dir) or tuple(
         tuple(t % cfg.vocab_size for t in p) for p in DEFAULT_PROMPTS)
     for i, p in enumerate(prompts):

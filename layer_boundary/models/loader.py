@@ -135,12 +135,20 @@ def dequantized(weights, block: tuple[int, int] | None):
                               f"tensor {sorted(scales)[0]}")
 
 
-def check_fp8_tensors(path, block: tuple[int, int] | None) -> None:
+def check_fp8_tensors(path, block: tuple[int, int] | None, skip: tuple = ()) -> None:
     """What ``dequantized()`` would refuse, from the safetensors headers alone (shapes and
-    dtypes, no tensor data): run before any rank loads."""
+    dtypes, no tensor data): run before any rank loads. ``skip``: quantization_config's
+    modules_to_not_convert, which must hold no FP8 tensor (transformers builds those modules
+    unquantized and would read the FP8 bytes without their scales)."""
     facts = header_facts(path)
     shapes = {name: shape for name, (shape, _) in facts.items()}
     fp8 = {name for name, (_, dtype) in facts.items() if dtype == "F8_E4M3"}
+    for name in sorted(fp8):
+        listed = next((s for s in skip if s in name), None)
+        if listed is not None:
+            raise CheckpointError(f"checkpoint tensor {name} is FP8, and config.json "
+                                  "quantization_config modules_to_not_convert lists "
+                                  f"{listed!r}, which leaves its module unquantized")
     scales = {n[:-len(_SCALE)] for n in shapes if n.endswith(_SCALE)}
     for name in sorted(fp8 | {s + _SCALE for s in scales}):
         if block is None:

@@ -34,7 +34,12 @@ class Olmo2Config(LlamaConfig):
 
     @classmethod
     def read(cls, cfg: dict) -> dict:
-        return dict(super().read(cfg), mlp_bias=False)
+        # transformers' reading (``convert_rope_params_to_dict``): a legacy rope_scaling, where
+        # given, replaces rope_parameters whole, so its type wins and its theta comes from it
+        # or the top-level rope_theta, never from rope_parameters
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        return dict(super().read({**cfg, "rope_parameters": rope, "rope_scaling": None}),
+                    mlp_bias=False)
 
     def window(self, index: int) -> int | None:
         """Layer ``index``'s sliding window (None: every position)."""

@@ -4,7 +4,8 @@ norms over every head) with sliding-window layers.
 ``layer_types`` names each layer's attention (transformers' default: every fourth layer full,
 the others sliding); a sliding layer sees its last ``sliding_window`` positions, itself
 included, on the positional KV cache (the mask hides the older ones). Each attention type has
-its rope (``rope_parameters`` keyed by layer type: default or llama3 here).
+its rope (``rope_parameters`` keyed by layer type: default or llama3 here, other types
+refused by name), read as transformers reads it (``layer_type_ropes``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import FULL, SLIDING, SLIDING_FIELDS, layer_windows
+from .config import FULL, SLIDING, SLIDING_FIELDS, CheckpointError, layer_windows
 from .llama import check_parallel, read_rope
 from .olmo2 import AUTO, Olmo2Config, Olmo2DecoderLayer, PostNormCausalLM
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
@@ -23,6 +24,46 @@ from .rope import inverse_frequencies
 def default_layer_types(layers: int) -> list:
     """transformers' OLMo-3 schedule: every fourth layer full."""
     return [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(layers)]
+
+
+# transformers' Olmo3Config.default_theta
+DEFAULT_THETA = 500000.0
+
+
+def layer_type_ropes(cfg: dict, used: set) -> dict:
+    """{layer type: its rope dict} as transformers 5.24's ``Olmo3Config`` reads config.json
+    (``convert_rope_params_to_dict``), for the layer types ``used``:
+
+    * ``rope_parameters`` keyed by layer type (absent or null: a default rope per type);
+    * a legacy ``rope_scaling`` updates the full layers' dict (only theirs);
+    * a type without a dict gets a default one; a dict without ``rope_theta`` gets the
+      top-level ``rope_theta`` (else 500000) on the full layers but always 500000 on the
+      sliding ones (transformers pops the top-level theta for the full layers first).
+
+    Keys of ``rope_parameters`` that name no layer type transformers ignores: beside a layer
+    type that has no dict of its own, they are refused by name (their rope is not the one
+    that runs)."""
+    given = cfg.get("rope_parameters")
+    per_type = dict(given) if given is not None else {SLIDING: None, FULL: None}
+    for kind in (SLIDING, FULL):
+        if per_type.get(kind) is not None and not isinstance(per_type[kind], dict):
+            raise CheckpointError(f"config.json rope_parameters.{kind} must be an object, got "
+                                  f"{per_type[kind]!r}")
+    flat = sorted(k for k in per_type if k not in (SLIDING, FULL))
+    missing = [kind for kind in sorted(used) if per_type.get(kind) is None]
+    if flat and missing:
+        raise CheckpointError(f"config.json rope_parameters has no {missing[0]} dict beside "
+                              f"its keys {flat}: transformers reads olmo3's rope per layer type "
+                              "and ignores those keys (key it by layer type)")
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None:
+        if given is not None and per_type.get(FULL) is None:
+            raise CheckpointError("config.json rope_scaling beside a rope_parameters without a "
+                                  f"{FULL} dict is not supported (transformers fails on it)")
+        per_type[FULL] = {**(per_type.get(FULL) or {"rope_type": "default"}), **scaling}
+    thetas = {FULL: cfg.get("rope_theta", DEFAULT_THETA), SLIDING: DEFAULT_THETA}
+    return {kind: {"rope_theta": thetas[kind], **(per_type.get(kind) or {"rope_type": "default"})}
+            for kind in used}
 
 
 @dataclass(frozen=True)
@@ -37,17 +78,18 @@ class Olmo3Config(Olmo2Config):
     def read(cls, cfg: dict) -> dict:
         layers = cfg.get("num_hidden_layers")
         windows = layer_windows(cfg, layers, default_layer_types)
-        per_type = cfg.get("rope_parameters") or {}
-        if not all(isinstance(per_type.get(t), dict) for t in (SLIDING, FULL)):
-            per_type = {t: per_type for t in (SLIDING, FULL)}  # one rope for both types
-
-        def rope(kind: str):
-            return read_rope({**cfg, "rope_parameters": per_type[kind], "rope_scaling": None})
-
-        ropes = {kind: rope(kind) for kind in (SLIDING, FULL)}
-        plain = {**cfg, "rope_parameters": per_type[FULL], "rope_scaling": None}
+        kinds = [SLIDING if w is not None else FULL for w in windows]
+        per_type = layer_type_ropes(cfg, set(kinds))
+        # the per-type dict alone sets llama3's original context (transformers' nested rope
+        # reading never looks at a top-level original_max_position_embeddings)
+        base = {k: v for k, v in cfg.items() if k != "original_max_position_embeddings"}
+        ropes = {kind: read_rope({**base, "rope_parameters": rope, "rope_scaling": None})
+                 for kind, rope in per_type.items()}
+        # the dense fields read with a plain rope: each layer's own is in ``ropes``
+        plain = {**cfg, "rope_parameters": {"rope_theta": ropes[kinds[-1]][0]},
+                 "rope_scaling": None}
         return dict(super().read(plain), windows=windows,
-                    ropes=tuple(ropes[SLIDING if w is not None else FULL] for w in windows))
+                    ropes=tuple(ropes[kind] for kind in kinds))
 
     def window(self, index: int) -> int | None:
         return self.windows[index]

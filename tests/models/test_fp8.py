@@ -128,6 +128,9 @@ def broken(fp8_dirs, tmp_path_factory) -> dict[str, str]:
     unscaled = {k: v for k, v in tensors.items() if k != key}
     no_config = {k: v for k, v in cfg.items() if k != "quantization_config"}
     int8 = dict(cfg, quantization_config=dict(cfg["quantization_config"], quant_method="bnb"))
+    # a module left unquantized by the config while its weight is stored as FP8 blocks
+    unconverted = dict(cfg, quantization_config=dict(cfg["quantization_config"],
+                                                     modules_to_not_convert=["q_proj"]))
     scale = tensors[key]
     nan = scale.clone()
     nan[1, 2] = float("nan")
@@ -140,6 +143,7 @@ def broken(fp8_dirs, tmp_path_factory) -> dict[str, str]:
             "unscaled": variant("unscaled", unscaled, cfg),
             "no_config": variant("no_config", tensors, no_config),
             "method": variant("method", tensors, int8),
+            "unconverted": variant("unconverted", tensors, unconverted),
             **{name: variant(name, dict(tensors, **{key: v}), cfg) for name, v in values.items()}}
 
 
@@ -152,6 +156,9 @@ def broken(fp8_dirs, tmp_path_factory) -> dict[str, str]:
     ("no_config", "has dtype float8_e4m3fn, and config.json has no quantization_config"),
     ("method", "config.json quantization_config quant_method 'bnb' is not supported (fp8 "
                "only)"),
+    ("unconverted", "checkpoint tensor model.layers.0.self_attn.q_proj.weight is FP8, and "
+                    "config.json quantization_config modules_to_not_convert lists 'q_proj', "
+                    "which leaves its module unquantized"),
     ("int_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv has dtype "
                    "I32; FP8 block scales are floating point (F32, BF16, F16 or F64)"),
     ("zero_scales", "checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv holds a "
