@@ -53,3 +53,14 @@ def test_the_command_prints_one_json_row_a_layout(capsys):
     result = json.loads(out)
     assert [r["layout"] for r in result["rows"]] == ["tp1 auto"]
     assert result["rows"][0]["verdict"] == "PASS"
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_as_run_refuses_them(qwen3_dir, capsys,
+                                                                           restore_logger):
+    """The sweep took a user's ids modulo the vocabulary and passed every layout on prompts
+    run refuses; its defaults still are (they are the package's, not the user's)."""
+    from layer_boundary.engine.cli import main
+
+    assert main(["sweep", "--model", str(qwen3_dir), "--prompt-ids", "1,999"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "layer-boundary: error: prompt 0 has token ids [999] outside vocab_size=96"]

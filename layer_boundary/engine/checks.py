@@ -52,6 +52,15 @@ def check_ep(args, checkpoint) -> None:
                          f"{checkpoint.model_type} checkpoint {checkpoint.folder} has none")
 
 
+def check_token_ids(checkpoint, prompts) -> None:
+    """Every prompt's token ids inside the checkpoint's vocabulary."""
+    vocab = checkpoint.config.vocab_size
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if t >= vocab]
+        if bad:
+            raise UsageError(f"prompt {i} has token ids {bad} outside vocab_size={vocab}")
+
+
 def check_lengths(checkpoint, prompts, max_new_tokens: int) -> None:
     """Prompts and generations that fit the checkpoint's positions (config.json's
     max_position_embeddings, read from the ``Checkpoint``)."""

@@ -23,7 +23,7 @@ from ..runtime.launch import init_distributed, launched_by_torchrun, spawn
 from ..runtime.parallel import ParallelDims, TopologyError
 from .args import UsageError, engine_names, model_folder, tokenizer, tp_dp
 from .checks import (check_ep, check_lengths, check_lora, check_pipeline,
-                     check_speculative_steps, job_memory)
+                     check_speculative_steps, check_token_ids, job_memory)
 from .features import check_spec
 from .fusion_providers import FUSION_PROVIDERS
 from .logits_file import check_target
@@ -65,10 +65,7 @@ def spec_from_args(args):
                       getattr(cfg, "fp8_skip", ()))
     prompts = _prompts(args, model_dir) or tuple(
         tuple(t % cfg.vocab_size for t in p) for p in DEFAULT_PROMPTS)
-    for i, p in enumerate(prompts):
-        bad = [t for t in p if t >= cfg.vocab_size]
-        if bad:
-            raise UsageError(f"prompt {i} has token ids {bad} outside vocab_size={cfg.vocab_size}")
+    check_token_ids(checkpoint, prompts)
     check_lengths(checkpoint, prompts, args.max_new_tokens)
     if args.draft_model or args.speculative_algorithm:
         check_speculative_steps(checkpoint, prompts, args.max_new_tokens, args.speculative_steps)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -142,7 +143,7 @@ def _run(spec) -> tuple[list | None, str]:
 
 
 def sweep(model: str | None, max_world: int, budget: float | None, max_new_tokens: int,
-          prompts, progress: bool = False, candidates: list[Layout] | None = None) -> dict:
+          prompts, progress=None, candidates: list[Layout] | None = None) -> dict:
     """The sweep's rows (``Row.record``), what the capability check refused, and what the
     budget left out.
 
@@ -153,7 +154,7 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
         max_new_tokens: each layout's steps, the prefill's included.
         prompts: the requests (token ids, taken modulo the vocabulary); an empty-DP-rank
             layout runs the first alone.
-        progress: say each layout as it starts (not under ``--json``).
+        progress: called with a line as each layout starts (None: nothing said).
         candidates: the layouts to try (default: ``layouts(max_world, ...)`` for the model).
     """
     from ..models import open_checkpoint
@@ -190,8 +191,8 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
             references[asked] = reference_run(replace(
                 spec, moe_a2a_backend="none", sequence_parallel=False,
                 attn_input_scattered=False, boundary_reduction="auto"))
-        if progress:
-            log.info("  %s ...", layout.name())
+        if progress is not None:
+            progress(f"  {layout.name()} ...")
         results, error = _run(spec)
         if results is None:
             rows.append(Row(layout, "ERROR", error))
@@ -244,15 +245,27 @@ def print_table(result: dict) -> None:
 
 def cmd_sweep(args) -> int:
     """``layer-boundary sweep``: exit 0 when every layout run passed, else 1."""
+    from ..models import open_checkpoint
+    from ..models.tiny import builtin_checkpoint
     from .args import model_folder
+    from .checks import check_token_ids
     from .logs import setup_logging
     from .run_command import DEFAULT_PROMPTS
 
     setup_logging(0)
     folder = model_folder(args.model)
+    if args.prompt_ids:  # the defaults are taken modulo the vocabulary; a user's ids are not
+        check_token_ids(open_checkpoint(folder or str(builtin_checkpoint())), args.prompt_ids)
     prompts = tuple(tuple(p) for p in (args.prompt_ids or DEFAULT_PROMPTS))
+
+    def say(line: str) -> None:  # under --json stdout holds the JSON alone
+        if args.json:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            log.info("%s", line)
+
     result = sweep(folder, args.max_world, args.budget, args.max_new_tokens, prompts,
-                   progress=not args.json)
+                   progress=say)
     if args.json:
         report.info("%s", json.dumps(result))
     else:

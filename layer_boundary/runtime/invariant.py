@@ -10,6 +10,11 @@ tensor's size (gloo's ring all-reduce chunks by bytes). In this mode:
 - every linear layer of the runtime, and the MoE's experts, compute row by row on the plain
   weight (``linear``): each row's product is the one-row product whatever the batch;
 - attention runs one request a call (``models.attention``);
+- an elementwise activation passed through ``rowwise`` runs one row a call: torch's CPU
+  kernels run an elementwise op over a contiguous tensor as one flat loop, vectorized
+  but for a scalar tail whose ``exp`` (``silu``'s) rounds otherwise, so which path an element
+  takes, and its last bit, follows where its row sits in the batch whenever the row width is
+  not a multiple of the loop's step (an intermediate shard of 48 on AVX-512, say);
 - every synchronous sum over ranks is gathered and added here in group rank order, whatever
   its size (``collectives``), and reduce-scatters exchange their blocks and add them the same
   way: on each element the same additions in the same order, on every layout's row mode;
@@ -59,3 +64,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     out = torch.cat([F.linear(rows[i:i + 1], weight, bias) for i in range(rows.shape[0])])
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def rowwise(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``fn(x, *args, **kwargs)`` for an elementwise ``fn`` (an activation such as ``F.silu``),
+    computed one row (last dimension) at a time while the mode is on: each row's elements take
+    the kernel's vectorized and scalar paths as that row alone does, whatever rows run beside
+    it. Off the mode, one call."""
+    if not BATCH_INVARIANT.on:
+        return fn(x, *args, **kwargs)
+    if x.dim() < 2 or x.numel() == x.shape[-1]:  # one row
+        return fn(x, *args, **kwargs)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.cat([fn(rows[i:i + 1], *args, **kwargs) for i in range(rows.shape[0])])
+    return out.view(x.shape)

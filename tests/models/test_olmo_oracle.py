@@ -10,8 +10,9 @@ import re
 
 import pytest
 import torch
-from checkpoints import hf_oracle
+from checkpoints import hf_oracle, with_config
 from checkpoints.olmo import OLMO3_WINDOW, hf_olmo2, hf_olmo3
+from oracle import assert_prefill_matches, world1
 
 from layer_boundary.engine.generate import greedy_generate
 from layer_boundary.models import load_model, open_checkpoint
@@ -58,6 +59,40 @@ def test_olmo3_reads_each_layers_window_and_rope(tmp_path):
     assert [theta for theta, _ in cfg.ropes] == [500000.0] * 4
 
 
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8}
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+NESTED_LLAMA3 = {t: {**LLAMA3, "rope_theta": 1e4} for t in ("sliding_attention",
+                                                              "full_attention")}
+# rope fields transformers reads its own way: a legacy rope_scaling updates the full layers'
+# rope only; a layer type without a rope of its own gets theta 500000 (the full layers the
+# top-level rope_theta first); a top-level original_max_position_embeddings is ignored beside
+# per-type ropes (OLMo-3), yet wins over a flat rope's (OLMo-2); rope_scaling replaces OLMo-2's
+# rope_parameters
+ROPE_READINGS = {
+    "olmo3-legacy-llama3": (hf_olmo3, "Olmo3ForCausalLM", dict(
+        rope_parameters=None, rope_theta=1e4, rope_scaling=LLAMA3)),
+    "olmo3-legacy-theta": (hf_olmo3, "Olmo3ForCausalLM", dict(rope_parameters=None,
+                                                               rope_theta=1e4)),
+    "olmo3-rope-scaling-beside": (hf_olmo3, "Olmo3ForCausalLM", dict(rope_scaling=LLAMA3)),
+    "olmo3-one-type-missing": (hf_olmo3, "Olmo3ForCausalLM", dict(
+        rope_theta=77.0, rope_parameters={"full_attention": {"rope_theta": 1e4}})),
+    "olmo3-top-original-context": (hf_olmo3, "Olmo3ForCausalLM", dict(
+        rope_parameters=NESTED_LLAMA3, original_max_position_embeddings=4)),
+    "olmo2-rope-scaling-beside": (hf_olmo2, "Olmo2ForCausalLM", dict(rope_scaling=LLAMA3)),
+    "olmo2-top-original-context": (hf_olmo2, "Olmo2ForCausalLM", dict(
+        rope_scaling=LLAMA3, original_max_position_embeddings=4)),
+}
+
+
+@pytest.mark.parametrize("variant", ROPE_READINGS)
+def test_rope_fields_are_read_as_transformers_reads_them(tmp_path, variant):
+    write, cls, change = ROPE_READINGS[variant]
+    path = with_config(write(tmp_path / "src"), tmp_path / variant, **change)
+    assert_prefill_matches(load_model(path, world1()), hf_oracle(cls, path),
+                           [[1, 2, 3, 4, 5, 6]])
+
+
 @pytest.mark.parametrize("change,error", [
     (dict(layer_types=["sliding_attention"] * 3), "layer_types must list num_hidden_layers=4"),
     (dict(layer_types=["chunked_attention"] * 4), "layer_types ['chunked_attention'] are not"),
@@ -67,6 +102,15 @@ def test_olmo3_reads_each_layers_window_and_rope(tmp_path):
     (dict(rope_parameters={"sliding_attention": {"rope_type": "yarn", "factor": 2.0},
                            "full_attention": {"rope_type": "default"}}),
      "rope_type 'yarn' is not supported"),
+    # a legacy rope_scaling of a type not computed here, alone or beside rope_parameters
+    (dict(rope_parameters=None, rope_theta=5e5, rope_scaling=YARN),
+     "rope_type 'yarn' is not supported"),
+    (dict(rope_scaling=YARN), "rope_type 'yarn' is not supported"),
+    # a flat rope dict: transformers ignores it and runs its per-type default ropes
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+     "rope_parameters has no full_attention dict beside its keys ['rope_theta', 'rope_type']"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "default"}}, rope_scaling=LLAMA3),
+     "rope_scaling beside a rope_parameters without a full_attention dict"),
 ])
 def test_olmo3_config_errors_name_the_field(tmp_path, change, error):
     path = hf_olmo3(tmp_path / "o3")
