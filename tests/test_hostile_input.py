@@ -324,3 +324,27 @@ def test_plan_tokens_past_the_positions_are_named(qwen3_dir, capsys, restore_log
     assert err == [f"{ERROR}--tokens 100000000000 on one DP rank is more than the {limit} "
                    "positions a request may have here (the checkpoint's "
                    "max_position_embeddings, at most 16,777,216)"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", ""], "--model is empty: give a path (leave the flag out for the built-in "
+                      "tiny model)"),
+    (["--logits-out", " "], "--logits-out is empty: give a path (leave the flag out for no "
+                            "file)"),
+    (["--speculative-boundary-reduction", "ar"],
+     "--speculative-boundary-reduction sets the draft stack's policy; there is no draft here "
+     "(--draft-model or --speculative-algorithm)")], ids=["model", "logits-out", "draft-policy"])
+def test_a_flag_that_would_do_nothing_is_refused(argv, message, capsys, restore_logger):
+    """An empty --model ran the built-in model; an empty --logits-out wrote nothing; a draft
+    policy without a draft was ignored: each silently."""
+    assert main(["run", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [ERROR + message]
+
+
+def test_an_agreement_check_value_the_ranks_would_misread_is_refused(monkeypatch, capsys,
+                                                                     restore_logger):
+    monkeypatch.setenv("LAYER_BOUNDARY_CHECK_AGREEMENT", "maybe")  # read as off
+    assert main(["run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        ERROR + "LAYER_BOUNDARY_CHECK_AGREEMENT='maybe' must be 1 (check that ranks agree "
+                "before each collective) or 0"]

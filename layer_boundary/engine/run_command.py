@@ -19,9 +19,10 @@ from ..models import open_checkpoint
 from ..models.estimate import check_fits, check_sizes
 from ..models.loader import check_fp8_tensors, safetensors_files
 from ..models.tiny import builtin_checkpoint
+from ..runtime.agreement import checking_agreement
 from ..runtime.launch import init_distributed, launched_by_torchrun, spawn
 from ..runtime.parallel import ParallelDims, TopologyError
-from .args import UsageError, engine_names, model_folder, tokenizer, tp_dp
+from .args import UsageError, engine_names, model_folder, speculative, tokenizer, tp_dp
 from .checks import (check_ep, check_lengths, check_lora, check_pipeline,
                      check_speculative_steps, check_token_ids, job_memory)
 from .features import check_spec
@@ -51,6 +52,14 @@ def spec_from_args(args):
     combination table's own), before any rank starts. Each checkpoint's config.json is read
     once, into the spec."""
     engine_names(args)
+    checking_agreement()  # the ranks read it: a value they would misread is refused here
+    for flag, value in (("--model", args.model), ("--logits-out", args.logits_out)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag} is empty: give a path (leave the flag out for "
+                             f"{'the built-in tiny model' if flag == '--model' else 'no file'})")
+    if args.speculative_boundary_reduction != "auto" and not speculative(args):
+        raise UsageError("--speculative-boundary-reduction sets the draft stack's policy; "
+                         "there is no draft here (--draft-model or --speculative-algorithm)")
     if args.require_fusions and args.fusion_provider is None:
         raise UsageError("--require-fusions needs a provider to require: --fusions "
                          + "|".join(FUSION_PROVIDERS))

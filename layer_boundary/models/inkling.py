@@ -74,7 +74,8 @@ DEFAULTS = {"num_key_value_heads": 8, "head_dim": 128, "swa_num_attention_heads"
             "conv_kernel_size": 4, "intermediate_size": 24576, "moe_intermediate_size": 3072,
             "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 2,
             "route_scale": 8.0, "logits_mup_width_multiplier": 24.0}
-# the names transformers reads as its own fields (its ``attribute_map``)
+# the names transformers reads as its own fields (its ``attribute_map``): where config.json
+# sets both, the alias's value is the one read
 ALIASES = {"sliding_window": "sliding_window_size", "num_local_experts": "n_routed_experts",
            "sconv_kernel_size": "conv_kernel_size",
            "embedding_multiplier": "logits_mup_width_multiplier"}
@@ -123,7 +124,7 @@ class InklingConfig(CheckedConfig):
               "layer_types": STRING_LIST, "mlp_layer_types": STRING_LIST,
               "local_layer_ids": INT_LIST, "shared_expert_sink": BOOL,
               "dense_mlp_idx": NON_NEGATIVE_INT, "num_mtp_layers": NON_NEGATIVE_INT}
-    expert_fields = ("n_routed_experts", "num_local_experts")
+    expert_fields = ("num_local_experts", "n_routed_experts")  # the alias wins (ALIASES)
     top_k_fields = ("num_experts_per_tok",)
 
     def heads(self, layer: int) -> tuple:
@@ -134,8 +135,12 @@ class InklingConfig(CheckedConfig):
         check_unquantized_silu(raw)
         cfg = {k: v for k, v in raw.items() if v is not None}
         for alias, name in ALIASES.items():
-            if alias in cfg:
-                cfg.setdefault(name, cfg[alias])
+            for key in (alias, name):
+                if key in raw and raw[key] is None:  # transformers: None, or its type check
+                    raise CheckpointError(f"config.json field {key} is null: give a number, "
+                                          f"or leave it out (it sets {name})")
+            if alias in cfg:  # transformers' attribute_map: the alias wins over the field
+                cfg[name] = cfg[alias]
         if "dense_intermediate_size" in cfg:  # as transformers' __post_init__: the experts'
             cfg["moe_intermediate_size"] = cfg.get("intermediate_size",
                                                    DEFAULTS["intermediate_size"])

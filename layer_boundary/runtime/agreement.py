@@ -35,6 +35,16 @@ ENV = "LAYER_BOUNDARY_CHECK_AGREEMENT"
 UNCHECKED = ("send", "recv")  # point to point: the two ends differ by design
 
 
+def checking_agreement() -> bool:
+    """``LAYER_BOUNDARY_CHECK_AGREEMENT``: 1 checks, 0 or unset does not; anything else is
+    refused naming the variable (``maybe`` read as off would hide the check it asks for)."""
+    value = os.environ.get(ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV}={value!r} must be 1 (check that ranks agree before each "
+                         "collective) or 0")
+    return value == "1"
+
+
 class DisagreementError(RuntimeError):
     """Ranks of one group decided differently before a collective (the message names the
     first decision that differs, where it was made and each rank's value)."""
@@ -47,6 +57,8 @@ class Agreement:
     __slots__ = ("on", "notes", "agreed", "_window")
 
     def __init__(self) -> None:
+        # made at import: a value other than 0 or 1 is the command line's to refuse
+        # (``checking_agreement``), not an import error
         self.on = os.environ.get(ENV, "") == "1"
         self.notes: list[tuple[str, str, str]] = []
         self.agreed: dict[str, int] = {}  # group key -> notes it has compared
