@@ -348,3 +348,12 @@ def test_an_agreement_check_value_the_ranks_would_misread_is_refused(monkeypatch
     assert capsys.readouterr().err.strip().splitlines() == [
         ERROR + "LAYER_BOUNDARY_CHECK_AGREEMENT='maybe' must be 1 (check that ranks agree "
                 "before each collective) or 0"]
+
+
+def test_a_model_path_that_is_a_file_is_named_as_one(qwen3_dir, capsys, restore_logger):
+    """It said the folder "does not exist" of a config.json that does."""
+    config = qwen3_dir / "config.json"
+    assert main(["run", "--model", str(config)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{ERROR}checkpoint directory {config} is a file, not a folder (give the folder "
+        "holding config.json)"]

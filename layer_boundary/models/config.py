@@ -33,7 +33,9 @@ def read_config(path) -> dict:
     path = Path(path)
     cfg_file = path / "config.json"
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+        raise CheckpointError(f"checkpoint directory {path} is a file, not a folder (give the "
+                              "folder holding config.json)" if path.exists() else
+                              f"checkpoint directory {path} does not exist")
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file} is missing")
     if cfg_file.stat().st_size > MAX_CONFIG_BYTES:

@@ -8,6 +8,8 @@ leave the token rows its convolutions need."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from checkpoints import hf_oracle, with_config
 from checkpoints.inkling import hf_inkling
@@ -61,3 +63,30 @@ def test_the_config_reads_each_layers_kind(inkling_dir):
 def test_a_config_it_cannot_run_is_refused_by_name(tmp_path, inkling_dir, fields, message):
     with pytest.raises(CheckpointError, match=message):
         load_config(with_config(inkling_dir, tmp_path / "bad", **fields))
+
+
+def test_an_alias_beside_its_field_wins_as_in_transformers(tmp_path, inkling_dir):
+    # transformers' attribute_map: embedding_multiplier sets logits_mup_width_multiplier
+    path = with_config(inkling_dir, tmp_path / "alias", embedding_multiplier=5.0)
+    assert load_config(path).logits_mup_width_multiplier == 5.0
+    assert_prefill_matches(load_model(path, world1()), hf_oracle("InklingForCausalLM", path),
+                           [[1, 2, 3]])
+
+
+@pytest.mark.parametrize("fields,message", [
+    # the alias's value sizes the weights, which then do not fit (transformers refuses them too)
+    ({"sliding_window": 4}, "rel_logits_proj.proj (shape (4, 3)) does not fit"),
+    ({"sconv_kernel_size": 3}, "attn_sconv.conv1d.weight (shape (32, 1, 4)) does not fit"),
+    ({"num_local_experts": 4}, "experts.down_proj (shape (8, 32, 16)) does not fit"),
+])
+def test_an_alias_sizing_the_weights_wins_and_they_are_refused(tmp_path, inkling_dir, fields,
+                                                               message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_model(with_config(inkling_dir, tmp_path / "alias", **fields), world1())
+
+
+@pytest.mark.parametrize("field", ["embedding_multiplier", "logits_mup_width_multiplier",
+                                   "sliding_window", "num_local_experts"])
+def test_a_null_alias_or_aliased_field_is_refused_by_name(tmp_path, inkling_dir, field):
+    with pytest.raises(CheckpointError, match=f"config.json field {field} is null"):
+        load_config(with_config(inkling_dir, tmp_path / "null", **{field: None}))
