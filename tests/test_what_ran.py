@@ -56,3 +56,20 @@ def test_require_fusions_needs_a_provider(capsys):
     assert capsys.readouterr().err == ("layer-boundary: error: --require-fusions needs a "
                                        "provider to require: --fusions reference|reference-"
                                        "terminal|decline|triton\n")
+
+
+def test_a_required_fusion_nothing_offers_is_an_error(tmp_path, capsys):
+    """OLMo's post norms leave a provider no add + norm to complete: nothing declined, and
+    nothing fused either (the run passed as if the requirement held)."""
+    from checkpoints.olmo import hf_olmo3
+
+    folder = hf_olmo3(tmp_path / "olmo3")
+    capsys.readouterr()  # transformers' save progress
+    code, out = cli([*RUN, "--model", str(folder), "--tp", "2", "--fusions", "reference",
+                     "--require-fusions"], capsys)
+    assert code == 1
+    assert "parity vs world 1: PASS" in out
+    assert capsys.readouterr().err == (
+        "layer-boundary: error: --require-fusions: no stage applied a fusion candidate (none "
+        "was offered, or none asked: the model's boundaries leave the provider nothing to "
+        "complete), so nothing was fused\n")

@@ -284,7 +284,8 @@ def _check_args(run) -> None:
                           "for bit")
     run.add_argument("--require-fusions", action="store_true",
                      help="make a fusion candidate's decline an error: the run exits 1 "
-                          "naming each stage that declined and why (needs --fusions)")
+                          "naming each stage that declined and why, or saying that no stage "
+                          "fused at all (needs --fusions)")
 
 
 def _topology_args(parser) -> None:

@@ -345,12 +345,18 @@ def _required(args, results, code: int) -> int:
     """``code``, or 1 where ``--require-fusions`` finds a decline (each named on stderr)."""
     if not getattr(args, "require_fusions", False):
         return code
+    import sys
+
     declines = required_declines(results)
     if declines:
-        import sys
-
         print("layer-boundary: error: --require-fusions: a fusion candidate declined: "
               + "; ".join(declines), file=sys.stderr)
+        return 1
+    if not any(outcome["applied"] for r in results for outcome in r.fusion_outcomes.values()):
+        # nothing declined because nothing was offered, or asked: nothing was fused either
+        print("layer-boundary: error: --require-fusions: no stage applied a fusion candidate "
+              "(none was offered, or none asked: the model's boundaries leave the provider "
+              "nothing to complete), so nothing was fused", file=sys.stderr)
         return 1
     return code
 

@@ -4,8 +4,8 @@ sliding and full layers.
 Facts from transformers' ``modeling_cohere2`` beyond Cohere's (``cohere.py``): ``layer_types``
 makes each layer sliding (its last ``sliding_window`` positions) or full; without it every
 ``sliding_window_pattern``-th layer (default 4) is full; only the sliding layers rotate q and
-k (a full layer applies no rotary embedding); ``head_dim`` is always ``hidden_size //
-num_attention_heads``. The block, the norms, the head and its ``logit_scale`` are Cohere's.
+k (a full layer applies no rotary embedding); ``head_dim`` is config.json's, else ``hidden_size
+// num_attention_heads``. The block, the norms, the head and its ``logit_scale`` are Cohere's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cohere import NO_SP, CohereConfig, CohereForCausalLM
-from .config import FULL, SLIDING, SLIDING_FIELDS, Check, layer_windows
+from .config import FULL, SLIDING, SLIDING_FIELDS, Check, CheckpointError, layer_windows
 from .llama import check_parallel
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
 
@@ -31,8 +31,13 @@ class Cohere2Config(CohereConfig):
     @classmethod
     def read(cls, cfg: dict) -> dict:
         cfg = {"sliding_window": 4096, **cfg}  # transformers' default window
+        if "head_dim" in cfg and cfg["head_dim"] is None:
+            # transformers derives head_dim, then sets config.json's null over it and fails
+            raise CheckpointError("config.json field head_dim is null: give a positive integer, "
+                                  "or leave it out for hidden_size // num_attention_heads")
+        # config.json's head_dim, where given, sets the heads' width (transformers sets it
+        # over its derived one), as Cohere's reader reads it
         dense = super().read(cfg)
-        dense["head_dim"] = dense["hidden_size"] // dense["num_attention_heads"]
         pattern = cfg.get("sliding_window_pattern", 4)
 
         def default_types(n: int) -> list:

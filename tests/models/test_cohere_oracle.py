@@ -54,3 +54,18 @@ def test_a_config_it_cannot_run_is_refused_by_name(tmp_path, fields, message):
     path = hf_cohere(tmp_path / "c")
     with pytest.raises(CheckpointError, match=message):
         load_config(with_config(path, tmp_path / "bad", **fields))
+
+
+@pytest.mark.parametrize("write,cls", [(hf_cohere, "CohereForCausalLM"),
+                                       (hf_cohere2, "Cohere2ForCausalLM")])
+def test_a_head_dim_beside_hidden_over_heads_is_read_as_transformers(tmp_path, write, cls):
+    # transformers sets config.json's head_dim (16) over hidden_size // heads (8), Cohere2's too
+    path = write(tmp_path / "c", head_dim=16)
+    assert load_config(path).head_dim == 16
+    assert_prefill_matches(load_model(path, world1()), hf_oracle(cls, path), [[1, 2, 3]])
+
+
+def test_a_null_cohere2_head_dim_is_refused_by_name(tmp_path):
+    path = with_config(hf_cohere2(tmp_path / "c2"), tmp_path / "null", head_dim=None)
+    with pytest.raises(CheckpointError, match="config.json field head_dim is null"):
+        load_config(path)

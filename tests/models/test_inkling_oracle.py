@@ -59,6 +59,8 @@ def test_the_config_reads_each_layers_kind(inkling_dir):
     ({"layer_types": ["hybrid"] * 3}, "layer_types must list num_hidden_layers=4"),
     ({"mlp_layer_types": ["moe"] * 4}, "mlp_layer_types must list"),
     ({"d_rel": "4"}, "field d_rel must be a positive integer"),
+    # the alias sets the expert count (ALIASES), so the top-k is checked against it
+    ({"num_local_experts": 1}, "num_experts_per_tok=2 exceeds the 1 experts"),
 ])
 def test_a_config_it_cannot_run_is_refused_by_name(tmp_path, inkling_dir, fields, message):
     with pytest.raises(CheckpointError, match=message):
