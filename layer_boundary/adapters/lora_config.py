@@ -18,6 +18,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+try:
+    from re import _parser as _sre  # the pattern parser re compiles with (Python 3.11+)
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse as _sre
+
 
 class LoraError(ValueError):
     """An adapter that cannot be applied to this model, named with what is wrong."""
@@ -76,6 +81,37 @@ def _rank(x) -> bool:
 
 def _strings(x) -> bool:
     return isinstance(x, list) and all(isinstance(s, str) for s in x)
+
+
+def _backtracks(regex: str) -> bool:
+    """Whether ``regex`` repeats (``*``, ``+``, ``{n,}``) a part holding an alternation or
+    another repetition: the shape whose backtracking grows exponentially with the name
+    (``(.|.)*Z``, ``(a+)+``). Read from the parsed pattern, not its text."""
+    repeats = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", None))
+
+    def walk(items, inside_repeat: bool) -> bool:
+        for op, av in items:
+            if op in repeats:
+                low, high, sub = av
+                if high > 1 and (inside_repeat or walk(sub, True)):
+                    return True
+                if high <= 1 and walk(sub, inside_repeat):
+                    return True
+            elif op is _sre.BRANCH:
+                if inside_repeat or any(walk(b, inside_repeat) for b in av[1]):
+                    return True
+            elif op is _sre.SUBPATTERN:
+                if walk(av[-1], inside_repeat):
+                    return True
+            elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+                if walk(av[1], inside_repeat):
+                    return True
+        return False
+
+    try:
+        return walk(_sre.parse(regex), False)
+    except (re.error, RecursionError):
+        return False  # compile() names it
 
 
 @dataclass(frozen=True)
@@ -240,6 +276,11 @@ def read_config(folder: Path, label: str, model_type: str | None) -> tuple[Adapt
             re.compile(regex)
         except (re.error, RecursionError) as exc:
             raise LoraError(f"{label}: {name} holds an invalid regex ({exc})") from None
+        if _backtracks(regex):
+            raise LoraError(f"{label}: {name} regex {regex!r} repeats a part that itself "
+                            "alternates or repeats, which can take exponential time to match "
+                            "a module name (peft would hang on it): write it without the "
+                            "nested repetition")
     ignored = sorted(set(cfg) - set(_REFUSED) - _INERT - _READ)
     return AdapterConfig(r, alpha, cfg.get("use_rslora", False), init, targets, exclude,
                          layers, pattern, ranks, alphas), ignored

@@ -45,9 +45,10 @@ class Olmo2Config(LlamaConfig):
         """Layer ``index``'s sliding window (None: every position)."""
         return None
 
-    def layer_frequencies(self, index: int):
-        """Layer ``index``'s rotary inverse frequencies (one rope for every layer here)."""
-        return self.inverse_frequencies()
+    def layer_rotary(self, index: int) -> tuple[torch.Tensor, float]:
+        """Layer ``index``'s rotary inverse frequencies and cos/sin scale (YaRN's attention
+        factor, OLMo-3's; one rope for every layer here)."""
+        return self.inverse_frequencies(), 1.0
 
 
 class Olmo2DecoderLayer(PostNormDecoderLayer):
@@ -58,10 +59,11 @@ class Olmo2DecoderLayer(PostNormDecoderLayer):
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        inv_freq, rope_scale = cfg.layer_rotary(layer_id)
         self.self_attn = GqaAttention(
             h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
             dtype, bias=cfg.attention_bias, qk_norm_eps=eps, qk_norm_width="fp32",
-            inv_freq=cfg.layer_frequencies(layer_id), window=cfg.window(layer_id))
+            inv_freq=inv_freq, rope_scale=rope_scale, window=cfg.window(layer_id))
         self.mlp = GatedMLP(h, cfg.intermediate_size, runtime, dtype)
         self.post_attention_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
         self.post_feedforward_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)

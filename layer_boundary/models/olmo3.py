@@ -4,21 +4,23 @@ norms over every head) with sliding-window layers.
 ``layer_types`` names each layer's attention (transformers' default: every fourth layer full,
 the others sliding); a sliding layer sees its last ``sliding_window`` positions, itself
 included, on the positional KV cache (the mask hides the older ones). Each attention type has
-its rope (``rope_parameters`` keyed by layer type: default or llama3 here, other types
-refused by name), read as transformers reads it (``layer_type_ropes``).
+its rope (``rope_parameters`` keyed by layer type: default, llama3 or yarn here, other types
+refused by name), read as transformers reads it (``layer_type_ropes``): the public OLMo-3
+checkpoints' legacy ``rope_scaling`` (YaRN) scales the full layers' rope only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import FULL, SLIDING, SLIDING_FIELDS, CheckpointError, layer_windows
+from .config import (BOOL, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING, SLIDING_FIELDS,
+                     CheckpointError, layer_windows)
 from .llama import check_parallel, read_rope
 from .olmo2 import AUTO, Olmo2Config, Olmo2DecoderLayer, PostNormCausalLM
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
-from .rope import inverse_frequencies
+from .rope import inverse_frequencies, yarn_frequencies
 
 
 def default_layer_types(layers: int) -> list:
@@ -66,10 +68,77 @@ def layer_type_ropes(cfg: dict, used: set) -> dict:
             for kind in used}
 
 
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def _yarn_number(rope: dict, key: str, check=POSITIVE_NUMBER, required=False):
+    """A number of a yarn rope dict, checked (None: absent, where it may be)."""
+    value = rope.get(key)
+    if value is None and required:
+        raise CheckpointError(f"config.json rope_parameters has no {key} (rope_type yarn needs "
+                              "it)")
+    if value is not None and not check.ok(value):
+        raise CheckpointError(f"config.json rope_parameters.{key} must be {check.what}, got "
+                              f"{value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN (``rope_type`` yarn) as transformers' ``_compute_yarn_parameters`` reads a layer
+    type's rope dict: its frequencies and cos/sin scale are ``rope.yarn_frequencies``'."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+    attention_factor: float | None
+    mscale: float | None
+    mscale_all_dim: float | None
+
+    @classmethod
+    def read(cls, rope: dict, cfg: dict, truncate: bool) -> YarnRope:
+        """``truncate``: rope_parameters' top-level one, the only one transformers reads."""
+        if rope.get("truncate", truncate) != truncate:
+            raise CheckpointError(f"config.json rope_parameters truncate={rope['truncate']!r} "
+                                  "of a layer type is not supported (transformers reads the "
+                                  "top-level one only)")
+        # transformers' standardization: the per-type dict's original context, else
+        # max_position_embeddings (a top-level original_max_position_embeddings is ignored)
+        context = {**{k: cfg[k] for k in ("max_position_embeddings",) if k in cfg},
+                   **{k: v for k, v in rope.items() if v is not None}}
+        context["original_max_position_embeddings"] = context.get(
+            "original_max_position_embeddings", context.get("max_position_embeddings"))
+        return cls(float(_yarn_number(rope, "factor", required=True)),
+                   _yarn_number(context, "original_max_position_embeddings", POSITIVE_INT, True),
+                   float(_yarn_number(rope, "beta_fast") or 32),  # transformers' ``or`` defaults
+                   float(_yarn_number(rope, "beta_slow") or 1), truncate,
+                   *(_yarn_number(rope, k) for k in ("attention_factor", "mscale",
+                                                     "mscale_all_dim")))
+
+    def frequencies(self, theta: float, dim: int) -> tuple[torch.Tensor, float]:
+        return yarn_frequencies(theta, dim, **asdict(self))
+
+
+def read_layer_rope(rope: dict, cfg: dict, truncate: bool) -> tuple:
+    """(rope_theta, llama3 or yarn scaling or None) of a layer type's rope dict."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
+                              f"({', '.join(ROPE_TYPES)} only)")
+    # the per-type dict alone sets llama3's original context (transformers' nested rope
+    # reading never looks at a top-level original_max_position_embeddings)
+    base = {k: v for k, v in cfg.items() if k != "original_max_position_embeddings"}
+    plain = {**rope, "rope_type": "default"} if rope_type == "yarn" else rope
+    theta, scaling = read_rope({**base, "rope_parameters": plain, "rope_scaling": None})
+    return theta, YarnRope.read(rope, cfg, truncate) if rope_type == "yarn" else scaling
+
+
 @dataclass(frozen=True)
 class Olmo3Config(Olmo2Config):
     windows: tuple = ()  # each layer's sliding window (None: full)
-    ropes: tuple = ()  # each layer's (rope_theta, llama3 scaling or None)
+    ropes: tuple = ()  # each layer's (rope_theta, llama3 or yarn scaling or None)
     model_type: str = "olmo3"
 
     fields = {**Olmo2Config.fields, **SLIDING_FIELDS}
@@ -80,11 +149,12 @@ class Olmo3Config(Olmo2Config):
         windows = layer_windows(cfg, layers, default_layer_types)
         kinds = [SLIDING if w is not None else FULL for w in windows]
         per_type = layer_type_ropes(cfg, set(kinds))
-        # the per-type dict alone sets llama3's original context (transformers' nested rope
-        # reading never looks at a top-level original_max_position_embeddings)
-        base = {k: v for k, v in cfg.items() if k != "original_max_position_embeddings"}
-        ropes = {kind: read_rope({**base, "rope_parameters": rope, "rope_scaling": None})
-                 for kind, rope in per_type.items()}
+        # transformers' yarn reads ``truncate`` from rope_parameters' top level only
+        truncate = (cfg.get("rope_parameters") or {}).get("truncate", True)
+        if not BOOL.ok(truncate):
+            raise CheckpointError(f"config.json rope_parameters.truncate must be {BOOL.what}, "
+                                  f"got {truncate!r}")
+        ropes = {kind: read_layer_rope(rope, cfg, truncate) for kind, rope in per_type.items()}
         # the dense fields read with a plain rope: each layer's own is in ``ropes``
         plain = {**cfg, "rope_parameters": {"rope_theta": ropes[kinds[-1]][0]},
                  "rope_scaling": None}
@@ -94,10 +164,12 @@ class Olmo3Config(Olmo2Config):
     def window(self, index: int) -> int | None:
         return self.windows[index]
 
-    def layer_frequencies(self, index: int) -> torch.Tensor:
+    def layer_rotary(self, index: int) -> tuple[torch.Tensor, float]:
         theta, scaling = self.ropes[index]
+        if isinstance(scaling, YarnRope):
+            return scaling.frequencies(theta, self.head_dim)
         inv_freq = inverse_frequencies(theta, self.head_dim)
-        return inv_freq if scaling is None else scaling.scale(inv_freq)
+        return inv_freq if scaling is None else scaling.scale(inv_freq), 1.0
 
 
 @register_model("olmo3", Olmo3Config, architectures=("Olmo3ForCausalLM",),

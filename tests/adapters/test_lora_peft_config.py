@@ -243,6 +243,11 @@ CONFIG_REFUSALS = [
      "layers_pattern is set, and layers_to_transform is not"),
     ("bad-regex", {"target_modules": "(q_proj"}, None,
      "target_modules holds an invalid regex (missing ), unterminated subpattern at position 0)"),
+    # exponential backtracking on each module name: peft hangs on it; refused by name
+    ("redos", {"target_modules": "(.|.)*Z"}, None,
+     "target_modules regex '(.|.)*Z' repeats a part that itself alternates or repeats, which "
+     "can take exponential time to match a module name (peft would hang on it): write it "
+     "without the nested repetition"),
     ("pissa", {"init_lora_weights": "pissa"}, None,
      "init_lora_weights='pissa' is not supported (peft redoes that initialization from the "
      "base weights when it loads the adapter)"),
