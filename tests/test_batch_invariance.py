@@ -74,16 +74,9 @@ def test_the_invariant_activation_is_each_rows_own():
                        torch.nn.functional.silu(x))
 
 
-# the fix's other half: models/layers.py GatedMLP.forward takes its silu through
-# invariant.rowwise; until it does, the gated MLP's activation follows the batch wherever
-# the intermediate width a rank holds is not a multiple of the CPU loop's step (32 floats on
-# AVX-512): tp 2 of the tests' Qwen3 (96 / 2 = 48), or 40 at world 1
-NEEDS_ROWWISE_MLP = pytest.mark.xfail(
-    strict=True, reason="models/layers.py GatedMLP.forward: F.silu not yet through "
-                        "invariant.rowwise")
-
-
-@NEEDS_ROWWISE_MLP
+# the gated MLP's activation followed the batch wherever the intermediate width a rank holds
+# is not a multiple of the CPU loop's step (32 floats on AVX-512): tp 2 of the tests' Qwen3
+# (96 / 2 = 48), or 40 at world 1; models/layers.py GatedMLP takes it through rowwise
 def test_an_intermediate_width_off_the_vector_step_stays_invariant(tmp_path):
     model = hf_qwen3(tmp_path / "qwen3", intermediate_size=40)
     spec = RunSpec(str(model), prompts=((5, 9, 2, 7, 1), (3, 8), (6, 4, 4)),
@@ -93,7 +86,6 @@ def test_an_intermediate_width_off_the_vector_step_stays_invariant(tmp_path):
     assert check["ok"], check["differences"]
 
 
-@NEEDS_ROWWISE_MLP
 def test_the_tests_qwen3_at_tp2_passes_its_own_check(qwen3_dir, capsys):
     """The hostile probe: ``run --model <the tests' Qwen3> --tp 2 --batch-invariant``."""
     code, out = cli(["run", "--model", str(qwen3_dir), "--tp", "2", "--batch-invariant",
@@ -103,8 +95,6 @@ def test_the_tests_qwen3_at_tp2_passes_its_own_check(qwen3_dir, capsys):
     assert code == 0 and report["verdict"] == "PASS", report
 
 
-@pytest.mark.xfail(strict=True, reason="engine/report.py: the parity line prints the run's "
-                                        "overall outcome, not the parity verdict's")
 def test_a_failed_invariance_check_leaves_the_parity_line_its_own_verdict(monkeypatch, capsys):
     """The run fails (exit 1) on the invariance check alone; the parity line says what the
     parity comparison found (PASS, within its tolerance), not the run's overall outcome."""

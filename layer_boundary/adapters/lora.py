@@ -377,7 +377,7 @@ def _check_initialized(read: list, facts: dict, model) -> None:
 def _facts(checkpoint) -> dict | None:
     """The base checkpoint's {tensor: (shape, dtype)} (None: not given), read once per
     ``Checkpoint``."""
-    from ..models.loader import header_facts
+    from ..runtime.safetensors_files import header_facts
 
     if checkpoint is None:
         return None

@@ -193,13 +193,7 @@ def read_tensors(loads: list[BaseLoad], open_file) -> list[tuple[str, torch.Tens
 
 
 def load_over(model, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Write ``tensors`` (checked) into ``model`` through its checkpoint loader (this pipeline
-    stage's only), and lay the rewritten CPU weights out for the matmul kernels again."""
-    from ..models.loader import load_weights
-    from ..runtime.packed import refresh_packed
-
-    if not tensors:
-        return
-    load_weights(model, tensors, stacked=model.stacked_params(), locate=model.local_name,
-                 complete=False)
-    refresh_packed(model)
+    """Write ``tensors`` (checked) into ``model`` through its own checkpoint loader
+    (``CausalLM.rewrite_weights``: this pipeline stage's only, re-packed)."""
+    if tensors:
+        model.rewrite_weights(tensors)

@@ -179,6 +179,28 @@ class AdapterConfig:
         return alpha / (math.sqrt(r) if self.rslora else r)
 
 
+def _check_regexes(label: str, targets, exclude, pattern, ranks: dict, alphas: dict) -> None:
+    """Every regex the config's matching compiles (its targets and exclusions as given,
+    ``layers_pattern`` and the pattern keys as peft wraps them): valid, and none that
+    backtracks exponentially."""
+    regexes = [("target_modules", targets)] if isinstance(targets, str) else []
+    regexes += [("exclude_modules", exclude)] if isinstance(exclude, str) else []
+    regexes += [(name, rf"(.*\.)?({k})$") for name, d in (("rank_pattern", ranks),
+                                                           ("alpha_pattern", alphas)) for k in d]
+    for p in ([pattern] if isinstance(pattern, str) else pattern or []):
+        regexes.append(("layers_pattern", rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\."))
+    for name, regex in regexes:
+        try:
+            re.compile(regex)
+        except (re.error, RecursionError) as exc:
+            raise LoraError(f"{label}: {name} holds an invalid regex ({exc})") from None
+        if _backtracks(regex):
+            raise LoraError(f"{label}: {name} regex {regex!r} repeats a part that itself "
+                            "alternates or repeats, which can take exponential time to match "
+                            "a module name (peft would hang on it): write it without the "
+                            "nested repetition")
+
+
 def read_config(folder: Path, label: str, model_type: str | None) -> tuple[AdapterConfig, list]:
     """``folder``'s adapter_config.json: (the config, the keys peft would ignore).
 
@@ -265,22 +287,7 @@ def read_config(folder: Path, label: str, model_type: str | None) -> tuple[Adapt
         raise bad("rank_pattern", "an object of positive integer ranks")
     if not (isinstance(alphas, dict) and all(_number(v) for v in alphas.values())):
         raise bad("alpha_pattern", "an object of finite numbers")
-    regexes = [("target_modules", targets)] if isinstance(targets, str) else []
-    regexes += [("exclude_modules", exclude)] if isinstance(exclude, str) else []
-    regexes += [(name, rf"(.*\.)?({k})$") for name, d in (("rank_pattern", ranks),
-                                                           ("alpha_pattern", alphas)) for k in d]
-    for p in ([pattern] if isinstance(pattern, str) else pattern or []):
-        regexes.append(("layers_pattern", rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\."))
-    for name, regex in regexes:
-        try:
-            re.compile(regex)
-        except (re.error, RecursionError) as exc:
-            raise LoraError(f"{label}: {name} holds an invalid regex ({exc})") from None
-        if _backtracks(regex):
-            raise LoraError(f"{label}: {name} regex {regex!r} repeats a part that itself "
-                            "alternates or repeats, which can take exponential time to match "
-                            "a module name (peft would hang on it): write it without the "
-                            "nested repetition")
+    _check_regexes(label, targets, exclude, pattern, ranks, alphas)
     ignored = sorted(set(cfg) - set(_REFUSED) - _INERT - _READ)
     return AdapterConfig(r, alpha, cfg.get("use_rslora", False), init, targets, exclude,
                          layers, pattern, ranks, alphas), ignored

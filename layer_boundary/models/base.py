@@ -19,6 +19,7 @@ from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.forward_batch import LogitsRows
 from ..runtime.linear import RowParallelLinear
 from ..runtime.norm import RMSNorm
+from ..runtime.packed import refresh_packed
 from .loader import load_weights
 from .moe import FusedMoE
 from .pipeline import PipelineStage, pipeline_stack, run_stack
@@ -219,6 +220,15 @@ class CausalLM(nn.Module):
     def load_weights(self, weights) -> None:
         load_weights(self, weights, stacked=self.stacked_params(), skip=self.skipped_params(),
                      locate=self.local_name)
+
+    def rewrite_weights(self, weights) -> None:
+        """Load ``weights`` ((checkpoint name, tensor) pairs) again over this loaded model,
+        through the checkpoint's own loader (sharded and placed as the checkpoint's tensor of
+        that name; another stage's skipped), then re-pack the CPU weights they rewrote (an
+        adapter's base-model tensors, ``adapters.lora_base``)."""
+        load_weights(self, weights, stacked=self.stacked_params(), locate=self.local_name,
+                     complete=False)
+        refresh_packed(self)
 
     def local_name(self, name: str) -> str | None:
         """This pipeline stage's name for an on-disk tensor name (None: not on this stage, or

@@ -2,73 +2,16 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 
-
-# config.json lives in config.py; these names stay importable from here
+# the files and their headers are read in the runtime (adapters read them too); config.json
+# lives in config.py; these names stay importable from here
 from ..runtime.quant import FP8, check_block_scales, check_scale_dtype, dequantize_blocks
+from ..runtime.safetensors_files import (header_facts, open_file,  # noqa: F401
+                                         safetensors_files)
 from ..runtime.shards import CheckpointSlice, ReadBytes, TensorFile, whole
 from .config import (CheckpointError, check_divisible, check_unquantized_silu,  # noqa: F401
                      read_config, require)
-
-
-def safetensors_files(path) -> list[Path]:
-    """The checkpoint's safetensors files (its index's, or every ``*.safetensors``), each
-    checked to be a regular file (a symlink to one counts; a device, FIFO or folder does not)."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError, RecursionError):
-            raise CheckpointError(f"{index} is not a JSON object") from None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{index} field weight_map must map tensor names to file "
-                                  "names")
-        files = sorted({path / f for f in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} holds no *.safetensors weights (pickle checkpoints are "
-                              "not loaded)")
-    for f in files:
-        if not f.exists():
-            raise CheckpointError(f"{f} is listed in the index but missing" if index.is_file()
-                                  else f"{f} is a broken symlink")
-        if not f.is_file():
-            raise CheckpointError(f"{f} is not a regular file (a folder, device or FIFO); "
-                                  "safetensors weights must be files")
-    return files
-
-
-def _open(f: Path):
-    """``safe_open`` with safetensors' own errors (a truncated file, a lying or huge header)
-    turned into a ``CheckpointError`` naming the file."""
-    try:
-        return safe_open(str(f), framework="pt")
-    except Exception as exc:  # safetensors raises its own error types
-        raise CheckpointError(f"{f} is not a readable safetensors file: {exc}") from None
-
-
-def header_facts(path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{tensor name: (shape, safetensors dtype such as "F32" or "F8_E4M3")} from the
-    checkpoint's headers alone (no tensor data read)."""
-    facts = {}
-    for f in safetensors_files(path):
-        with _open(f) as handle:
-            for name in handle.keys():
-                try:
-                    part = handle.get_slice(name)
-                    facts[name] = (tuple(part.get_shape()), part.get_dtype())
-                except Exception as exc:
-                    raise CheckpointError(f"{f} is not a readable safetensors file: tensor "
-                                          f"{name}: {exc}") from None
-    return facts
 
 
 def iter_weights(path, lazy: bool = False, read: ReadBytes | None = None):
@@ -81,7 +24,7 @@ def iter_weights(path, lazy: bool = False, read: ReadBytes | None = None):
         read: counts the bytes the slices read.
     """
     for f in safetensors_files(path):
-        with _open(f) as handle:  # safetensors validates the header (and reads whole tensors)
+        with open_file(f) as handle:  # safetensors validates the header (and reads whole tensors)
             if not lazy:
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)

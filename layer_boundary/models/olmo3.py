@@ -106,10 +106,8 @@ class YarnRope:
                                   "top-level one only)")
         # transformers' standardization: the per-type dict's original context, else
         # max_position_embeddings (a top-level original_max_position_embeddings is ignored)
-        context = {**{k: cfg[k] for k in ("max_position_embeddings",) if k in cfg},
-                   **{k: v for k, v in rope.items() if v is not None}}
-        context["original_max_position_embeddings"] = context.get(
-            "original_max_position_embeddings", context.get("max_position_embeddings"))
+        context = {"original_max_position_embeddings": rope.get(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings"))}
         return cls(float(_yarn_number(rope, "factor", required=True)),
                    _yarn_number(context, "original_max_position_embeddings", POSITIVE_INT, True),
                    float(_yarn_number(rope, "beta_fast") or 32),  # transformers' ``or`` defaults

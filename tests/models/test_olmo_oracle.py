@@ -23,6 +23,12 @@ from layer_boundary.runtime.parallel import ParallelDims, build_parallel
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [50, 3, 17, 33, 2, 61, 33]]
 STEPS = 4
 
+# the public OLMo-3 checkpoints' legacy rope_scaling, its context scaled down
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.2079441541679836}
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
 VARIANTS = {
     "olmo2": (hf_olmo2, "Olmo2ForCausalLM", {}),
     "olmo2-tied-bias": (hf_olmo2, "Olmo2ForCausalLM", dict(seed=1, tie_word_embeddings=True,
@@ -34,6 +40,8 @@ VARIANTS = {
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 16}
                          for t in ("sliding_attention", "full_attention")})),
+    # YaRN on the full layers (the public checkpoints' rope), a factor on the cos/sin tables
+    "olmo3-yarn": (hf_olmo3, "Olmo3ForCausalLM", dict(seed=3, rope_scaling=YARN)),
 }
 
 
@@ -59,22 +67,27 @@ def test_olmo3_reads_each_layers_window_and_rope(tmp_path):
     assert [theta for theta, _ in cfg.ropes] == [500000.0] * 4
 
 
-YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8}
-LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
 NESTED_LLAMA3 = {t: {**LLAMA3, "rope_theta": 1e4} for t in ("sliding_attention",
                                                               "full_attention")}
 # rope fields transformers reads its own way: a legacy rope_scaling updates the full layers'
-# rope only; a layer type without a rope of its own gets theta 500000 (the full layers the
-# top-level rope_theta first); a top-level original_max_position_embeddings is ignored beside
-# per-type ropes (OLMo-3), yet wins over a flat rope's (OLMo-2); rope_scaling replaces OLMo-2's
-# rope_parameters
+# rope only (YaRN on the public OLMo-3 checkpoints); yarn's truncate is rope_parameters'
+# top-level one; a layer type without a rope of its own gets theta 500000 (the full layers
+# the top-level rope_theta first); a top-level original_max_position_embeddings is ignored
+# beside per-type ropes (OLMo-3), yet wins over a flat rope's (OLMo-2); rope_scaling replaces
+# OLMo-2's rope_parameters
 ROPE_READINGS = {
     "olmo3-legacy-llama3": (hf_olmo3, "Olmo3ForCausalLM", dict(
         rope_parameters=None, rope_theta=1e4, rope_scaling=LLAMA3)),
     "olmo3-legacy-theta": (hf_olmo3, "Olmo3ForCausalLM", dict(rope_parameters=None,
                                                                rope_theta=1e4)),
     "olmo3-rope-scaling-beside": (hf_olmo3, "Olmo3ForCausalLM", dict(rope_scaling=LLAMA3)),
+    "olmo3-legacy-yarn": (hf_olmo3, "Olmo3ForCausalLM", dict(
+        rope_parameters=None, rope_theta=5e5, rope_scaling=YARN)),
+    "olmo3-yarn-beside": (hf_olmo3, "Olmo3ForCausalLM", dict(rope_scaling=YARN)),
+    "olmo3-sliding-yarn-untruncated": (hf_olmo3, "Olmo3ForCausalLM", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 2.0,
+                              "mscale": 2.0, "mscale_all_dim": 1.0},
+        "full_attention": {"rope_type": "default"}, "truncate": False})),
     "olmo3-one-type-missing": (hf_olmo3, "Olmo3ForCausalLM", dict(
         rope_theta=77.0, rope_parameters={"full_attention": {"rope_theta": 1e4}})),
     "olmo3-top-original-context": (hf_olmo3, "Olmo3ForCausalLM", dict(
@@ -99,13 +112,18 @@ def test_rope_fields_are_read_as_transformers_reads_them(tmp_path, variant):
     (dict(sliding_window=None), "has sliding_attention layers but no sliding_window"),
     (dict(sliding_window=0), "field sliding_window must be a positive integer"),
     (dict(layer_types="sliding"), "field layer_types must be a list of strings"),
-    (dict(rope_parameters={"sliding_attention": {"rope_type": "yarn", "factor": 2.0},
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "dynamic", "factor": 2.0},
                            "full_attention": {"rope_type": "default"}}),
-     "rope_type 'yarn' is not supported"),
+     "rope_type 'dynamic' is not supported (default, llama3, yarn only)"),
     # a legacy rope_scaling of a type not computed here, alone or beside rope_parameters
-    (dict(rope_parameters=None, rope_theta=5e5, rope_scaling=YARN),
-     "rope_type 'yarn' is not supported"),
-    (dict(rope_scaling=YARN), "rope_type 'yarn' is not supported"),
+    (dict(rope_parameters=None, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     "rope_type 'linear' is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}),
+     "rope_type 'longrope' is not supported"),
+    # transformers' yarn reads rope_parameters' top-level truncate, never a layer type's
+    (dict(rope_parameters=None, rope_scaling={**YARN, "truncate": False}),
+     "rope_parameters truncate=False of a layer type is not supported"),
+    (dict(rope_scaling={**YARN, "factor": None}), "rope_parameters has no factor"),
     # a flat rope dict: transformers ignores it and runs its per-type default ropes
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
      "rope_parameters has no full_attention dict beside its keys ['rope_theta', 'rope_type']"),
@@ -117,4 +135,11 @@ def test_olmo3_config_errors_name_the_field(tmp_path, change, error):
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, **change}))
     with pytest.raises(CheckpointError, match=re.escape(error)):
+        open_checkpoint(path)
+
+
+def test_olmo2_refuses_a_yarn_rope_scaling_beside_its_rope_parameters(tmp_path):
+    # transformers lets rope_scaling replace rope_parameters: its yarn is what would run
+    path = with_config(hf_olmo2(tmp_path / "src"), tmp_path / "o2", rope_scaling=YARN)
+    with pytest.raises(CheckpointError, match="rope_type 'yarn' is not supported"):
         open_checkpoint(path)
