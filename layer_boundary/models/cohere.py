@@ -35,6 +35,17 @@ from .rope import inverse_frequencies
 NO_SP = "its parallel blocks join the attention's partial to the MLP's sum on unscattered rows"
 
 
+def _head_dim(cfg: dict, heads: int) -> int:
+    """config.json's head_dim, else hidden_size / num_attention_heads as transformers derives
+    it where the field is absent; a null one transformers keeps as None (and fails on)."""
+    if "head_dim" not in cfg:
+        return require(cfg, "hidden_size") // heads
+    if cfg["head_dim"] is None:
+        raise CheckpointError("config.json field head_dim is null: give a number, or leave it "
+                              "out for hidden_size / num_attention_heads")
+    return cfg["head_dim"]
+
+
 @dataclass(frozen=True)
 class CohereConfig(CheckedConfig):
     vocab_size: int
@@ -71,7 +82,7 @@ class CohereConfig(CheckedConfig):
                        "num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or require(cfg, "hidden_size") // heads,
+            head_dim=_head_dim(cfg, heads),
             layer_norm_eps=number(cfg, "layer_norm_eps", 1e-5),
             rope_theta=theta_of(rope, cfg, 10000.0),
             logit_scale=number(cfg, "logit_scale", 0.0625),

@@ -192,7 +192,9 @@ def check_parallel(cfg: InklingConfig, dims) -> None:
     over TP, the routed experts over ``moe_ep x moe_tp``."""
     for sliding in set(cfg.sliding):
         heads, kv_heads, _ = cfg.sliding_heads if sliding else cfg.full_heads
-        check_heads(heads, kv_heads, dims.attn_tp)
+        check_heads(heads, kv_heads, dims.attn_tp,
+                    ("swa_num_attention_heads", "swa_num_key_value_heads") if sliding else
+                    ("num_attention_heads", "num_key_value_heads"))
     if not all(cfg.sparse):
         check_divisible("intermediate_size", cfg.intermediate_size, "tp", dims.tp)
     if any(cfg.sparse):

@@ -64,14 +64,15 @@ def check_parallel(cfg: Qwen3Config, dims) -> None:
     check_tp(cfg, dims.attn_tp, dims.tp)
 
 
-def check_heads(heads: int, kv_heads: int, attn_tp: int) -> None:
-    """Query heads split over attention TP; kv heads split, or replicated over whole ranks."""
+def check_heads(heads: int, kv_heads: int, attn_tp: int,
+                names: tuple = ("num_attention_heads", "num_key_value_heads")) -> None:
+    """Query heads split over attention TP; kv heads split, or replicated over whole ranks
+    (``names``: the config fields that count them)."""
     if heads % attn_tp:
-        raise ValueError(f"num_attention_heads={heads} is not divisible by attention "
-                         f"tp={attn_tp}")
+        raise ValueError(f"{names[0]}={heads} is not divisible by attention tp={attn_tp}")
     if (kv_heads % attn_tp) if kv_heads >= attn_tp else (attn_tp % kv_heads):
-        raise ValueError(f"num_key_value_heads={kv_heads} and attention tp={attn_tp}: one must "
-                         "divide the other")
+        raise ValueError(f"{names[1]}={kv_heads} and attention tp={attn_tp}: one must divide "
+                         "the other")
 
 
 def check_tp(cfg: Qwen3Config, attn_tp: int, tp: int) -> None:

@@ -65,7 +65,9 @@ def test_a_head_dim_beside_hidden_over_heads_is_read_as_transformers(tmp_path, w
     assert_prefill_matches(load_model(path, world1()), hf_oracle(cls, path), [[1, 2, 3]])
 
 
-def test_a_null_cohere2_head_dim_is_refused_by_name(tmp_path):
-    path = with_config(hf_cohere2(tmp_path / "c2"), tmp_path / "null", head_dim=None)
+@pytest.mark.parametrize("write", [hf_cohere, hf_cohere2], ids=["cohere", "cohere2"])
+def test_a_null_head_dim_is_refused_by_name(tmp_path, write):
+    """transformers keeps a null head_dim as None (and fails on it); Cohere derived one."""
+    path = with_config(write(tmp_path / "c"), tmp_path / "null", head_dim=None)
     with pytest.raises(CheckpointError, match="config.json field head_dim is null"):
         load_config(path)

@@ -92,3 +92,16 @@ def test_an_alias_sizing_the_weights_wins_and_they_are_refused(tmp_path, inkling
 def test_a_null_alias_or_aliased_field_is_refused_by_name(tmp_path, inkling_dir, field):
     with pytest.raises(CheckpointError, match=f"config.json field {field} is null"):
         load_config(with_config(inkling_dir, tmp_path / "null", **{field: None}))
+
+
+def test_a_topology_the_sliding_heads_do_not_split_over_names_their_field(tmp_path,
+                                                                          inkling_dir):
+    """The sliding layers' heads were reported as num_attention_heads."""
+    from layer_boundary.models.inkling import check_parallel
+    from layer_boundary.runtime import ParallelDims
+
+    cfg = load_config(with_config(inkling_dir, tmp_path / "swa", swa_num_attention_heads=3,
+                                  swa_num_key_value_heads=1))
+    with pytest.raises(ValueError, match=r"^swa_num_attention_heads=3 is not divisible by "
+                                         r"attention tp=2$"):
+        check_parallel(cfg, ParallelDims(world_size=2, tp=2))
