@@ -353,19 +353,23 @@ def _check_initialized(read: list, facts: dict, model) -> None:
     """
     if all(adapter.config.init not in _RANDOM_INIT for adapter in read):
         return
-    named = {(model.checkpoint_name(n) or n): fact for n, fact in facts.items()}
+    # each adaptable linear under its names: the checkpoint's (transformers' as a rule) and
+    # this model's (transformers' where a model renames the checkpoint, Qwen3.5's prefix)
+    named = {**facts, **{(model.checkpoint_name(n) or n): fact for n, fact in facts.items()}}
     linears = []
-    for name, (shape, _) in sorted(named.items()):
-        module = name[:-len(".weight")]
-        if name.endswith(".weight") and len(shape) == 2:
-            found = _target(model, module)
-            if found is not None and _full_shape(found[0], found[1]) is not None:
-                linears.append(module)
+    for name, (shape, _) in sorted(facts.items()):
+        if not (name.endswith(".weight") and len(shape) == 2):
+            continue
+        forms = {name[:-len(".weight")], (model.checkpoint_name(name) or name)[:-len(".weight")]}
+        found = _target(model, next(iter(sorted(forms))))
+        if found is not None and _full_shape(found[0], found[1]) is not None:
+            linears.append(sorted(forms))
     for adapter in read:
         if adapter.config.init not in _RANDOM_INIT:
             continue
-        missing = [m for m in linears
-                   if m not in adapter.modules and lora_base.wrapped([adapter], m, named)]
+        missing = [forms[0] for forms in linears
+                   if not any(m in adapter.modules for m in forms)
+                   and any(lora_base.wrapped([adapter], m, named) for m in forms)]
         if missing:
             raise LoraError(f"{adapter.label}: adapter_config.json targets {missing[0]} "
                             f"({len(missing)} modules in all), and {adapter.file} holds no "

@@ -515,3 +515,24 @@ def test_a_tied_head_without_one_embedding_to_load_over_is_refused(qwen3_tied_di
                                         r"embedding, and the checkpoint holds no one embedding "
                                         r"to load it over: not supported$"):
         attach_lora(_meta_model(base), [("a", str(folder))], str(base))
+
+
+def test_an_adapter_on_a_model_that_renames_its_checkpoint_matches_peft(tmp_path):
+    """GPT-NeoX's checkpoint (and peft's module names) say gpt_neox.layers.*, the model
+    model.layers.*: every targeted module is found under either name (the check for targets
+    without weights refused a complete adapter once)."""
+    import peft
+    import transformers
+    from checkpoints.gpt_neox import hf_neox
+
+    base = hf_neox(tmp_path / "neox")
+    folder = _peft_adapter(str(base), tmp_path / "a", 8, r=2,
+                           target_modules=["dense_h_to_4h", "dense"])
+    spec = RunSpec(str(base), prompts=(PROMPT,), max_new_tokens=1, lora=(("x", str(folder)),),
+                   prompt_lora=("x",))
+    ours = merge([run_rank(spec, world_size=1)]).logits[0][0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(base), dtype=torch.float32, attn_implementation="eager")
+    expected = hf_cached_decode(peft.PeftModel.from_pretrained(hf, str(folder)).eval(),
+                                PROMPT, [])[0]
+    assert (ours - expected).abs().max().item() <= TOL * max(1.0, expected.abs().max().item())
