@@ -86,6 +86,48 @@ def test_an_intermediate_width_off_the_vector_step_stays_invariant(tmp_path):
     assert check["ok"], check["differences"]
 
 
+def test_per_row_gives_each_row_its_own_call():
+    """A router's product, sigmoid and top-k a row a call in the mode (tuple outputs
+    concatenated per output); no rows pass through; off the mode, the one call."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 64, generator=gen), torch.randn(8, 64, generator=gen)
+
+    def router(rows):
+        return torch.topk(torch.nn.functional.linear(rows, w).sigmoid(), 2, dim=-1)
+
+    with invariant.batch_invariant():
+        weights, ids = invariant.per_row(router, x)
+        for i in range(7):
+            alone = router(x[i:i + 1])
+            assert torch.equal(weights[i:i + 1], alone[0]) and torch.equal(ids[i:i + 1], alone[1])
+        assert invariant.per_row(router, x[:0])[0].shape == (0, 2)
+        assert invariant.rowwise(torch.sigmoid, x[:0]).shape == (0, 64)  # an empty DP rank
+    assert torch.equal(invariant.per_row(router, x)[0], router(x)[0])
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    from checkpoints.gpt_oss import hf_gpt_oss
+    from checkpoints.nh import hf_nemotron_h
+
+    root = tmp_path_factory.mktemp("invariant_models")
+    return {"nemotron_h": hf_nemotron_h(root / "nh"), "gpt_oss": hf_gpt_oss(root / "gpt_oss")}
+
+
+# what followed the batch (1e-6 logits apart): Nemotron-H's Mamba2 in_proj (a plain GEMM),
+# its softplus over [T, heads] (8 wide, off the vector step), its router (product, sigmoid
+# over [T, 8], top-k); GPT-OSS's router (a decode batch's GEMM against a lone request's
+# matrix-vector product) and its experts' sigmoid (16 wide at tp 2)
+@pytest.mark.parametrize("layout", [["--tp", "1"], ["--tp", "2"]], ids=["world1", "tp2"])
+@pytest.mark.parametrize("model", ["nemotron_h", "gpt_oss"])
+def test_hybrid_and_sink_moe_models_pass_their_own_check(model, layout, hybrid_dirs, capsys):
+    code, out = cli(["run", "--model", str(hybrid_dirs[model]), *layout, "--batch-invariant",
+                     "--max-new-tokens", "2", "--json", *PROMPTS], capsys)
+    report = json.loads(out)
+    assert report["batch_invariance"]["ok"], report["batch_invariance"]
+    assert code == 0, report
+
+
 def test_the_tests_qwen3_at_tp2_passes_its_own_check(qwen3_dir, capsys):
     """The hostile probe: ``run --model <the tests' Qwen3> --tp 2 --batch-invariant``."""
     code, out = cli(["run", "--model", str(qwen3_dir), "--tp", "2", "--batch-invariant",

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import HandoffOutput
 from ..runtime import Parallel, all_reduce_rows, all_to_all_rows, exchange_counts, get_forward
-from ..runtime.invariant import BATCH_INVARIANT
+from ..runtime.invariant import BATCH_INVARIANT, rowwise
 from ..runtime.invariant import linear as invariant_linear
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take, take_columns
@@ -314,12 +314,14 @@ class FusedMoE(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             if self.limit is not None:
                 gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            # batch-invariant: the activation a row a call (runtime.invariant.rowwise): its
+            # exp's last bit follows the row's place in the flat loop over the expert's rows
             if self.alpha is not None:  # GPT-OSS's clamped SwiGLU
-                h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+                h = (up + 1) * (gate * rowwise(torch.sigmoid, gate * self.alpha))
             else:
-                h = self.act(gate) * up
+                h = rowwise(self.act, gate) * up
         else:
-            h = self.act(h)
+            h = rowwise(self.act, h)
         return product(h, self.w2[e], self.w2_bias[e] if self.adds_down_bias else None)
 
     def _dense_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ tensor's size (gloo's ring all-reduce chunks by bytes). In this mode:
   but for a scalar tail whose ``exp`` (``silu``'s) rounds otherwise, so which path an element
   takes, and its last bit, follows where its row sits in the batch whenever the row width is
   not a multiple of the loop's step (an intermediate shard of 48 on AVX-512, say);
+- a model's own row-independent blocks whose kernels still see the whole batch (a router's
+  small product, sigmoid and top-k; a Mamba2 decode step's batched conv and state update) run
+  one row, or one request, a call (``per_row``; ``models.mamba2``);
 - every synchronous sum over ranks is gathered and added here in group rank order, whatever
   its size (``collectives``), and reduce-scatters exchange their blocks and add them the same
   way: on each element the same additions in the same order, on every layout's row mode;
@@ -22,9 +25,9 @@ tensor's size (gloo's ring all-reduce chunks by bytes). In this mode:
   overlap, whose split and asynchronous sums follow the batch, is refused.
 
 Row-by-row products cost what one-row products cost, a call a row: see docs/benchmarks.md.
-A model's own compute beyond these (a recurrent scan's chunks, a mixer's grouped
-convolution) is not made invariant here; ``run --batch-invariant`` checks the whole model and
-says where it fails.
+A model's own compute beyond these is its own to keep per request or per row (Mamba2 scans
+and convolves each request alone in the mode); ``run --batch-invariant`` checks the whole
+model and says where it fails.
 """
 
 from __future__ import annotations
@@ -71,10 +74,23 @@ def rowwise(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     computed one row (last dimension) at a time while the mode is on: each row's elements take
     the kernel's vectorized and scalar paths as that row alone does, whatever rows run beside
     it. Off the mode, one call."""
-    if not BATCH_INVARIANT.on:
-        return fn(x, *args, **kwargs)
-    if x.dim() < 2 or x.numel() == x.shape[-1]:  # one row
+    if not BATCH_INVARIANT.on or x.dim() < 2:
         return fn(x, *args, **kwargs)
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= 1:  # one row, or none (an attention-DP rank without requests)
+        return fn(x, *args, **kwargs)
     out = torch.cat([fn(rows[i:i + 1], *args, **kwargs) for i in range(rows.shape[0])])
     return out.view(x.shape)
+
+
+def per_row(fn, x: torch.Tensor, *args, **kwargs):
+    """``fn(x, *args, **kwargs)`` for a ``fn`` whose rows (first dimension) are independent
+    (a router: [T, H] -> tensors of T rows), computed one row a call while the mode is on and
+    concatenated per output: each row takes the one-row kernels whatever the batch. Off the
+    mode, one call."""
+    if not BATCH_INVARIANT.on or x.shape[0] <= 1:
+        return fn(x, *args, **kwargs)
+    outs = [fn(x[i:i + 1], *args, **kwargs) for i in range(x.shape[0])]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)
+    return tuple(torch.cat(parts) for parts in zip(*outs))
