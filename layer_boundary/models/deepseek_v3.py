@@ -28,6 +28,8 @@ from torch import nn
 from .. import ProducerReduction, cp_view, declare_attn, declare_ffn
 from ..runtime.context import get_forward
 from ..runtime.args import BoundaryRuntime
+from ..runtime.invariant import BATCH_INVARIANT, per_row
+from ..runtime.invariant import linear as invariant_linear
 from ..runtime.quant import as_activations, fake_quantize
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
@@ -211,6 +213,8 @@ class ReplicatedLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if BATCH_INVARIANT.on:  # each row's one-row product, whatever the batch
+            return invariant_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -380,7 +384,8 @@ class DeepseekV3MoE(nn.Module):
         over the TP group when the boundary owns the sum, a handoff under
         ``defer_moe_finalize``, otherwise the complete output. Sharded shared experts ride
         on the routed experts' reduction (one sum for both)."""
-        topk_weights, topk_ids = self.gate(x)
+        # batch-invariant: the router (a small product, sigmoid, group top-k) a row a call
+        topk_weights, topk_ids = per_row(self.gate, x)
         if self.fp8_group is not None:
             x = fake_quantize(x, self.fp8_group)
         shared = self.shared_experts(x)

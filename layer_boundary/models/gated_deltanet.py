@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear
+from ..runtime.invariant import rowwise
 from ..runtime.norm import rms_fp32
 from .attention import slot_index
 from .mamba2 import (DepthwiseConv, ShardedLinear, _param, conv_decode, conv_per_request,
@@ -118,7 +119,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = self.weight * rms_fp32(x.float(), self.eps).to(dtype)
-        return (h * F.silu(z.float())).to(dtype)
+        return (h * rowwise(F.silu, z.float())).to(dtype)  # batch-invariant: a row a call
 
 
 class GatedDeltaNet(nn.Module):
@@ -198,7 +199,8 @@ class GatedDeltaNet(nn.Module):
         state = forward_batch.kv_cache
         conv_state, recurrent = state.conv[self.index], state.ssm[self.index]
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv], <= 0
+        # [T, Hv], <= 0; batch-invariant: the softplus a row a call
+        g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias)
         if decode_step(forward_batch):
             out = self._decode(qkv, g, beta, conv_state, recurrent, forward_batch)
         else:

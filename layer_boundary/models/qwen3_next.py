@@ -33,6 +33,7 @@ from torch import nn
 from .. import ProducerReduction, declare_attn, declare_ffn
 from ..runtime import GemmaRMSNorm, QKVParallelLinear, RowParallelLinear
 from ..runtime.args import BoundaryRuntime
+from ..runtime.invariant import per_row
 from .base import CausalLM
 from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
                      CheckpointError, check_unquantized_silu, integer, number, require, theta_of)
@@ -285,7 +286,7 @@ class Qwen3NextSparseMoe(nn.Module):
         """x: [T, H]: a partial over TP, a finalize handoff or the complete output, as the
         exit's flags ask; the gated shared expert (a partial, since the gate is per row)
         shares the one sum."""
-        weights, ids = self.gate(x)
+        weights, ids = per_row(self.gate, x)  # batch-invariant: the router a row a call
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.experts(x, ids, weights, shared_output=shared)
 
