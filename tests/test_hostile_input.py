@@ -63,7 +63,10 @@ LIES = {"vocab_size": 160_000_000, "hidden_size": 1_000_000, "intermediate_size"
 @pytest.mark.parametrize("field", LIES)
 def test_a_config_that_asks_for_more_than_its_weights_is_refused_before_building(
         qwen3_dir, tmp_path, capsys, restore_logger, field):
-    model = _copy(qwen3_dir, tmp_path / "m", **{field: LIES[field]})
+    lie = {field: LIES[field]}
+    if field == "num_key_value_heads":  # as many query heads: the grouping holds, the sizes lie
+        lie["num_attention_heads"] = LIES[field]
+    model = _copy(qwen3_dir, tmp_path / "m", **lie)
     expected = ("and the checkpoint's tensors hold 3 layers" if field == "num_hidden_layers"
                 else "and the checkpoint's tensors hold")
     _one_line_error(capsys, ["--model", model], expected)

@@ -28,8 +28,7 @@ from torch import nn
 from .. import ProducerReduction, cp_view, declare_attn, declare_ffn
 from ..runtime.context import get_forward
 from ..runtime.args import BoundaryRuntime
-from ..runtime.invariant import BATCH_INVARIANT, per_row
-from ..runtime.invariant import linear as invariant_linear
+from ..runtime import invariant
 from ..runtime.quant import as_activations, fake_quantize
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
@@ -213,9 +212,7 @@ class ReplicatedLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if BATCH_INVARIANT.on:  # each row's one-row product, whatever the batch
-            return invariant_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return invariant.product(x, self.weight, self.bias)  # a row at a time in the mode
 
 
 class DeepseekV3Attention(nn.Module):
@@ -384,8 +381,7 @@ class DeepseekV3MoE(nn.Module):
         over the TP group when the boundary owns the sum, a handoff under
         ``defer_moe_finalize``, otherwise the complete output. Sharded shared experts ride
         on the routed experts' reduction (one sum for both)."""
-        # batch-invariant: the router (a small product, sigmoid, group top-k) a row a call
-        topk_weights, topk_ids = per_row(self.gate, x)
+        topk_weights, topk_ids = invariant.per_row(self.gate, x)  # batch-invariant: a row a call
         if self.fp8_group is not None:
             x = fake_quantize(x, self.fp8_group)
         shared = self.shared_experts(x)

@@ -69,6 +69,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear``, or ``linear`` (a row at a time) while the mode is on: for a model's own
+    plain products (a replicated projection) that no parallel linear computes."""
+    return (linear if BATCH_INVARIANT.on else F.linear)(x, weight, bias)
+
+
 def rowwise(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``fn(x, *args, **kwargs)`` for an elementwise ``fn`` (an activation such as ``F.silu``),
     computed one row (last dimension) at a time while the mode is on: each row's elements take
