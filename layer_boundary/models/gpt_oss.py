@@ -36,7 +36,7 @@ from .llama import read_rope as llama_rope
 from .moe import FusedMoE, fused_expert_params
 from .qwen3 import Qwen3ForCausalLM, check_heads
 from .registry import NO_QKV_LATENT, register_model
-from .rope import inverse_frequencies, yarn_frequencies
+from .rope import YarnRope, inverse_frequencies
 
 ROPE_TYPES = ("yarn", "default")
 # transformers' GptOssConfig defaults for what a config.json may leave out
@@ -50,47 +50,34 @@ def default_layer_types(layers: int) -> list:
     return [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
 
 
-@dataclass(frozen=True)
-class YarnRope:
-    """YaRN's parameters as transformers reads them from ``rope_parameters``."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-    truncate: bool
-    attention_factor: float | None
-    mscale: float | None
-    mscale_all_dim: float | None
-
-    @classmethod
-    def read(cls, rope: dict, cfg: dict) -> YarnRope:
-        # transformers: a top-level original_max_position_embeddings wins, then the rope
-        # dict's, then max_position_embeddings
-        original = cfg.get("original_max_position_embeddings") or rope.get(
-            "original_max_position_embeddings") or cfg.get("max_position_embeddings", 131072)
-        if not POSITIVE_INT.ok(original):
-            raise CheckpointError("config.json rope_parameters.original_max_position_embeddings "
-                                  f"must be {POSITIVE_INT.what}, got {original!r}")
-        if "factor" not in rope:
-            raise CheckpointError("config.json rope_parameters has no factor (rope_type yarn "
-                                  "needs it)")
-        factor = rope["factor"]
-        if factor is None:  # transformers: the ratio of the two context lengths
-            factor = cfg.get("max_position_embeddings", 131072) / original
-        numbers = {k: rope.get(k) for k in ("beta_fast", "beta_slow", "attention_factor",
-                                            "mscale", "mscale_all_dim")}
-        for key, value in [("factor", factor), *numbers.items()]:
-            if value is not None and not POSITIVE_NUMBER.ok(value):
-                raise CheckpointError(f"config.json rope_parameters.{key} must be "
-                                      f"{POSITIVE_NUMBER.what}, got {value!r}")
-        truncate = rope.get("truncate", True)
-        if not BOOL.ok(truncate):
-            raise CheckpointError("config.json rope_parameters.truncate must be true or false, "
-                                  f"got {truncate!r}")
-        return cls(float(factor), int(original), float(numbers["beta_fast"] or 32),
-                   float(numbers["beta_slow"] or 1), truncate, numbers["attention_factor"],
-                   numbers["mscale"], numbers["mscale_all_dim"])
+def read_yarn(rope: dict, cfg: dict) -> YarnRope:
+    """YaRN's parameters from GPT-OSS's rope dict, as transformers reads them."""
+    # transformers: a top-level original_max_position_embeddings wins, then the rope
+    # dict's, then max_position_embeddings
+    original = cfg.get("original_max_position_embeddings") or rope.get(
+        "original_max_position_embeddings") or cfg.get("max_position_embeddings", 131072)
+    if not POSITIVE_INT.ok(original):
+        raise CheckpointError("config.json rope_parameters.original_max_position_embeddings "
+                              f"must be {POSITIVE_INT.what}, got {original!r}")
+    if "factor" not in rope:
+        raise CheckpointError("config.json rope_parameters has no factor (rope_type yarn "
+                              "needs it)")
+    factor = rope["factor"]
+    if factor is None:  # transformers: the ratio of the two context lengths
+        factor = cfg.get("max_position_embeddings", 131072) / original
+    numbers = {k: rope.get(k) for k in ("beta_fast", "beta_slow", "attention_factor",
+                                        "mscale", "mscale_all_dim")}
+    for key, value in [("factor", factor), *numbers.items()]:
+        if value is not None and not POSITIVE_NUMBER.ok(value):
+            raise CheckpointError(f"config.json rope_parameters.{key} must be "
+                                  f"{POSITIVE_NUMBER.what}, got {value!r}")
+    truncate = rope.get("truncate", True)
+    if not BOOL.ok(truncate):
+        raise CheckpointError("config.json rope_parameters.truncate must be true or false, "
+                              f"got {truncate!r}")
+    return YarnRope(float(factor), int(original), float(numbers["beta_fast"] or 32),
+                    float(numbers["beta_slow"] or 1), truncate, numbers["attention_factor"],
+                    numbers["mscale"], numbers["mscale_all_dim"])
 
 
 def read_rope(cfg: dict) -> tuple[float, YarnRope | None]:
@@ -104,7 +91,7 @@ def read_rope(cfg: dict) -> tuple[float, YarnRope | None]:
     plain = {**rope, "rope_type": "default",
              "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", DEFAULT_THETA))}
     theta, _ = llama_rope({**cfg, "rope_parameters": plain, "rope_scaling": None})
-    return theta, YarnRope.read(rope, cfg) if rope_type == "yarn" else None
+    return theta, read_yarn(rope, cfg) if rope_type == "yarn" else None
 
 
 @dataclass(frozen=True)
@@ -170,12 +157,7 @@ class GptOssConfig(CheckedConfig):
         factor; 1 for the default rope)."""
         if self.rope is None:
             return inverse_frequencies(self.rope_theta, self.head_dim), 1.0
-        r = self.rope
-        return yarn_frequencies(self.rope_theta, self.head_dim, factor=r.factor,
-                                original_max_position_embeddings=r.original_max_position_embeddings,
-                                beta_fast=r.beta_fast, beta_slow=r.beta_slow,
-                                truncate=r.truncate, attention_factor=r.attention_factor,
-                                mscale=r.mscale, mscale_all_dim=r.mscale_all_dim)
+        return self.rope.frequencies(self.rope_theta, self.head_dim)
 
 
 def check_parallel(cfg: GptOssConfig, dims) -> None:

@@ -11,7 +11,7 @@ checkpoints' legacy ``rope_scaling`` (YaRN) scales the full layers' rope only.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +20,7 @@ from .config import (BOOL, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING, SLIDING
 from .llama import check_parallel, read_rope
 from .olmo2 import AUTO, Olmo2Config, Olmo2DecoderLayer, PostNormCausalLM
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
-from .rope import inverse_frequencies, yarn_frequencies
+from .rope import YarnRope, inverse_frequencies
 
 
 def default_layer_types(layers: int) -> list:
@@ -83,40 +83,25 @@ def _yarn_number(rope: dict, key: str, check=POSITIVE_NUMBER, required=False):
     return value
 
 
-@dataclass(frozen=True)
-class YarnRope:
-    """YaRN (``rope_type`` yarn) as transformers' ``_compute_yarn_parameters`` reads a layer
-    type's rope dict: its frequencies and cos/sin scale are ``rope.yarn_frequencies``'."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-    truncate: bool
-    attention_factor: float | None
-    mscale: float | None
-    mscale_all_dim: float | None
-
-    @classmethod
-    def read(cls, rope: dict, cfg: dict, truncate: bool) -> YarnRope:
-        """``truncate``: rope_parameters' top-level one, the only one transformers reads."""
-        if rope.get("truncate", truncate) != truncate:
-            raise CheckpointError(f"config.json rope_parameters truncate={rope['truncate']!r} "
-                                  "of a layer type is not supported (transformers reads the "
-                                  "top-level one only)")
-        # transformers' standardization: the per-type dict's original context, else
-        # max_position_embeddings (a top-level original_max_position_embeddings is ignored)
-        context = {"original_max_position_embeddings": rope.get(
-            "original_max_position_embeddings", cfg.get("max_position_embeddings"))}
-        return cls(float(_yarn_number(rope, "factor", required=True)),
-                   _yarn_number(context, "original_max_position_embeddings", POSITIVE_INT, True),
-                   float(_yarn_number(rope, "beta_fast") or 32),  # transformers' ``or`` defaults
-                   float(_yarn_number(rope, "beta_slow") or 1), truncate,
-                   *(_yarn_number(rope, k) for k in ("attention_factor", "mscale",
-                                                     "mscale_all_dim")))
-
-    def frequencies(self, theta: float, dim: int) -> tuple[torch.Tensor, float]:
-        return yarn_frequencies(theta, dim, **asdict(self))
+def read_yarn(rope: dict, cfg: dict, truncate: bool) -> YarnRope:
+    """YaRN's parameters from a layer type's rope dict, as transformers'
+    ``_compute_yarn_parameters`` reads them (``truncate``: rope_parameters' top-level one,
+    the only one transformers reads)."""
+    if rope.get("truncate", truncate) != truncate:
+        raise CheckpointError(f"config.json rope_parameters truncate={rope['truncate']!r} "
+                              "of a layer type is not supported (transformers reads the "
+                              "top-level one only)")
+    # transformers' standardization: the per-type dict's original context, else
+    # max_position_embeddings (a top-level original_max_position_embeddings is ignored)
+    context = {"original_max_position_embeddings": rope.get(
+        "original_max_position_embeddings", cfg.get("max_position_embeddings"))}
+    return YarnRope(float(_yarn_number(rope, "factor", required=True)),
+                    _yarn_number(context, "original_max_position_embeddings", POSITIVE_INT,
+                                 True),
+                    float(_yarn_number(rope, "beta_fast") or 32),  # transformers' ``or``
+                    float(_yarn_number(rope, "beta_slow") or 1), truncate,
+                    *(_yarn_number(rope, k) for k in ("attention_factor", "mscale",
+                                                      "mscale_all_dim")))
 
 
 def read_layer_rope(rope: dict, cfg: dict, truncate: bool) -> tuple:
@@ -130,7 +115,7 @@ def read_layer_rope(rope: dict, cfg: dict, truncate: bool) -> tuple:
     base = {k: v for k, v in cfg.items() if k != "original_max_position_embeddings"}
     plain = {**rope, "rope_type": "default"} if rope_type == "yarn" else rope
     theta, scaling = read_rope({**base, "rope_parameters": plain, "rope_scaling": None})
-    return theta, YarnRope.read(rope, cfg, truncate) if rope_type == "yarn" else scaling
+    return theta, read_yarn(rope, cfg, truncate) if rope_type == "yarn" else scaling
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -126,3 +127,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotate_half(x, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN's parameters as a model's config reader gives them (each architecture reads its
+    rope dicts its own way): ``yarn_frequencies``' keywords."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def frequencies(self, theta: float, dim: int) -> tuple[torch.Tensor, float]:
+        """YaRN's inverse frequencies for ``theta`` and ``dim``, and its cos/sin scale."""
+        return yarn_frequencies(theta, dim, **asdict(self))
