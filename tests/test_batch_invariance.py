@@ -107,23 +107,31 @@ def test_per_row_gives_each_row_its_own_call():
 
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
-    from checkpoints.gpt_oss import hf_gpt_oss
-    from checkpoints.nh import hf_nemotron_h
-
+    from checkpoints.ds import hf_deepseek_v3
     from checkpoints.glm4_moe import hf_glm4_moe
+    from checkpoints.gpt_oss import hf_gpt_oss
+    from checkpoints.lc import hf_longcat_flash
+    from checkpoints.nh import hf_nemotron_h
+    from checkpoints.qwen3_next import hf_qwen3_next
 
     root = tmp_path_factory.mktemp("invariant_models")
     return {"nemotron_h": hf_nemotron_h(root / "nh"), "gpt_oss": hf_gpt_oss(root / "gpt_oss"),
-            "glm4_moe": hf_glm4_moe(root / "glm4_moe")}
+            "glm4_moe": hf_glm4_moe(root / "glm4_moe"),
+            "deepseek_v3": hf_deepseek_v3(root / "ds3"),
+            "qwen3_next": hf_qwen3_next(root / "qnext"),
+            "longcat_flash": hf_longcat_flash(root / "lc")}
 
 
 # what followed the batch (1e-6 logits apart): Nemotron-H's Mamba2 in_proj (a plain GEMM),
 # its softplus over [T, heads] (8 wide, off the vector step), its router (product, sigmoid
 # over [T, 8], top-k); GPT-OSS's router (a decode batch's GEMM against a lone request's
 # matrix-vector product) and its experts' sigmoid (16 wide at tp 2); GLM-4-MoE's DeepSeek
-# router at decode
+# router at decode; DeepSeek-V3's absorbed MLA projections (einsums over [T, heads], a bmm
+# whose blocking follows T); Qwen3-Next's shared-expert gate (a plain [T, 1] product and
+# sigmoid) and its DeltaNet's beta sigmoid ([T, Hv], off the vector step); LongCat's router
 @pytest.mark.parametrize("layout", [["--tp", "1"], ["--tp", "2"]], ids=["world1", "tp2"])
-@pytest.mark.parametrize("model", ["nemotron_h", "gpt_oss", "glm4_moe"])
+@pytest.mark.parametrize("model", ["nemotron_h", "gpt_oss", "glm4_moe", "deepseek_v3",
+                                   "qwen3_next", "longcat_flash"])
 def test_hybrid_and_sink_moe_models_pass_their_own_check(model, layout, hybrid_dirs, capsys):
     code, out = cli(["run", "--model", str(hybrid_dirs[model]), *layout, "--batch-invariant",
                      "--max-new-tokens", "2", "--json", *PROMPTS], capsys)

@@ -297,7 +297,7 @@ class DeepseekV3Attention(nn.Module):
         # [local heads * (nope + v), rank] -> [local heads, nope + v, rank]
         w = self.kv_b_proj.weight.view(self.num_heads, -1, cfg.kv_lora_rank)
         w_k, w_v = w.split((cfg.qk_nope_head_dim, cfg.v_head_dim), dim=1)
-        q_nope = torch.einsum("thn,hnr->thr", q_nope, w_k)  # [T, heads, kv_lora_rank]
+        q_nope = invariant.per_row(lambda r: torch.einsum("thn,hnr->thr", r, w_k), q_nope)
         # the forward's tables (a CP share's for the queries), computed by its first layer
         cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
                                    latent.dtype, None if cp is None else cp.share,
@@ -311,7 +311,7 @@ class DeepseekV3Attention(nn.Module):
         k = torch.cat((c, k_rot), dim=-1)
         out = cached_attention(self.layer_id, q, k, c, forward_batch, self.scaling,
                                queries=None if cp is None else cp.queries)
-        out = torch.einsum("thr,hvr->thv", out, w_v)  # [T, heads, v_head_dim]
+        out = invariant.per_row(lambda r: torch.einsum("thr,hvr->thv", r, w_v), out)  # [T,h,v]
         return self.o_proj(out.flatten(1))  # [T, H*Dv] -> [T, hidden] partial over attn_tp
 
 

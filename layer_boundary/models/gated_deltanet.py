@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear
-from ..runtime.invariant import rowwise
+from ..runtime.invariant import BATCH_INVARIANT, rowwise
 from ..runtime.norm import rms_fp32
 from .attention import slot_index
 from .mamba2 import (DepthwiseConv, ShardedLinear, _param, conv_decode, conv_per_request,
@@ -198,10 +198,12 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(hidden_states)
         state = forward_batch.kv_cache
         conv_state, recurrent = state.conv[self.index], state.ssm[self.index]
-        beta = b.sigmoid()
-        # [T, Hv], <= 0; batch-invariant: the softplus a row a call
+        # batch-invariant: the sigmoid and the softplus a row a call ([T, Hv]: off the step)
+        beta = rowwise(torch.sigmoid, b)
+        # [T, Hv], <= 0
         g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias)
-        if decode_step(forward_batch):
+        # batch-invariant: each request its own conv, exp and state update (as Mamba2's)
+        if decode_step(forward_batch) and not BATCH_INVARIANT.on:
             out = self._decode(qkv, g, beta, conv_state, recurrent, forward_batch)
         else:
             out = self._per_request(qkv, g, beta, conv_state, recurrent, forward_batch)

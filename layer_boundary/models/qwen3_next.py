@@ -287,7 +287,9 @@ class Qwen3NextSparseMoe(nn.Module):
         exit's flags ask; the gated shared expert (a partial, since the gate is per row)
         shares the one sum."""
         weights, ids = per_row(self.gate, x)  # batch-invariant: the router a row a call
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        # batch-invariant: the gate's product and sigmoid a row a call, as the router's
+        gate = per_row(lambda r: torch.sigmoid(self.shared_expert_gate(r)), x)
+        shared = gate * self.shared_expert(x)
         return self.experts(x, ids, weights, shared_output=shared)
 
 
