@@ -90,8 +90,9 @@ def wrapped(adapters, module: str, facts: dict) -> bool:
 
 def plan(read: list, facts: dict | None, model) -> list[BaseLoad]:
     """The tensors ``read`` (the checked adapters, in load order) load over the base model,
-    each checked against the checkpoint (``facts``: ``loader.header_facts``); those peft
-    ignores are named in a warning. No tensor data read.
+    each checked against the checkpoint (``facts``: its
+    ``runtime.safetensors_files.header_facts``); those peft ignores are named in a warning.
+    No tensor data read.
 
     Args:
         read: ``lora.Adapter``s; slot order is load order.
