@@ -355,7 +355,8 @@ def _check_initialized(read: list, facts: dict, model) -> None:
         return
     # each adaptable linear under its names: the checkpoint's (transformers' as a rule) and
     # this model's (transformers' where a model renames the checkpoint, Qwen3.5's prefix)
-    named = {**facts, **{(model.checkpoint_name(n) or n): fact for n, fact in facts.items()}}
+    named = {name: facts[ours] for name, ours in lora_base.transformers_names(facts,
+                                                                             model).items()}
     linears = []
     for name, (shape, _) in sorted(facts.items()):
         if not (name.endswith(".weight") and len(shape) == 2):
@@ -379,18 +380,15 @@ def _check_initialized(read: list, facts: dict, model) -> None:
 
 
 def _facts(checkpoint) -> dict | None:
-    """The base checkpoint's {tensor: (shape, dtype)} (None: not given), read once per
-    ``Checkpoint``."""
+    """The base checkpoint's {tensor: (shape, dtype)} (None: not given): a ``Checkpoint``'s
+    ``tensor_facts`` (read once), or a folder's headers."""
     from ..runtime.safetensors_files import header_facts
 
     if checkpoint is None:
         return None
-    memo = getattr(checkpoint, "memo", None)
-    if memo is None:
-        return header_facts(checkpoint)
-    if "header_facts" not in memo:
-        memo["header_facts"] = header_facts(checkpoint.folder)
-    return memo["header_facts"]
+    if hasattr(checkpoint, "tensor_facts"):
+        return checkpoint.tensor_facts()
+    return header_facts(checkpoint)
 
 
 def _shard(linear, shard, per_slot: dict, count: int):

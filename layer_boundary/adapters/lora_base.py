@@ -88,6 +88,13 @@ def wrapped(adapters, module: str, facts: dict) -> bool:
     return False
 
 
+def transformers_names(facts: dict, model) -> dict[str, str]:
+    """{a tensor's name as transformers may give it: the checkpoint's name}: each checkpoint
+    tensor under its own name and under the model's for it (they differ where a model renames
+    the checkpoint: Qwen3.5's language_model prefix; GPT-NeoX's names are the checkpoint's)."""
+    return {**{model.checkpoint_name(n) or n: n for n in facts}, **{n: n for n in facts}}
+
+
 def plan(read: list, facts: dict | None, model) -> list[BaseLoad]:
     """The tensors ``read`` (the checked adapters, in load order) load over the base model,
     each checked against the checkpoint (``facts``: its
@@ -114,7 +121,7 @@ def plan(read: list, facts: dict | None, model) -> list[BaseLoad]:
                             "attach_lora needs the base checkpoint to check them against "
                             "(pass checkpoint=)")
         if names is None:
-            names = {**{model.checkpoint_name(n) or n: n for n in facts}, **{n: n for n in facts}}
+            names = transformers_names(facts, model)
             known = {name: facts[ours] for name, ours in names.items()}
         ignored, missing, mine = [], [], []
         for t in adapter.base:

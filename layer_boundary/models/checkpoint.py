@@ -23,7 +23,8 @@ class Checkpoint:
         raw: config.json as read.
         config: the model's config, parsed from ``raw`` after its fields were checked.
         model_class: the class serving ``raw``'s ``model_type``.
-        memo: what was checked of it once and need not be again (``estimate.check_sizes``).
+        memo: what was checked or read of it once and need not be again
+            (``estimate.check_sizes``, ``tensor_facts``).
     """
 
     folder: str
@@ -35,6 +36,14 @@ class Checkpoint:
     @property
     def model_type(self) -> str:
         return self.model_class.model_type
+
+    def tensor_facts(self) -> dict:
+        """{tensor: (shape, safetensors dtype)} from the safetensors headers, read once."""
+        from .loader import header_facts
+
+        if "header_facts" not in self.memo:
+            self.memo["header_facts"] = header_facts(self.folder)
+        return self.memo["header_facts"]
 
     def run_dtype(self) -> str:
         """What ``--dtype auto`` runs in: config.json's ``dtype`` (``torch_dtype`` in older
@@ -67,8 +76,9 @@ def open_checkpoint(path) -> Checkpoint:
     raw = config_json.read_config(path)  # the one read of config.json
     cls = model_class(raw.get("model_type"))
     cls.config_class.validate(raw)
-    return Checkpoint(str(path), raw, _tied_as_stored(path, cls.config_class.from_dict(raw)),
-                      cls)
+    memo: dict = {}
+    config = _tied_as_stored(path, cls.config_class.from_dict(raw), memo)
+    return Checkpoint(str(path), raw, config, cls, memo)
 
 
 # a head and an input embedding as checkpoints name them (GPT-NeoX: embed_out, embed_in)
@@ -76,17 +86,18 @@ _HEADS = ("lm_head.weight", "embed_out.weight")
 _EMBEDDINGS = ("embed_tokens.weight", "embeddings.weight", "embed_in.weight")
 
 
-def _tied_as_stored(folder, config):
+def _tied_as_stored(folder, config, memo: dict):
     """``config``, untied where transformers unties it: a ``tie_word_embeddings`` config whose
     checkpoint holds both a head and an embedding with different values (transformers warns
-    and keeps both, ``PreTrainedModel.tie_weights``); equal ones stay tied."""
+    and keeps both, ``PreTrainedModel.tie_weights``); equal ones stay tied. The headers it
+    reads are kept in ``memo`` (``Checkpoint.tensor_facts``)."""
     if not (getattr(config, "tie_word_embeddings", False) and "tie_word_embeddings" in
             {f.name for f in dataclasses.fields(config)}):
         return config
     from ..runtime.shards import whole
     from .loader import header_facts, iter_weights
 
-    names = list(header_facts(folder))
+    names = list(memo.setdefault("header_facts", header_facts(folder)))
     heads = [n for n in names if n.endswith(_HEADS)]
     embeddings = [n for n in names if n.endswith(_EMBEDDINGS)]
     if len(heads) != 1 or len(embeddings) != 1:

@@ -261,13 +261,11 @@ def check_sizes(checkpoint, facts: dict | None = None) -> None:
 
     Args:
         checkpoint: a ``Checkpoint``.
-        facts: its ``loader.header_facts`` (read here when not given).
+        facts: its ``loader.header_facts`` (``checkpoint.tensor_facts()`` when not given).
     """
-    from .loader import header_facts
-
     if checkpoint.memo.get("sizes_checked"):
         return
-    facts = header_facts(checkpoint.folder) if facts is None else facts
+    facts = checkpoint.tensor_facts() if facts is None else facts
     check_layers(checkpoint.config, facts)
     check_elements(meta_model(checkpoint, _world1_runtime()), facts)
     checkpoint.memo["sizes_checked"] = True
