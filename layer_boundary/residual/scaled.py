@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.arguments import positive_number
 from .add_norm import accumulate_dtype
 
 
@@ -43,7 +44,9 @@ class ScaledAdd:
 
     Args:
         multiplier: the constant the contribution is scaled by (a Python float, as
-            transformers multiplies by it).
+            transformers multiplies by it): a positive, finite number, as config.json's
+            ``residual_multiplier`` is checked (NaN would make every output NaN; 0 would
+            drop the stage), else a TypeError/ValueError naming it.
     """
 
     plain = False  # the residual must not be added before the sum: it would be scaled too
@@ -51,7 +54,7 @@ class ScaledAdd:
     at_producer = False
 
     def __init__(self, multiplier: float) -> None:
-        self.multiplier = float(multiplier)
+        self.multiplier = positive_number("ScaledAdd", "multiplier", multiplier)
 
     def apply_fp32(self, residual: torch.Tensor | None,
                    contribution: torch.Tensor) -> torch.Tensor:
@@ -72,5 +75,6 @@ class ScaledAdd:
 def scaled_update(multiplier: float) -> ScaledAdd | None:
     """The update of a residual scaled by ``multiplier``: ``ScaledAdd``, or None (the plain
     add, which ``declare_attn``/``declare_ffn`` default to) where the multiplier is 1 and
-    the product exact."""
-    return None if float(multiplier) == 1.0 else ScaledAdd(multiplier)
+    the product exact. ``multiplier`` is checked as ``ScaledAdd`` checks it."""
+    multiplier = positive_number("scaled_update", "multiplier", multiplier)
+    return None if multiplier == 1.0 else ScaledAdd(multiplier)

@@ -12,6 +12,8 @@ forms the scaled sum in fp32 and rounds it once; a subclass inherits none of tha
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from distributed.pool import get_pool
@@ -182,6 +184,21 @@ def test_what_it_declares():
     assert scaled_update(1) is None and repr(scaled_update(2)) == "ScaledAdd(2.0)"
     c = seeded((2, HIDDEN), 3)
     assert torch.equal(update.apply(None, c), c * 0.22)  # no residual yet: the scaled output
+
+
+@pytest.mark.parametrize("value,error,said", [
+    (float("nan"), ValueError, "nan"), (float("inf"), ValueError, "inf"),
+    (0, ValueError, "0"), (-0.5, ValueError, "-0.5"),
+    ("2", TypeError, "'2'"), (True, TypeError, "True"), (None, TypeError, "None"),
+])
+def test_a_multiplier_the_config_check_refuses_is_refused_by_name(value, error, said):
+    """What config.json's residual_multiplier may not be (a positive, finite number), the
+    library's entry points may not take either: NaN made every output NaN, a bool or a
+    string was read as a number."""
+    for who, make in (("ScaledAdd", ScaledAdd), ("scaled_update", scaled_update)):
+        with pytest.raises(error, match=rf"^{who}\(multiplier={re.escape(said)}\): "
+                                        "multiplier must be a"):
+            make(value)
 
 
 def test_bf16_scales_and_adds_in_fp32_and_rounds_once():
