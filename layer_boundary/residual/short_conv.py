@@ -37,6 +37,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ..runtime.arguments import positive_int
 from .add_norm import accumulate_dtype
 
 SHORT_CONV_ROWS = "short convolution needs its original token rows"
@@ -67,9 +68,23 @@ def running(forward_batch):
 
 class ShortConvState:
     """Per request slot and convolution (``key``): its last ``kernel - 1`` inputs, fp32
-    [slots, kernel - 1, channels], zeros until a prompt writes them."""
+    [slots, kernel - 1, channels], zeros until a prompt writes them.
+
+    Args:
+        slots: request slots (positive).
+        channels: each convolution's key -> its channels (positive).
+        kernel: the convolutions' taps (positive; 1 keeps no window).
+        device: where the windows live.
+    """
 
     def __init__(self, slots: int, channels: dict, kernel: int, device="cpu") -> None:
+        slots = positive_int("ShortConvState", "slots", slots)
+        kernel = positive_int("ShortConvState", "kernel", kernel)
+        if not isinstance(channels, dict):
+            raise TypeError(f"ShortConvState(channels={channels!r}): channels must map each "
+                            "convolution's key to its channels")
+        for key, c in channels.items():
+            positive_int("ShortConvState", f"channels[{key!r}]", c)
         self.kernel = kernel
         self.windows = {key: torch.zeros((slots, kernel - 1, c), dtype=torch.float32,
                                          device=device) for key, c in channels.items()}
@@ -84,6 +99,13 @@ class ShortConvState:
         return {key: t.clone() for key, t in self.windows.items()}
 
     def restore(self, saved: dict) -> None:
+        """Put back what ``snapshot`` returned (the same keys and shapes)."""
+        for key, t in saved.items():
+            if key not in self.windows or not isinstance(t, torch.Tensor) or (
+                    t.shape != self.windows[key].shape):
+                raise ValueError(f"a short-convolution snapshot holds {key!r} "
+                                 f"{_shape(t)}; this state keeps "
+                                 f"{_shape(self.windows.get(key))}")
         for key, t in saved.items():
             self.windows[key].copy_(t)
 
@@ -106,11 +128,18 @@ def decode_step(forward_batch) -> bool:
 class ShortConv(nn.Module):
     """``x + conv(x)``: the causal depthwise convolution of ``channels`` channels over each
     request's tokens, in fp32 (``conv1d.weight`` [channels, 1, kernel], fp32 whatever the
-    model's dtype, as transformers keeps it), the result in ``x``'s dtype."""
+    model's dtype, as transformers keeps it), the result in ``x``'s dtype.
+
+    Args:
+        channels: the channels convolved (positive).
+        kernel: its taps along the tokens (positive, as config.json's ``conv_kernel_size``):
+            each row sees itself and its request's ``kernel - 1`` rows before it.
+    """
 
     def __init__(self, channels: int, kernel: int) -> None:
         super().__init__()
-        self.kernel = kernel
+        channels = positive_int("ShortConv", "channels", channels)
+        self.kernel = positive_int("ShortConv", "kernel", kernel)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=torch.float32),
                                           requires_grad=False)
@@ -119,6 +148,7 @@ class ShortConv(nn.Module):
         """x: [T, C], the batch's requests concatenated in token order; ``window``: the
         state [slots, kernel - 1, C] each request continues from (where it has a prefix)
         and leaves its last inputs in."""
+        self._check(x, window, forward_batch)
         if x.shape[0] == 0:
             return x
         if x.shape[0] != forward_batch.num_tokens:
@@ -131,6 +161,22 @@ class ShortConv(nn.Module):
             conv = torch.cat([self._request(x32[start:end], window, slot, prefix)
                               for slot, prefix, start, end in _requests(forward_batch)])
         return (x32 + conv).to(dtype=x.dtype)
+
+    def _check(self, x, window, forward_batch) -> None:
+        """``x`` of this convolution's channels, and a state of its kernel and channels
+        holding every slot the batch names, before anything is read or written."""
+        channels = self.conv1d.weight.shape[0]
+        said = f"ShortConv(channels={channels}, kernel={self.kernel})"
+        if x.dim() != 2 or x.shape[1] != channels:
+            raise ValueError(f"{said} got an input of shape {tuple(x.shape)}; it convolves "
+                             f"[tokens, {channels}]")
+        slots = max(forward_batch.req_slots, default=-1) + 1
+        if not (isinstance(window, torch.Tensor) and window.dim() == 3
+                and window.shape[1:] == (self.kernel - 1, channels)
+                and window.dtype == torch.float32 and window.shape[0] >= slots):
+            raise ValueError(f"{said} got a state {_shape(window)}; it keeps fp32 [slots, "
+                             f"{self.kernel - 1}, {channels}] (each request's last kernel - 1 "
+                             f"inputs), for slots up to {slots - 1}")
 
     def _taps(self) -> torch.Tensor:
         return self.conv1d.weight[:, 0]  # [C, kernel]
@@ -151,6 +197,14 @@ class ShortConv(nn.Module):
         inputs = torch.cat((window[slots], x32[:, None]), dim=1)  # [R, kernel, C]
         window[slots] = inputs[:, 1:]
         return (inputs.transpose(1, 2) * self._taps()).sum(-1)
+
+
+def _shape(t) -> str:
+    """How an error names a state's tensor."""
+    if not isinstance(t, torch.Tensor):
+        return f"of type {type(t).__name__}"
+    dtype = "" if t.dtype == torch.float32 else f"{t.dtype} "
+    return f"{dtype}{list(t.shape)}"
 
 
 def _requests(forward_batch):
@@ -181,6 +235,12 @@ class ShortConvUpdate:
     token_rows = True
 
     def __init__(self, conv: ShortConv | None, *, name: str) -> None:
+        if conv is not None and not isinstance(conv, ShortConv):
+            raise TypeError(f"ShortConvUpdate(conv={type(conv).__name__}): conv must be a "
+                            "ShortConv (or None for a neighbour's description)")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"ShortConvUpdate(name={name!r}): name must be the non-empty key "
+                            "of its windows in the cache's ShortConvState")
         self.conv, self.name = conv, name
 
     @classmethod

@@ -224,6 +224,48 @@ def test_a_convolution_given_other_rows_names_them():
         conv(1)(torch.zeros(2, HIDDEN), fb.kv_cache.short_conv["layer0.attn_sconv"], fb)
 
 
+def test_sizes_and_a_state_of_another_kernel_or_width_are_refused_by_name():
+    """Sizes at construction (a kernel of 0 ended in torch's negative-dimension error, a bool
+    was a size), and the state where it is handed in: another kernel's or width's windows,
+    or too few slots, ended in raw torch errors (prefill and decode alike), before anything
+    is written. A kernel of 1 (config.json's least) keeps no window and runs."""
+    for make, said in ((lambda: ShortConv(HIDDEN, 0), r"ShortConv\(kernel=0\): kernel must "
+                        "be at least 1"),
+                       (lambda: ShortConv(True, 2), r"ShortConv\(channels=True\): channels "
+                        "must be an integer"),
+                       (lambda: ShortConvState(1, {"k": HIDDEN}, 0), r"ShortConvState\("
+                        "kernel=0\\)"),
+                       (lambda: ShortConvState(1, {"k": 0}, 2), r"ShortConvState\("
+                        r"channels\['k'\]=0\)")):
+        with pytest.raises((TypeError, ValueError), match="^" + said):
+            make()
+    module = conv(1)
+    expected = rf"it keeps fp32 \[slots, {KERNEL - 1}, {HIDDEN}\]"
+    for kernel, width, slots, lens in ((KERNEL + 1, HIDDEN, 1, [3]), (KERNEL, HIDDEN + 1, 1, [3]),
+                                       (KERNEL, HIDDEN, 1, [3, 2])):
+        state = ShortConvState(slots, {"k": width}, kernel)
+        before = state["k"].clone()
+        for mode, prefixes in ((ForwardMode.EXTEND, [0] * len(lens)),
+                               (ForwardMode.DECODE, [4] * len(lens))):
+            ids = [[0] * n for n in lens] if mode is ForwardMode.EXTEND else [[0]] * len(lens)
+            fb = ForwardBatch.build(mode, ids, prefixes, kv_cache=state)
+            shape = rf"\[{slots}, {kernel - 1}, {width}\]"
+            with pytest.raises(ValueError, match=rf"^ShortConv\(channels={HIDDEN}, kernel="
+                                                 rf"{KERNEL}\) got a state {shape}; {expected}"):
+                module(torch.zeros(fb.num_tokens, HIDDEN), state["k"], fb)
+        assert torch.equal(state["k"], before)
+    state = ShortConvState(1, {"k": HIDDEN}, KERNEL)
+    with pytest.raises(ValueError, match="snapshot holds 'k' \\[1, 2, 8\\]; this state keeps "
+                                         rf"\[1, {KERNEL - 1}, {HIDDEN}\]"):
+        state.restore({"k": torch.zeros(1, 2, 8)})
+    one = ShortConv(HIDDEN, 1)
+    one.conv1d.weight.fill_(0.5)
+    state = ShortConvState(1, {"k": HIDDEN}, 1)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, [[0] * 3], [0], kv_cache=state)
+    x = seeded((3, HIDDEN), 4)
+    assert torch.equal(one(x, state["k"], fb), x + 0.5 * x)
+
+
 def test_outside_its_layers_scope_and_on_a_neighbour_it_never_runs():
     update = ShortConvUpdate.of(None, "mlp_sconv", 4)
     assert repr(update) == "ShortConvUpdate(layer4.mlp_sconv)"
