@@ -17,6 +17,7 @@ from .contracts import ProducerReduction, StageKind
 from .output import OutputTransform, TransformedUpdate
 from .residual import (LayerResidual, StageRead, StageUpdate, default_layer_residual, is_plain,
                        is_portable)
+from .runtime.arguments import flag, optional_flag
 from .stage import StageBoundary, stage_boundaries
 
 ATTN_OPTIONS = frozenset({"qkv_latent_func", "fusions"})
@@ -148,6 +149,29 @@ def _check_transform(transform) -> None:
                         f"{type(transform).__name__}")
 
 
+def _check_arguments(who: str, reduction, update, read, previous, prepared_from,
+                     flags: dict) -> None:
+    """A declaration's arguments, each by name before it is stored: its options real bools
+    (a string ``"yes"`` or ``"no"`` is truthy and was stored as given), its reduction a
+    ``ProducerReduction``, its update and read of the residual protocols (``apply``,
+    ``update_and_read``), its sources declarations."""
+    for name, value in flags.items():
+        (optional_flag if name in ("next_sparse", "next_layer_sparse") else flag)(
+            who, name, value)
+    if not isinstance(reduction, ProducerReduction):
+        raise TypeError(f"{who}(reduction={reduction!r}): reduction must be a "
+                        "ProducerReduction")
+    if update is not None and not callable(getattr(update, "apply", None)):
+        raise TypeError(f"{who}(update={update!r}): update must be a StageUpdate (with "
+                        "apply(residual, contribution)) or None")
+    if read is not None and not callable(getattr(read, "update_and_read", None)):
+        raise TypeError(f"{who}(read={read!r}): read must be a StageRead or None")
+    for name, value in (("previous", previous), ("prepared_from", prepared_from)):
+        if value is not None and not isinstance(value, StageDeclaration):
+            raise TypeError(f"{who}({name}={value!r}): {name} must be a StageDeclaration "
+                            "or None")
+
+
 def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
                  gathers_tp_input: bool = True, update: StageUpdate | None = None,
                  read: StageRead | None = None, previous: StageDeclaration | None = None,
@@ -171,7 +195,14 @@ def declare_attn(*, reduction: ProducerReduction = ProducerReduction.PARTIAL,
             (``OutputTransform``; its ``before_reduce_scatter`` states the order kept).
         mixer: what the compute is, as plans label the stage (e.g. ``"mamba2"``; None: an
             attention).
+
+    Every flag must be a bool (a TypeError names the one that is not).
     """
+    _check_arguments("declare_attn", reduction, update, read, previous, prepared_from,
+                     {"gathers_tp_input": gathers_tp_input, "terminal": terminal,
+                      "sequence_parallel": sequence_parallel})
+    if mixer is not None and not isinstance(mixer, str):
+        raise TypeError(f"declare_attn(mixer={mixer!r}): mixer must be a string or None")
     if reduction is ProducerReduction.LOCAL_TAIL:
         raise ValueError("LOCAL_TAIL is not supported for attention stages")
     _check_transform(output_transform)
@@ -219,7 +250,15 @@ def declare_ffn(*, sparse: bool = False, next_sparse: bool | None = None,
             from the residual the attention before it read, and the attention's partial
             output joins this FFN's sum, so one collective completes both (a dense SCOPED
             FFN after a PARTIAL attention, plain updates on both).
+
+    Every flag must be a bool (``next_sparse``/``next_layer_sparse`` also None); a
+    TypeError names the one that is not.
     """
+    _check_arguments("declare_ffn", reduction, update, read, previous, prepared_from,
+                     {"sparse": sparse, "next_sparse": next_sparse, "terminal": terminal,
+                      "next_layer_sparse": next_layer_sparse,
+                      "sequence_parallel": sequence_parallel, "dispatches": dispatches,
+                      "parallel": parallel})
     _check_transform(output_transform)
     if parallel and (sparse or dispatches or sequence_parallel or output_transform is not None
                      or reduction is not ProducerReduction.SCOPED):
@@ -305,6 +344,7 @@ def make_stages(*items, previous: StageDeclaration | None = None,
         stack: the layer stack the stages join (default: the open one, if any); there they
             are checked against the stages built next to them.
     """
+    flag("make_stages", "terminal", terminal)
     checked = check_items(items)
     check_next_sparse(previous, [decl for decl, _, _ in checked])
     stack = open_stack() if stack is None else stack

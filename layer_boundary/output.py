@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .residual import is_portable
+from .runtime.arguments import flag
 
 
 class HandoffOutput:
@@ -65,13 +66,16 @@ class OutputTransform:
         """
         if not callable(fn):
             raise TypeError(f"OutputTransform needs a callable, got {type(fn).__name__}")
-        self.fn, self.before_reduce_scatter = fn, bool(before_reduce_scatter)
+        # a truthy string ("no") would move a non-linear fn before the sum
+        self.fn = fn
+        self.before_reduce_scatter = flag("OutputTransform", "before_reduce_scatter",
+                                          before_reduce_scatter)
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
-        if portable and holds_parameters(fn):
+        if flag("OutputTransform", "portable", portable) and holds_parameters(fn):
             raise ValueError(f"OutputTransform {self.name}: portable=True, but it holds "
                              "parameters (a layer's own weights): a copy on another pipeline "
                              "rank would not hold them; leave portable False")
-        self.portable = bool(portable)
+        self.portable = portable
 
     @property
     def order(self) -> str:

@@ -19,6 +19,7 @@ from enum import Enum
 import torch
 
 from ..residual.stream import ForwardState, ResidualStream
+from ..runtime.arguments import flag
 from ..runtime.context import open_exit_scopes
 from ..runtime.forward_batch import TwoBatch
 
@@ -52,6 +53,7 @@ def split_batch(forward_batch, dp_rank: int = 0, overlap: bool = True) -> list:
         overlap: owed sums start asynchronously at a producer's finish (False: synchronous,
             a baseline for benchmarks).
     """
+    flag("split_batch", "overlap", overlap)
     fb = forward_batch
     lens = fb.dp_request_lens
     if lens is None:

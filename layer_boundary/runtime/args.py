@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .arguments import flag
 from .capabilities import check_runtime
 from .defaults import BOUNDARY_REDUCTIONS  # noqa: F401 - the choices, stated once there
 from .forward_batch import BatchVariant
@@ -58,6 +59,8 @@ class BoundaryRuntime:
     choose_by_bytes: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("allreduce_fusion", "rs_padding", "choose_by_bytes"):
+            flag("BoundaryRuntime", name, getattr(self, name))  # "no" would read as on
         if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
             raise ValueError(f"BoundaryRuntime.moe_a2a_backend must be one of "
                              f"{', '.join(MOE_A2A_BACKENDS)}, got {self.moe_a2a_backend!r}")

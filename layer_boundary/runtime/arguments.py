@@ -27,7 +27,10 @@ def flag(who: str, name: str, value) -> bool:
 
 def optional_flag(who: str, name: str, value) -> bool | None:
     """``flag``, or None (not said)."""
-    return None if value is None else flag(who, name, value)
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{_said(who, name, value)}: {name} must be True, False or None, not "
+                        f"{type(value).__name__}")
+    return value
 
 
 def positive_number(who: str, name: str, value) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .arguments import flag
 from .collectives import all_reduce_rows, gather_last_dim
 from .context import get_forward, sequence_parallel_scope
 from .quant import QuantizedInput, as_activations
@@ -41,7 +42,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
                  gather_output: bool = False, dtype=torch.float32, name: str = "linear"):
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        flag(type(self).__name__, "bias", bias)  # a truthy string would build a bias
+        self.group = group
+        self.gather_output = flag(type(self).__name__, "gather_output", gather_output)
         self.lora = None  # adapters/lora.py attaches LoRA weights here
         self.packed = None  # runtime/packed.py: set by pack_linears after the load
         self.out_per_rank = _divide(out_features, group.size, f"{name} output size")
@@ -133,7 +136,10 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
                  reduce_results: bool = True, dtype=torch.float32, name: str = "linear"):
         super().__init__()
-        self.group, self.reduce_results = group, reduce_results
+        flag("RowParallelLinear", "bias", bias)
+        # "no" is truthy: it would reduce a partial the boundary owns
+        self.group = group
+        self.reduce_results = flag("RowParallelLinear", "reduce_results", reduce_results)
         self.lora = None  # adapters/lora.py attaches LoRA weights here
         self.packed = None  # runtime/packed.py: set by pack_linears after the load
         self.in_per_rank = _divide(in_features, group.size, f"{name} input size")
