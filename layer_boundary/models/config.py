@@ -7,7 +7,9 @@ number belongs, a zero count or a list where an object belongs is an error namin
 never a silent misread (``"false"`` read as true, ``0`` read as absent). A null counts as
 absent where transformers reads None as "none" (a window, a rope dict, a head_dim to derive);
 where a model reads a number with a default, transformers would compute with None, so the
-null is refused by name (``number``, ``integer``).
+null is refused by name (``number``, ``integer``); and a field whose null transformers' config
+refuses in every class that has it (``NOT_NULL``) is refused wherever config.json sets one,
+whatever the reader would have made of it.
 """
 
 from __future__ import annotations
@@ -109,6 +111,22 @@ SHARED = {
 ROPE_FIELDS = {"rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": FRACTION,
                "factor": POSITIVE_NUMBER}
 
+# Fields whose null transformers' config refuses in every class that has one (its strict
+# dataclass types them without None) and that some model here reads with a default: the
+# default would stand in for the null silently (Phi-3's rms_norm_eps read as 1e-5, a
+# tie_word_embeddings as False, Mixtral's eps, DeepSeek-V4's hc_eps, Inkling's sizes), so a
+# null is refused by name wherever config.json sets one. tests/models/test_config_validation.py
+# checks each name against transformers for every registered architecture.
+NOT_NULL = frozenset({
+    "rms_norm_eps", "layer_norm_epsilon", "tie_word_embeddings",
+    "attention_bias", "mlp_bias", "use_bias", "use_conv_bias", "use_parallel_residual",
+    "use_sliding_window", "intermediate_size", "moe_intermediate_size", "num_experts",
+    "n_shared_experts", "routed_scaling_factor", "zero_expert_num", "hc_eps", "swiglu_limit",
+    # Inkling's own
+    "d_rel", "rel_extent", "log_scaling_alpha", "route_scale", "shared_expert_sink",
+    "swa_head_dim", "swa_num_attention_heads", "swa_num_key_value_heads",
+})
+
 # groups of fields some architectures read and others do not (the shared ones aside)
 DECODER = {"attention_bias": BOOL}
 EXPERTS = {"norm_topk_prob": BOOL, "routed_scaling_factor": POSITIVE_NUMBER}
@@ -123,13 +141,20 @@ def _check(cfg: dict, field: str, check: Check, where: str = "field ") -> None:
                               f"{cfg[field]!r}")
 
 
-def validate_shared(cfg: dict, overrides: dict | None = None) -> None:
+def validate_shared(cfg: dict, overrides: dict | None = None,
+                    not_null: frozenset = frozenset()) -> None:
     """The fields every architecture shares (``SHARED``, less ``overrides``: field -> the
-    architecture's own check), checked once for all: each field's type and range, the rope
-    dicts' (per layer type too), the size fields' bound, and the attention heads' grouping."""
+    architecture's own check), checked once for all: each field's type and range, a null
+    where transformers refuses one (``NOT_NULL``, and the architecture's ``not_null``), the
+    rope dicts' (per layer type too), the size fields' bound, and the attention heads'
+    grouping."""
     checks = {**SHARED, **(overrides or {})}
     for field, check in checks.items():
         _check(cfg, field, check)
+    for field in sorted(NOT_NULL | not_null):
+        if field in cfg and cfg[field] is None:
+            raise CheckpointError(f"config.json field {field} is null; transformers reads no "
+                                  "null there: give a value, or leave the field out")
     for name in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(name)
         if not isinstance(rope, dict):
@@ -152,12 +177,14 @@ def validate_shared(cfg: dict, overrides: dict | None = None) -> None:
 
 def validate(cfg: dict, fields: dict, *, experts: tuple = EXPERT_COUNTS,
              top_k: tuple = EXPERTS_PER_TOKEN, extra_experts: str | None = None,
-             overrides: dict | None = None) -> None:
+             overrides: dict | None = None, not_null: frozenset = frozenset()) -> None:
     """Check the fields every architecture shares (``validate_shared``), then every declared
-    field ``cfg`` sets; then that the experts chosen per token fit the experts there are
+    field ``cfg`` sets, and refuse a null in ``not_null`` (the architecture's own fields
+    whose null its transformers config refuses, where another architecture's reads None as
+    "none"); then that the experts chosen per token fit the experts there are
     (``experts``/``top_k``: the names the architecture may use; ``extra_experts``: a field
     counting experts chosen beside them, LongCat's identity ones)."""
-    validate_shared(cfg, overrides)
+    validate_shared(cfg, overrides, not_null)
     for field, check in fields.items():
         _check(cfg, field, check)
     count = next((cfg[f] for f in experts if cfg.get(f) is not None), None)
@@ -171,11 +198,15 @@ def validate(cfg: dict, fields: dict, *, experts: tuple = EXPERT_COUNTS,
 class CheckedConfig:
     """What a model's config class declares about config.json: the fields it reads beyond
     the shared ones and the check of each (``fields``), a shared field it means differently
-    (``shared_overrides``), and the names its experts and experts per token go by (for the
-    check that one fits the other)."""
+    (``shared_overrides``), fields whose null its transformers config refuses where another
+    architecture's reads it as "none" (``not_null``: a null kv-head count or head_dim read
+    as derived, a null flag as its default, would run a config transformers does not load),
+    and the names its experts and experts per token go by (for the check that one fits the
+    other)."""
 
     fields: ClassVar[dict] = {}
     shared_overrides: ClassVar[dict] = {}
+    not_null: ClassVar[frozenset] = frozenset()
     expert_fields: ClassVar[tuple] = EXPERT_COUNTS
     top_k_fields: ClassVar[tuple] = EXPERTS_PER_TOKEN
     extra_expert_field: ClassVar[str | None] = None
@@ -183,7 +214,8 @@ class CheckedConfig:
     @classmethod
     def validate(cls, raw: dict) -> None:
         validate(raw, cls.fields, experts=cls.expert_fields, top_k=cls.top_k_fields,
-                 extra_experts=cls.extra_expert_field, overrides=cls.shared_overrides)
+                 extra_experts=cls.extra_expert_field, overrides=cls.shared_overrides,
+                 not_null=cls.not_null)
 
 
 def number(cfg: dict, field: str, default: float, where: str = "field ") -> float:

@@ -73,7 +73,9 @@ class Phi3Config(Qwen3Config):
     @classmethod
     def from_dict(cls, cfg: dict) -> Phi3Config:
         check_unquantized_silu(cfg)
-        cfg = {**DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+        # defaults where config.json leaves a field out; a null stays null, for the readers
+        # to refuse by name where transformers would (rms_norm_eps: null ran with 1e-5)
+        cfg = {**DEFAULTS, **cfg}
         theta, partial = read_rope(cfg)
         # the rope is read above; Qwen3's reader sees its plain form
         dense = Qwen3Config.from_dict({**cfg, "rope_parameters": {"rope_theta": theta},
