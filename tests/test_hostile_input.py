@@ -353,6 +353,26 @@ def test_an_agreement_check_value_the_ranks_would_misread_is_refused(monkeypatch
                 "before each collective) or 0"]
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"TORCHELASTIC_RUN_ID": "job"}, "RANK is not set: a torchrun worker's environment names "
+                                     "its rank, the world and the rendezvous (launch with "
+                                     "torchrun)"),
+    ({"RANK": "abc", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "RANK='abc' must be an integer of at least 0 (torchrun sets it)"),
+], ids=["run-id-without-rank", "rank-abc"])
+def test_a_broken_torchrun_environment_is_named(env, message, monkeypatch, capsys,
+                                                restore_logger):
+    """TORCHELASTIC_RUN_ID without RANK was a KeyError traceback; RANK=abc an int() error
+    naming no variable."""
+    for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [ERROR + message]
+
+
 def test_a_model_path_that_is_a_file_is_named_as_one(qwen3_dir, capsys, restore_logger):
     """It said the folder "does not exist" of a config.json that does."""
     config = qwen3_dir / "config.json"

@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .arguments import positive_int, positive_number
+
 JOIN_TIMEOUT_S = 300.0  # the world group: rendezvous of ranks that start at different times
 # how long a collective may wait for a peer before the job ends (an inference collective takes
 # milliseconds; a silent peer is a stopped or dead rank): set by init_distributed
@@ -32,11 +34,81 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LaunchEnvironmentError(ValueError):
+    """torchrun's environment, incomplete or malformed: the message names the variable."""
+
+
+# what torchrun sets in each worker's environment, and what each must hold
+_TORCHRUN_COUNTS = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1))
+_MARKERS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")  # a hand-made env:// launch sets these
+
+
 def launched_by_torchrun() -> bool:
-    """Whether this process is a torchrun worker (its environment names the rendezvous)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    )
+    """Whether this process is a torchrun worker: its environment names the rendezvous
+    (``TORCHELASTIC_RUN_ID``, or ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` as a hand-made
+    env:// launch sets them). An environment that says so but is incomplete or malformed is a
+    ``LaunchEnvironmentError`` naming the variable (``torchrun_environment``), not an answer
+    either way."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or all(v in os.environ for v in _MARKERS):
+        torchrun_environment()
+        return True
+    return False
+
+
+def torchrun_environment() -> dict[str, int | str]:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` as torchrun sets them, checked: each a one-line
+    ``LaunchEnvironmentError`` naming the variable that is missing or not what it must be.
+    Under torchrun (``TORCHELASTIC_RUN_ID``) all six must be set; a hand-made env:// launch
+    may leave out the two ``LOCAL_*`` (the rank's device is then GPU 0, its host's ranks
+    the world)."""
+    env = os.environ
+    by_torchrun = "TORCHELASTIC_RUN_ID" in env
+    out: dict[str, int | str] = {}
+    for name, least in _TORCHRUN_COUNTS:
+        text = env.get(name)
+        if text is None:
+            if by_torchrun or not name.startswith("LOCAL_"):
+                raise LaunchEnvironmentError(f"{name} is not set: a torchrun worker's "
+                                             "environment names its rank, the world and "
+                                             "the rendezvous (launch with torchrun)")
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise LaunchEnvironmentError(f"{name}={text!r} must be an integer of at least "
+                                         f"{least} (torchrun sets it)")
+        out[name] = value
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in out and size in out and out[rank] >= out[size]:
+            raise LaunchEnvironmentError(f"{rank}={out[rank]} is not below "
+                                         f"{size}={out[size]}")
+    if out.get("LOCAL_WORLD_SIZE", 1) > out["WORLD_SIZE"]:
+        raise LaunchEnvironmentError(f"LOCAL_WORLD_SIZE={out['LOCAL_WORLD_SIZE']} exceeds "
+                                     f"WORLD_SIZE={out['WORLD_SIZE']}")
+    addr = env.get("MASTER_ADDR")
+    if not addr or not addr.strip():
+        raise LaunchEnvironmentError("MASTER_ADDR is not set: the rendezvous host (torchrun "
+                                     "sets it)")
+    port = env.get("MASTER_PORT")
+    if port is None:
+        raise LaunchEnvironmentError("MASTER_PORT is not set: the rendezvous port (torchrun "
+                                     "sets it)")
+    if not port.strip().isdigit() or not 1 <= int(port) <= 65535:
+        raise LaunchEnvironmentError(f"MASTER_PORT={port!r} must be a port number, 1 to "
+                                     "65535")
+    out.update(MASTER_ADDR=addr, MASTER_PORT=int(port))
+    return out
+
+
+def _seconds(who: str, name: str, value) -> float:
+    """A positive, finite number of seconds a timedelta holds."""
+    value = positive_number(who, name, value)
+    if value > datetime.timedelta.max.total_seconds():
+        raise ValueError(f"{who}({name}={value!r}): {name} is beyond any wait")
+    return value
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None,
@@ -57,12 +129,24 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     global _COLLECTIVE_TIMEOUT
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
+    timeout_s = _seconds("init_distributed", "timeout_s", timeout_s)
+    join = JOIN_TIMEOUT_S if join_timeout_s is None else _seconds(
+        "init_distributed", "join_timeout_s", join_timeout_s)
     if rank is None:
-        rank = int(os.environ["RANK"])
-        world_size = int(os.environ["WORLD_SIZE"])
-        init_method = "env://"
-    join = JOIN_TIMEOUT_S if join_timeout_s is None else join_timeout_s
+        if world_size is not None or init_method is not None:
+            raise ValueError("init_distributed: world_size and init_method go with rank (none "
+                             "of them: torchrun's environment)")
+        env = torchrun_environment()
+        rank, world_size, init_method = env["RANK"], env["WORLD_SIZE"], "env://"
+    else:
+        world_size = positive_int("init_distributed", "world_size", world_size)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"init_distributed(rank={rank!r}): rank must be an integer from 0 "
+                             f"to world_size - 1 = {world_size - 1}")
+        if not isinstance(init_method, str) or not init_method:
+            raise ValueError(f"init_distributed(init_method={init_method!r}): give the "
+                             "rendezvous URL (tcp://host:port, env://, file://...)")
+    _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=max(timeout_s, join)))
@@ -178,6 +262,12 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 600.0,
     A rendezvous that fails before any rank ran ``fn`` (gloo's loopback mesh, rarely, on a
     loaded machine) starts the job once more, on a fresh port.
     """
+    if not callable(fn):
+        raise TypeError(f"spawn(fn={fn!r}): fn must be a module-level function")
+    world_size = positive_int("spawn", "world_size", world_size)
+    for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s),
+                        ("silent_s", silent_s), ("start_timeout_s", start_timeout_s)):
+        _seconds("spawn", name, value)
     for attempt in range(2):
         try:
             return _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
