@@ -11,13 +11,18 @@ The adapter weights are sharded with their base linear, so the delta lands where
 output does and is reduced with it, once:
 
 * column-parallel (q/k/v in the fused ``qkv_proj``, gate, up): ``A`` whole, ``B``'s rows as
-  the base weight's rows (the fused projection's q/k/v slots, kv heads replicated alike);
+  the base weight's rows (the fused projection's q/k/v slots, kv heads replicated alike); a
+  target that is itself a fused checkpoint tensor (GPT-NeoX's ``query_key_value``, heads-major
+  q/k/v; Phi-3's ``qkv_proj`` and ``gate_up_proj``, blocks) has its ``B`` rows cut and
+  permuted by the very loader its weight's rows were (``runtime/fused.py``);
 * row-parallel (o, down): ``A``'s columns as the base weight's columns, ``B`` whole; the delta
   is this rank's partial, summed wherever the base partial is (the boundary's all-reduce or
   reduce-scatter, or the linear's own).
 
 Adapters come as PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``),
-meaning what they mean to peft (``lora_config.py``); ranks may differ between adapters
+meaning what they mean to peft (``lora_config.py``), their modules named as transformers'
+model names them (``runtime.hf_names``, through the checkpoint's names to the model's own);
+ranks may differ between adapters
 (zero-padded to the largest), and each module's ``scaling`` is folded into ``B`` at load.
 """
 
@@ -216,8 +221,19 @@ def _load(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _target(model, module: str):
-    """(our linear, its part) for a checkpoint module path, or None off this pipeline stage."""
+def _target(model, module: str, names: dict | None = None):
+    """(our linear, its part, our module name) for a module as transformers names it, or None
+    off this pipeline stage; the linear None where the model has none for it.
+
+    Args:
+        names: ``lora_base.transformers_names`` of the checkpoint (transformers' names ->
+            the checkpoint's); None: not known, the module is read as the checkpoint's name.
+    """
+    if names is not None:
+        tensor = names.get(f"{module}.weight")
+        if tensor is None or tensor.rows:  # no linear of transformers' model
+            return None, None, module
+        module = tensor.sources[0][:-len(".weight")]
     parent, _, leaf = module.rpartition(".")
     for fused, part, shard in model.stacked_params():
         if leaf == part:
@@ -234,12 +250,22 @@ def _target(model, module: str):
     return linear, shard, local[:-len(".weight")]
 
 
+def _fused(linear) -> bool:
+    """Whether ``linear`` loads a checkpoint tensor that fuses several projections
+    (``runtime.fused.use_loader`` gave it its own loader): a LoRA on that tensor has its ``B``
+    rows cut as the weight's were."""
+    return "weight_loader" in vars(linear)
+
+
 def _full_shape(linear, shard) -> tuple[int, int] | None:
     """The checkpoint's (out, in) features of the module ``linear`` (``shard``: its part of a
     fused projection) serves; None: no LoRA for it here."""
     if isinstance(linear, RowParallelLinear) and shard is None:
         return linear.weight.shape[0], linear.in_per_rank * linear.group.size
     if isinstance(linear, QKVParallelLinear):
+        if shard is None and _fused(linear):  # the fused tensor: q, k and v rows
+            rows = (linear.total_heads + 2 * linear.total_kv_heads) * linear.head_dim
+            return rows, linear.weight.shape[1]
         if shard not in ("q", "k", "v"):
             return None
         heads = linear.total_heads if shard == "q" else linear.total_kv_heads
@@ -282,12 +308,14 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
     model_type = getattr(model, "model_type", None)
     read = [read_adapter(folder, name, model_type) for name, folder in adapters]
     facts = _facts(checkpoint)
-    base = lora_base.plan(read, facts, model) if any(adapter.base for adapter in read) else []
-    # {linear: (our module name, {part: {slot: checkpoint module}})}
+    hf = None if facts is None else lora_base.transformers_names(facts, model)
+    base = (lora_base.plan(read, facts, model, hf) if any(adapter.base for adapter in read)
+            else [])
+    # {linear: (our module name, {part: {slot: transformers' module}})}
     plan: dict[nn.Module, tuple[str, dict]] = {}
     for slot, adapter in enumerate(read):
         for module, pair in sorted(adapter.modules.items()):
-            found = _target(model, module)
+            found = _target(model, module, hf)
             if found is None:
                 continue  # another pipeline stage's layer
             linear, shard, ours = found
@@ -311,8 +339,8 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
                                 f"features, and the model's {leaf} gives {shape[0]} (an adapter "
                                 "for another base model?)")
             plan.setdefault(linear, (ours, {}))[1].setdefault(shard, {})[slot] = module
-    if facts is not None:
-        _check_initialized(read, facts, model)
+    if hf is not None:
+        _check_initialized(read, hf, model)
     weights = [_load(adapter) for adapter in read]
     overrides = lora_base.read_tensors(base, _open)
     built = {}
@@ -340,37 +368,35 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
 _RANDOM_INIT = (False, "orthogonal")
 
 
-def _check_initialized(read: list, facts: dict, model) -> None:
+def _check_initialized(read: list, names: dict, model) -> None:
     """Refuse an adapter whose config targets a linear of this model that its file holds no
     weights for, where peft would initialize them at random (``init_lora_weights`` false or
     orthogonal): its output would be a draw, not the adapter's.
 
     Args:
         read: the ``Adapter``s.
-        facts: the base checkpoint's {name: (shape, dtype)}.
-        model: the ``CausalLM`` (transformers' names for the checkpoint's tensors; its
-            adaptable linears on this pipeline stage).
+        names: ``lora_base.transformers_names`` of the checkpoint.
+        model: the ``CausalLM`` (its adaptable linears on this pipeline stage).
     """
     if all(adapter.config.init not in _RANDOM_INIT for adapter in read):
         return
-    # each adaptable linear under its names: the checkpoint's (transformers' as a rule) and
-    # this model's (transformers' where a model renames the checkpoint, Qwen3.5's prefix)
-    named = {name: facts[ours] for name, ours in lora_base.transformers_names(facts,
-                                                                             model).items()}
+    # each adaptable linear under transformers' names for it (two where two of its classes
+    # serve the checkpoint: Qwen3.5's language_model prefix), by its checkpoint tensor
+    forms: dict[str, list[str]] = {}
+    for name, tensor in sorted(names.items()):
+        if tensor.linear:
+            forms.setdefault(tensor.sources[0], []).append(name[:-len(".weight")])
     linears = []
-    for name, (shape, _) in sorted(facts.items()):
-        if not (name.endswith(".weight") and len(shape) == 2):
-            continue
-        forms = {name[:-len(".weight")], (model.checkpoint_name(name) or name)[:-len(".weight")]}
-        found = _target(model, next(iter(sorted(forms))))
+    for modules in forms.values():
+        found = _target(model, modules[0], names)
         if found is not None and _full_shape(found[0], found[1]) is not None:
-            linears.append(sorted(forms))
+            linears.append(modules)
     for adapter in read:
         if adapter.config.init not in _RANDOM_INIT:
             continue
-        missing = [forms[0] for forms in linears
-                   if not any(m in adapter.modules for m in forms)
-                   and any(lora_base.wrapped([adapter], m, named) for m in forms)]
+        missing = [modules[0] for modules in linears
+                   if not any(m in adapter.modules for m in modules)
+                   and any(lora_base.wrapped([adapter], m, names) for m in modules)]
         if missing:
             raise LoraError(f"{adapter.label}: adapter_config.json targets {missing[0]} "
                             f"({len(missing)} modules in all), and {adapter.file} holds no "
@@ -407,7 +433,7 @@ def _shard(linear, shard, per_slot: dict, count: int):
             a_all[slot, :r], b_all[slot, :, :r] = param.data, b
         else:  # A whole; B's rows follow the base weight's (its q/k/v slot if fused)
             param = nn.Parameter(torch.zeros(weight.shape[0], r), requires_grad=False)
-            if isinstance(linear, QKVParallelLinear):
+            if shard is not None:
                 linear.weight_loader(param, b, shard)
             else:
                 linear.weight_loader(param, b)

@@ -4,7 +4,13 @@ An adapter file may hold tensors that are not LoRA weights: a resized embedding 
 (peft's ``save_embedding_layers``), a norm, or a linear's own weight. peft 0.21 loads every
 saved tensor whose name is one of its ``PeftModel``'s (``set_peft_model_state_dict``:
 ``load_state_dict(strict=False)``), over the base model's, for every request: the base
-model's (adapters disabled) and every adapter's. Its names say which do:
+model's (adapters disabled) and every adapter's. The names are transformers' for the model's
+parameters, which are not always the checkpoint's (``runtime.hf_names``: the model's
+``transformers_names`` declare them): Mixtral's ``block_sparse_moe.experts.0.w1.weight`` is
+part of transformers' ``mlp.experts.gate_up_proj``, a tensor under the checkpoint's name is
+no parameter of peft's model, and a saved ``mlp.experts.gate_up_proj`` [experts, 2 *
+intermediate, hidden] is split into the checkpoint's per-expert tensors it stacks. Its names
+say which load:
 
 * a module some loaded adapter targets is wrapped, so its own weight is
   ``<module>.base_layer.weight``; ``<module>.weight`` matches nothing and is ignored;
@@ -14,11 +20,11 @@ model's (adapters disabled) and every adapter's. Its names say which do:
   adapter's tensor loads after, and over, an earlier one's;
 * a tied head's ``lm_head.weight`` is the embedding's tensor.
 
-A loaded tensor's shape must be the checkpoint's (peft refuses a size mismatch); here it must
-also be a finite floating-point tensor over a floating-point one (adapters do not run on FP8
-checkpoints), or the adapter is refused by name. Each is then loaded through the model's own
-checkpoint loader, so it is sharded and placed exactly as the checkpoint's tensor of that name
-was.
+A loaded tensor's shape must be transformers' parameter's (peft refuses a size mismatch); here
+it must also be a finite floating-point tensor over a floating-point one (adapters do not run
+on FP8 checkpoints), or the adapter is refused by name. Each is then loaded, as the
+checkpoint's tensors it replaces, through the model's own checkpoint loader, so it is sharded
+and placed exactly as they were.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.hf_names import HfTensor, transformers_tensors
 from .lora_config import LoraError, warn_once
 
 _FLOATS = ("F16", "BF16", "F32", "F64")  # safetensors dtypes a loaded tensor may have
@@ -65,53 +72,52 @@ class BaseLoad:
 
     adapter: object  # the lora.Adapter
     tensor: BaseTensor
-    target: str  # the checkpoint tensor it replaces
+    target: HfTensor  # transformers' parameter it replaces: the checkpoint tensors it holds
 
 
-def _linear(module: str, facts: dict) -> bool:
-    """Whether peft's ``all-linear`` wraps ``module``: a matrix weight in the checkpoint, not
-    an embedding, not the output head."""
-    fact = facts.get(f"{module}.weight")
-    return (fact is not None and len(fact[0]) == 2 and module != _HEAD
-            and "embed" not in module.rpartition(".")[2])
+def _linear(module: str, names: dict) -> bool:
+    """Whether peft's ``all-linear`` wraps ``module``: an ``nn.Linear`` of transformers'
+    model (a matrix weight, not an embedding, not the output head, not a MoE router)."""
+    tensor = names.get(f"{module}.weight")
+    return tensor is not None and tensor.linear
 
 
-def wrapped(adapters, module: str, facts: dict) -> bool:
-    """Whether ``module`` is a LoRA layer once ``adapters`` are loaded (any targets it)."""
+def wrapped(adapters, module: str, names: dict) -> bool:
+    """Whether ``module`` (transformers' name) is a LoRA layer once ``adapters`` are loaded
+    (any targets it); ``names``: ``transformers_names``."""
     for adapter in adapters:
         targets = adapter.config.targets
         if isinstance(targets, str) and targets.lower() == "all-linear":
-            if _linear(module, facts) and adapter.config.targets_module(module):
+            if _linear(module, names) and adapter.config.targets_module(module):
                 return True
         elif adapter.config.targets_module(module):
             return True
     return False
 
 
-def transformers_names(facts: dict, model) -> dict[str, str]:
-    """{a tensor's name as transformers may give it: the checkpoint's name}: each checkpoint
-    tensor under its own name and under the model's for it (they differ where a model renames
-    the checkpoint: Qwen3.5's language_model prefix; GPT-NeoX's names are the checkpoint's)."""
-    return {**{model.checkpoint_name(n) or n: n for n in facts}, **{n: n for n in facts}}
+def transformers_names(facts: dict, model) -> dict[str, HfTensor]:
+    """{transformers' parameter name: ``HfTensor``} of the checkpoint ``facts`` describe, as
+    ``model`` declares transformers names them (``CausalLM.transformers_tensors``; a model
+    without the declaration: the checkpoint's names)."""
+    names = getattr(model, "transformers_tensors", None)
+    return names(facts) if names is not None else transformers_tensors((), facts)
 
 
-def plan(read: list, facts: dict | None, model) -> list[BaseLoad]:
+def plan(read: list, facts: dict | None, model, names: dict | None = None) -> list[BaseLoad]:
     """The tensors ``read`` (the checked adapters, in load order) load over the base model,
-    each checked against the checkpoint (``facts``: its
-    ``runtime.safetensors_files.header_facts``); those peft ignores are named in a warning.
-    No tensor data read.
+    each checked against transformers' parameter of its name (``names``, from the
+    checkpoint's headers ``facts``); those peft ignores are named in a warning. No tensor
+    data read.
 
     Args:
         read: ``lora.Adapter``s; slot order is load order.
         facts: the base checkpoint's {name: (shape, dtype)}; None: not known (an adapter
             holding base tensors is then refused).
-        model: the ``CausalLM`` they load into (whether its head is its embedding, and its
-            names for the checkpoint's tensors, as transformers names them).
+        model: the ``CausalLM`` they load into (whether its head is its embedding, and how
+            transformers names the checkpoint's tensors).
+        names: ``transformers_names(facts, model)`` where the caller has it.
     """
     loads = []
-    # transformers' name -> the checkpoint's (they differ where a model renames), and
-    # transformers' name -> (shape, dtype)
-    names = known = None
     for k, adapter in enumerate(read):
         if not adapter.base:
             continue
@@ -122,41 +128,55 @@ def plan(read: list, facts: dict | None, model) -> list[BaseLoad]:
                             "(pass checkpoint=)")
         if names is None:
             names = transformers_names(facts, model)
-            known = {name: facts[ours] for name, ours in names.items()}
-        ignored, missing, mine = [], [], []
+        ignored, missing, renamed, mine = [], [], [], []
         for t in adapter.base:
-            if t.wrapped != wrapped(read[:k + 1], t.module, known):
+            if t.wrapped != wrapped(read[:k + 1], t.module, names):
                 ignored.append(t.key)
                 continue
             target = names.get(t.name)
             if model.ties_head() and t.name == f"{_HEAD}.weight":
-                target = _embedding(facts)
-                if target is None:
+                embedding = _embedding(facts)
+                if embedding is None:
                     raise LoraError(f"{adapter.label}: tensor {t.key} is the model's tied "
                                     "head, which is its embedding, and the checkpoint holds no "
                                     "one embedding to load it over: not supported")
+                target = HfTensor(t.name, tuple(facts[embedding][0]), facts[embedding][1],
+                                  (embedding,))
             if target is None:
-                missing.append(t.key)
+                theirs = _renamed(t.name, names)
+                if theirs is not None:
+                    renamed.append(f"{t.key} (transformers' {theirs})")
+                else:
+                    missing.append(t.key)
                 continue
-            shape, dtype = facts[target]
-            if dtype not in _FLOATS:
+            if target.dtype not in _FLOATS:
+                replaced = target.sources[0] if len(target.sources) == 1 else target.name
                 raise LoraError(f"{adapter.label}: tensor {t.key} would replace the "
-                                f"checkpoint's {target}, which is {dtype}, not a float "
+                                f"checkpoint's {replaced}, which is {target.dtype}, not a float "
                                 "weight: not supported")
             if t.dtype not in _FLOATS:
                 raise LoraError(f"{adapter.label}: tensor {t.key} is {t.dtype}; base-model "
                                 f"tensors must be floating point ({', '.join(_FLOATS)})")
-            if tuple(t.shape) != tuple(shape):
+            if tuple(t.shape) != tuple(target.shape):
                 raise LoraError(f"{adapter.label}: tensor {t.key} has shape {list(t.shape)}, "
-                                f"and the base model's {target} has {list(shape)} (peft "
+                                f"and the base model's {t.name} has {list(target.shape)} (peft "
                                 "refuses it: size mismatch)")
             mine.append(BaseLoad(adapter, t, target))
         # peft's load_state_dict visits the head after the model's body: a tied head's
         # tensor lands over the embedding's
         mine.sort(key=lambda x: x.tensor.module == _HEAD)
         loads += mine
-        _report(adapter.label, mine, ignored, missing)
+        _report(adapter.label, mine, ignored, missing, renamed)
     return loads
+
+
+def _renamed(name: str, names: dict) -> str | None:
+    """transformers' name for the checkpoint tensor ``name``, where transformers names it
+    otherwise (None: no checkpoint tensor is so named, or transformers keeps the name)."""
+    for theirs, tensor in names.items():
+        if name in tensor.sources and theirs != name:
+            return theirs
+    return None
 
 
 def _embedding(facts: dict) -> str | None:
@@ -165,7 +185,7 @@ def _embedding(facts: dict) -> str | None:
     return names[0] if len(names) == 1 else None
 
 
-def _report(label: str, loads, ignored, missing) -> None:
+def _report(label: str, loads, ignored, missing, renamed) -> None:
     if loads:
         warn_once("%s: loads %d base-model tensors over the base model's, as peft does: "
                    "every request sees them (the base model's and every adapter's): %s",
@@ -178,10 +198,15 @@ def _report(label: str, loads, ignored, missing) -> None:
     if missing:
         warn_once("%s: not applied, as peft does not load them: %d tensors the base model "
                    "does not have: %s", label, len(missing), ", ".join(missing))
+    if renamed:
+        warn_once("%s: not applied, as peft does not load them: %d tensors named as the "
+                   "checkpoint names them, and transformers' model (whose names peft matches) "
+                   "names them otherwise: %s", label, len(renamed), ", ".join(renamed))
 
 
 def read_tensors(loads: list[BaseLoad], open_file) -> list[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) of every load, in order, each checked to be finite.
+    """(checkpoint name, tensor) of every load, in order, each checked to be finite; a
+    tensor transformers stacks from several checkpoint tensors split into them.
 
     Args:
         open_file: ``(path, label) -> safe_open handle`` (errors named as the adapter's).
@@ -196,7 +221,7 @@ def read_tensors(loads: list[BaseLoad], open_file) -> list[tuple[str, torch.Tens
                                 f"safetensors file: tensor {x.tensor.key}: {exc}") from None
         if not bool(torch.isfinite(t).all()):
             raise LoraError(f"{x.adapter.label}: tensor {x.tensor.key} holds NaN or Inf values")
-        out.append((x.target, t))
+        out += x.target.split(t)
     return out
 
 

@@ -60,7 +60,8 @@ _BASE_REWRITING = ("pissa", "corda", "olora", "loftq", "lora_ga", "mica")
 # peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for the model types served here
 # (the others have no entry: peft refuses a config without target_modules for them)
 _DEFAULT_TARGETS = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"],
-                    "qwen3": ["q_proj", "v_proj"],
+                    "mixtral": ["q_proj", "v_proj"], "gemma3_text": ["q_proj", "v_proj"],
+                    "qwen3": ["q_proj", "v_proj"], "gpt_neox": ["query_key_value"],
                     "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 _OUTPUT_HEAD = "lm_head"  # what all-linear leaves out (the output embedding)
 

@@ -17,6 +17,7 @@ from ..capabilities import check_model
 from ..residual import batch as residual_batch
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.forward_batch import LogitsRows
+from ..runtime.hf_names import transformers_tensors
 from ..runtime.linear import RowParallelLinear
 from ..runtime.norm import RMSNorm
 from ..runtime.packed import refresh_packed
@@ -131,7 +132,9 @@ class CausalLM(nn.Module):
     - ``sequence_parallel``, ``attn_input_scattered``: likewise, for sequence-parallel and
       input-scattered batches (``capabilities.py`` holds what each feature needs of them);
     - ``nextn_layers(cfg)``: NextN/MTP layers the checkpoint carries for drafting;
-    - ``checkpoint_name(name)``: its parameter name for an on-disk tensor.
+    - ``checkpoint_name(name)``: its parameter name for an on-disk tensor;
+    - ``transformers_names``: how transformers names its parameters relative to the
+      checkpoint's tensors (``runtime.hf_names`` rules; an adapter's tensors are read by them).
     """
 
     model_type: str  # these are declared through register_model
@@ -139,6 +142,10 @@ class CausalLM(nn.Module):
     boundary_reduction: str
     positional_cache: bool
     layer_cls: type
+    # how transformers 5 names this model's parameters, relative to its checkpoint's tensors
+    # (runtime.hf_names: renames, stacked experts, matrix weights that are no nn.Linear);
+    # none: as the checkpoint names them
+    transformers_names: tuple = ()
 
     @staticmethod
     def nextn_layers(cfg) -> int:
@@ -245,3 +252,9 @@ class CausalLM(nn.Module):
         """This model's name for an on-disk tensor name (None: not loaded); errors still name
         the tensor as it is on disk."""
         return name
+
+    def transformers_tensors(self, facts: dict) -> dict:
+        """{transformers' parameter name: ``runtime.hf_names.HfTensor``} of the checkpoint
+        whose safetensors headers are ``facts`` ({name: (shape, dtype)}), as this model's
+        ``transformers_names`` declare them."""
+        return transformers_tensors(self.transformers_names, facts, self.config)

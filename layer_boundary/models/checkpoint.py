@@ -77,7 +77,8 @@ def open_checkpoint(path) -> Checkpoint:
     cls = model_class(raw.get("model_type"))
     cls.config_class.validate(raw)
     memo: dict = {}
-    config = _tied_as_stored(path, cls.config_class.from_dict(raw), memo)
+    config = _tied_as_stored(path, cls.config_class.from_dict(raw), memo,
+                             cls.transformers_names)
     return Checkpoint(str(path), raw, config, cls, memo)
 
 
@@ -86,19 +87,26 @@ _HEADS = ("lm_head.weight", "embed_out.weight")
 _EMBEDDINGS = ("embed_tokens.weight", "embeddings.weight", "embed_in.weight")
 
 
-def _tied_as_stored(folder, config, memo: dict):
+def _tied_as_stored(folder, config, memo: dict, rules=()):
     """``config``, untied where transformers unties it: a ``tie_word_embeddings`` config whose
     checkpoint holds both a head and an embedding with different values (transformers warns
-    and keeps both, ``PreTrainedModel.tie_weights``); equal ones stay tied. The headers it
-    reads are kept in ``memo`` (``Checkpoint.tensor_facts``)."""
+    and keeps both, ``PreTrainedModel.tie_weights``); equal ones stay tied. The head is the
+    one transformers reads (``rules``: the model's ``transformers_names``; GPT-NeoX holding
+    ``embed_out`` and ``lm_head``: ``embed_out``). The headers it reads are kept in ``memo``
+    (``Checkpoint.tensor_facts``)."""
     if not (getattr(config, "tie_word_embeddings", False) and "tie_word_embeddings" in
             {f.name for f in dataclasses.fields(config)}):
         return config
+    from ..runtime.hf_names import transformers_tensors
     from ..runtime.shards import whole
     from .loader import header_facts, iter_weights
 
-    names = list(memo.setdefault("header_facts", header_facts(folder)))
-    heads = [n for n in names if n.endswith(_HEADS)]
+    facts = memo.setdefault("header_facts", header_facts(folder))
+    heads = [n for n in facts if n.endswith(_HEADS)]
+    if len(heads) > 1:  # the one transformers reads as its lm_head
+        head = transformers_tensors(rules, facts, config).get("lm_head.weight")
+        heads = list(head.sources) if head is not None else heads
+    names = list(facts)
     embeddings = [n for n in names if n.endswith(_EMBEDDINGS)]
     if len(heads) != 1 or len(embeddings) != 1:
         return config

@@ -28,6 +28,7 @@ from torch import nn
 from .. import ProducerReduction, cp_view, declare_attn, declare_ffn
 from ..runtime.context import get_forward
 from ..runtime.args import BoundaryRuntime
+from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from ..runtime import invariant
 from ..runtime.quant import as_activations, fake_quantize
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
@@ -478,6 +479,9 @@ class DeepseekV3ForCausalLM(CausalLM):
     layers, and NextN layers a draft may use."""
 
     layer_cls = DeepseekV3DecoderLayer
+    # transformers' qwen2_moe conversion: each layer's experts stacked into
+    # experts.gate_up_proj and experts.down_proj; the router is no nn.Linear
+    transformers_names = (*GATE_UP_EXPERTS, MLP_ROUTER)
 
     @staticmethod
     def nextn_layers(cfg: DeepseekV3Config) -> int:

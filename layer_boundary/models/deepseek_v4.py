@@ -44,6 +44,7 @@ from torch import nn
 from .. import declare_attn, declare_ffn
 from ..residual.mhc import MHC_UPDATE, HyperConnection, HyperHead, MhcFinalNorm, mhc_stage
 from ..runtime.args import BoundaryRuntime
+from ..runtime.hf_names import MLP_ROUTER, Rename, StackExperts
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear, expect_shape
 from ..runtime.norm import RMSNorm, unweighted_rms
 from .base import CausalLM
@@ -263,6 +264,30 @@ _LAYER_RENAMES = [(re.compile(p), r) for p, r in (
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 HEAD_PREFIX, NORM_PREFIX = "model.norm.head", "model.norm.norm"  # inside MhcFinalNorm
 _HEAD = re.compile(r"^(?:model\.hc_head\.|hc_head_)(hc_)?(fn|base|scale)$")
+# transformers' deepseek_v4 conversion, by its effect: the original names (unprefixed, or under
+# model.) as its parameters; each layer's experts' w1 (gate) and w3 (up) stacked into
+# experts.gate_up_proj, their w2 into experts.down_proj; the router is no nn.Linear
+TRANSFORMERS_NAMES = (
+    *(Rename(p, r) for p, r in (
+        (r"^embed\.weight$", "model.embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
+        (r"^norm\.weight$", "model.norm.weight"),
+        (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"), (r"^layers\.", "model.layers."),
+        (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."),
+        (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+        (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+        (r"\.self_attn\.attn_sink$", ".self_attn.sinks"),
+        (r"\.self_attn\.norm\.", ".self_attn.kv_norm."),
+        (r"\.self_attn\.q_norm\.", ".self_attn.q_a_norm."),
+        (r"\.self_attn\.wq_a\.", ".self_attn.q_a_proj."),
+        (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+        (r"\.self_attn\.wkv\.", ".self_attn.kv_proj."),
+        (r"\.self_attn\.wo_a\.", ".self_attn.o_a_proj."),
+        (r"\.self_attn\.wo_b\.", ".self_attn.o_b_proj."),
+        (r"\.mlp\.gate\.bias$", ".mlp.gate.e_score_correction_bias"),
+        (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+        (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+        (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."))),
+    StackExperts(("w1", "w3"), "gate_up_proj"), StackExperts(("w2",), "down_proj"), MLP_ROUTER)
 
 
 NO_CP = "its sliding window and sinks across a CP cut are not built"
@@ -279,6 +304,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     hash-routed then scored MoE layers."""
 
     layer_cls = DeepseekV4DecoderLayer
+    transformers_names = TRANSFORMERS_NAMES
 
     def __init__(self, cfg: DeepseekV4Config, runtime: BoundaryRuntime, dtype=torch.float32,
                  fusions=None):

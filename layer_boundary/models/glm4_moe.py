@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from .. import declare_attn
 from ..runtime.args import BoundaryRuntime
+from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from .config import (BOOL, DECODER, EXPERTS, NON_NEGATIVE_INT, CheckedConfig, CheckpointError,
                      check_grouped_router, check_unquantized_silu, integer, number, require,
                      required)
@@ -157,6 +158,9 @@ class Glm4MoeForCausalLM(Qwen3ForCausalLM):
     experts' weights load stacked after q/k/v."""
 
     layer_cls = Glm4MoeDecoderLayer
+    # transformers' qwen2_moe conversion: each layer's experts stacked into
+    # experts.gate_up_proj and experts.down_proj; the router is no nn.Linear
+    transformers_names = (*GATE_UP_EXPERTS, MLP_ROUTER)
 
     def stacked_params(self) -> list:
         cfg = self.config

@@ -7,8 +7,10 @@ norms are ``nn.LayerNorm`` with bias, as is ``final_layer_norm``; ``query_key_va
 k and v per head (heads-major, [heads, (q, k, v), head_dim]), with ``attention_bias`` on it and
 on ``dense``; the rotary embedding turns the first ``partial_rotary_factor`` of each head
 (``rotary_pct`` in older configs, default 0.25) in the rotate-half form, the rest passes
-through; the MLP is ``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` with biases; the head
-(``lm_head``, ``embed_out`` in older checkpoints) is untied by default.
+through; the MLP is ``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` with biases; the head is
+untied by default, stored as ``embed_out`` (transformers' ``lm_head``; a checkpoint holding
+``lm_head.weight`` too is read as transformers reads it: ``embed_out``, also for the check of
+a tied config against the embedding).
 
 The parallel layer is two stages, a PARTIAL attention and an FFN declared ``parallel=True``
 with its own norm, so the attention's partial joins the MLP's sum: one collective a layer
@@ -28,6 +30,7 @@ from torch import nn
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.fused import load_per_head, use_loader
+from ..runtime.hf_names import Rename
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import LayerNorm
 from .base import CausalLM
@@ -153,6 +156,19 @@ class GPTNeoXLayer(DecoderLayer):
         return declare_attn(), declare_ffn(parallel=cfg.use_parallel_residual)
 
 
+def _head_as_transformers_reads_it(weights):
+    """The checkpoint's tensors, its head as transformers reads it: ``embed_out`` and
+    ``lm_head`` are both its ``lm_head``, and where a checkpoint holds both, the first in its
+    order, ``embed_out``, is loaded: a ``lm_head.weight`` after it is dropped, and one before it
+    is loaded over by it."""
+    seen = False
+    for name, tensor in weights:
+        if name == "lm_head.weight" and seen:
+            continue
+        seen |= name == "embed_out.weight"
+        yield name, tensor
+
+
 @register_model("gpt_neox", GPTNeoXConfig, architectures=("GPTNeoXForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=NO_SP,
@@ -162,6 +178,9 @@ class GPTNeoXForCausalLM(CausalLM):
     q/k/v, an untied head."""
 
     layer_cls = GPTNeoXLayer
+    # transformers' GPTNeoXForCausalLM conversion: its head is lm_head; where a checkpoint
+    # holds embed_out and lm_head both, embed_out (first in its order) is the one it reads
+    transformers_names = (Rename(r"^embed_out\.", "lm_head."),)
 
     @staticmethod
     def final_norm(cfg, dtype) -> torch.nn.Module:
@@ -173,6 +192,9 @@ class GPTNeoXForCausalLM(CausalLM):
         for theirs, ours in NAMES:
             name = name.replace(theirs, ours)
         return name
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(_head_as_transformers_reads_it(weights))
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         attn = self.model.layers[0].self_attn

@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
+from ..runtime.hf_names import NotLinear
 from ..runtime.invariant import per_row
 from ..runtime.norm import Fp32ScaleRMSNorm
 from .config import (BOOL, DECODER, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
@@ -243,6 +244,7 @@ class GptOssForCausalLM(Qwen3ForCausalLM):
     tensors."""
 
     layer_cls = GptOssDecoderLayer
+    transformers_names = (NotLinear(r".*\.mlp\.router"),)  # its router is no nn.Linear
 
 
     @staticmethod

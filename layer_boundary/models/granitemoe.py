@@ -28,6 +28,7 @@ from torch import nn
 from .. import declare_attn, declare_ffn
 from ..residual.scaled import scaled_update
 from ..runtime.args import BoundaryRuntime
+from ..runtime.hf_names import NotLinear, Rename
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take
 from .config import CheckpointError, integer
@@ -156,6 +157,13 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
     layer's fused expert tensors load into its experts' ``w13``/``w2``."""
 
     layer_cls = GraniteMoeDecoderLayer
+    # transformers' granitemoe conversion: the fused expert tensors and the router renamed (the
+    # same tensors); the router is no nn.Linear
+    transformers_names = (
+        Rename(r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),
+        Rename(r"block_sparse_moe\.output_linear\.weight$", "block_sparse_moe.experts.down_proj"),
+        Rename(r"block_sparse_moe\.router\.layer\.weight$", "block_sparse_moe.router.weight"),
+        NotLinear(r".*\.block_sparse_moe\.router"))
 
     def stacked_params(self) -> list:
         return super().stacked_params() + [

@@ -52,6 +52,7 @@ from ..residual.short_conv import ShortConv, ShortConvState, ShortConvUpdate, ru
 from ..runtime import (BoundaryRuntime, ColumnParallelLinear, QKVParallelLinear, RMSNorm,
                        RowParallelLinear)
 from ..runtime.embedding import VocabParallelEmbedding
+from ..runtime.hf_names import MLP_ROUTER
 from ..runtime.linear import expect_shape
 from .base import CausalLM
 from .config import (BOOL, DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT,
@@ -410,6 +411,7 @@ class InklingForCausalLM(CausalLM):
     relative-bias attention, dense and MoE layers, a head divided by its muP multiplier."""
 
     layer_cls = InklingDecoderLayer
+    transformers_names = (MLP_ROUTER,)  # its router is no nn.Linear
 
     def __init__(self, cfg: InklingConfig, runtime, dtype=torch.float32, fusions=None):
         super().__init__(cfg, runtime, dtype, fusions)

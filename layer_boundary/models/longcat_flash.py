@@ -44,6 +44,7 @@ from torch import nn
 from .. import (append_stages, branch_input, branch_output, declare_attn, declare_ffn,
                 merge_branch)
 from ..runtime import BoundaryRuntime, RMSNorm
+from ..runtime.hf_names import StackExperts
 from ..runtime.invariant import per_row
 from .base import CausalLM
 from .deepseek_v3 import (DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_kv_cache,
@@ -335,6 +336,12 @@ class LongcatFlashForCausalLM(CausalLM):
     identity experts (the branch of the first attention's output)."""
 
     layer_cls = LongcatFlashDecoderLayer
+    # transformers' qwen2_moe conversion; its gate_up_proj holds the identity experts' rows too
+    # (n_routed_experts + zero_expert_num), which the checkpoint may store, and no forward reads
+    transformers_names = (
+        StackExperts(("gate_proj", "up_proj"), "gate_up_proj",
+                     count=("n_routed_experts", "zero_expert_num")),
+        StackExperts(("down_proj",), "down_proj", count=("n_routed_experts",)))
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         # attention 2 i + k of decoder layer i owns KV-cache layer 2 i + k
@@ -351,6 +358,10 @@ class LongcatFlashForCausalLM(CausalLM):
     def skipped_params(self) -> tuple:
         # multi-token-prediction tensors (transformers ignores model.mtp.* on load)
         return super().skipped_params() + ("model.mtp.",)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        m = _EXPERT.search(name)  # an identity expert's stored rows: not loaded
+        return None if m and int(m.group(1)) >= self.config.n_routed_experts else name
 
     def load_weights(self, weights) -> None:
         routed = self.config.n_routed_experts

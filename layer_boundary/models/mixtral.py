@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
+from ..runtime.hf_names import MLP_ROUTER, Rename, StackExperts
 from .config import check_divisible, require
 from .layers import DecoderLayer, GqaAttention
 from .mistral import MistralConfig
@@ -136,6 +137,11 @@ class MixtralForCausalLM(LlamaForCausalLM):
     experts load stacked after q/k/v."""
 
     layer_cls = MixtralDecoderLayer
+    # transformers' mixtral conversion: block_sparse_moe is mlp, each expert's w1 (gate) and
+    # w3 (up) stacked into experts.gate_up_proj, its w2 into experts.down_proj
+    transformers_names = (Rename(r"\.block_sparse_moe\.", ".mlp."),
+                          StackExperts(("w1", "w3"), "gate_up_proj"),
+                          StackExperts(("w2",), "down_proj"), MLP_ROUTER)
 
     def stacked_params(self) -> list:
         return super().stacked_params() + expert_stacked_params(self.config.num_experts)

@@ -28,6 +28,7 @@ from torch import nn
 from .. import ProducerReduction, append_stages, declare_attn, declare_ffn
 from ..runtime import (BoundaryRuntime, ColumnParallelLinear, RMSNorm,
                        RowParallelLinear)
+from ..runtime.hf_names import NotLinear, Rename, StackExperts
 from ..runtime.invariant import per_row
 from .base import CausalLM
 from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
@@ -359,6 +360,10 @@ class NemotronHForCausalLM(CausalLM):
     gives, one stage each."""
 
     layer_cls = NemotronHBlock
+    # transformers' nemotron_h conversion: backbone is model, each layer's experts' up_proj
+    # and down_proj stacked; the router (mixer.gate) is no nn.Linear
+    transformers_names = (Rename(r"^backbone\.", "model."), StackExperts(("up_proj",), "up_proj"),
+                          StackExperts(("down_proj",), "down_proj"), NotLinear(r".*\.mixer\.gate"))
 
     def ties_head(self) -> bool:
         # transformers' Nemotron-H declares no tied weights: it saves and loads lm_head.weight

@@ -16,9 +16,11 @@ equal, which is plain partial rotary.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..runtime.hf_names import Alias, Rename
 from .config import CheckpointError
 from .qwen3_next import (AUTO, NO_CP, NO_SP, Qwen3NextConfig, Qwen3NextForCausalLM,
                          check_parallel)
@@ -67,6 +69,14 @@ class Qwen3_5Names:
         return None if name.startswith("model.visual.") else name
 
 
+# how transformers names the tensors (Qwen3-Next's experts stacked, its router no nn.Linear):
+# a multimodal checkpoint as its ConditionalGeneration class does (model.language_model.*)
+# and as AutoModelForCausalLM's text class does (model.*); a text checkpoint as the text class
+MULTIMODAL_NAMES = (*Qwen3NextForCausalLM.transformers_names,
+                    Alias(rf"^{re.escape(LANGUAGE_MODEL)}", MODEL))
+TEXT_NAMES = (*Qwen3NextForCausalLM.transformers_names,
+              Rename(rf"^{re.escape(LANGUAGE_MODEL)}", MODEL))
+
 CAPABILITIES = dict(check_parallel=check_parallel, moe_a2a=NO_MOE_LAYERS, context_parallel=NO_CP,
                     sequence_parallel=NO_SP, boundary_reduction=AUTO,
                     positional_cache=False,  # its recurrent states fold every token in
@@ -78,8 +88,12 @@ CAPABILITIES = dict(check_parallel=check_parallel, moe_a2a=NO_MOE_LAYERS, contex
 class Qwen3_5ForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
     """Qwen3.5's language model: gated DeltaNet and gated attention, gated MLPs."""
 
+    transformers_names = MULTIMODAL_NAMES
+
 
 @register_model("qwen3_5_text", Qwen3_5Config, architectures=("Qwen3_5ForCausalLM",),
                 **CAPABILITIES)
 class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5 as transformers' text-only class saves it."""
+
+    transformers_names = TEXT_NAMES

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .qwen3_5 import CAPABILITIES, Qwen3_5Config, Qwen3_5Names
+from .qwen3_5 import CAPABILITIES, MULTIMODAL_NAMES, TEXT_NAMES, Qwen3_5Config, Qwen3_5Names
 from .qwen3_next import Qwen3NextForCausalLM
 from .registry import register_model
 
@@ -32,8 +32,12 @@ MOE_CAPABILITIES = dict(CAPABILITIES, moe_a2a=True)
 class Qwen3_5MoeForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
     """Qwen3.5-MoE's language model: gated DeltaNet and gated attention, MoE FFNs."""
 
+    transformers_names = MULTIMODAL_NAMES
+
 
 @register_model("qwen3_5_moe_text", Qwen3_5MoeConfig,
                 architectures=("Qwen3_5MoeForCausalLM",), **MOE_CAPABILITIES)
 class Qwen3_5MoeTextForCausalLM(Qwen3_5MoeForCausalLM):
     """Qwen3.5-MoE as transformers' text-only class saves it."""
+
+    transformers_names = TEXT_NAMES

@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
+from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from ..runtime.invariant import per_row
 from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, integer, quantized_read, require
 from .registry import NO_QKV_LATENT, register_model
@@ -128,6 +129,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     weights load stacked after q/k/v."""
 
     layer_cls = Qwen3MoeDecoderLayer
+    # transformers' qwen2_moe conversion: each layer's experts stacked into
+    # experts.gate_up_proj and experts.down_proj; the router is no nn.Linear
+    transformers_names = (*GATE_UP_EXPERTS, MLP_ROUTER)
 
     def stacked_params(self) -> list:
         return super().stacked_params() + expert_stacked_params(self.config.num_experts)

@@ -33,6 +33,7 @@ from torch import nn
 from .. import ProducerReduction, declare_attn, declare_ffn
 from ..runtime import GemmaRMSNorm, QKVParallelLinear, RowParallelLinear
 from ..runtime.args import BoundaryRuntime
+from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from ..runtime.invariant import per_row
 from .base import CausalLM
 from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
@@ -351,7 +352,9 @@ class Qwen3NextForCausalLM(CausalLM):
     gives, each before a MoE (or gated MLP) FFN; zero-centered norms throughout."""
 
     layer_cls = Qwen3NextDecoderLayer
-
+    # transformers' qwen2_moe conversion: each layer's experts stacked into
+    # experts.gate_up_proj and experts.down_proj; the router is no nn.Linear
+    transformers_names = (*GATE_UP_EXPERTS, MLP_ROUTER)
 
     @staticmethod
     def final_norm(cfg, dtype) -> torch.nn.Module:
