@@ -276,8 +276,10 @@ def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
 def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks):
     """A sliding-window ring. Decode (one row a request) writes, then reads the whole ring,
     each row's position recovered from the request's length; a prefill runs a request at a
-    time, reading the ring before the new rows overwrite what it still needs."""
-    if all(n == 1 for n in forward_batch.extend_lens):
+    time, reading the ring before the new rows overwrite what it still needs. Batch-invariant,
+    a decode step runs a request at a time too: the whole ring's row count follows the batch's
+    longest prompt (``min(max_len, window)``), a request's own keys do not."""
+    if all(n == 1 for n in forward_batch.extend_lens) and not BATCH_INVARIANT.on:
         device, rows = q.device, cache.rows
         slots = torch.tensor(forward_batch.req_slots, dtype=torch.long, device=device)
         positions = forward_batch.positions  # [B], one per request
