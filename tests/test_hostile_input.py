@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -371,6 +372,35 @@ def test_a_broken_torchrun_environment_is_named(env, message, monkeypatch, capsy
         monkeypatch.setenv(name, value)
     assert main(["run"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [ERROR + message]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hidden", "8"], "argument --hidden: 8 is not a multiple of 16 (8 attention heads of an "
+                        "even head_dim, which the rotary turns in pairs)"),
+    (["--layers", "100000000"], "argument --layers: 100000000 is more than 128, the most the "
+                                "benchmark takes"),
+    (["--requests", "100000000"], "argument --requests: 100000000 is more than 1024"),
+    (["--repeats", "100000000"], "argument --repeats: 100000000 is more than 1000"),
+], ids=["hidden-8", "layers", "requests", "repeats"])
+def test_bench_sizes_are_bounded_before_anything_is_built(argv, message, capsys):
+    """--layers 100000000 built layers for ever, --requests 100000000 was a MemoryError,
+    --hidden 8 (a multiple of 8, as --help asked) "not enough values to unpack"."""
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", *argv])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_bench_larger_than_the_machine_is_refused_with_both_figures(monkeypatch, capsys,
+                                                                      restore_logger):
+    """Each flag within its bound, together more than the memory there is: one line, before
+    any layer is built (the figure from a meta-device build)."""
+    monkeypatch.setenv("LAYER_BOUNDARY_MEMORY_GB", "0.01")
+    assert main(["bench"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        ERROR + r"bench --hidden 256 --layers 8 --requests 16 needs about [\d.]+ MB; this "
+                r"machine has 10.24 MB available", lines[0]), lines
 
 
 def test_a_model_path_that_is_a_file_is_named_as_one(qwen3_dir, capsys, restore_logger):

@@ -214,13 +214,34 @@ def _bench_parser(sub, log_level) -> None:
     """``bench``'s options."""
     bench = sub.add_parser("bench", formatter_class=_HelpFormatter, parents=[log_level],
                            help="boundary overhead against a hand-written decoder")
-    bench.add_argument("--hidden", type=_positive, default=256,
-                       help="the benchmark model's hidden size (a multiple of 8)")
-    bench.add_argument("--layers", type=_positive, default=8, help="its decoder layers")
-    bench.add_argument("--requests", type=_positive, default=16,
-                       help="requests in the decode step")
-    bench.add_argument("--repeats", type=_positive, default=30,
-                       help="timed forwards of each kind, interleaved")
+
+    def upto(most: int, multiple: int = 1, why: str = ""):
+        """A positive integer of at most ``most`` (a multiple of ``multiple``: ``why``): the
+        benchmark times a fixed cost per stage, which these sizes measure; past them it
+        builds for minutes, or for longer than the machine's memory lasts."""
+        def parse(text: str) -> int:
+            value = _positive(text)
+            if value > most:
+                raise argparse.ArgumentTypeError(f"{value} is more than {most}, the most the "
+                                                 "benchmark takes")
+            if value % multiple:
+                raise argparse.ArgumentTypeError(f"{value} is not a multiple of {multiple}"
+                                                 f"{why}")
+            return value
+        return parse
+
+    # 8 attention heads (engine.bench.BENCH_HEADS) of an even head_dim: the rotary turns
+    # pairs of each head's dims (hidden 8 has head_dim 1: "not enough values to unpack")
+    bench.add_argument("--hidden", type=upto(4096, 16, " (8 attention heads of an even "
+                                                 "head_dim, which the rotary turns in pairs)"),
+                       default=256, help="the benchmark model's hidden size (a multiple of "
+                                         "16, at most 4096)")
+    bench.add_argument("--layers", type=upto(128), default=8,
+                       help="its decoder layers (at most 128)")
+    bench.add_argument("--requests", type=upto(1024), default=16,
+                       help="requests in the decode step (at most 1024)")
+    bench.add_argument("--repeats", type=upto(1000), default=30,
+                       help="timed forwards of each kind, interleaved (at most 1000)")
     bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
                        help="run both forwards under torch.compile(fullgraph=True)")
 

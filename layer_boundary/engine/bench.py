@@ -15,12 +15,36 @@ from ..residual import batch as residual_batch
 from ..runtime.args import BoundaryRuntime
 from ..runtime.collectives import all_reduce_rows
 from ..runtime.forward_batch import ForwardBatch, ForwardMode
-from ..runtime.packed import pack_linears
-from ..runtime.parallel import ParallelDims, build_parallel
+from ..runtime.packed import pack_linears, packed_bytes
+from ..runtime.parallel import ParallelDims, build_parallel, virtual_parallel
 from .compiled import compile_forward
 
 
 BENCH_HEADS = 8  # attention heads of the overhead benchmark's model
+PREFIX = 32  # each request's cached prompt before the timed decode step
+
+
+def bench_config(hidden: int, layers: int, tp: int = 1) -> Qwen3Config:
+    """The overhead benchmark's model: ``BENCH_HEADS`` heads of ``hidden // BENCH_HEADS``
+    dims (even: the rotary turns pairs of dims, so ``hidden`` is a multiple of
+    ``2 * BENCH_HEADS``), as many kv heads as ranks (at least 2), a 4x MLP."""
+    return Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=BENCH_HEADS,
+                       num_key_value_heads=max(2, tp), head_dim=hidden // BENCH_HEADS)
+
+
+def bench_bytes(hidden: int, layers: int, requests: int, prefix: int = PREFIX) -> int:
+    """What ``overhead`` holds at once on its one rank: the model's weights and their packed
+    copies (counted on a meta-device build: nothing allocated), the cache of ``requests`` x
+    ``prefix + 1`` positions, and the prefill's widest activations (a few [tokens, 4 x
+    hidden] fp32 rows live together: within a fifth of the peak measured)."""
+    cfg = bench_config(hidden, layers)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg, BoundaryRuntime(virtual_parallel(ParallelDims())))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = layers * 2 * requests * (prefix + 1) * cfg.num_key_value_heads * cfg.head_dim * 4
+    activations = 8 * requests * prefix * cfg.intermediate_size * 4
+    return weights + packed_bytes(model) + cache + activations
 
 
 def hand_written(model: Qwen3ForCausalLM, fb: ForwardBatch) -> torch.Tensor:
@@ -58,7 +82,7 @@ def _random_model(cfg: Qwen3Config, runtime: BoundaryRuntime | None = None) -> Q
     return model.eval()
 
 
-def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int = 32,
+def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int = PREFIX,
              repeats: int = 30, compile: str | None = None) -> dict:
     """Median decode-step time with and without boundaries at world 1, their ratio, and the
     boundary's cost per stage in microseconds (the difference of the fastest runs over the
@@ -70,7 +94,8 @@ def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int
 
 
 def overhead_with_noise(hidden: int = 256, layers: int = 8, requests: int = 16,
-                        prefix: int = 32, repeats: int = 30, compile: str | None = None) -> dict:
+                        prefix: int = PREFIX, repeats: int = 30,
+                        compile: str | None = None) -> dict:
     """``overhead`` with the spread of the timed forwards: ``spread_ms`` (min, median, max of
     each kind) and ``noise`` (the hand-written forward's interquartile range over its
     median: an overhead smaller than it is not measured)."""
@@ -99,9 +124,7 @@ def overhead_tp(tp: int, hidden: int = 256, layers: int = 8, requests: int = 16,
 @torch.no_grad()
 def _overhead_rank(hidden, layers, requests, prefix, repeats, compile, boundary_reduction,
                    tp: int) -> dict:
-    cfg = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=BENCH_HEADS,
-                      num_key_value_heads=max(2, tp), head_dim=hidden // BENCH_HEADS)
+    cfg = bench_config(hidden, layers, tp)
     runtime = BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp)),
                               boundary_reduction=boundary_reduction,
                               choose_by_bytes=boundary_reduction == "rs+rsv")

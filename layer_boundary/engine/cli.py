@@ -126,11 +126,21 @@ def _main(argv) -> int:
 def cmd_bench(args) -> int:
     """``layer-boundary bench``: one paired timing of the boundary against a hand-written
     decoder."""
-    from .bench import BENCH_HEADS, overhead_with_noise
+    from ..models.estimate import available_memory, memory_override, size
+    from .bench import BENCH_HEADS, bench_bytes, overhead_with_noise
 
-    if args.hidden % BENCH_HEADS:
-        raise UsageError(f"--hidden {args.hidden} must be a multiple of {BENCH_HEADS}, "
-                         "the benchmark model's attention heads")
+    # the parser bounds each flag; these hold for any args (a caller's own namespace)
+    if args.hidden % (2 * BENCH_HEADS):
+        raise UsageError(f"--hidden {args.hidden} must be a multiple of {2 * BENCH_HEADS}: "
+                         f"{BENCH_HEADS} attention heads of an even head_dim, which the "
+                         "rotary turns in pairs")
+    need = bench_bytes(args.hidden, args.layers, args.requests)
+    override = memory_override()  # LAYER_BOUNDARY_MEMORY_GB, checked: a test's budget
+    available = override if override is not None else available_memory()
+    if available is not None and need > available:
+        raise UsageError(f"bench --hidden {args.hidden} --layers {args.layers} --requests "
+                         f"{args.requests} needs about {size(need)}; this machine has "
+                         f"{size(available)} available")
     setup_logging(0)
     log.info("timing %d paired decode steps (hidden %d, %d layers, %d requests%s) ...",
              args.repeats, args.hidden, args.layers, args.requests,
