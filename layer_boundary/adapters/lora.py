@@ -35,7 +35,9 @@ import torch
 from torch import nn
 
 from ..capabilities import Feature, check_model
+from ..runtime import invariant
 from ..runtime.context import NO_ADAPTERS, adapter_rows
+from ..runtime.hf_names import renamed
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from . import lora_base
 from .lora_config import AdapterConfig, LoraError, read_config
@@ -75,10 +77,19 @@ class LoraWeights(nn.Module):
                 continue
             rows = torch.nonzero(ids == slot).squeeze(1)
             xs = x[rows]
-            delta = sum(xs @ getattr(self, f"A{i}")[slot].T @ getattr(self, f"B{i}")[slot].T
+            delta = sum(_delta(xs, getattr(self, f"A{i}")[slot], getattr(self, f"B{i}")[slot])
                         for i in range(self.parts))
             y = y.index_add(0, rows, delta.to(y.dtype))
         return y
+
+
+def _delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x @ a.T @ b.T``: one adapter's delta on its rows; batch-invariant, a row at a time
+    (``runtime.invariant.linear``), since the products' kernels follow how many rows share
+    the adapter."""
+    if invariant.BATCH_INVARIANT.on:
+        return invariant.linear(invariant.linear(x, a), b)
+    return x @ a.T @ b.T
 
 
 @dataclass
@@ -91,6 +102,7 @@ class Adapter:
     config: AdapterConfig
     modules: dict
     base: list = field(default_factory=list)  # lora_base.BaseTensor: its other tensors
+    stored: dict = field(default_factory=dict)  # {module: its name in the file, where renamed}
 
 
 def _one_line(exc: Exception) -> str:
@@ -121,7 +133,8 @@ def _split(key: str) -> tuple[str | None, str | None]:
     return (name.rpartition(".lora_")[0], None) if ".lora_" in name else (None, "base")
 
 
-def read_adapter(path, name: str | None = None, model_type: str | None = None) -> Adapter:
+def read_adapter(path, name: str | None = None, model_type: str | None = None,
+                 rename=None) -> Adapter:
     """A PEFT LoRA folder's config and the header of its weights, each checked as far as the
     files go (the model's shapes are ``attach_lora``'s check); no tensor data read.
 
@@ -133,6 +146,9 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
         path: the folder (``adapter_config.json`` + ``adapter_model.safetensors``).
         name: what errors call it (default: the folder).
         model_type: the base model's, for peft's default ``target_modules``.
+        rename: a LoRA module's stored name -> transformers' (peft renames LoRA tensors by
+            the model's checkpoint conversion: Nemotron-H's ``backbone.`` is ``model.``);
+            None: as stored.
     """
     path = Path(path)
     label = f"LoRA adapter {name or path}"
@@ -144,13 +160,15 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
     if not f.is_file():
         raise LoraError(f"{label}: no adapter_model.safetensors in {path}")
     modules: dict[str, dict] = {}
-    base, dropped, unprefixed = [], set(), []
+    base, dropped, unprefixed, stored = [], set(), [], {}
     with _open(f, label) as handle:
         for key in handle.keys():
             module, which = _split(key)
             if module is None and which is None:
                 unprefixed.append(key)
                 continue
+            if module is not None and rename is not None and rename(module) != module:
+                stored[rename(module)], module = module, rename(module)
             if module is not None and not config.targets_module(module):
                 dropped.add(module)
                 continue
@@ -197,7 +215,14 @@ def read_adapter(path, name: str | None = None, model_type: str | None = None) -
         _warn_once("%s: not applied, as peft does not load them: %d tensors without peft's "
                     "%s prefix: %s", label, len(unprefixed), _PREFIX,
                     ", ".join(sorted(unprefixed)))
-    return Adapter(label, f, config, modules, base)
+    return Adapter(label, f, config, modules, base,
+                   {m: s for m, s in stored.items() if m in modules})
+
+
+def _lora_name(rules, module: str) -> str:
+    """A LoRA module's stored name as peft reads it: its tensor's key through the model's
+    renames (``runtime.hf_names.renamed``), as peft renames LoRA keys."""
+    return renamed(rules, f"{module}{_PAIR[0]}")[:-len(_PAIR[0])]
 
 
 def _load(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -208,7 +233,7 @@ def _load(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         for module in sorted(adapter.modules):
             pair = []
             for which in ("lora_A", "lora_B"):
-                key = f"{_PREFIX}{module}.{which}.weight"
+                key = f"{_PREFIX}{adapter.stored.get(module, module)}.{which}.weight"
                 try:
                     t = handle.get_tensor(key)
                 except Exception as exc:
@@ -306,9 +331,19 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
         raise LoraError("LoRA adapter none: none is --prompt-lora's name for the base model; "
                         "give the adapter another name")
     model_type = getattr(model, "model_type", None)
-    read = [read_adapter(folder, name, model_type) for name, folder in adapters]
+    rules = getattr(model, "transformers_names", ())
+    read = [read_adapter(folder, name, model_type, lambda m: _lora_name(rules, m))
+            for name, folder in adapters]
     facts = _facts(checkpoint)
     hf = None if facts is None else lora_base.transformers_names(facts, model)
+    for adapter in read:
+        converted = adapter.config.moe_converted(model_type, hf)
+        if converted is not None:
+            raise LoraError(f"{adapter.label}: target_modules names {converted!r}, which peft "
+                            f"(0.21, on transformers 5) turns on a {model_type} model into a "
+                            "LoRA on the stacked experts' or router's parameters "
+                            "(target_parameters), no longer on any module of that name: not "
+                            "supported")
     base = (lora_base.plan(read, facts, model, hf) if any(adapter.base for adapter in read)
             else [])
     # {linear: (our module name, {part: {slot: transformers' module}})}

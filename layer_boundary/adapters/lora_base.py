@@ -180,8 +180,10 @@ def _renamed(name: str, names: dict) -> str | None:
 
 
 def _embedding(facts: dict) -> str | None:
-    """The checkpoint's input embedding (a tied head's tensor), where it holds just one."""
-    names = [n for n in facts if n.endswith(("embed_tokens.weight", "embeddings.weight"))]
+    """The checkpoint's input embedding (a tied head's tensor), where it holds just one
+    (GPT-NeoX's is ``gpt_neox.embed_in``)."""
+    names = [n for n in facts
+             if n.endswith(("embed_tokens.weight", "embeddings.weight", "embed_in.weight"))]
     return names[0] if len(names) == 1 else None
 
 

@@ -64,6 +64,18 @@ _DEFAULT_TARGETS = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj
                     "qwen3": ["q_proj", "v_proj"], "gpt_neox": ["query_key_value"],
                     "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 _OUTPUT_HEAD = "lm_head"  # what all-linear leaves out (the output embedding)
+# peft 0.21 on transformers 5 (transformers_weight_conversion._convert_peft_config_moe): on
+# these model types a target naming an expert projection or the router (v4 names; all-linear
+# names them all) becomes a LoRA on transformers' stacked experts' parameters
+# (target_parameters) and no longer names any module, a dense layer's or shared expert's of
+# that name included. {model type: {target name: transformers' parameter it becomes}}
+_MIXTRAL_MOE = {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj",
+                "w2": "down_proj"}
+_QWEN2_MOE = {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+              "down_proj": "down_proj"}
+MOE_CONVERTED = {"mixtral": _MIXTRAL_MOE, "minimax_m2": _MIXTRAL_MOE,
+                 **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe", "longcat_flash",
+                                  "qwen3_moe", "qwen3_next"), _QWEN2_MOE)}
 
 
 def _number(x) -> bool:
@@ -178,6 +190,31 @@ class AdapterConfig:
     def scaling(self, key: str) -> float:
         r, alpha = self.rank_alpha(key)
         return alpha / (math.sqrt(r) if self.rslora else r)
+
+    def moe_converted(self, model_type: str | None, names=None) -> str | None:
+        """The first target peft converts into a LoRA on stacked experts for
+        ``model_type`` (``MOE_CONVERTED``), or None. A regex is matched, as peft resolves it,
+        against transformers' module and parameter names (``names``: its parameter names;
+        None: not known, a regex is not checked) and each stacked parameter's old per-expert
+        names."""
+        mapping = MOE_CONVERTED.get(model_type)
+        if not mapping:
+            return None
+        if isinstance(self.targets, list):
+            return next((t for t in self.targets for old in mapping
+                         if t == old or t.endswith(f".{old}")), None)
+        if self.targets.lower() == "all-linear":
+            return "all-linear"
+        if names is None:
+            return None
+        keys = set()
+        for name in names:
+            parts = name.split(".")
+            keys.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            container, _, leaf = name.rpartition(".")
+            keys.update(f"{container}.{old}" for old, new in mapping.items() if new == leaf)
+        return next((k for k in sorted(keys)
+                     if k.rpartition(".")[2] in mapping and self.targets_module(k)), None)
 
 
 def _check_regexes(label: str, targets, exclude, pattern, ranks: dict, alphas: dict) -> None:

@@ -106,6 +106,15 @@ def natural_key(name: str) -> list:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
+def renamed(rules, name: str) -> str:
+    """``name`` through the rules' ``Rename``s, in order (peft 0.21 renames an adapter's LoRA
+    tensors so, for a model transformers converts by its model type)."""
+    for rule in rules:
+        if isinstance(rule, Rename):
+            name = re.sub(rule.pattern, rule.to, name, count=1)
+    return name
+
+
 def transformers_tensors(rules, facts: dict, config=None) -> dict[str, HfTensor]:
     """{transformers' name: ``HfTensor``} of a checkpoint's tensors.
 
@@ -114,15 +123,12 @@ def transformers_tensors(rules, facts: dict, config=None) -> dict[str, HfTensor]
         facts: the checkpoint's {name: (shape, safetensors dtype)} (its headers).
         config: the model's config (``StackExperts.count``'s fields).
     """
-    renames = [r for r in rules if isinstance(r, Rename)]
     stacks = [r for r in rules if isinstance(r, StackExperts)]
     not_linear = [re.compile(r.pattern) for r in rules if isinstance(r, NotLinear)]
     out: dict[str, HfTensor] = {}
     groups: dict[str, tuple[StackExperts, dict]] = {}
     for name in sorted(facts, key=natural_key):
-        hf = name
-        for rule in renames:
-            hf = re.sub(rule.pattern, rule.to, hf, count=1)
+        hf = renamed(rules, name)
         m = _EXPERT.match(hf)
         stack = next((s for s in stacks if m and m["part"] in s.parts), None)
         if stack is not None:
@@ -170,4 +176,4 @@ def _stacked(target: str, stack: StackExperts, found: dict, facts: dict,
 
 
 __all__ = ["GATE_UP_EXPERTS", "MLP_ROUTER", "Alias", "HfTensor", "NotLinear", "Rename",
-           "StackExperts", "natural_key", "transformers_tensors"]
+           "StackExperts", "natural_key", "renamed", "transformers_tensors"]

@@ -259,3 +259,51 @@ def test_gpt_neox_runs_embed_out_over_a_stray_lm_head_as_transformers(tmp_path):
         expected = hf_cached_decode(_transformers(path), prompt, [])[0]
         scale = max(1.0, expected.abs().max().item())
         assert (ours - expected).abs().max().item() <= TOL * scale, tie
+
+
+@pytest.mark.timeout(120)
+def test_lora_tensors_under_the_checkpoints_names_load_as_peft_renames_them(tmp_path):
+    """peft renames an adapter's LoRA tensors by the model's checkpoint conversion before it
+    matches them to its targets: DeepSeek-V4's original ``attn.wo_b`` is ``self_attn.o_b_proj``
+    (an adapter targeting o_b_proj applies them; they were dropped as untargeted)."""
+    import peft
+    from safetensors.torch import load_file, save_file
+    from checkpoints.ds4 import hf_deepseek_v4
+
+    path = hf_deepseek_v4(tmp_path / "ckpt")
+    folder = _adapter(path, tmp_path / "a", Case("", ("o_b_proj",), (), ()))
+    file = folder / "adapter_model.safetensors"
+    save_file({k.replace(".self_attn.o_b_proj.", ".attn.wo_b."): v
+               for k, v in load_file(str(file)).items()}, str(file))
+    spec = RunSpec(str(path), prompts=PROMPTS[:1], max_new_tokens=1, lora=(("x", str(folder)),),
+                   prompt_lora=("x",))
+    ours = merge([run_rank(spec, world_size=1)]).logits[0][0]
+    hf = _transformers(path)
+    plain = hf_cached_decode(hf, PROMPTS[0], [])[0]
+    expected = hf_cached_decode(peft.PeftModel.from_pretrained(hf, str(folder)).eval(),
+                                PROMPTS[0], [])[0]
+    scale = max(1.0, expected.abs().max().item())
+    assert (ours - expected).abs().max().item() <= TOL * scale
+    assert (expected - plain).abs().max().item() > 100 * TOL
+
+
+@pytest.mark.parametrize("targets,named", [
+    (["q_proj", "gate_proj", "up_proj"], "gate_proj"),
+    ("all-linear", "all-linear"),
+    (r".*\.q_proj|model\.layers\.0\.mlp\.(gate|up)_proj", "model.layers.0.mlp.gate_proj")])
+def test_targets_peft_turns_into_expert_parameters_are_refused(qwen3_moe_dir, tmp_path,
+                                                                targets, named):
+    """On a Qwen3-MoE (as on Mixtral and the other MoE models peft converts) peft makes a
+    target naming an expert projection a LoRA on transformers' stacked experts
+    (target_parameters), and no longer adapts a dense layer's module of that name."""
+    from layer_boundary.adapters.lora import LoraError, attach_lora
+    from layer_boundary.models import open_checkpoint
+
+    folder = _adapter(qwen3_moe_dir, tmp_path / "a", Case("", ("q_proj",), (), ()))
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": targets}))
+    checkpoint = open_checkpoint(str(qwen3_moe_dir))
+    with pytest.raises(LoraError, match=rf"^LoRA adapter a: target_modules names '{named}', "
+                                        r"which peft \(0\.21, on transformers 5\) turns on a "
+                                        r"qwen3_moe model into a LoRA on the stacked experts'"):
+        attach_lora(_meta_model(checkpoint), [("a", str(folder))], checkpoint)
