@@ -1,4 +1,4 @@
-"""What one decode layer launches: `python benchmarks/kernel_count.py [--device cuda]`.
+"""What one decode layer launches: `python benchmarks/kernel_count.py [--device cuda] [--row ROW]`.
 
 At decode sizes a GPU kernel costs a few microseconds of launch and scheduling whatever its
 work, and a captured CUDA graph replays every kernel the eager step launched, so the kernels
@@ -132,7 +132,11 @@ def _transformers(path: Path, device: str):
 
 
 def dispatched(forward, batch, fusions: bool) -> Counter:
-    """The non-view aten ops (and Triton launches) of ``forward(batch)``, by name."""
+    """The non-view aten ops (and Triton launches) of ``forward(batch)``, by name: a warm
+    step, as ``cuda_kernels`` counts and a captured graph replays (the process's first step
+    does one-time work that the first row counted, 1.5 ops a layer less than its repeat)."""
+    with torch.no_grad():
+        forward(batch)
     mode = _Dispatched()
     with torch.no_grad(), mode, (_triton_launches(mode) if fusions
                                   else contextlib.nullcontext()):
@@ -180,9 +184,37 @@ def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transf
     return out
 
 
-if __name__ == "__main__":
-    device = "cuda" if "--device" in sys.argv and "cuda" in sys.argv else "cpu"
-    rows = ("ours", "ours, triton fusions", "transformers") + (
-        ("ours, inductor",) if device == "cuda" else ())
-    for record in per_layer(device, rows):
+ROWS = ("ours", "ours, triton fusions", "transformers", "ours, inductor")
+
+
+def main(argv=None) -> int:
+    """Print each row's counts as one JSON object a line; a device this machine lacks is one
+    line on stderr (exit 2). On the CPU the Triton row's kernels run under Triton's
+    interpreter, chosen here before anything imports triton (as ``layer-boundary run
+    --fusions triton`` chooses it): without it the row ended in a traceback."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--row", action="append", choices=ROWS, default=None,
+                        help="a row to count (repeatable; default: every row the device runs; "
+                             "ours, inductor needs CUDA)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("kernel_count: error: --device cuda, but torch sees no CUDA device here (count "
+              "on the CPU: leave --device out)", file=sys.stderr)
+        return 2
+    rows = tuple(args.row or (r for r in ROWS if args.device == "cuda" or "inductor" not in r))
+    if args.device == "cpu":
+        if "ours, inductor" in rows:
+            parser.error("the row 'ours, inductor' counts CUDA kernels: add --device cuda")
+        from layer_boundary.fusions.triton_provider import use_interpreter  # imports no triton
+
+        use_interpreter()
+    for record in per_layer(args.device, rows):
         print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -89,3 +89,37 @@ def test_peers_benchmark_runs_the_same_numbers_as_transformers():
     assert [(r["workload"], r["peer"]) for r in rows] == [
         (w, "transformers") for w in peers.WORKLOADS]
     assert all(r["ratio"] == r["lib_ms"] / r["ms"] for r in rows)
+
+
+def _kernel_count():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kernel_count.py"
+    spec = importlib.util.spec_from_file_location("kernel_count", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_kernel_count_chooses_the_triton_interpreter_itself_on_the_cpu():
+    """Run as a user runs it, without TRITON_INTERPRET=1 (the suite sets it): the Triton row
+    ended in a traceback; the script now chooses the interpreter before anything imports
+    triton, as the command line does for --fusions triton. A device this machine lacks is
+    one line (exit 2)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    module, path = _kernel_count()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(path), "--row", "ours, triton fusions"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    (row,) = [json.loads(line) for line in done.stdout.splitlines()]
+    assert row["row"] == "ours, triton fusions" and row["dispatcher"] > 0
+    if not torch.cuda.is_available():
+        assert module.main(["--device", "cuda"]) == 2
