@@ -70,3 +70,49 @@ def test_a_declarations_other_arguments_are_refused_by_name(call, message):
     and reached no check; a string update failed at the first forward)."""
     with pytest.raises(TypeError, match="^" + message):
         call()
+
+
+def _numeric_calls():
+    from layer_boundary import PostNormAdd
+    from layer_boundary.residual.quant import QuantizedRead
+    from layer_boundary.runtime import (ForwardBatch, ForwardMode, GemmaRMSNorm, RMSNorm,
+                                        token_bucket)
+
+    par = build_parallel(ParallelDims())
+    extend = ForwardMode.EXTEND
+    return [
+        (lambda: RMSNorm(4, float("nan")), ValueError,
+         r"RMSNorm\(eps=nan\): eps must be a positive, finite number"),
+        (lambda: GemmaRMSNorm(4, -1e-6), ValueError, r"GemmaRMSNorm\(eps=-1e-06\)"),
+        (lambda: RMSNorm(4, True), TypeError, r"RMSNorm\(eps=True\): eps must be a number"),
+        (lambda: RMSNorm(0), ValueError, r"RMSNorm\(hidden_size=0\): hidden_size must be at "
+                                         "least 1"),
+        (lambda: QuantizedRead(0), ValueError, r"QuantizedRead\(group=0\)"),
+        (lambda: QuantizedRead(2.5), TypeError, r"QuantizedRead\(group=2.5\)"),
+        (lambda: token_bucket(-1), ValueError, r"token_bucket\(tokens=-1\)"),
+        (lambda: ForwardBatch.build(extend, [[1, 2], [3]], [0]), ValueError,
+         r"ForwardBatch.build: prefix_lens \[0\] must give each of the 2 requests"),
+        (lambda: ForwardBatch.build(extend, [[1]], [-1]), ValueError,
+         r"ForwardBatch.build: prefix_lens \[-1\]"),
+        (lambda: ForwardBatch.build(extend, [[1], [2]], [0, 0], req_slots=[0, 0]), ValueError,
+         r"ForwardBatch.build: req_slots \[0, 0\] must give each of the 2 requests its own"),
+        (lambda: ForwardBatch.build("extend", [[1]], [0]), TypeError,
+         r"ForwardBatch.build\(forward_mode='extend'\)"),
+        (lambda: PostNormAdd("norm", name="x"), TypeError, r"PostNormAdd\(norm='norm'\)"),
+        (lambda: BoundaryRuntime(par, batch_variants=("ordinary",)), TypeError,
+         r"BoundaryRuntime\(batch_variants=\('ordinary',\)\): batch_variants must be a "
+         "non-empty tuple of BatchVariant"),
+        (lambda: BoundaryRuntime(par, pp_layers=(0,)), TypeError,
+         r"BoundaryRuntime\(pp_layers=\(0,\)\)"),
+    ]
+
+
+def test_numbers_sizes_and_batches_are_refused_by_name():
+    """What each took silently: a NaN eps made every output NaN (a negative one, a bool, an
+    infinite one ran too); QuantizedRead any group; token_bucket a negative count; build
+    dropped the requests without a prefix length (zip), took a negative prefix, a slot
+    twice, a mode by its string; PostNormAdd a string for its norm (failing at the first
+    forward); BoundaryRuntime a variant by its string (no stage built its path)."""
+    for call, error, message in _numeric_calls():
+        with pytest.raises(error, match="^" + message):
+            call()

@@ -39,6 +39,11 @@ class PostNormAdd:
     at_producer = False
 
     def __init__(self, norm, *, name: str | None = None) -> None:
+        if norm is not None and not callable(norm):
+            raise TypeError(f"PostNormAdd(norm={norm!r}): norm must be the producer's norm "
+                            "module (or None for a neighbour's description)")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"PostNormAdd(name={name!r}): name must be a string or None")
         self.norm = norm
         self.name = name or type(norm).__name__
 

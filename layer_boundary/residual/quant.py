@@ -9,6 +9,7 @@ candidate (which stands in for ``kind == "add_norm"``) may replace it.
 
 from __future__ import annotations
 
+from ..runtime.arguments import positive_int
 from ..runtime.quant import quantize_groups
 from .add_norm import ADD_NORM_READ
 
@@ -18,7 +19,8 @@ class QuantizedRead:
     kind = "fp8_add_norm"
 
     def __init__(self, group: int = 128) -> None:
-        self.group = group
+        # the channels each FP8 scale covers (config.json's weight_block_size[1])
+        self.group = positive_int("QuantizedRead", "group", group)
 
     def enter(self, hidden, norm):
         x, residual = ADD_NORM_READ.enter(hidden, norm)

@@ -61,6 +61,17 @@ class BoundaryRuntime:
     def __post_init__(self) -> None:
         for name in ("allreduce_fusion", "rs_padding", "choose_by_bytes"):
             flag("BoundaryRuntime", name, getattr(self, name))  # "no" would read as on
+        if not (isinstance(self.batch_variants, tuple) and self.batch_variants
+                and all(isinstance(v, BatchVariant) for v in self.batch_variants)):
+            # a string ("ordinary") matched no variant: no stage built a path for it
+            raise TypeError(f"BoundaryRuntime(batch_variants={self.batch_variants!r}): "
+                            "batch_variants must be a non-empty tuple of BatchVariant")
+        if self.pp_layers is not None and not (
+                isinstance(self.pp_layers, tuple) and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                    for n in self.pp_layers)):
+            raise TypeError(f"BoundaryRuntime(pp_layers={self.pp_layers!r}): pp_layers must be "
+                            "a tuple of positive layer counts, one per pipeline stage, or None")
         if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
             raise ValueError(f"BoundaryRuntime.moe_a2a_backend must be one of "
                              f"{', '.join(MOE_A2A_BACKENDS)}, got {self.moe_a2a_backend!r}")

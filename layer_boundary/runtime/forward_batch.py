@@ -232,7 +232,10 @@ class ForwardBatch:
               dp_token_counts: tuple[int, ...] | None = None, req_slots=None, kv_cache=None,
               device: torch.device | str = "cpu") -> ForwardBatch:
         """Batch of ``requests`` (token ids new in this forward) after ``prefix_lens`` cached
-        ones."""
+        ones (one each, non-negative), in the cache slots ``req_slots`` (distinct; default
+        0, 1, ...). A mismatch is a ValueError naming it: ``zip`` dropped the requests
+        without a prefix length."""
+        _check_build(forward_mode, requests, prefix_lens, req_slots)
         ids = [t for r in requests for t in r]
         pos = [p + i for r, p in zip(requests, prefix_lens) for i in range(len(r))]
         extend = tuple(len(r) for r in requests)
@@ -250,6 +253,26 @@ class ForwardBatch:
         )
 
 
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_build(forward_mode, requests, prefix_lens, req_slots) -> None:
+    if not isinstance(forward_mode, ForwardMode):
+        raise TypeError(f"ForwardBatch.build(forward_mode={forward_mode!r}): forward_mode must "
+                        "be a ForwardMode")
+    if len(prefix_lens) != len(requests) or not all(map(_is_count, prefix_lens)):
+        raise ValueError(f"ForwardBatch.build: prefix_lens {list(prefix_lens)} must give each "
+                         f"of the {len(requests)} requests its cached length (a non-negative "
+                         "integer)")
+    if req_slots is not None and (len(req_slots) != len(requests)
+                                  or not all(map(_is_count, req_slots))
+                                  or len(set(req_slots)) != len(req_slots)):
+        raise ValueError(f"ForwardBatch.build: req_slots {list(req_slots)} must give each of "
+                         f"the {len(requests)} requests its own cache slot (distinct "
+                         "non-negative integers)")
+
+
 SMALLEST_BUCKET = 1
 BUCKET_STEP, STEPPED_UP_TO = 8, 64
 
@@ -260,6 +283,9 @@ def token_bucket(tokens: int) -> int:
     ``STEPPED_UP_TO`` (16, 24, ..., 64), then powers of two. A one-request decode runs its
     exact shape; padding wastes at most 7 rows up to 64 and half the rows beyond (prefills),
     and the graphs stay few: 11 up to 64 rows, one per doubling after."""
+    if not _is_count(tokens):
+        raise ValueError(f"token_bucket(tokens={tokens!r}): tokens must be a non-negative "
+                         "integer")
     if tokens <= BUCKET_STEP:
         return 1 << max(0, tokens - 1).bit_length()
     if tokens <= STEPPED_UP_TO:

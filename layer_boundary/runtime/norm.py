@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .arguments import flag, positive_int, positive_number
 from .collectives import all_reduce_rows
 from .ledger import statistics_site
 
@@ -22,13 +23,20 @@ def rms_fp32(x32: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x32, (x32.shape[-1],), eps=eps)
 
 
+def _eps(norm, size, eps, size_name: str = "hidden_size") -> float:
+    """A norm's ``eps``, checked as config.json's epsilons are (a positive, finite number: a
+    NaN made every output NaN, a bool was read as 1), and its width (a positive integer)."""
+    positive_int(type(norm).__name__, size_name, size)
+    return positive_number(type(norm).__name__, "eps", eps)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm as transformers computes it (Llama, Qwen3): normalise in fp32, round to the
     input dtype, then scale by ``weight``; ``normalize_fp32`` takes the boundary's fp32 sum."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32):
         super().__init__()
-        self.eps = eps
+        self.eps = _eps(self, hidden_size, eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def normalize_fp32(self, x32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -48,7 +56,7 @@ class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True,
                  dtype=torch.float32):
         super().__init__()
-        self.eps, self.shape = eps, (hidden_size,)
+        self.eps, self.shape = _eps(self, hidden_size, eps), (hidden_size,)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
                      if bias else None)
@@ -68,7 +76,7 @@ class Fp32ScaleRMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32):
         super().__init__()
-        self.eps = eps
+        self.eps = _eps(self, hidden_size, eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def normalize_fp32(self, x32: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -87,7 +95,7 @@ class GemmaRMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32):
         super().__init__()
-        self.eps = eps
+        self.eps = _eps(self, hidden_size, eps)
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
 
     @property
@@ -128,6 +136,9 @@ class HeadsRMSNorm(nn.Module):
     def __init__(self, heads: int, head_dim: int, group, eps: float, *, replicas: int = 1,
                  scale_fp32: bool = False, dtype=torch.float32) -> None:
         super().__init__()
+        positive_int(type(self).__name__, "heads", heads)
+        eps = _eps(self, head_dim, eps, "head_dim")
+        flag(type(self).__name__, "scale_fp32", scale_fp32)
         self.group, self.eps, self.replicas, self.scale_fp32 = group, eps, replicas, scale_fp32
         self.features = heads * head_dim
         local_heads = max(1, heads * replicas // group.size)
