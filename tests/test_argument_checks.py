@@ -73,7 +73,7 @@ def test_a_declarations_other_arguments_are_refused_by_name(call, message):
 
 
 def _numeric_calls():
-    from layer_boundary import PostNormAdd
+    from layer_boundary import PostNormAdd, tbo_decision
     from layer_boundary.residual.quant import QuantizedRead
     from layer_boundary.runtime import (ForwardBatch, ForwardMode, GemmaRMSNorm, RMSNorm,
                                         token_bucket)
@@ -104,6 +104,8 @@ def _numeric_calls():
          "non-empty tuple of BatchVariant"),
         (lambda: BoundaryRuntime(par, pp_layers=(0,)), TypeError,
          r"BoundaryRuntime\(pp_layers=\(0,\)\)"),
+        (lambda: tbo_decision("always", ((4,),), None), TypeError,
+         r"tbo_decision\(policy='always'\): policy must be a TboPolicy"),
     ]
 
 
@@ -112,7 +114,8 @@ def test_numbers_sizes_and_batches_are_refused_by_name():
     infinite one ran too); QuantizedRead any group; token_bucket a negative count; build
     dropped the requests without a prefix length (zip), took a negative prefix, a slot
     twice, a mode by its string; PostNormAdd a string for its norm (failing at the first
-    forward); BoundaryRuntime a variant by its string (no stage built its path)."""
+    forward); BoundaryRuntime a variant by its string (no stage built its path);
+    tbo_decision a policy by its string (read as "one rank": never split)."""
     for call, error, message in _numeric_calls():
         with pytest.raises(error, match="^" + message):
             call()

@@ -170,6 +170,8 @@ def tbo_decision(policy: TboPolicy, dp_request_lens, backend: str | None) -> Tbo
     links beside the SMs) and each microbatch holds tokens on every DP rank; never on gloo,
     whose collectives compete for the ranks' cores (measured, ``bench.tbo_overlap``: the
     overlap hides part of the communication, less than the split costs)."""
+    if not isinstance(policy, TboPolicy):  # "always" matched neither: read as "one rank"
+        raise TypeError(f"tbo_decision(policy={policy!r}): policy must be a TboPolicy")
     if policy is TboPolicy.OFF:
         return TboDecision(False, "off")
     if policy is TboPolicy.ALWAYS:
