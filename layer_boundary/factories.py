@@ -455,6 +455,12 @@ def install_fusion(model, provider) -> int:
 
     Returns how many stages took it.
     """
+    missing = [m for m in ("attention_input", "ffn_input", "can_defer_finalize",
+                           "can_defer_all_reduce") if not callable(getattr(provider, m, None))]
+    if provider is not None and missing:  # before any stage takes it (a string half-installed)
+        raise TypeError(f"install_fusion(provider={provider!r}): not a fusion provider "
+                        f"(fusions.FusionProvider): it lacks {', '.join(missing)} (build one "
+                        "by name with engine.fusion_providers.make_fusions)")
     stages = stage_boundaries(model)
     if not stages:
         raise ValueError(f"install_fusion found no stage boundary in {type(model).__name__} "

@@ -119,3 +119,19 @@ def test_numbers_sizes_and_batches_are_refused_by_name():
     for call, error, message in _numeric_calls():
         with pytest.raises(error, match="^" + message):
             call()
+
+
+def test_a_provider_that_is_not_one_is_refused_before_any_stage_takes_it():
+    """install_fusion(model, "reference") set the string on the first stage, then failed
+    rebuilding its plan with an AttributeError: the model was left half-changed."""
+    from layer_boundary import install_fusion, stage_boundaries
+    from layer_boundary.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Qwen3ForCausalLM(cfg, BoundaryRuntime(build_parallel(ParallelDims())))
+    before = [s.fusions for s in stage_boundaries(model)]
+    with pytest.raises(TypeError, match=r"^install_fusion\(provider='reference'\): not a "
+                                        "fusion provider"):
+        install_fusion(model, "reference")
+    assert [s.fusions for s in stage_boundaries(model)] == before
