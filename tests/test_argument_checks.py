@@ -75,7 +75,8 @@ def test_a_declarations_other_arguments_are_refused_by_name(call, message):
 def _numeric_calls():
     from layer_boundary import PostNormAdd, tbo_decision
     from layer_boundary.residual.quant import QuantizedRead
-    from layer_boundary.runtime import (ForwardBatch, ForwardMode, GemmaRMSNorm, RMSNorm,
+    from layer_boundary.runtime import (ForwardBatch, ForwardMode, GemmaRMSNorm,
+                                        ParallelLMHead, RMSNorm, VocabParallelEmbedding,
                                         token_bucket)
 
     par = build_parallel(ParallelDims())
@@ -87,6 +88,10 @@ def _numeric_calls():
         (lambda: RMSNorm(4, True), TypeError, r"RMSNorm\(eps=True\): eps must be a number"),
         (lambda: RMSNorm(0), ValueError, r"RMSNorm\(hidden_size=0\): hidden_size must be at "
                                          "least 1"),
+        (lambda: VocabParallelEmbedding(0, 4, par.tp_group), ValueError,
+         r"VocabParallelEmbedding\(vocab_size=0\): vocab_size must be at least 1"),
+        (lambda: ParallelLMHead(8, -4, par.tp_group), ValueError,
+         r"ParallelLMHead\(hidden_size=-4\)"),
         (lambda: QuantizedRead(0), ValueError, r"QuantizedRead\(group=0\)"),
         (lambda: QuantizedRead(2.5), TypeError, r"QuantizedRead\(group=2.5\)"),
         (lambda: token_bucket(-1), ValueError, r"token_bucket\(tokens=-1\)"),
@@ -110,12 +115,13 @@ def _numeric_calls():
 
 
 def test_numbers_sizes_and_batches_are_refused_by_name():
-    """What each took silently: a NaN eps made every output NaN (a negative one, a bool, an
-    infinite one ran too); QuantizedRead any group; token_bucket a negative count; build
-    dropped the requests without a prefix length (zip), took a negative prefix, a slot
-    twice, a mode by its string; PostNormAdd a string for its norm (failing at the first
-    forward); BoundaryRuntime a variant by its string (no stage built its path);
-    tbo_decision a policy by its string (read as "one rank": never split)."""
+    """What each took silently (or ended in a raw torch error): a NaN eps made every output
+    NaN (a negative one, a bool, an infinite one ran too); an embedding had 0 rows;
+    QuantizedRead took any group; token_bucket a negative count; build dropped the requests
+    without a prefix length (zip), took a negative prefix, a slot twice, a mode by its
+    string; PostNormAdd a string for its norm (failing at the first forward);
+    BoundaryRuntime a variant by its string (no stage built its path); tbo_decision a
+    policy by its string (read as "one rank": never split)."""
     for call, error, message in _numeric_calls():
         with pytest.raises(error, match="^" + message):
             call()

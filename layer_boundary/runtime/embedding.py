@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .arguments import positive_int
 from .collectives import all_reduce_rows, gather_last_dim
 from .packed import linear
 from .parallel import Group
@@ -20,7 +21,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, group: Group, dtype=torch.float32):
         super().__init__()
-        self.group, self.vocab_size = group, vocab_size
+        who = type(self).__name__
+        positive_int(who, "hidden_size", hidden_size)
+        self.group, self.vocab_size = group, positive_int(who, "vocab_size", vocab_size)
         self.per_rank = -(-vocab_size // group.size)
         # trailing ranks may hold only padding
         self.start = min(group.rank * self.per_rank, vocab_size)
