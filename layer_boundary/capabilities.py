@@ -8,9 +8,10 @@ public names at the place the command line, the engine, models and adapters impo
 from __future__ import annotations
 
 from .runtime.capabilities import (LAYOUT_RULES, MODEL_RULES, PAIRS, CapabilityError, Feature,
-                                   PairRule, Rule, Setup, check, check_model, check_runtime,
-                                   pair_rule, refusals, runtime_features)
+                                   PairRule, Rule, Setup, check, check_invariant, check_model,
+                                   check_runtime, mode_features, pair_rule, refusals,
+                                   runtime_features)
 
 __all__ = ["CapabilityError", "Feature", "LAYOUT_RULES", "MODEL_RULES", "PAIRS", "PairRule",
-           "Rule", "Setup", "check", "check_model", "check_runtime", "pair_rule", "refusals",
-           "runtime_features"]
+           "Rule", "Setup", "check", "check_invariant", "check_model", "check_runtime",
+           "mode_features", "pair_rule", "refusals", "runtime_features"]

@@ -46,7 +46,7 @@ STEPS = 2  # a prefill and a decode step; a compiled run without a draft stops a
 # (each new batch shape is a graph to trace, and the prefill already shows both features on)
 # what the library can see while it builds (the rest is the driver's: run_rank sees it)
 BUILT = {F.CP, F.SEQUENCE_PARALLEL, F.INPUT_SCATTERED, F.MOE_A2A, F.PIPELINE, F.LORA, F.FP8,
-         F.COMPILE}
+         F.COMPILE, F.BATCH_INVARIANT}
 # supported pairs an existing test runs (with both features on, against world 1)
 COVERED = {
     (F.CP, F.FUSIONS): "distributed/test_cp_models.py::test_cp_with_deferred_finalize_and_an_"
@@ -140,6 +140,8 @@ def case(pair, dirs) -> tuple[list[str], RunSpec]:
         flags += [x for choice in kw["prompt_lora"] for x in ("--prompt-lora", choice)]
     if F.FUSIONS in on:
         kw["fusions"], flags = "reference", flags + ["--fusion-provider", "reference"]
+    if F.BATCH_INVARIANT in on:
+        kw["batch_invariant"], flags = True, flags + ["--batch-invariant"]
     steps = 1 if F.COMPILE in on and F.SPECULATIVE not in on else STEPS
     flags = ["run", "--model", path, "--tp", str(tp), "--dp", str(dp),
              "--boundary-reduction", policy, "--max-new-tokens", str(steps), *flags]
@@ -164,10 +166,12 @@ def construction_verdict(spec: RunSpec) -> str | None:
     from layer_boundary.adapters.lora import attach_lora
     from layer_boundary.engine.compiled import compile_forward
     from layer_boundary.engine.runner import runtime_of
+    from layer_boundary.runtime.invariant import batch_invariant
     from layer_boundary.runtime.parallel import virtual_parallel
 
     spec = with_checkpoints(spec)
 
+    @batch_invariant(spec.batch_invariant)  # the mode is on while an engine builds in it
     def build():
         runtime = runtime_of(spec, virtual_parallel(spec.dims()))
         with torch.device("meta"):
@@ -230,6 +234,11 @@ def _on(feature: Feature, results, spec: RunSpec, base) -> bool:
         return load_config(spec.model_dir).fp8_block is not None
     if feature is F.FUSIONS:  # a provider fuses only where a path offers a candidate
         return spec.fusions is not None
+    if feature is F.BATCH_INVARIANT:  # each prompt alone, the same bits as in the batch
+        from layer_boundary.engine.report import invariance_check
+
+        check = invariance_check(merge(results), results)
+        return check["ok"] and check["prompts"] == len(spec.prompts)
     raise AssertionError(feature)
 
 

@@ -31,7 +31,8 @@ def features_of(spec) -> frozenset:
           Feature.SPECULATIVE: spec.speculative,
           Feature.LORA: bool(spec.lora),
           Feature.FP8: bool(getattr(spec.checkpoint.config, "fp8_block", None)),
-          Feature.FUSIONS: spec.fusions is not None}
+          Feature.FUSIONS: spec.fusions is not None,
+          Feature.BATCH_INVARIANT: spec.batch_invariant}
     return frozenset(f for f, yes in on.items() if yes)
 
 
@@ -74,16 +75,6 @@ def check_spec(spec) -> None:
     if algorithm == "nextn" and spec.draft_model is not None:
         raise ValueError("--speculative-algorithm nextn drafts with the target's own NextN "
                          "layer: drop --draft-model")
-    if spec.batch_invariant:
-        refused = ((spec.tbo is not TboPolicy.OFF, "--tbo: its split follows the batch and its "
-                                                   "sums run asynchronously"),
-                   (spec.compile is not None, "--compile: a compiled graph's kernels follow "
-                                              "its token bucket"),
-                   (spec.speculative, "speculative decoding: verification runs a request's "
-                                      "draft tokens as the rows of one batch"))
-        for refuse, why in refused:
-            if refuse:
-                raise ValueError(f"--batch-invariant does not combine with {why}")
     if spec.speculative and spec.speculative_steps < 1:
         raise ValueError(f"--speculative-steps must be at least 1, got {spec.speculative_steps}")
     _check_triton(spec)

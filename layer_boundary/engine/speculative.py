@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..capabilities import Feature, check_invariant
 from ..runtime.collectives import all_reduce_rows, gather_rows
 from ..runtime.forward_batch import BatchVariant, ForwardBatch, ForwardMode
 from ..runtime.ledger import active_observer
@@ -118,6 +119,7 @@ def speculative_generate(target, draft, prompts: list[list[int]], max_new_tokens
     """
     if steps < 1:
         raise ValueError(f"--speculative-steps must be at least 1, got {steps}")
+    check_invariant(None, (Feature.SPECULATIVE,))  # refused in the batch-invariant mode
     # a proposal past the tokens a request emits is never used, and each one is a draft
     # forward and a cache row: 100,000 steps for 4 tokens would run for ever
     steps = min(steps, max_new_tokens)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import ProducerReduction, install_fusion
-from ..capabilities import check_model
+from ..capabilities import Feature, check_invariant, check_model
 from ..residual import batch as residual_batch
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.forward_batch import LogitsRows
@@ -209,6 +209,9 @@ class CausalLM(nn.Module):
         the others (``pp_input``: what this stage received); None after a split-prefill
         segment that does not end the stage. With ``return_hidden``: (logits, the final
         norm's output on every token) (a NextN draft reads it)."""
+        # in the batch-invariant mode: a model that declares it cannot, or a two-batch forward,
+        # is refused by name before anything runs (a model built outside the mode included)
+        check_invariant(type(self), (Feature.TBO,) if forward_batch.tbo else ())
         out = self.model(forward_batch, pp_input)
         if not self.stage.last or out is None:
             return out

@@ -127,7 +127,8 @@ class CohereDecoderLayer(DecoderLayer):
 @register_model("cohere", CohereConfig, architectures=("CohereForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class CohereForCausalLM(LlamaForCausalLM):
     """Command-R: parallel blocks, LayerNorms without bias, interleaved rotary, a scaled and
     (by default) tied head."""

@@ -57,7 +57,8 @@ class Cohere2Config(CohereConfig):
 @register_model("cohere2", Cohere2Config, architectures=("Cohere2ForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class Cohere2ForCausalLM(CohereForCausalLM):
     """Cohere2: Cohere's parallel blocks, sliding layers roped and full ones unroped, on a
     positional cache."""

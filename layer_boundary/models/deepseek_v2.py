@@ -128,7 +128,8 @@ class DeepseekV2DecoderLayer(DeepseekV3DecoderLayer):
                 # without q LoRA the q latent is the normalized input itself (q_proj is
                 # head-sharded), with it q_a_proj's output: either way the latent V3 moves
                 sequence_parallel=NO_SP, attn_input_scattered=True, moe_a2a=True,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True)
+                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
+                batch_invariant=True)
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V2: V3's skeleton (latent KV cache, fused experts) with V2's layers."""
 

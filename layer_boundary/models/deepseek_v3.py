@@ -473,7 +473,8 @@ NO_SP = ("its MLA latent projections are replicated over attention TP, not colum
 @register_model("deepseek_v3", DeepseekV3Config, architectures=("DeepseekV3ForCausalLM",),
                 check_parallel=check_parallel,
                 sequence_parallel=NO_SP, attn_input_scattered=True, moe_a2a=True,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True)
+                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
+                batch_invariant=True)
 class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3: MLA attention, grouped-router MoE after ``first_k_dense_replace`` dense
     layers, and NextN layers a draft may use."""

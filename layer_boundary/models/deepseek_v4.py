@@ -301,7 +301,8 @@ NO_SP = "its mHC residual and grouped output projection are not built for scatte
 @register_model("deepseek_v4", DeepseekV4Config, architectures=("DeepseekV4ForCausalLM",),
                 check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=False, moe_a2a=True,
-                attn_input_scattered=NO_QKV_LATENT, context_parallel=NO_CP, sequence_parallel=NO_SP)
+                attn_input_scattered=NO_QKV_LATENT, context_parallel=NO_CP, sequence_parallel=NO_SP,
+                batch_invariant=True)
 class DeepseekV4ForCausalLM(CausalLM):
     """DeepSeek-V4: an mHC residual of ``hc_mult`` copies, windowed attention with sinks,
     hash-routed then scored MoE layers."""

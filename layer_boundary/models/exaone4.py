@@ -85,7 +85,8 @@ class Exaone4DecoderLayer(PostNormDecoderLayer):
 @register_model("exaone4", Exaone4Config, architectures=("Exaone4ForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class Exaone4ForCausalLM(LlamaForCausalLM):
     """EXAONE-4: post norms as residual updates, per-head q/k norms, sliding and full
     (unroped) layers on a positional cache; Llama's final norm and head."""

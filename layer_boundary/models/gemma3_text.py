@@ -173,7 +173,8 @@ class Gemma3DecoderLayer(PostNormDecoderLayer):
 @register_model("gemma3_text", Gemma3TextConfig, architectures=("Gemma3ForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma-3 (text): sandwich norms (post norms as residual updates), zero-centered norms,
     a scaled embedding, sliding and full layers on a positional cache."""

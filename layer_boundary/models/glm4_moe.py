@@ -152,7 +152,8 @@ class Glm4MoeDecoderLayer(DecoderLayer):
 @register_model("glm4_moe", Glm4MoeConfig, architectures=("Glm4MoeForCausalLM",),
                 check_parallel=check_parallel, boundary_reduction="rs+rsv",
                 positional_cache=True, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
+                batch_invariant=True)
 class Glm4MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3's skeleton (stacked q/k/v, a KV cache of head_dim) with GLM-4.5's layers; the
     experts' weights load stacked after q/k/v."""

@@ -175,7 +175,8 @@ def _head_as_transformers_reads_it(weights):
 @register_model("gpt_neox", GPTNeoXConfig, architectures=("GPTNeoXForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class GPTNeoXForCausalLM(CausalLM):
     """Pythia: parallel blocks with two LayerNorms, partial rotary, biases, fused per-head
     q/k/v, an untied head."""

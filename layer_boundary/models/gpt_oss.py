@@ -237,7 +237,8 @@ class GptOssDecoderLayer(DecoderLayer):
 @register_model("gpt_oss", GptOssConfig, architectures=("GptOssForCausalLM",),
                 check_parallel=check_parallel, boundary_reduction="rs+rsv",
                 positional_cache=True, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
+                batch_invariant=True)
 class GptOssForCausalLM(Qwen3ForCausalLM):
     """Qwen3's skeleton (q/k/v stacked, a positional cache: the sliding layers mask their own
     window) with GPT-OSS's layers and final norm; the experts load from the fused per-layer

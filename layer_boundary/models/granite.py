@@ -87,7 +87,8 @@ class GraniteDecoderLayer(DecoderLayer):
 @register_model("granite", GraniteConfig, architectures=("GraniteForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class GraniteForCausalLM(LlamaForCausalLM):
     """Llama's skeleton (stacked q/k/v, a positional cache) with Granite's layers, its
     embedding scaled by ``embedding_multiplier`` and its logits divided by

@@ -152,7 +152,8 @@ class GraniteMoeDecoderLayer(DecoderLayer):
 @register_model("granitemoe", GraniteMoeConfig, architectures=("GraniteMoeForCausalLM",),
                 check_parallel=check_moe_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
+                batch_invariant=True)
 class GraniteMoeForCausalLM(GraniteForCausalLM):
     """Granite's skeleton (scaled embedding and logits, stacked q/k/v) with MoE layers; each
     layer's fused expert tensors load into its experts' ``w13``/``w2``."""

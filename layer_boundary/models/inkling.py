@@ -405,7 +405,8 @@ NO_SP = ("its short convolutions need each DP rank's complete outputs on its own
                 boundary_reduction="ar",
                 positional_cache=False,  # its convolution windows fold every token in
                 context_parallel=NO_CP, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
+                batch_invariant=True)
 class InklingForCausalLM(CausalLM):
     """Inkling (text): a normed embedding, short convolutions as residual updates and on k/v,
     relative-bias attention, dense and MoE layers, a head divided by its muP multiplier."""

@@ -162,7 +162,8 @@ class LlamaDecoderLayer(DecoderLayer):
 @register_model("llama", LlamaConfig, architectures=("LlamaForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Qwen3's skeleton (stacked q/k/v) with Llama's layers; ``kv_window`` is the attention
     window the cache keeps (None: every position)."""

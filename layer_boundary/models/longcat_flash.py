@@ -330,7 +330,8 @@ NO_SP = ("its MLA latent projections are replicated over attention TP, and its b
 @register_model("longcat_flash", LongcatFlashConfig, architectures=("LongcatFlashForCausalLM",),
                 context_parallel=NO_CP,
                 sequence_parallel=NO_SP, attn_input_scattered=True, moe_a2a=True,
-                check_parallel=check_parallel, boundary_reduction="rs+rsv", positional_cache=True)
+                check_parallel=check_parallel, boundary_reduction="rs+rsv", positional_cache=True,
+                batch_invariant=True)
 class LongcatFlashForCausalLM(CausalLM):
     """LongCat-Flash: per layer two MLA attentions and two dense MLPs beside a MoE with
     identity experts (the branch of the first attention's output)."""

@@ -159,7 +159,8 @@ class MiniMaxM2DecoderLayer(MixtralDecoderLayer):
 @register_model("minimax_m2", MiniMaxM2Config, architectures=("MiniMaxM2ForCausalLM",),
                 check_parallel=check_moe_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
+                batch_invariant=True)
 class MiniMaxM2ForCausalLM(MixtralForCausalLM):
     """Mixtral's skeleton and checkpoint layout with MiniMax-M2's layers."""
 

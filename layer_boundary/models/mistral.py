@@ -35,7 +35,8 @@ class MistralConfig(LlamaConfig):
                 check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=False, sequence_parallel=True,
                 context_parallel="its sliding window across a CP cut is not built",
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama's model with the checkpoint's ``sliding_window`` kept by the KV cache."""
 

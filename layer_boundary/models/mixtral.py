@@ -131,7 +131,8 @@ def block_sparse_moe_name(name: str) -> str:
 @register_model("mixtral", MixtralConfig, architectures=("MixtralForCausalLM",),
                 check_parallel=check_moe_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
+                batch_invariant=True)
 class MixtralForCausalLM(LlamaForCausalLM):
     """Llama's skeleton (stacked q/k/v, a positional cache) with Mixtral's layers; the
     experts load stacked after q/k/v."""

@@ -354,7 +354,8 @@ NO_SP = ("its Mamba2 mixers consume their own rows, not column- and row-parallel
                 check_parallel=check_parallel, moe_a2a=True,
                 context_parallel=NO_CP, sequence_parallel=NO_SP, boundary_reduction="rs+rsv",
                 positional_cache=False,  # its Mamba states fold every token in
-                attn_input_scattered=NO_QKV_LATENT)
+                attn_input_scattered=NO_QKV_LATENT,
+                batch_invariant=True)
 class NemotronHForCausalLM(CausalLM):
     """Nemotron-H: Mamba2, attention, MLP and MoE blocks in the order ``layers_block_type``
     gives, one stage each."""

@@ -95,7 +95,8 @@ AUTO = "rs+rsv"
 @register_model("olmo2", Olmo2Config, architectures=("Olmo2ForCausalLM",),
                 boundary_reduction=AUTO, positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class Olmo2ForCausalLM(PostNormCausalLM):
     """OLMo-2: post norms as residual updates, q/k norms over every head."""
 

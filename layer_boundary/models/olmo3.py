@@ -158,7 +158,8 @@ class Olmo3Config(Olmo2Config):
 @register_model("olmo3", Olmo3Config, architectures=("Olmo3ForCausalLM",),
                 boundary_reduction=AUTO, positional_cache=True,  # AUTO: measured in olmo2.py
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class Olmo3ForCausalLM(PostNormCausalLM):
     """OLMo-3: OLMo-2's layers, sliding or full by ``layer_types``."""
 

@@ -141,7 +141,8 @@ class Phi3DecoderLayer(DecoderLayer):
 @register_model("phi3", Phi3Config, architectures=("Phi3ForCausalLM",),
                 boundary_reduction="rs+rsv", positional_cache=True,
                 check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama's skeleton and head with the fused checkpoint tensors loaded as they are
     (nothing stacked at load), the window on a positional cache."""

@@ -125,7 +125,8 @@ class Qwen3DecoderLayer(DecoderLayer):
 @register_model("qwen3", Qwen3Config, architectures=("Qwen3ForCausalLM",),
                 check_parallel=check_parallel, boundary_reduction="rs+rsv",
                 positional_cache=True, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS)
+                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
+                batch_invariant=True)
 class Qwen3ForCausalLM(CausalLM):
     """Qwen3 (dense): GQA with per-head q/k norms and a gated MLP; q/k/v load stacked."""
 

@@ -80,7 +80,7 @@ TEXT_NAMES = (*Qwen3NextForCausalLM.transformers_names,
 CAPABILITIES = dict(check_parallel=check_parallel, moe_a2a=NO_MOE_LAYERS, context_parallel=NO_CP,
                     sequence_parallel=NO_SP, boundary_reduction=AUTO,
                     positional_cache=False,  # its recurrent states fold every token in
-                    attn_input_scattered=NO_QKV_LATENT)
+                    attn_input_scattered=NO_QKV_LATENT, batch_invariant=True)
 
 
 @register_model("qwen3_5", Qwen3_5Config, architectures=("Qwen3_5ForConditionalGeneration",),

@@ -123,7 +123,8 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 @register_model("qwen3_moe", Qwen3MoeConfig, architectures=("Qwen3MoeForCausalLM",),
                 check_parallel=check_parallel,
                 boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True)
+                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
+                batch_invariant=True)
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3's attention before MoE FFNs (a gated MLP where the layer is dense); the experts'
     weights load stacked after q/k/v."""

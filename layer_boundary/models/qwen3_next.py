@@ -346,7 +346,8 @@ NO_SP = ("its gated DeltaNet mixers consume their own rows, not column- and row-
                 check_parallel=check_parallel, moe_a2a=True,
                 context_parallel=NO_CP, sequence_parallel=NO_SP, boundary_reduction=AUTO,
                 positional_cache=False,  # its recurrent states fold every token in
-                attn_input_scattered=NO_QKV_LATENT)
+                attn_input_scattered=NO_QKV_LATENT,
+                batch_invariant=True)
 class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next: gated DeltaNet and gated-attention mixers in the order ``layer_types``
     gives, each before a MoE (or gated MLP) FFN; zero-centered norms throughout."""

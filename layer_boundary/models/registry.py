@@ -11,7 +11,8 @@ A model declares itself in its own file, on its class, with ``@register_model``:
                     context_parallel=True,         # its attention runs on a CP share
                     sequence_parallel=True,        # its compute honours a scattered scope
                     attn_input_scattered="...",    # why not: no qkv latent (MLA only)
-                    moe_a2a="...")                 # why not: no MoE layers
+                    moe_a2a="...",                 # why not: no MoE layers
+                    batch_invariant=True)          # its logits hold under --batch-invariant
     class LlamaForCausalLM(CausalLM):
         layer_cls = LlamaDecoderLayer
 
@@ -36,9 +37,10 @@ _DISCOVERED = False
 
 # what every model declares when it registers (no default: each says it, none inherits it)
 CAPABILITIES = ("boundary_reduction", "positional_cache", "check_parallel", "context_parallel",
-                "sequence_parallel", "attn_input_scattered", "moe_a2a")
+                "sequence_parallel", "attn_input_scattered", "moe_a2a", "batch_invariant")
 # the capabilities that are True or the reason the model refuses the feature
-SUPPORT = ("context_parallel", "sequence_parallel", "attn_input_scattered", "moe_a2a")
+SUPPORT = ("context_parallel", "sequence_parallel", "attn_input_scattered", "moe_a2a",
+           "batch_invariant")
 # reasons several models give, stated once
 NO_QKV_LATENT = "its attention has no qkv latent to run before the gather (MLA only)"
 NO_MOE_LAYERS = "it has no MoE layers to dispatch"
@@ -69,6 +71,10 @@ def register_model(model_type: str, config_class: type, *, architectures: tuple 
             when the runtime asks (``moe_a2a_backend="all_to_all"``: ``FusedMoE(dispatch=)``,
             ``declare_ffn(dispatches=)``, shared experts replicated), or why not
             (``--moe-a2a-backend``).
+        batch_invariant: True where, in the batch-invariant mode (``runtime.invariant``), a
+            request's logits are the same bits alone as in any batch (every op of its own
+            whose kernel follows the batch runs a row, or a request, a call: ``rowwise``,
+            ``per_row``, ``product``), or why it cannot (``--batch-invariant`` is refused).
     """
     missing = [c for c in CAPABILITIES if c not in capabilities]
     for name in SUPPORT:

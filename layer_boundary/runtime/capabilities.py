@@ -6,15 +6,16 @@ decide whether the library runs it:
 - ``PAIRS``: two features that do not combine yet, and why;
 - ``MODEL_RULES``: what a feature needs the model class to declare (its ``register_model``
   capabilities: ``context_parallel``, ``sequence_parallel``, ``attn_input_scattered``,
-  ``moe_a2a``, ``check_parallel``, NextN layers) or a draft to be (``positional_cache``, the
-  target's vocabulary, a topology it shards over);
+  ``moe_a2a``, ``batch_invariant``, ``check_parallel``, NextN layers) or a draft to be
+  (``positional_cache``, the target's vocabulary, a topology it shards over);
 - ``LAYOUT_RULES``: what a feature needs of the layout and the boundary-reduction policy.
 
 A pair that ``PAIRS`` does not list is supported, and runs (``tests/test_combinations.py``
 proves each one). The command line asks ``check`` before any rank starts, the engine's
 ``run_rank`` before anything is built, and the library wherever the facts are first known:
 ``BoundaryRuntime`` (batch variants, MoE backend, topology, policy), model construction (the
-model's declarations, an FP8 config) and ``attach_lora``. So an engine that uses the library
+model's declarations, an FP8 config), ``attach_lora`` and ``compile_forward`` (each with the
+batch-invariant mode where it is on: ``runtime.invariant``). So an engine that uses the library
 without the command line gets the same refusal, by name, before any allocation or collective.
 Every refusal is one line naming the flags and fields involved.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 from .forward_batch import BatchVariant
+from .invariant import BATCH_INVARIANT
 
 
 class CapabilityError(ValueError):
@@ -51,6 +53,7 @@ class Feature(enum.Enum):
     LORA = "LoRA adapters"
     FP8 = "FP8 checkpoints"
     FUSIONS = "fusion providers"
+    BATCH_INVARIANT = "batch-invariant numerics"
 
     @property
     def flag(self) -> str:
@@ -84,6 +87,7 @@ _NAMES = {
     Feature.LORA: ("--lora", "attach_lora", "LoRA"),
     Feature.FP8: ("an FP8 checkpoint", "config.json quantization_config", "FP8"),
     Feature.FUSIONS: ("--fusions", "install_fusion", "fusions"),
+    Feature.BATCH_INVARIANT: ("--batch-invariant", "runtime.invariant.batch_invariant", "BI"),
 }
 
 
@@ -142,6 +146,11 @@ PAIRS: tuple[PairRule, ...] = (
           "indexing, a graph break under fullgraph"),
     _pair(F.LORA, F.FP8, "an FP8 checkpoint's stages read their inputs quantized, and peft's "
           "adapter beside an FP8 linear reads the unquantized input"),
+    _pair(F.TBO, F.BATCH_INVARIANT, "two-batch overlap's split follows the batch and its sums "
+          "run asynchronously"),
+    _pair(F.COMPILE, F.BATCH_INVARIANT, "a compiled graph's kernels follow its token bucket"),
+    _pair(F.SPECULATIVE, F.BATCH_INVARIANT, "verification runs a request's draft tokens as "
+          "the rows of one batch"),
 )
 del F
 
@@ -280,6 +289,8 @@ MODEL_RULES: tuple[Rule, ...] = (
          _declared("attn_input_scattered", "input-scattered attention")),
     Rule(Feature.MOE_A2A, "the model declares moe_a2a (it has MoE layers)",
          _declared("moe_a2a", "moe_a2a_backend=all_to_all")),
+    Rule(Feature.BATCH_INVARIANT, "the model declares batch_invariant",
+         _declared("batch_invariant", "--batch-invariant (runtime.invariant.batch_invariant)")),
     Rule(Feature.SPECULATIVE, "a NextN draft: the checkpoint carries NextN layers",
          _nextn_layers),
     Rule(Feature.SPECULATIVE, "a draft checkpoint: the target's vocabulary", _draft_vocab),
@@ -350,9 +361,29 @@ def check_runtime(runtime) -> None:
                 policy=runtime.boundary_reduction))
 
 
+def mode_features() -> set:
+    """What the enclosing context turns on: the batch-invariant mode
+    (``runtime.invariant.batch_invariant``)."""
+    return {Feature.BATCH_INVARIANT} if BATCH_INVARIANT.on else set()
+
+
+def check_invariant(model_cls, features=()) -> None:
+    """In the batch-invariant mode, ``model_cls`` (its ``batch_invariant`` declaration) and
+    ``features`` against it; nothing outside the mode. A forward or a generation asks it, so a
+    model built outside the mode and run inside it is refused too.
+
+    Args:
+        model_cls: the model class, or None.
+        features: what else the caller turns on (``TBO`` for a two-batch forward, say).
+    """
+    if BATCH_INVARIANT.on:
+        check(Setup(frozenset({Feature.BATCH_INVARIANT, *features}), model_cls))
+
+
 def check_model(model_cls, config, runtime, features=()) -> None:
     """Model ``model_cls`` with ``config`` on ``runtime``, with ``features`` on besides the
-    runtime's (an FP8 config turns ``FP8`` on): before anything of the model is built.
+    runtime's (an FP8 config turns ``FP8`` on, the enclosing batch-invariant mode
+    ``BATCH_INVARIANT``): before anything of the model is built.
 
     Args:
         model_cls: the model class (its registered capabilities).
@@ -360,7 +391,7 @@ def check_model(model_cls, config, runtime, features=()) -> None:
         runtime: the ``BoundaryRuntime`` it is built on.
         features: what else is on (``attach_lora`` adds ``LORA``).
     """
-    on = set(runtime_features(runtime)) | set(features)
+    on = set(runtime_features(runtime)) | set(features) | mode_features()
     if getattr(config, "fp8_block", None):
         on.add(Feature.FP8)
     check(Setup(frozenset(on), model_cls, config, runtime.parallel.dims,
@@ -368,5 +399,5 @@ def check_model(model_cls, config, runtime, features=()) -> None:
 
 
 __all__ = ["CapabilityError", "Feature", "LAYOUT_RULES", "MODEL_RULES", "PAIRS", "PairRule",
-           "Rule", "Setup", "check", "check_model", "check_runtime", "pair_rule", "refusals",
-           "runtime_features"]
+           "Rule", "Setup", "check", "check_invariant", "check_model", "check_runtime",
+           "mode_features", "pair_rule", "refusals", "runtime_features"]

@@ -37,6 +37,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .arguments import flag
+
 
 class _Mode:
     __slots__ = ("on",)
@@ -48,9 +50,21 @@ class _Mode:
 BATCH_INVARIANT = _Mode()
 
 
-@contextlib.contextmanager
 def batch_invariant(on: bool = True):
-    """The enclosed forwards run batch-invariant (``on``), or as usual."""
+    """A context in which the enclosed forwards run batch-invariant (``on``), or as usual.
+
+    Args:
+        on: True or False (a string such as ``"no"`` is refused here, where it was truthy).
+
+    A model built in the mode is checked against it (its ``register_model`` declaration
+    ``batch_invariant``, an adapter, a compiled forward: ``capabilities.check_model``), and
+    so is each forward and generation run in it (``capabilities.check_invariant``).
+    """
+    return _mode(flag("batch_invariant", "on", on))
+
+
+@contextlib.contextmanager
+def _mode(on: bool):
     previous = BATCH_INVARIANT.on
     BATCH_INVARIANT.on = on
     try:
