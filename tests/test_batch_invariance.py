@@ -156,15 +156,16 @@ def test_the_tests_qwen3_at_tp2_passes_its_own_check(qwen3_dir, capsys):
 def test_a_failed_invariance_check_leaves_the_parity_line_its_own_verdict(monkeypatch, capsys):
     """The run fails (exit 1) on the invariance check alone; the parity line says what the
     parity comparison found (PASS, within its tolerance), not the run's overall outcome."""
-    from layer_boundary.engine import report
+    from layer_boundary.engine import verdict
 
-    monkeypatch.setattr(report, "invariance_check", lambda run, results: {
+    monkeypatch.setattr(verdict, "invariance_check", lambda run, results: {
         "ok": False, "prompts": 1, "steps": 1, "differences": ["prompt 0 step 0: made up"]})
     code, out = cli(["run", "--tp", "2", "--batch-invariant", "--max-new-tokens", "1",
-                     "--prompt-ids", "5,9,2"], capsys)
+                     "--prompt-ids", "5,9,2", "--prompt-ids", "3,8"], capsys)
     assert code == 1
     assert "batch invariance: FAIL (prompt 0 step 0: made up)" in out
     assert "parity vs world 1: PASS (tokens match" in out
+    assert "verdict: FAIL (failed: batch invariance; passed: parity, exactly once)" in out
 
 
 @pytest.mark.parametrize("extra,feature", [

@@ -31,7 +31,7 @@ from layer_boundary.runtime.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240
-JSON_KEYS = {"verdict", "reason", "tp", "dp", "ep", "pp", "boundary_reduction", "dtype",
+JSON_KEYS = {"verdict", "reason", "checks", "tp", "dp", "ep", "pp", "boundary_reduction", "dtype",
              "stages", "audit", "prompts", "parity", "collectives"}
 RESOLVED_REDUCTIONS = {"ar", "rs", "rsv", "rs+rsv"}
 PROMPTS = [[1, 2, 3], [9, 8]]
@@ -185,7 +185,7 @@ def test_json_report_has_the_documented_shape_and_passes_parity(default_json, bu
 
     assert set(report) == JSON_KEYS
     assert list(report)[0] == "verdict" and report["verdict"] == "PASS"
-    assert report["reason"].startswith("tokens match, max |logit diff| ")
+    assert report["reason"].startswith("parity PASS: tokens match, max |logit diff| ")
     assert report["tp"] == 4 and _is_int(report["tp"])
     assert report["dp"] == 2 and _is_int(report["dp"])
     assert report["boundary_reduction"] in RESOLVED_REDUCTIONS

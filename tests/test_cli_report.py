@@ -149,9 +149,16 @@ def test_the_json_verdict_is_the_exit_status(qwen3_dir, capsys, monkeypatch, res
     args = ["run", "--model", str(qwen3_dir), "--tp", "1", "--dp", "1", "--json",
             "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
     report = json.loads(cli_ok([*args, "--no-reference"], capsys).strip().splitlines()[-1])
-    assert (report["verdict"], report["reason"]) == ("NOT_CHECKED",
-                                                     "--no-reference: nothing compared")
+    assert report["verdict"] == "NOT_CHECKED"
+    assert report["reason"].startswith("parity NOT_CHECKED: --no-reference: nothing compared; "
+                                       "exactly once PASS: ")
+    assert [(c["name"], c["verdict"]) for c in report["checks"]] == [
+        ("parity", "NOT_CHECKED"), ("exactly once", "PASS")]
     monkeypatch.setattr(parity, "verdict_ok", lambda *a, **k: (False, "forced by the test"))
     assert main([*args, "--tbo", "always"]) == 1  # a split run has a world-1 reference
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["verdict"] == "FAIL" and report["reason"].endswith(", forced by the test")
+    assert report["verdict"] == "FAIL"
+    assert report["reason"].startswith("parity FAIL: tokens match, max |logit diff| ")
+    assert report["reason"].endswith(", forced by the test; exactly once NOT_CHECKED: not "
+                                     "audited: two-batch overlap's microbatches sum their own "
+                                     "rows")

@@ -8,8 +8,9 @@ logging.
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
+import signal
 import sys
 
 # only what parsing needs: a command imports torch and the package when it runs, so --help
@@ -72,9 +73,10 @@ def _main(argv) -> int:
         raise
     as_json = bool(getattr(args, "json", False))
     set_level(getattr(args, "log_level", "info"))
-    if getattr(args, "fusion_provider", None) == "triton":
+    if getattr(args, "fusion_provider", None) == "triton" or getattr(args, "features", None):
         # without CUDA the kernels run under the interpreter, chosen before anything imports
-        # triton (torch's compiler does, and a run may compile); ranks inherit it
+        # triton (torch's compiler does, and a run may compile); ranks inherit it (a feature
+        # sweep may run the Triton provider)
         import torch
 
         if not torch.cuda.is_available():
@@ -114,12 +116,15 @@ def _main(argv) -> int:
         if as_json:
             _json_outcome("ERROR", f"{exc}{hint}", 1)
         return 1
-    except Stopped as exc:  # SIGTERM: the spawner has stopped the ranks on the way out
-        message = f"stopped by {exc.signal}; every rank it started is stopped"
+    except (Stopped, KeyboardInterrupt) as exc:
+        # SIGTERM or Ctrl-C (SIGINT): the spawner has stopped the ranks on the way out
+        name, code = ((exc.signal, exc.code) if isinstance(exc, Stopped)
+                      else ("SIGINT", 128 + signal.SIGINT))
+        message = f"stopped by {name}; every rank it started is stopped"
         print(f"layer-boundary: {message}", file=sys.stderr)
         if as_json:
-            _json_outcome("STOPPED", message, exc.code)
-        return exc.code
+            _json_outcome("STOPPED", message, code)
+        return code
     return 0
 
 

@@ -22,19 +22,31 @@ def set_level(name: str) -> None:
     _level = getattr(logging, name.upper())
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs bare lines to stdout; every other rank logs nothing."""
+def setup_logging(rank: int, json_output: bool = False) -> None:
+    """Rank 0 logs bare lines to stdout; every other rank logs nothing. With ``json_output``
+    (``--json``) stdout holds the report's one JSON object alone: what the command says while
+    it works, its warnings included, goes to stderr."""
     logging.raiseExceptions = False  # a closed pipe (e.g. `| head`) is not an error to report
     log.handlers.clear()
     log.propagate = False
     report = logging.getLogger(REPORT)
     if rank == 0:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
+        out = logging.StreamHandler(sys.stdout)
+        out.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(out)
+        if json_output:
+            out.addFilter(_is_report)
+            err = logging.StreamHandler(sys.stderr)
+            err.setFormatter(logging.Formatter("%(message)s"))
+            err.addFilter(lambda record: not _is_report(record))
+            log.addHandler(err)
         log.setLevel(_level)
         report.setLevel(logging.INFO)  # the report prints whatever the level
     else:
         log.addHandler(logging.NullHandler())
         log.setLevel(logging.CRITICAL + 1)
         report.setLevel(logging.CRITICAL + 1)
+
+
+def _is_report(record: logging.LogRecord) -> bool:
+    return record.name == REPORT

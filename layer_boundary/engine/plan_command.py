@@ -20,10 +20,11 @@ from ..models import open_checkpoint
 from ..models.tiny import builtin_checkpoint
 from ..ops import row_facts, table_rows
 from ..runtime.parallel import virtual_parallel
-from .args import UsageError, engine_names, model_folder, tp_dp
+from .args import UsageError, engine_names, tp_dp
 from .checks import check_pipeline, job_memory
 from .describe import handoff_contract, plan_rows
 from .features import check_spec
+from .hub import model_folder
 from .logs import setup_logging
 from .report import PLAN_LEGEND, a2a_note, asked, plan_table
 from .runner import RunSpec, forward_variants, runtime_of
@@ -58,7 +59,7 @@ class PlanExplanation:
 
 def cmd_plan(args) -> int:
     """The per-stage path table for a batch shape, from construction alone (no ranks run)."""
-    setup_logging(0)
+    setup_logging(0, args.json)
     plan = explain_plan(args)
     if args.json:
         log.info(json.dumps(plan_json(plan)))

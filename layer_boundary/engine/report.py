@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+
+from .verdict import (Outcome, Status, audit_line, audit_summary,  # noqa: F401 - re-exported
+                      invariance_check, invariance_line, judge, overall_reason,
+                      reads_quantized, verdict_line)
 
 log = logging.getLogger("layer_boundary.report")
 
@@ -28,7 +31,7 @@ def _texts(args, spec, run) -> dict | None:
     tokenizer (request index -> (prompt text, completion text)); else None."""
     if not args.prompt:
         return None
-    from .args import tokenizer
+    from .hub import tokenizer
 
     tok = tokenizer(spec.model_dir)
     return {i: (tok.decode(list(spec.prompts[i])), tok.decode(g))
@@ -48,46 +51,13 @@ def tbo_summary(spec, rank0) -> dict | None:
             "reasons": sorted({d.reason for d in decisions})}
 
 
-@dataclass
-class Outcome:
-    """What the report says of a run, judged once: the merged generation, the parity verdict
-    against the reference (None: not checked) and how it was judged, the batch-invariance
-    check, the exactly-once audit, and whether all of it passed."""
-
-    run: object
-    verdict: dict | None
-    how: str
-    invariance: dict | None
-    audited: dict
-    ok: bool
-    parity_ok: bool = True  # the parity verdict's own (True where not checked)
-
-
-def reads_quantized(spec) -> bool:
-    """Whether ``spec``'s model reads FP8-quantized inputs (an FP8 checkpoint)."""
-    checkpoint = spec.checkpoint
-    return checkpoint is not None and getattr(checkpoint.config, "fp8_block", None) is not None
-
-
-def judge(spec, results, reference) -> Outcome:
-    from .parity import parity, verdict_ok
-    from .runner import merge
-
-    run = merge(results)
-    verdict = parity(run, reference) if reference is not None else None
-    parity_ok, how = (True, "") if verdict is None else verdict_ok(
-        verdict, spec.dtype, run, reference, quantized=reads_quantized(spec))
-    invariance = invariance_check(run, results) if spec.batch_invariant else None
-    audited = audit_summary(results)
-    ok = parity_ok and (invariance is None or invariance["ok"]) and not audited["violations"]
-    return Outcome(run, verdict, how, invariance, audited, ok, parity_ok)
-
-
-def report(args, spec, results, reference) -> int:
+def report(args, spec, results, reference, why_unchecked: str = "nothing compared") -> int:
     """Log the run's report from every rank's result (``reference``: the world-1 run, or None
-    when parity is not checked); the exit status (1: parity, batch invariance or the
-    exactly-once audit failed, or ``--require-fusions`` found a decline)."""
-    outcome = judge(spec, results, reference)
+    when parity is not checked, ``why_unchecked`` saying why); the exit status: 1 where the
+    verdict is FAIL (parity, batch invariance, the exactly-once audit or
+    ``--require-fusions`` failed), else 0."""
+    outcome = judge(spec, results, reference, why_unchecked,
+                    require_fusions=getattr(args, "require_fusions", False))
     if args.logits_out:
         from safetensors.torch import save
 
@@ -102,7 +72,12 @@ def report(args, spec, results, reference) -> int:
     else:
         _text(args, spec, results, outcome)
         _collectives_text(spec, results[0])
-    return _required(args, results, 0 if outcome.ok else 1)
+    required = outcome.check("required fusions")
+    if required is not None and required.status is Status.FAIL:
+        import sys
+
+        print(f"layer-boundary: error: --require-fusions: {required.reason}", file=sys.stderr)
+    return 1 if outcome.status is Status.FAIL else 0
 
 
 def json_record(args, spec, results, outcome: Outcome) -> dict:
@@ -114,13 +89,10 @@ def json_record(args, spec, results, outcome: Outcome) -> dict:
     run, verdict, rank0 = outcome.run, outcome.verdict, results[0]
     texts = _texts(args, spec, run)
     speculative, tbo = speculative_summary(results), tbo_summary(spec, rank0)
-    reason = (("--no-reference" if args.no_reference else "a plain world-1 run is its own "
-               "reference") + ": nothing compared" if verdict is None else
-              f"tokens {'match' if verdict['tokens_match'] else 'differ'}, max |logit diff| "
-              f"{verdict['max_abs_diff']:.3g}, {outcome.how}")
     return {
-        "verdict": "NOT_CHECKED" if verdict is None else "PASS" if outcome.ok else "FAIL",
-        "reason": reason, "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
+        "verdict": outcome.status.value, "reason": overall_reason(outcome.checks),
+        "checks": [c.record() for c in outcome.checks],
+        "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
         "boundary_reduction": rank0.resolved_reduction, "dtype": spec.dtype,
         "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g,
                      **({"prompt_text": texts[i][0], "generated_text": texts[i][1]}
@@ -187,13 +159,18 @@ def _text(args, spec, results, outcome: Outcome) -> None:
     if outcome.invariance is not None:
         log.info("%s", invariance_line(outcome.invariance))
     log.info("%s", audit_line(outcome.audited))
+    required = outcome.check("required fusions")
+    if required is not None:
+        log.info("required fusions: %s (%s)", required.status.value, required.reason)
+    parity_check = outcome.check("parity")
     if verdict is None:
-        log.info("parity: not checked")
+        log.info("parity: not checked (%s)", parity_check.reason)
     else:
         log.info("parity vs world 1: %s (tokens %s, max |logit diff| %.3g, %s)",
-                 "PASS" if outcome.parity_ok else "FAIL",
+                 parity_check.status.value,
                  "match" if verdict["tokens_match"] else "DIFFER", verdict["max_abs_diff"],
                  outcome.how)
+    log.info("%s", verdict_line(outcome.checks))
     log.info("\nboundary paths (per stage; row mode per forward: %s):",
              ", ".join(f"step {i} {m}" for i, m in enumerate(rank0.modes)))
     for head in (r for r in results if r.rank % spec.tp == 0):  # one rank per pipeline stage
@@ -251,60 +228,6 @@ def _collectives_text(spec, rank0) -> None:
                  wire_total(rank0.ledger), sum(e.bytes for e in rank0.ledger))
 
 
-def audit_summary(results) -> dict:
-    """The exactly-once audit over every rank (``engine.audit``): ``audited`` (False with
-    ``why`` where the run's forwards are not audited) and each violation, by rank."""
-    why = results[0].unaudited
-    if why is not None:
-        return {"audited": False, "why": why, "violations": []}
-    return {"audited": True, "ranks": len(results),
-            "violations": [f"rank {r.rank}: {v}" for r in results for v in r.audit]}
-
-
-def audit_line(audited: dict) -> str:
-    if not audited["audited"]:
-        return f"exactly once: not audited ({audited['why']})"
-    if not audited["violations"]:
-        return ("exactly once: PASS (every declared contribution summed once, over its "
-                f"declared group, on each of {audited['ranks']} ranks)")
-    return "exactly once: FAIL (" + "; ".join(audited["violations"][:6]) + (
-        f"; {len(audited['violations']) - 6} more" if len(audited["violations"]) > 6 else "") + ")"
-
-
-def invariance_check(run, results) -> dict:
-    """``--batch-invariant``: each prompt generated alone against its request in the batch
-    (``run``, merged): the same tokens and the same logits, bit for bit, at every step."""
-    alone = next(r.alone for r in results if r.alone is not None)
-    differences, steps = [], 0
-    for i, lone in enumerate(alone):
-        batched = run.logits[run.request_ids.index(i)]
-        steps = max(steps, len(batched))
-        for j, (a, b) in enumerate(zip(lone.logits[0], batched)):
-            if not torch_equal(a, b):
-                differences.append(f"prompt {i} step {j}: max |logit diff| "
-                                   f"{(a.float() - b.float()).abs().max().item():.3g}")
-        if lone.generated[0] != run.generated[run.request_ids.index(i)]:
-            differences.append(f"prompt {i}: tokens {lone.generated[0]} alone, "
-                               f"{run.generated[run.request_ids.index(i)]} in the batch")
-    return {"ok": not differences, "prompts": len(alone), "steps": steps,
-            "differences": differences}
-
-
-def torch_equal(a, b) -> bool:
-    import torch
-
-    return a.shape == b.shape and bool(torch.equal(a, b))
-
-
-def invariance_line(invariance: dict) -> str:
-    if invariance["ok"]:
-        return (f"batch invariance: PASS (each of {invariance['prompts']} prompts alone "
-                f"against the batch, {invariance['steps']} steps: the same logits bit for bit)")
-    return "batch invariance: FAIL (" + "; ".join(invariance["differences"][:8]) + (
-        f"; {len(invariance['differences']) - 8} more" if len(invariance["differences"]) > 8
-        else "") + ")"
-
-
 def stage_rows(spec, results) -> list[dict]:
     """Each stage of the model, in order: the path it ran (prepare and exit, in the first
     forward's row mode) and, with a fusion provider, its candidates' outcome on that stage's
@@ -330,36 +253,6 @@ def outcome_text(outcome: dict) -> str:
     if not outcome["applied"] and not outcome["declined"]:
         words = ["offered, never asked (nothing arrived to complete)"]
     return "; ".join(words)
-
-
-def required_declines(results) -> list[str]:
-    """Every (rank, stage) where a candidate declined, in words (``--require-fusions``)."""
-    out = []
-    for r in results:
-        for stage, outcome in r.fusion_outcomes.items():
-            for why, n in outcome["declined"].items():
-                out.append(f"rank {r.rank} {stage} declined {n}x: {why}")
-    return out
-
-
-def _required(args, results, code: int) -> int:
-    """``code``, or 1 where ``--require-fusions`` finds a decline (each named on stderr)."""
-    if not getattr(args, "require_fusions", False):
-        return code
-    import sys
-
-    declines = required_declines(results)
-    if declines:
-        print("layer-boundary: error: --require-fusions: a fusion candidate declined: "
-              + "; ".join(declines), file=sys.stderr)
-        return 1
-    if not any(outcome["applied"] for r in results for outcome in r.fusion_outcomes.values()):
-        # nothing declined because nothing was offered, or asked: nothing was fused either
-        print("layer-boundary: error: --require-fusions: no stage applied a fusion candidate "
-              "(none was offered, or none asked: the model's boundaries leave the provider "
-              "nothing to complete), so nothing was fused", file=sys.stderr)
-        return 1
-    return code
 
 
 def graphs_line(graphs: dict) -> str:

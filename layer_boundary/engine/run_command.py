@@ -22,11 +22,12 @@ from ..models.tiny import builtin_checkpoint
 from ..runtime.agreement import checking_agreement
 from ..runtime.launch import init_distributed, launched_by_torchrun, spawn
 from ..runtime.parallel import ParallelDims, TopologyError
-from .args import UsageError, engine_names, model_folder, speculative, tokenizer, tp_dp
+from .args import UsageError, engine_names, speculative, tp_dp
 from .checks import (check_ep, check_lengths, check_lora, check_pipeline,
                      check_speculative_steps, check_token_ids, job_memory)
 from .features import check_spec
 from .fusion_providers import FUSION_PROVIDERS
+from .hub import model_folder, tokenizer
 from .logits_file import check_target
 from .logs import setup_logging
 from .report import report
@@ -75,6 +76,10 @@ def spec_from_args(args):
     prompts = _prompts(args, model_dir) or tuple(
         tuple(t % cfg.vocab_size for t in p) for p in DEFAULT_PROMPTS)
     check_token_ids(checkpoint, prompts)
+    if args.batch_invariant and len(prompts) < 2:
+        raise UsageError("--batch-invariant checks each prompt generated alone against the "
+                         "batch; with one prompt the batch is that prompt alone and nothing "
+                         "is compared: give at least two prompts")
     check_lengths(checkpoint, prompts, args.max_new_tokens)
     if args.draft_model or args.speculative_algorithm:
         check_speculative_steps(checkpoint, prompts, args.max_new_tokens, args.speculative_steps)
@@ -144,7 +149,7 @@ def cmd_run(args) -> int:
                                        join_timeout_s=args.start_timeout,
                                        backend=backend_for(args.device, int(os.environ.get(
                                            "LOCAL_WORLD_SIZE", "1"))))
-        setup_logging(rank)
+        setup_logging(rank, args.json)
         if args.tp is None:
             args.tp = world // args.pp
         spec = spec_from_args(args)
@@ -156,12 +161,12 @@ def cmd_run(args) -> int:
         code = 0
         if rank == 0:
             reference = None if args.no_reference else reference_run(spec)
-            code = report(args, spec, gathered, reference)
+            code = report(args, spec, gathered, reference, "--no-reference")
         dist.barrier()
         dist.destroy_process_group()
         return code
-    setup_logging(0)
-    with _stop_on_sigterm():
+    setup_logging(0, args.json)
+    with stop_on_sigterm():
         return _spawned_run(args, timeout)
 
 
@@ -193,7 +198,8 @@ def _spawned_run(args, timeout) -> int:
            and spec.tbo is TboPolicy.OFF and not (spec.device == "cuda" and spec.cuda_graph)
            and not spec.speculative)
     reference = None if args.no_reference or own else reference_run(spec)
-    return report(args, spec, results, reference)
+    return report(args, spec, results, reference, "--no-reference" if args.no_reference
+                  else "a plain world-1 run is its own reference")
 
 
 # a compiling rank may reach its first collective minutes after a peer (cold inductor caches)
@@ -211,7 +217,7 @@ class Stopped(SystemExit):
 
 
 @contextlib.contextmanager
-def _stop_on_sigterm():
+def stop_on_sigterm():
     """SIGTERM ends the job like Ctrl-C (the spawner stops every rank on its way out), as a
     ``Stopped`` the CLI reports by name."""
     if threading.current_thread() is not threading.main_thread():
