@@ -4,6 +4,7 @@ world-1 run, in one table (one JSON row a layout); refused layouts counted, not 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from distributed.checks import cli
@@ -64,3 +65,95 @@ def test_token_ids_outside_the_vocabulary_are_refused_as_run_refuses_them(qwen3_
     assert main(["sweep", "--model", str(qwen3_dir), "--prompt-ids", "1,999"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "layer-boundary: error: prompt 0 has token ids [999] outside vocab_size=96"]
+
+
+def _run_error(argv, capsys) -> str:
+    """What ``run`` says of the same checkpoint and options (its one-line error)."""
+    from layer_boundary.engine.cli import main
+
+    assert main(["run", "--tp", "1", *argv]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["max-new-tokens", "agreement", "memory", "no-weights"])
+def test_what_run_refuses_the_sweep_refuses_as_run_names_it(case, qwen3_dir, tmp_path, capsys,
+                                                            monkeypatch):
+    """Each of these swept 0 layouts (34 "refused by the capability check") and exited 0."""
+    import shutil
+
+    from layer_boundary.engine.cli import main
+
+    argv = ["--model", str(qwen3_dir)]
+    if case == "max-new-tokens":
+        argv += ["--max-new-tokens", "100000"]
+    elif case == "agreement":
+        monkeypatch.setenv("LAYER_BOUNDARY_CHECK_AGREEMENT", "maybe")
+    elif case == "memory":
+        monkeypatch.setenv("LAYER_BOUNDARY_MEMORY_GB", "abc")
+    else:
+        folder = tmp_path / "no-weights"
+        shutil.copytree(qwen3_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        argv = ["--model", str(folder)]
+    assert main(["sweep", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == _run_error(argv, capsys) and err.startswith("layer-boundary: error: ")
+
+
+def test_a_sweep_that_runs_nothing_fails(qwen3_dir, capsys):
+    """``--budget 0.001`` left every layout out, and the sweep exited 0 having compared
+    nothing."""
+    code, out = cli(["sweep", "--model", str(qwen3_dir), "--max-world", "2", "--budget",
+                     "0.001"], capsys)
+    assert code == 1
+    assert "verdict: NOT_CHECKED (no layout ran: nothing was compared)" in out
+    assert "left out by --budget: tp1 auto, tp2 auto, " in out
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"layer-boundary: error: sweep ran no layout \(\d+ refused by the "
+                        r"capability check, \d+ left out by --budget\): nothing was compared\n",
+                        err), err
+
+
+def test_the_largest_world_is_bounded(capsys):
+    """``--max-world 2**62`` listed layouts for ever before the budget was read."""
+    from layer_boundary.engine.cli import main
+
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal
+        main(["sweep", "--max-world", str(2 ** 62)])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"argument --max-world: {2 ** 62} is more than 64 (rank processes at once on this "
+        "machine)")
+
+
+def test_features_cross_layouts_each_against_world_1(qwen3_dir):
+    """``sweep --features``: each feature beside a layout, held against the plain world-1
+    run (the adapter's rows against world 1 with the adapter); what the table refuses is
+    counted by its reason."""
+    from layer_boundary.engine.sweep_features import SweepFeature as F
+
+    features = [F.TBO, F.SPLIT_PREFILL, F.FUSIONS_REFERENCE, F.FUSIONS_TRITON, F.LORA, F.DRAFT,
+                F.BATCH_INVARIANT]
+    # CP with sequence parallelism: refused whatever runs beside it
+    result = sweep(str(qwen3_dir), 2, None, 2, DEFAULT_PROMPTS, features=features,
+                   candidates=[Layout(2, policy="rsv"), Layout(2, cp=2, sp=True)])
+    assert [r["layout"] for r in result["rows"]] == [f"tp2 rsv +{f.value}" for f in features]
+    for row in result["rows"]:
+        assert row["verdict"] == "PASS" and row["feature"], row
+    assert result["verdict"] == "PASS" and result["passed"] == result["run"] == len(features)
+    assert [r["layout"] for r in result["refused"]] == [f"tp2 cp2 sp auto +{f.value}"
+                                                        for f in features]
+    (why, count), = result["refused_by_reason"].items()
+    assert count == len(features) and why.startswith("--cp does not combine with "
+                                                     "--sequence-parallel")
+
+
+def test_the_feature_sample_has_a_layout_of_each_kind():
+    from layer_boundary.engine.sweep_features import SweepFeature, combinations, sample_layouts
+
+    names = [x.name() for x in sample_layouts(4, moe=True, layers=3)]
+    assert names == ["tp1 auto", "tp2 ar", "tp2 rsv", "tp4 dp2 empty-dp rsv", "tp2 pp2 auto",
+                     "tp2 cp2 auto", "tp2 sp rsv", "tp2 ep2 a2a rs", "tp4 dp2 ep4 rsv"]
+    assert [x.name() for x in sample_layouts(1, moe=False, layers=3)] == ["tp1 auto"]
+    compiled = [c.name() for c in combinations([SweepFeature.COMPILE], False, 4, False, 3)]
+    assert compiled == ["tp1 auto +compile", "tp2 ar +compile", "tp2 rsv +compile",
+                        "tp4 dp2 empty-dp rsv +compile"]

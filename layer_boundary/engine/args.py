@@ -25,6 +25,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def _bounded(most: int, what: str):
+    """A positive integer of at most ``most`` (``what`` it counts, for the refusal)."""
+    def parse(text: str) -> int:
+        value = _positive(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{value} is more than {most} ({what})")
+        return value
+    return parse
+
+
+# a sweep starts each layout's ranks as processes on this one machine (and lists every
+# layout up to the bound before it starts one): more ranks than this are not a one-host job
+MAX_SWEEP_WORLD = 64
+
 # the longest wait either timeout takes: past it a timedelta overflows, and a job that waits
 # a week on a silent peer has not been watched
 LONGEST_WAIT_S = 7 * 24 * 3600.0
@@ -254,8 +268,19 @@ def _sweep_parser(sub, log_level) -> None:
     sweep.add_argument("--model",
                        help="a Hugging Face checkpoint folder or repo id (default: the "
                             "built-in tiny Qwen3)")
-    sweep.add_argument("--max-world", type=_positive, default=8,
-                       help="the largest world size tried (1, 2, 4, ... up to it)")
+    sweep.add_argument("--max-world", type=_bounded(MAX_SWEEP_WORLD, "rank processes at once on "
+                                                    "this machine"), default=8,
+                       help="the largest world size tried (1, 2, 4, ... up to it; at most "
+                            f"{MAX_SWEEP_WORLD}: each layout starts that many rank processes "
+                            "on this machine)")
+    sweep.add_argument("--features", nargs="?", const="sample", default=None,
+                       metavar="sample|all|NAMES",
+                       help="cross the layouts with the features a run may turn on beside "
+                            "them (tbo, split-prefill, fusions-reference, fusions-triton, "
+                            "compile, lora, draft, batch-invariant), each against world 1: "
+                            "sample (the flag alone) runs each feature on one layout of each "
+                            "kind, all on every layout, NAMES (comma-separated) those "
+                            "features on the sample")
     sweep.add_argument("--budget", type=_positive_seconds, default=None, metavar="SECONDS",
                        help="start no layout after this many seconds; the table says which "
                             "were left out")
@@ -438,60 +463,3 @@ def _lora_arg(text: str) -> tuple[str, str]:
     if not sep or not name or not folder:
         raise argparse.ArgumentTypeError(f"--lora {text!r} must be NAME=DIR")
     return name, folder
-
-
-# what a checkpoint needs of a hub repository (weights, config, tokenizer)
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer*"]
-
-
-def model_folder(name: str | None, what: str = "--model") -> str | None:
-    """The checkpoint folder ``name`` means: a folder as it is, else a Hugging Face repo id
-    (``org/name``) resolved through ``huggingface_hub``: the local cache first (``HF_HOME``,
-    ``HF_HUB_CACHE``), then a download of its config, weights and tokenizer unless
-    ``HF_HUB_OFFLINE`` is set. Anything else is a one-line error naming ``what`` (the flag;
-    one ending in "=", such as ``--lora a=``, is joined to ``name`` without a space)."""
-    import os
-    import re
-
-    if name is None or os.path.isdir(name):
-        return name
-    label = f"{what}{name}" if what.endswith("=") else f"{what} {name}"
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", name) or ".." in name:
-        return name  # not a repo id: the checkpoint reader names the missing folder
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-    except ImportError:
-        raise UsageError(f"{label}: no such folder, and a repo id needs huggingface_hub "
-                         "(pip install huggingface_hub)") from None
-    cache = os.environ.get("HF_HUB_CACHE")  # read now: the hub library reads it at import
-    try:
-        return snapshot_download(name, local_files_only=True, allow_patterns=HUB_FILES,
-                                 cache_dir=cache)
-    except LocalEntryNotFoundError:
-        pass
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise UsageError(f"{label}: no such folder, and the repo id is not in the Hugging "
-                         "Face cache (HF_HUB_OFFLINE is set, so nothing is downloaded)")
-    try:
-        return snapshot_download(name, allow_patterns=HUB_FILES, cache_dir=cache)
-    except (HfHubHTTPError, OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UsageError(f"{label}: no such folder, not in the Hugging Face cache, and "
-                         f"not downloaded: {reason}") from None
-
-
-def tokenizer(model_dir):
-    """The checkpoint's ``tokenizer.json`` (what ``--prompt`` encodes with and the report
-    decodes with), or the one-line error naming what is missing."""
-    from pathlib import Path
-
-    tok_file = Path(model_dir) / "tokenizer.json"
-    if not tok_file.is_file():
-        raise UsageError(f"--prompt needs {tok_file}; pass --prompt-ids instead")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("--prompt needs the 'tokenizers' package (pip install "
-                         "'layer_boundary[tokenizer]'); or pass --prompt-ids") from None
-    return Tokenizer.from_file(str(tok_file))

@@ -17,80 +17,18 @@ refuses is counted, not run.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .sweep_layouts import POLICIES, Layout, layouts  # noqa: F401 - the sweep's public names
 
 log = logging.getLogger("layer_boundary")
 report = logging.getLogger("layer_boundary.report")
-
-POLICIES = ("auto", "ar", "rs", "rsv")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One layout the sweep tries: the parallel degrees, the MoE dispatch, the batch variant,
-    the boundary policy, and whether an attention-DP rank gets no request."""
-
-    tp: int
-    dp: int = 1
-    cp: int = 1
-    pp: int = 1
-    ep: int = 1
-    a2a: bool = False
-    sp: bool = False
-    policy: str = "auto"
-    empty: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def shape(self) -> tuple:
-        """The layout without its policy: what the bytes are compared within."""
-        return replace(self, policy="auto")
-
-    def name(self) -> str:
-        parts = [f"tp{self.tp}"] + [f"{k}{v}" for k, v in (("dp", self.dp), ("cp", self.cp),
-                                                          ("pp", self.pp), ("ep", self.ep))
-                                    if v > 1]
-        parts += ["a2a"] * self.a2a + ["sp"] * self.sp + ["empty-dp"] * self.empty
-        return " ".join(parts + [self.policy])
-
-    def args(self) -> list[str]:
-        """``run``'s arguments for it."""
-        out = ["--tp", str(self.tp), "--dp", str(self.dp), "--cp", str(self.cp),
-               "--pp", str(self.pp), "--ep", str(self.ep), "--boundary-reduction", self.policy]
-        if self.a2a:
-            out += ["--moe-a2a-backend", "all_to_all"]
-        if self.sp:
-            out.append("--sequence-parallel")
-        return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layouts(max_world: int, moe: bool, layers: int) -> list[Layout]:
-    """Every layout to try, world sizes 1, 2, 4, ... up to ``max_world``, smallest first."""
-    out, world = [], 1
-    while world <= max_world:
-        for pp in (p for p in _divisors(world) if p <= layers):
-            tp = world // pp
-            for dp, ep in itertools.product(_divisors(tp), [1, tp] if moe and tp > 1 else [1]):
-                for cp in _divisors(tp // dp):
-                    for a2a, sp in itertools.product((False, True) if ep > 1 else (False,),
-                                                     (False, True) if tp > 1 else (False,)):
-                        for policy in POLICIES if tp > 1 else ("auto",):
-                            for empty in (False, True) if dp > 1 else (False,):
-                                out.append(Layout(tp, dp, cp, pp, ep, a2a, sp, policy, empty))
-        world *= 2
-    return out
 
 
 @dataclass
@@ -102,25 +40,33 @@ class Row:
     bytes: int | None = None
     min_bytes: int | None = None
     exactly_once: str = ""
+    feature: str | None = None  # sweep --features: what ran beside the layout
+
+    def name(self) -> str:
+        return self.layout.name() + (f" +{self.feature}" if self.feature else "")
 
     def record(self) -> dict:
-        return {"layout": self.layout.name(), **{k: v for k, v in vars(self.layout).items()},
-                "verdict": self.verdict, "detail": self.detail,
+        return {"layout": self.name(), **{k: v for k, v in vars(self.layout).items()},
+                "feature": self.feature, "verdict": self.verdict, "detail": self.detail,
                 "max_abs_diff": self.max_abs_diff, "bytes": self.bytes,
                 "min_bytes": self.min_bytes,
                 "bytes_over_min": (None if not self.min_bytes else self.bytes / self.min_bytes),
                 "exactly_once": self.exactly_once}
 
 
-def _spec(parser, base: list[str], layout: Layout, prompts):
-    """``run``'s spec for ``layout`` (every check ``run`` makes; ``parser``: the command
-    line's), or the refusal's words."""
-    from .run_command import spec_from_args
-
-    argv = ["run", *base, *layout.args()]
+def _argv(base: list[str], layout: Layout, prompts, extra=()) -> list[str]:
+    argv = ["run", *base, *layout.args(), *extra]
     for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
-    args = parser.parse_args(argv)
+    return argv
+
+
+def _spec(parser, base: list[str], layout: Layout, prompts, extra=()):
+    """``run``'s spec for ``layout`` with ``extra`` arguments (every check ``run`` makes;
+    ``parser``: the command line's), or the refusal's words."""
+    from .run_command import spec_from_args
+
+    args = parser.parse_args(_argv(base, layout, prompts, extra))
     try:
         return replace(spec_from_args(args), check_agreement=True), None
     except (ValueError, RuntimeError) as exc:  # UsageError, CapabilityError, TopologyError
@@ -142,29 +88,72 @@ def _run(spec) -> tuple[list | None, str]:
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
 
+def _reference_of(spec):
+    """What a row's numbers are held against: the same requests (and adapters) on one rank,
+    with no variant, feature or provider."""
+    from .run_command import reference_run
+
+    return reference_run(replace(spec, moe_a2a_backend="none", sequence_parallel=False,
+                                 attn_input_scattered=False, boundary_reduction="auto",
+                                 fusions=None))
+
+
+def _judge(layout: Layout, feature, spec, results, reference) -> Row:
+    """A row's verdict: parity against the reference, the exactly-once audit, and batch
+    invariance where the row runs it."""
+    from .parity import parity, verdict_ok
+    from .report import audit_summary, invariance_check, reads_quantized
+    from .runner import merge
+
+    run = merge(results)
+    verdict = parity(run, reference)
+    ok, how = verdict_ok(verdict, spec.dtype, run, reference, quantized=reads_quantized(spec))
+    audited = audit_summary(results)
+    once = ("not audited: " + audited["why"] if not audited["audited"] else
+            "PASS" if not audited["violations"] else "; ".join(audited["violations"][:3]))
+    problems = [] if ok else [f"tokens {'match' if verdict['tokens_match'] else 'differ'}, "
+                              f"{how}"]
+    if audited["violations"]:
+        problems.append("exactly once failed")
+    if spec.batch_invariant:
+        invariance = invariance_check(run, results)
+        if not invariance["ok"]:
+            problems.append("batch invariance: " + "; ".join(invariance["differences"][:2]))
+    return Row(layout, "FAIL" if problems else "PASS", "; ".join(problems),
+               verdict["max_abs_diff"], sum(e.bytes for e in results[0].ledger),
+               exactly_once=once, feature=feature)
+
+
 def sweep(model: str | None, max_world: int, budget: float | None, max_new_tokens: int,
-          prompts, progress=None, candidates: list[Layout] | None = None) -> dict:
-    """The sweep's rows (``Row.record``), what the capability check refused, and what the
-    budget left out.
+          prompts, progress=None, candidates: list[Layout] | None = None,
+          features=None, every: bool = False) -> dict:
+    """The sweep's rows (``Row.record``), what the capability check refused (and how often for
+    each reason), what the budget left out, and what a signal stopped.
 
     Args:
         model: a checkpoint folder (None: the built-in tiny Qwen3).
         max_world: the largest world size tried (1, 2, 4, ... up to it).
-        budget: seconds after which no further layout starts (None: no bound).
-        max_new_tokens: each layout's steps, the prefill's included.
+        budget: seconds after which no further row starts (None: no bound).
+        max_new_tokens: each row's steps, the prefill's included.
         prompts: the requests (token ids, taken modulo the vocabulary); an empty-DP-rank
             layout runs the first alone.
-        progress: called with a line as each layout starts (None: nothing said).
+        progress: called with a line as each row starts (None: nothing said).
         candidates: the layouts to try (default: ``layouts(max_world, ...)`` for the model).
+        features: ``sweep_features.SweepFeature``s to cross with layouts (None: layouts
+            alone); each runs on ``sweep_features.sample_layouts`` (``every``: on every
+            layout, or on ``candidates`` where given).
+
+    A checkpoint or option ``run`` refuses on one rank is refused here, by ``run``'s own
+    error, before any row runs. SIGINT or SIGTERM (``run_command.Stopped``) ends the sweep
+    after the rows run so far: the result says so (``stopped``) and lists the rest.
     """
+    import tempfile
+
     from ..models import open_checkpoint
     from ..models.tiny import builtin_checkpoint
     from .args import build_parser
-    from .parity import parity, verdict_ok
-    from .report import reads_quantized
-    from .report import audit_summary
-    from .run_command import reference_run
-    from .runner import merge
+    from .run_command import Stopped, spec_from_args
+    from .sweep_features import combinations, feature_args, write_adapter
 
     folder = model or str(builtin_checkpoint())
     checkpoint = open_checkpoint(folder)
@@ -174,100 +163,148 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
     prompts = tuple(tuple(t % cfg.vocab_size for t in p) for p in prompts)
     base = ["--model", folder, "--max-new-tokens", str(max_new_tokens)]
     parser = build_parser()
+    # run's own checks of the checkpoint and the options, on one rank: what it refuses there
+    # it refuses on every layout, so the sweep ends with its error instead of counting it
+    spec_from_args(parser.parse_args(_argv(base, Layout(1), prompts)))
+    plan = combinations(features, every, max_world, moe, layers, candidates)
     references: dict = {}
-    rows, refused, skipped = [], [], []
+    rows, refused, skipped, stopped = [], [], [], None
     started = time.perf_counter()
-    for layout in candidates if candidates is not None else layouts(max_world, moe, layers):
-        # an empty DP rank: one request, on DP rank 0
-        asked = prompts[:1] if layout.empty else prompts
-        spec, refusal = _spec(parser, base, layout, asked)
-        if spec is None:
-            refused.append({"layout": layout.name(), "why": refusal})
-            continue
-        if budget is not None and time.perf_counter() - started > budget:
-            skipped.append(layout.name())
-            continue
-        if asked not in references:  # one rank, no variant: what every layout must match
-            references[asked] = reference_run(replace(
-                spec, moe_a2a_backend="none", sequence_parallel=False,
-                attn_input_scattered=False, boundary_reduction="auto"))
-        if progress is not None:
-            progress(f"  {layout.name()} ...")
-        results, error = _run(spec)
-        if results is None:
-            rows.append(Row(layout, "ERROR", error))
-            continue
-        run = merge(results)
-        verdict = parity(run, references[asked])
-        ok, how = verdict_ok(verdict, spec.dtype, run, references[asked],
-                             quantized=reads_quantized(spec))
-        audited = audit_summary(results)
-        once = ("not audited: " + audited["why"] if not audited["audited"] else
-                "PASS" if not audited["violations"] else "; ".join(audited["violations"][:3]))
-        ok = ok and not audited["violations"]
-        rank0 = results[0]
-        rows.append(Row(layout, "PASS" if ok else "FAIL",
-                        "" if ok else f"tokens {'match' if verdict['tokens_match'] else 'differ'}"
-                        f", {how}", verdict["max_abs_diff"],
-                        sum(e.bytes for e in rank0.ledger), exactly_once=once))
+    done = 0  # rows of the plan finished (run, refused or left out)
+    with tempfile.TemporaryDirectory(prefix="layer-boundary-sweep-") as work:
+        try:
+            adapter = (str(write_adapter(checkpoint, Path(work) / "adapter")) if any(
+                c.feature is not None and c.feature.value == "lora" for c in plan) else None)
+            for combo in plan:
+                layout, feature = combo.layout, combo.feature
+                # an empty DP rank: one request, on DP rank 0
+                asked = prompts[:1] if layout.empty else prompts
+                spec, refusal = _spec(parser, base, layout, asked, feature_args(
+                    feature, checkpoint, folder, adapter, len(asked)))
+                if spec is None:
+                    refused.append({"layout": combo.name(), "why": refusal})
+                elif budget is not None and time.perf_counter() - started > budget:
+                    skipped.append(combo.name())
+                else:
+                    if progress is not None:
+                        progress(f"  {combo.name()} ...")
+                    key = (asked, spec.lora, spec.prompt_lora)
+                    if key not in references:
+                        references[key] = _reference_of(spec)
+                    results, error = _run(spec)
+                    name = None if feature is None else feature.value
+                    rows.append(Row(layout, "ERROR", error, feature=name) if results is None
+                                else _judge(layout, name, spec, results, references[key]))
+                done += 1
+        except (Stopped, KeyboardInterrupt) as exc:  # the rows so far are the result
+            stopped = {"signal": exc.signal if isinstance(exc, Stopped) else "SIGINT",
+                       "exit_code": exc.code if isinstance(exc, Stopped)
+                       else 128 + signal.SIGINT,
+                       "not_started": [c.name() for c in plan[done:]]}
+    return _result(folder, max_world, features, rows, refused, skipped, stopped,
+                   time.perf_counter() - started)
+
+
+def _result(folder, max_world, features, rows, refused, skipped, stopped, seconds) -> dict:
+    """The sweep's record: each row (its bytes against the least any policy moved for its
+    layout, where no feature ran beside it), the refusals and their count by reason."""
     least: dict = {}
     for row in rows:
-        if row.bytes is not None:
+        if row.bytes is not None and row.feature is None:
             shape = row.layout.shape
             least[shape] = min(least.get(shape, row.bytes), row.bytes)
     for row in rows:
-        if row.bytes is not None:
+        if row.bytes is not None and row.feature is None:
             row.min_bytes = least[row.layout.shape]
-    return {"model": folder, "max_world": max_world, "rows": [r.record() for r in rows],
-            "refused": refused, "skipped": skipped,
-            "passed": sum(r.verdict == "PASS" for r in rows), "run": len(rows),
-            "seconds": time.perf_counter() - started}
+    by_reason: dict[str, int] = {}
+    for r in refused:
+        by_reason[r["why"]] = by_reason.get(r["why"], 0) + 1
+    passed = sum(r.verdict == "PASS" for r in rows)
+    return {"model": folder, "max_world": max_world,
+            "features": None if features is None else [f.value for f in features],
+            "verdict": ("NOT_CHECKED" if not rows else
+                        "PASS" if passed == len(rows) else "FAIL"),
+            "rows": [r.record() for r in rows],
+            "refused": refused, "refused_by_reason": by_reason, "skipped": skipped,
+            "stopped": stopped, "passed": passed, "run": len(rows), "seconds": seconds}
 
 
 def print_table(result: dict) -> None:
     rows = result["rows"]
     width = max([len(r["layout"]) for r in rows] + [6])
-    report.info("layer-boundary sweep: %s, worlds up to %d: %d layouts run, %d passed, %d "
+    what = "combinations" if result.get("features") else "layouts"
+    report.info("layer-boundary sweep: %s, worlds up to %d%s: %d %s run, %d passed, %d "
                 "refused by the capability check, %d left out by the budget",
-                result["model"], result["max_world"], result["run"], result["passed"],
-                len(result["refused"]), len(result["skipped"]))
-    report.info("  %-*s  %-7s %-10s %-16s %s", width, "layout", "verdict", "max |diff|",
-                "bytes / least", "exactly once")
+                result["model"], result["max_world"],
+                f", features {', '.join(result['features'])}" if result.get("features") else "",
+                result["run"], what, result["passed"], len(result["refused"]),
+                len(result["skipped"]))
+    if rows:
+        report.info("  %-*s  %-7s %-10s %-16s %s", width, "layout", "verdict", "max |diff|",
+                    "bytes / least", "exactly once")
     for r in rows:
         diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2e}"
         moved = ("-" if r["bytes"] is None else
-                 f"{r['bytes']} / {r['min_bytes']}" if r["min_bytes"] else f"{r['bytes']} / 0")
+                 f"{r['bytes']} / {r['min_bytes']}" if r["min_bytes"] else f"{r['bytes']}")
         report.info("  %-*s  %-7s %-10s %-16s %s%s", width, r["layout"], r["verdict"], diff,
                     moved, r["exactly_once"], f"  ({r['detail']})" if r["detail"] else "")
+    if result["refused_by_reason"]:
+        report.info("refused by the capability check, by reason:")
+        for why, count in sorted(result["refused_by_reason"].items(), key=lambda x: -x[1]):
+            report.info("  %3d x %s", count, why)
     if result["skipped"]:
         report.info("left out by --budget: %s", ", ".join(result["skipped"]))
+    if result["stopped"]:
+        report.info("stopped by %s: not started: %s", result["stopped"]["signal"],
+                    ", ".join(result["stopped"]["not_started"]) or "none")
+    if not rows:
+        report.info("verdict: NOT_CHECKED (no %s ran: nothing was compared)", what[:-1])
+    else:
+        report.info("verdict: %s (%d of %d %s passed)", result["verdict"], result["passed"],
+                    result["run"], what)
 
 
 def cmd_sweep(args) -> int:
-    """``layer-boundary sweep``: exit 0 when every layout run passed, else 1."""
+    """``layer-boundary sweep``: exit 0 when at least one row ran and every row passed; 1
+    when one failed or none ran (a sweep that compared nothing proves nothing); 128 + the
+    signal's number when SIGINT or SIGTERM stopped it (after its table so far)."""
     from ..models import open_checkpoint
     from ..models.tiny import builtin_checkpoint
-    from .args import model_folder
+    from .args import UsageError
+    from .hub import model_folder
     from .checks import check_token_ids
     from .logs import setup_logging
-    from .run_command import DEFAULT_PROMPTS
+    from .run_command import DEFAULT_PROMPTS, stop_on_sigterm
+    from .sweep_features import parse_features
 
-    setup_logging(0)
+    setup_logging(0, args.json)
+    features, every = (None, False)
+    if args.features is not None:
+        try:
+            features, every = parse_features(args.features)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     folder = model_folder(args.model)
     if args.prompt_ids:  # the defaults are taken modulo the vocabulary; a user's ids are not
         check_token_ids(open_checkpoint(folder or str(builtin_checkpoint())), args.prompt_ids)
     prompts = tuple(tuple(p) for p in (args.prompt_ids or DEFAULT_PROMPTS))
 
     def say(line: str) -> None:  # under --json stdout holds the JSON alone
-        if args.json:
-            print(line, file=sys.stderr, flush=True)
-        else:
-            log.info("%s", line)
+        log.info("%s", line)
 
-    result = sweep(folder, args.max_world, args.budget, args.max_new_tokens, prompts,
-                   progress=say)
+    with stop_on_sigterm():
+        result = sweep(folder, args.max_world, args.budget, args.max_new_tokens, prompts,
+                       progress=say, features=features, every=every)
     if args.json:
         report.info("%s", json.dumps(result))
     else:
         print_table(result)
+    if result["stopped"]:
+        return result["stopped"]["exit_code"]
+    if not result["run"]:
+        print(f"layer-boundary: error: sweep ran no {'combination' if features else 'layout'}"
+              f" ({len(result['refused'])} refused by the capability check, "
+              f"{len(result['skipped'])} left out by --budget): nothing was compared",
+              file=sys.stderr)
+        return 1
     return 0 if result["passed"] == result["run"] else 1

@@ -188,17 +188,17 @@ class _Reporter:
     def send(self, message) -> None:
         data = pickle.dumps(message)
         with self.lock:
-            self.conn.send_bytes(data)
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the spawner is gone (killed): nobody to report to or print for
+                os._exit(1)
 
     def _beat(self) -> None:
         # also the exit when the spawner is gone (whatever killed it): no rank outlives it
         while True:
             if os.getppid() != self.parent:
                 os._exit(1)
-            try:
-                self.send(("beat", None))
-            except OSError:
-                os._exit(1)
+            self.send(("beat", None))
             time.sleep(HEARTBEAT_S)
 
 
@@ -211,6 +211,9 @@ def _spawn_entry(rank, world_size, port, fn, args, conn, env, timeout_s, join_ti
     os.environ.update(env)
     os.environ["LOCAL_RANK"] = str(rank)  # one host: which device is this rank's
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # and how many ranks share its cores
+    # Ctrl-C reaches every process of the terminal's foreground group: the spawner decides
+    # what it means and stops the ranks itself, so a rank does not print its own traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the process that started this one (the spawner, or its fork server, which exits with it)
     reporter = _Reporter(conn, os.getppid())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
