@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ProducerReduction, cp_view, declare_attn, declare_ffn
-from ..runtime.context import get_forward
-from ..runtime.args import BoundaryRuntime
-from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from ..runtime import invariant
+from ..runtime.args import BoundaryRuntime
+from ..runtime.context import get_forward
+from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from ..runtime.quant import as_activations, fake_quantize
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
@@ -441,8 +441,7 @@ def _is_moe(cfg: DeepseekV3Config, layer: int) -> bool:
 
 def mla_kv_cache(model, layers, slots: int, max_len: int):
     """The latent cache of MLA layers ``layers``: one head a token, keys [normalized latent |
-    rotated key] (kv_lora_rank + qk_rope_head_dim), values the keys' latent (stored once);
-    the same on every attention-TP rank."""
+    rotated key], values the keys' latent (stored once); the same on every attention-TP rank."""
     cfg = model.config
     return KVCache(layers, slots, max_len, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                    model.dtype, device=model.device, values_from_keys=cfg.kv_lora_rank)
@@ -454,10 +453,8 @@ def ffn_declaration(cfg: DeepseekV3Config, layer: int, runtime: BoundaryRuntime)
     dispatch = moe and runtime.dispatches_moe
     # beside dispatched experts the tail is part of the complete output: nothing follows it
     tail = cfg.shared_experts_tp1 and moe and not dispatch
-    following = layer + 1
-    return declare_ffn(sparse=moe,
-                       next_sparse=cfg.is_moe(following) if following < cfg.num_hidden_layers
-                       else None,
+    last = layer + 1 >= cfg.num_hidden_layers
+    return declare_ffn(sparse=moe, next_sparse=None if last else cfg.is_moe(layer + 1),
                        # an FP8 checkpoint's dense MLPs read quantized inputs; a MoE's router
                        # reads the unquantized one, so its experts quantize it (DeepseekV3MoE)
                        read=None if moe else quantized_read(
@@ -471,17 +468,15 @@ NO_SP = ("its MLA latent projections are replicated over attention TP, not colum
 
 
 @register_model("deepseek_v3", DeepseekV3Config, architectures=("DeepseekV3ForCausalLM",),
-                check_parallel=check_parallel,
-                sequence_parallel=NO_SP, attn_input_scattered=True, moe_a2a=True,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                batch_invariant=True)
+                check_parallel=check_parallel, sequence_parallel=NO_SP,
+                attn_input_scattered=True, moe_a2a=True, boundary_reduction="rs+rsv",
+                positional_cache=True, context_parallel=True, batch_invariant=True)
 class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3: MLA attention, grouped-router MoE after ``first_k_dense_replace`` dense
     layers, and NextN layers a draft may use."""
 
     layer_cls = DeepseekV3DecoderLayer
-    # transformers' qwen2_moe conversion: each layer's experts stacked into
-    # experts.gate_up_proj and experts.down_proj; the router is no nn.Linear
+    # transformers stacks each layer's experts (gate_up_proj, down_proj); the router is no Linear
     transformers_names = (*GATE_UP_EXPERTS, MLP_ROUTER)
 
     @staticmethod
@@ -497,8 +492,7 @@ class DeepseekV3ForCausalLM(CausalLM):
             return []
         return expert_stacked_params(cfg.n_routed_experts)
 
-    def skipped_params(self) -> tuple:
-        # multi-token-prediction layers are stored as extra layers after the stack
+    def skipped_params(self) -> tuple:  # the NextN layers, stored after the stack
         cfg = self.config
         return super().skipped_params() + tuple(
             f"model.layers.{cfg.num_hidden_layers + j}."
