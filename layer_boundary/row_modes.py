@@ -8,6 +8,8 @@ one with ``select_mode``.
 
 from __future__ import annotations
 
+import torch
+
 from .contracts import BatchVariant, UnsupportedBoundary
 from .layout import RowMode
 
@@ -34,9 +36,16 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
         if why_ar is not None:
             return RowMode.AR, why_ar
     if runtime.allows_rsv:
-        if dims.attn_dp > 1 or cp or scattered:
+        if (not scattered and not cp and torch.compiler.is_compiling()
+                and min(parts, default=0) < dims.attn_tp):
+            reason = (f"rsv leaves an attention-TP rank no rows (DP rows {list(parts)} vs "
+                      f"attn_tp={dims.attn_tp}), and a compiled graph must have every rank's "
+                      "shapes: a rank's empty share makes its next collective independent of "
+                      "the last, which its compiler may then issue first")
+        elif dims.attn_dp > 1 or cp or scattered:
             return RowMode.RSV, "rsv"
-        reason = "rsv needs attention DP or CP"
+        else:
+            reason = "rsv needs attention DP or CP"
     else:
         reason = ""
     if runtime.allows_rs:

@@ -53,6 +53,23 @@ def test_an_explicit_policy_and_scattered_variants_keep_their_modes():
     assert select_mode(rt, (9,), variant=BatchVariant.INPUT_SCATTERED)[0] is RowMode.RS
 
 
+def test_a_compiled_forward_takes_no_rsv_that_leaves_a_rank_no_rows(monkeypatch):
+    """``run --compile --tp 4 --dp 2 --boundary-reduction rsv`` with one request a DP rank hung
+    in its decode steps (found by ``sweep --features``): rsv split each DP rank's one row
+    [1, 0] over attention TP, the rank with none compiled a graph whose next all-gather did
+    not depend on the reduce-scatter, and inductor issued the gather first."""
+    import torch
+
+    rsv_only, both = _runtime(4, 2, "rsv", by_bytes=False), _runtime(4, 2, by_bytes=False)
+    assert select_mode(rsv_only, (1, 1))[0] is RowMode.RSV  # eager: every rank runs in order
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    mode, why = select_mode(rsv_only, (1, 1))
+    assert mode is RowMode.AR and "rsv leaves an attention-TP rank no rows (DP rows [1, 1] vs " \
+                                  "attn_tp=2)" in why, why
+    assert select_mode(both, (1, 1))[0] is RowMode.RS  # padded: a row on every rank
+    assert select_mode(rsv_only, (2, 3))[0] is RowMode.RSV  # a row on every rank
+
+
 @pytest.mark.timeout(120)
 def test_one_token_decode_under_auto_runs_the_ar_collectives(qwen3_dir):
     # one long and one short prompt, one per DP rank: a skewed prefill, then decode steps of
