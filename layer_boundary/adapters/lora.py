@@ -354,11 +354,11 @@ def attach_lora(model, adapters, checkpoint=None) -> dict[str, int]:
             if found is None:
                 continue  # another pipeline stage's layer
             linear, shard, ours = found
-            if getattr(linear, "absorbed", False):
+            absorbed = getattr(linear, "absorbed", None)  # why the linear never runs
+            if absorbed:
                 raise LoraError(f"{adapter.label}: {module} is a target, and the {model_type} "
-                                "model absorbs that projection into its attention (the cache "
-                                "holds the latent; the linear never runs): an adapter on it "
-                                "is not supported")
+                                f"model {absorbed}, so the linear never runs: an adapter on "
+                                "it is not supported")
             shape = _full_shape(linear, shard)
             if shape is None:
                 raise LoraError(f"{adapter.label}: {module} is a target, and the "

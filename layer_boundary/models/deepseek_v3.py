@@ -242,7 +242,7 @@ class DeepseekV3Attention(nn.Module):
             group, dtype=dtype, name="kv_b_proj")
         # forward absorbs kv_b_proj's weight into the queries and the output (the cache holds
         # the latent), so it never runs as a linear: an adapter on it could not apply
-        self.kv_b_proj.absorbed = True
+        self.kv_b_proj.absorbed = "absorbs it into its attention (the cache holds the latent)"
         # PARTIAL output contract: o_proj never reduces; the boundary owns the attn_tp sum.
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size,
                                         group, bias=bias, reduce_results=False, dtype=dtype,

@@ -96,6 +96,8 @@ class DeepseekV4Attention(nn.Module):
         per_group = cfg.num_attention_heads * cfg.head_dim // cfg.o_groups
         self.o_a_proj = ColumnParallelLinear(per_group, cfg.o_groups * cfg.o_lora_rank, group,
                                              dtype=dtype, name="o_a_proj")
+        # its weight runs group by group in one product (forward), never as this linear
+        self.o_a_proj.absorbed = "applies its weight group by group in one product"
         # PARTIAL output contract: o_b_proj never reduces; the boundary owns the attn_tp sum
         self.o_b_proj = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, group,
                                           reduce_results=False, dtype=dtype, name="o_b_proj")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 import logging
+import re
 import struct
 from pathlib import Path
 
@@ -370,23 +371,31 @@ def test_a_refused_adapter_leaves_the_model_unadapted(qwen3_dir, saved, tmp_path
                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
 
 
-def test_an_adapter_on_an_absorbed_projection_is_refused_by_name(tmp_path):
-    """DeepSeek-V3's MLA absorbs kv_b_proj into its queries and output (its cache holds the
-    latent), so that linear never runs: peft can adapt it, this model cannot, and says so
-    before attaching anything."""
-    from checkpoints.ds import hf_deepseek_v3
+@pytest.mark.parametrize("make,target,why", [
+    ("checkpoints.ds:hf_deepseek_v3", "kv_b_proj",
+     "absorbs it into its attention (the cache holds the latent)"),
+    ("checkpoints.ds4:hf_deepseek_v4", "o_a_proj",
+     "applies its weight group by group in one product")], ids=["v3-kv_b", "v4-o_a"])
+def test_an_adapter_on_an_absorbed_projection_is_refused_by_name(tmp_path, make, target, why):
+    """A linear whose weight the model applies other than as the linear: DeepSeek-V3's MLA
+    absorbs kv_b_proj into its queries and output (its cache holds the latent), DeepSeek-V4
+    runs o_a_proj's groups in one product. peft can adapt them, this model cannot (V4's
+    adapter was accepted and never applied), and says so before attaching anything."""
+    import importlib
 
     from layer_boundary.adapters.lora import LoraError, attach_lora
     from layer_boundary.models import load_model
     from layer_boundary.runtime.args import BoundaryRuntime
     from layer_boundary.runtime.parallel import ParallelDims, build_parallel
 
-    base = hf_deepseek_v3(tmp_path / "ds")
+    module, fn = make.split(":")
+    base = getattr(importlib.import_module(module), fn)(tmp_path / "base")
     folder = _peft_adapter(str(base), tmp_path / "a", 5, r=2, lora_alpha=4,
-                           target_modules=["q_proj", "kv_b_proj"])
+                           target_modules=["q_b_proj" if "v4" in fn else "q_proj", target])
     model = load_model(base, BoundaryRuntime(build_parallel(ParallelDims(world_size=1))))
-    with pytest.raises(LoraError, match=r"kv_b_proj is a target, and the deepseek_v3 model "
-                                        r"absorbs that projection into its attention"):
+    kind = "deepseek_v4" if "v4" in fn else "deepseek_v3"
+    with pytest.raises(LoraError, match=rf"{target} is a target, and the {kind} model "
+                                        rf"{re.escape(why)}, so the linear never runs"):
         attach_lora(model, [("a", str(folder))])
     assert not [m for m in model.modules() if getattr(m, "lora", None) is not None]
 
