@@ -258,15 +258,16 @@ def test_run_help_shows_the_flags_that_turn_graphs_off():
     assert "--captured-decode {inductor,eager}" in text
     for flag in ("--disable-cuda-graph", "--enforce-eager"):
         assert run.parse_args([flag]).disable_cuda_graph is True
-    assert run.parse_args([]).captured_decode == "inductor"
+    assert run.parse_args([]).captured_decode is None  # inductor, where graphs run
 
 
-def test_on_the_cpu_the_flag_is_ignored_by_name(capsys, restore_logger):
+@pytest.mark.parametrize("flag", [["--disable-cuda-graph"], ["--captured-decode", "eager"]])
+def test_on_the_cpu_the_flag_is_ignored_by_name(flag, capsys, restore_logger):
+    """``--captured-decode eager`` on the CPU was ignored silently."""
     from distributed.checks import cli
 
-    code, out = cli(["run", "--tp", "1", "--max-new-tokens", "1", "--disable-cuda-graph"],
-                    capsys)
+    code, out = cli(["run", "--tp", "1", "--max-new-tokens", "1", *flag], capsys)
     assert code == 0
-    assert out.splitlines()[0] == ("note: --disable-cuda-graph ignored: the CPU runs no CUDA "
+    assert out.splitlines()[0] == (f"note: {' '.join(flag)} ignored: the CPU runs no CUDA "
                                    "graphs")
     assert "CUDA graphs" not in out.split("\n", 1)[1]  # nothing else about graphs on the CPU

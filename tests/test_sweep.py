@@ -157,3 +157,21 @@ def test_the_feature_sample_has_a_layout_of_each_kind():
     compiled = [c.name() for c in combinations([SweepFeature.COMPILE], False, 4, False, 3)]
     assert compiled == ["tp1 auto +compile", "tp2 ar +compile", "tp2 rsv +compile",
                         "tp4 dp2 empty-dp rsv +compile"]
+
+
+def test_the_generated_adapter_is_one_run_takes_on_a_moe_model(qwen3_moe_dir, tmp_path):
+    """It targeted down_proj too, which peft turns on a MoE model into a LoRA on the stacked
+    experts (refused by name): every LoRA combination of a MoE sweep was refused."""
+    from layer_boundary.engine.args import build_parser
+    from layer_boundary.engine.sweep import _spec
+    from layer_boundary.engine.sweep_features import SweepFeature, feature_args, write_adapter
+    from layer_boundary.models import open_checkpoint
+
+    checkpoint = open_checkpoint(str(qwen3_moe_dir))
+    folder = write_adapter(checkpoint, tmp_path / "adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["o_proj", "q_proj", "v_proj"]
+    extra = feature_args(SweepFeature.LORA, checkpoint, str(qwen3_moe_dir), str(folder), 2)
+    spec, refusal = _spec(build_parser(), ["--model", str(qwen3_moe_dir)],
+                          Layout(2, policy="rsv"), DEFAULT_PROMPTS[:2], extra)
+    assert refusal is None and spec.prompt_lora == ("sweep", "none")

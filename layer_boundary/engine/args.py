@@ -303,10 +303,10 @@ def _device_args(run) -> None:
                           "inductor's graphs); SGLang's name, or vLLM's --enforce-eager. "
                           "Graphs are off anyway where a collective runs on gloo; on the CPU "
                           "there are none to disable")
-    run.add_argument("--captured-decode", choices=("inductor", "eager"), default="inductor",
+    run.add_argument("--captured-decode", choices=("inductor", "eager"), default=None,
                      help="what each captured decode graph holds on --device cuda: the step "
-                          "compiled by inductor (fewer kernels a layer; each token bucket "
-                          "compiles on its first step) or the eager step")
+                          "compiled by inductor (the default: fewer kernels a layer; each "
+                          "token bucket compiles on its first step) or the eager step")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="where each rank runs: cpu (gloo), or cuda (each rank on the GPU "
                           "LOCAL_RANK names; NCCL where every rank has one, else gloo with "

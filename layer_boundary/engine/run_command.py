@@ -111,7 +111,7 @@ def spec_from_args(args):
                    allreduce_fusion=not args.no_allreduce_fusion,
                    rs_padding=not args.no_rs_padding, fusions=args.fusion_provider,
                    device=args.device, cuda_graph=not args.disable_cuda_graph,
-                   captured_decode=args.captured_decode,
+                   captured_decode=args.captured_decode or "inductor",
                    check_agreement=args.check_agreement,
                    batch_invariant=args.batch_invariant,
                    compile=args.compile_backend or ("inductor" if args.compile else None))
@@ -173,8 +173,12 @@ def cmd_run(args) -> int:
 def _spawned_run(args, timeout) -> int:
     """``run`` on ranks this process spawns, then the reference and the report."""
     spec = spec_from_args(args)
-    if args.disable_cuda_graph and spec.device == "cpu" and not args.json:
-        log.info("note: --disable-cuda-graph ignored: the CPU runs no CUDA graphs")
+    if spec.device == "cpu":  # graph flags: named where they do nothing (on stderr: --json)
+        for flag, given in (("--disable-cuda-graph", args.disable_cuda_graph),
+                            (f"--captured-decode {args.captured_decode}",
+                             args.captured_decode is not None)):
+            if given:
+                log.info("note: %s ignored: the CPU runs no CUDA graphs", flag)
     if spec.tbo is TboPolicy.ALWAYS and not args.json:  # gloo ranks share this machine's cores
         log.info("note: --tbo always on gloo ranks that share CPU cores runs slower than the "
                  "plain forward (docs/features.md, Two-batch overlap); it proves the "

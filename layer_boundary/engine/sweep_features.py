@@ -44,8 +44,9 @@ _ARGS = {
 }
 
 ADAPTER = "sweep"  # the generated adapter's name under --lora
-# the linears the generated adapter targets where the checkpoint has them (peft's names)
-_ADAPTED = ("q_proj", "v_proj", "o_proj", "down_proj")
+# the attention projections the generated adapter targets where the model has them (peft's
+# names; an MLP's names are its experts' too on a MoE model, which peft adapts otherwise)
+_ADAPTED = ("q_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value")
 
 
 @dataclass(frozen=True)
@@ -117,25 +118,26 @@ def feature_args(feature: SweepFeature | None, checkpoint, folder: str,
 
 def write_adapter(checkpoint, folder: Path, seed: int = 0) -> Path | None:
     """A random PEFT LoRA adapter (r 4, alpha 8, ``init_lora_weights`` false: every delta
-    non-zero) on the checkpoint's attention and MLP projections that peft names ``_ADAPTED``,
-    written to ``folder``; None where the checkpoint has none of them."""
+    non-zero) on the model's attention projections that peft names ``_ADAPTED``, under
+    transformers' names (the model's ``transformers_names``), written to ``folder``; None
+    where the model has none of them."""
     import torch
     from safetensors.torch import save_file
 
+    from ..runtime.hf_names import transformers_tensors
     from ..runtime.safetensors_files import header_facts
 
-    facts = header_facts(checkpoint.folder)
-    targets = sorted({name for name, (shape, _) in facts.items()
-                      if len(shape) == 2 and name.endswith(".weight")
-                      and name.split(".")[-2] in _ADAPTED
-                      and ".experts." not in name})  # routed experts: no linear of peft's
+    named = transformers_tensors(checkpoint.model_class.transformers_names,
+                                 header_facts(checkpoint.folder), checkpoint.config)
+    targets = sorted((t for t in named.values() if t.linear and t.name.endswith(".weight")
+                      and t.name.split(".")[-2] in _ADAPTED), key=lambda t: t.name)
     if not targets:
         return None
     gen = torch.Generator().manual_seed(seed)
     rank, tensors = 4, {}
-    for name in targets:
-        out_features, in_features = facts[name][0]
-        module = name[:-len(".weight")]
+    for t in targets:
+        out_features, in_features = t.shape
+        module = t.name[:-len(".weight")]
         tensors[f"base_model.model.{module}.lora_A.weight"] = (
             torch.randn(rank, in_features, generator=gen) / in_features ** 0.5)
         tensors[f"base_model.model.{module}.lora_B.weight"] = (
@@ -144,7 +146,7 @@ def write_adapter(checkpoint, folder: Path, seed: int = 0) -> Path | None:
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 8, "lora_dropout": 0.0,
-        "target_modules": sorted({t.split(".")[-2] for t in targets}),
+        "target_modules": sorted({t.name.split(".")[-2] for t in targets}),
         "init_lora_weights": False, "bias": "none", "task_type": "CAUSAL_LM"}))
     return folder
 
