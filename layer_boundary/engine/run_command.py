@@ -179,12 +179,13 @@ def _spawned_run(args, timeout) -> int:
                              args.captured_decode is not None)):
             if given:
                 log.info("note: %s ignored: the CPU runs no CUDA graphs", flag)
-    if spec.tbo is TboPolicy.ALWAYS and not args.json:  # gloo ranks share this machine's cores
+    # what the run says while it works goes to stderr under --json (engine.logs)
+    if spec.tbo is TboPolicy.ALWAYS:  # gloo ranks share this machine's cores
         log.info("note: --tbo always on gloo ranks that share CPU cores runs slower than the "
                  "plain forward (docs/features.md, Two-batch overlap); it proves the "
                  "overlapped schedule's numbers, not a speed-up here")
     world = spec.world_size
-    if world > 1 and not args.json:  # before the wait: how many processes this starts
+    if world > 1:  # before the wait: how many processes this starts
         log.info("starting %d rank processes (%stp %d)", world,
                  f"pp {spec.pp} x " if spec.pp > 1 else "", spec.tp)
         log.info("each loads its shard of %s%s", spec.model_dir,
