@@ -175,3 +175,25 @@ def test_the_generated_adapter_is_one_run_takes_on_a_moe_model(qwen3_moe_dir, tm
     spec, refusal = _spec(build_parser(), ["--model", str(qwen3_moe_dir)],
                           Layout(2, policy="rsv"), DEFAULT_PROMPTS[:2], extra)
     assert refusal is None and spec.prompt_lora == ("sweep", "none")
+
+
+def test_a_model_the_sweep_writes_no_adapter_for_has_its_lora_rows_refused(qwen3_dir,
+                                                                          monkeypatch):
+    from layer_boundary.engine import sweep_features
+
+    monkeypatch.setattr(sweep_features, "write_adapter", lambda checkpoint, folder: None)
+    result = sweep(str(qwen3_dir), 1, None, 2, DEFAULT_PROMPTS,
+                   features=[sweep_features.SweepFeature.LORA], candidates=[Layout(1)])
+    assert result["run"] == 0 and result["verdict"] == "NOT_CHECKED"
+    assert result["refused"] == [{"layout": "tp1 auto +lora", "why": (
+        "the sweep's LoRA adapter targets the attention projections peft names q_proj, v_proj, "
+        "o_proj, qkv_proj, query_key_value; the qwen3 model has none of them")}]
+
+
+@pytest.mark.parametrize("value,message", [
+    ("foo", "--features 'foo': foo is not a feature (give sample, all, or some of tbo, "),
+    (",", "--features ',': names no feature (give sample, all, or some of tbo, ")])
+def test_features_that_name_nothing_known_are_refused(value, message, capsys):
+    code, _ = cli(["sweep", "--features", value], capsys)
+    assert code == 2
+    assert capsys.readouterr().err.startswith(f"layer-boundary: error: {message}")

@@ -63,11 +63,13 @@ def _argv(base: list[str], layout: Layout, prompts, extra=()) -> list[str]:
 
 def _spec(parser, base: list[str], layout: Layout, prompts, extra=()):
     """``run``'s spec for ``layout`` with ``extra`` arguments (every check ``run`` makes;
-    ``parser``: the command line's), or the refusal's words."""
+    ``parser``: the command line's; a callable: called for them, and what it raises is a
+    refusal too), or the refusal's words."""
     from .run_command import spec_from_args
 
-    args = parser.parse_args(_argv(base, layout, prompts, extra))
     try:
+        args = parser.parse_args(_argv(base, layout, prompts, extra() if callable(extra)
+                                       else extra))
         return replace(spec_from_args(args), check_agreement=True), None
     except (ValueError, RuntimeError) as exc:  # UsageError, CapabilityError, TopologyError
         return None, str(exc).splitlines()[0]
@@ -173,13 +175,14 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
     done = 0  # rows of the plan finished (run, refused or left out)
     with tempfile.TemporaryDirectory(prefix="layer-boundary-sweep-") as work:
         try:
-            adapter = (str(write_adapter(checkpoint, Path(work) / "adapter")) if any(
+            adapter = (write_adapter(checkpoint, Path(work) / "adapter") if any(
                 c.feature is not None and c.feature.value == "lora" for c in plan) else None)
+            adapter = None if adapter is None else str(adapter)
             for combo in plan:
                 layout, feature = combo.layout, combo.feature
                 # an empty DP rank: one request, on DP rank 0
                 asked = prompts[:1] if layout.empty else prompts
-                spec, refusal = _spec(parser, base, layout, asked, feature_args(
+                spec, refusal = _spec(parser, base, layout, asked, lambda: feature_args(
                     feature, checkpoint, folder, adapter, len(asked)))
                 if spec is None:
                     refused.append({"layout": combo.name(), "why": refusal})

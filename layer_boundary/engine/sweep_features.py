@@ -97,15 +97,22 @@ def combinations(features, every: bool, max_world: int, moe: bool, layers: int,
     return out
 
 
+class NoAdapter(ValueError):
+    """The sweep wrote no LoRA adapter for the model (why: the message)."""
+
+
 def feature_args(feature: SweepFeature | None, checkpoint, folder: str,
                  adapter: str | None, prompts: int) -> list[str]:
     """``run``'s arguments for ``feature`` on the checkpoint at ``folder`` (``adapter``: the
-    generated LoRA folder; ``prompts``: how many the row runs, alternately adapted)."""
+    generated LoRA folder; ``prompts``: how many the row runs, alternately adapted). A LoRA
+    row without an adapter raises ``NoAdapter``, the reason the row is refused."""
     if feature is None:
         return []
     if feature is SweepFeature.LORA:
         if adapter is None:
-            return ["--lora", f"{ADAPTER}="]  # run refuses it, by name: no folder
+            raise NoAdapter(f"the sweep's LoRA adapter targets the attention projections peft "
+                            f"names {', '.join(_ADAPTED)}; the {checkpoint.model_type} model "
+                            "has none of them")
         chosen = [ADAPTER if i % 2 == 0 else "none" for i in range(prompts)]
         return ["--lora", f"{ADAPTER}={adapter}",
                 *[arg for name in chosen for arg in ("--prompt-lora", name)]]
@@ -160,6 +167,7 @@ def parse_features(text: str) -> tuple[list[SweepFeature], bool]:
     known = {f.value: f for f in SweepFeature}
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise ValueError(f"--features {text!r}: {', '.join(unknown) or 'nothing named'} is not "
-                         f"a feature (sample, all, or some of {', '.join(known)})")
+        what = f"{', '.join(unknown)} is not a feature" if unknown else "names no feature"
+        raise ValueError(f"--features {text!r}: {what} (give sample, all, or some of "
+                         f"{', '.join(known)})")
     return [known[n] for n in dict.fromkeys(names)], False
