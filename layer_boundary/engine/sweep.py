@@ -101,28 +101,18 @@ def _reference_of(spec):
 
 
 def _judge(layout: Layout, feature, spec, results, reference) -> Row:
-    """A row's verdict: parity against the reference, the exactly-once audit, and batch
-    invariance where the row runs it."""
-    from .parity import parity, verdict_ok
-    from .report import audit_summary, invariance_check, reads_quantized
-    from .runner import merge
+    """A row's verdict, judged as ``run`` judges its own (``verdict.judge``: parity against the
+    reference, the exactly-once audit, batch invariance where the row runs it); its detail
+    names each check that failed."""
+    from .verdict import Status, judge
 
-    run = merge(results)
-    verdict = parity(run, reference)
-    ok, how = verdict_ok(verdict, spec.dtype, run, reference, quantized=reads_quantized(spec))
-    audited = audit_summary(results)
+    outcome = judge(spec, results, reference)
+    audited = outcome.audited
     once = ("not audited: " + audited["why"] if not audited["audited"] else
             "PASS" if not audited["violations"] else "; ".join(audited["violations"][:3]))
-    problems = [] if ok else [f"tokens {'match' if verdict['tokens_match'] else 'differ'}, "
-                              f"{how}"]
-    if audited["violations"]:
-        problems.append("exactly once failed")
-    if spec.batch_invariant:
-        invariance = invariance_check(run, results)
-        if not invariance["ok"]:
-            problems.append("batch invariance: " + "; ".join(invariance["differences"][:2]))
-    return Row(layout, "FAIL" if problems else "PASS", "; ".join(problems),
-               verdict["max_abs_diff"], sum(e.bytes for e in results[0].ledger),
+    failed = [f"{c.name}: {c.reason}" for c in outcome.checks if c.status is Status.FAIL]
+    return Row(layout, outcome.status.value, "; ".join(failed),
+               outcome.verdict["max_abs_diff"], sum(e.bytes for e in results[0].ledger),
                exactly_once=once, feature=feature)
 
 
