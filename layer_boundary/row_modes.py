@@ -36,7 +36,7 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
         if why_ar is not None:
             return RowMode.AR, why_ar
     if runtime.allows_rsv:
-        if (not scattered and not cp and torch.compiler.is_compiling()
+        if (not cp and torch.compiler.is_compiling()
                 and min(parts, default=0) < dims.attn_tp):
             reason = (f"rsv leaves an attention-TP rank no rows (DP rows {list(parts)} vs "
                       f"attn_tp={dims.attn_tp}), and a compiled graph must have every rank's "

@@ -68,6 +68,16 @@ def test_a_compiled_forward_takes_no_rsv_that_leaves_a_rank_no_rows(monkeypatch)
                                   "attn_tp=2)" in why, why
     assert select_mode(both, (1, 1))[0] is RowMode.RS  # padded: a row on every rank
     assert select_mode(rsv_only, (2, 3))[0] is RowMode.RSV  # a row on every rank
+    # a sequence-parallel prefill of one row (it hung too): padded, or refused by name
+    variants = (BatchVariant.ORDINARY, BatchVariant.SEQUENCE_PARALLEL)
+    sp = [BoundaryRuntime(virtual_parallel(ParallelDims(world_size=2, tp=2)),
+                          boundary_reduction=policy, batch_variants=variants)
+          for policy in ("rs+rsv", "rsv")]
+    assert select_mode(sp[0], (1,), variant=BatchVariant.SEQUENCE_PARALLEL)[0] is RowMode.RS
+    with pytest.raises(ValueError, match=r"^a sequence-parallel batch keeps its residual "
+                                         r"scattered over attention TP and has no ar path: rsv "
+                                         r"leaves an attention-TP rank no rows \(DP rows \[1\]"):
+        select_mode(sp[1], (1,), variant=BatchVariant.SEQUENCE_PARALLEL)
 
 
 @pytest.mark.timeout(120)
@@ -88,3 +98,18 @@ def test_one_token_decode_under_auto_runs_the_ar_collectives(qwen3_dir):
         assert step(a, 1) == step(b, 1) and step(a, 2) == step(b, 2)
         prefill = [sum(e.bytes for e in r.ledger if e.step == 0) for r in (a, b)]
         assert prefill[0] < prefill[1], prefill
+
+
+def test_a_compiled_sequence_parallel_run_needs_padding_permitted(capsys, restore_logger):
+    """Under rsv alone such a run hung (or, with the choice above, failed on every rank inside
+    the compiler) on a prefill shorter than attention TP: refused by name before any rank."""
+    from distributed.checks import cli
+
+    code, _ = cli(["run", "--tp", "2", "--sequence-parallel", "--compile", "--boundary-reduction",
+                   "rsv", "--prompt-ids", "1"], capsys)
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "layer-boundary: error: --sequence-parallel with --compile needs a padded "
+        "reduce-scatter permitted (--boundary-reduction rs or rs+rsv): a compiled prefill of "
+        "fewer rows than attention TP (2) leaves a rank none under rsv, and every rank's graph "
+        "must have the same shapes\n")

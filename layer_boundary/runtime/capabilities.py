@@ -278,6 +278,16 @@ def _dispatch_rows(setup: Setup) -> str | None:
             "equal to --tp)")
 
 
+def _compiled_scatter(setup: Setup) -> str | None:
+    if (Feature.COMPILE not in setup.features or setup.policy != "rsv" or setup.dims is None
+            or setup.dims.attn_tp == 1):
+        return None
+    return (f"{Feature.SEQUENCE_PARALLEL.flag} with {Feature.COMPILE.flag} needs a padded "
+            "reduce-scatter permitted (--boundary-reduction rs or rs+rsv): a compiled prefill "
+            f"of fewer rows than attention TP ({setup.dims.attn_tp}) leaves a rank none under "
+            "rsv, and every rank's graph must have the same shapes")
+
+
 MODEL_RULES: tuple[Rule, ...] = (
     Rule(None, "the model's config shards over the topology (its check_parallel)", _sharding),
     Rule(Feature.CP, "the model declares context_parallel",
@@ -307,6 +317,8 @@ LAYOUT_RULES: tuple[Rule, ...] = (
          "(its residual stays scattered: there is no ar path)",
          _scattered_residual(Feature.SEQUENCE_PARALLEL)),
     Rule(Feature.MOE_A2A, "a reduce-scatter policy where attention TP > 1", _dispatch_rows),
+    Rule(Feature.SEQUENCE_PARALLEL, "compiled: a padded reduce-scatter permitted (rs or rs+rsv)",
+         _compiled_scatter),
 )
 
 
