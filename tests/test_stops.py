@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,8 +70,30 @@ def test_a_stopped_sweep_prints_its_table_so_far(qwen3_dir, how, as_json):
     if as_json:
         result = json.loads(out)
         assert result["stopped"]["signal"] == name and result["stopped"]["not_started"]
+        assert result["verdict"] == "STOPPED"
         assert [r["layout"] for r in result["rows"]][:1] == ["tp1 auto"]
     else:
         assert "\n  tp1 auto " in out
-        assert f"stopped by {name}: not started: " in out
+        assert re.search(rf"\nstopped by {name}: (interrupted: [^;]+; )?not started: ", out)
+        assert f"\nverdict: STOPPED (by {name} after " in out
     assert "Traceback" not in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_signal_while_torch_loads_is_a_stop_too(how):
+    """Ctrl-C in the second or more the command spends importing torch (before it reached
+    its handler) was a KeyboardInterrupt traceback, and SIGTERM a death by the signal with
+    no JSON. The signal is sent where the command's body starts, before its imports."""
+    script = ("import os, sys\n"
+              "import layer_boundary.engine.cli as cli\n"
+              f"cli.set_level = lambda name: os.kill(os.getpid(), {int(how)})\n"
+              "sys.exit(cli.main(['run', '--json']))\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True,
+                          text=True, timeout=50)
+    name = signal.Signals(how).name
+    assert proc.returncode == 128 + how, (proc.returncode, proc.stderr)
+    assert json.loads(proc.stdout) == {"verdict": "STOPPED", "exit_code": 128 + how,
+                                       "error": f"stopped by {name}; every rank it started "
+                                                "is stopped"}
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -113,6 +113,32 @@ def test_a_sweep_that_runs_nothing_fails(qwen3_dir, capsys):
                         err), err
 
 
+def test_a_stopped_sweeps_verdict_is_stopped(qwen3_dir, capsys):
+    """A sweep stopped by a signal exits 128 + its number, and its JSON and table said PASS
+    (every row so far passed) and listed the row it interrupted as not started."""
+    import signal
+
+    from layer_boundary.engine.logs import setup_logging
+    from layer_boundary.engine.run_command import Stopped
+    from layer_boundary.engine.sweep import print_table
+
+    def progress(line: str) -> None:  # SIGTERM as the second row starts
+        if line.strip().startswith("tp2"):
+            raise Stopped(signal.SIGTERM)
+
+    result = sweep(str(qwen3_dir), 2, None, 2, DEFAULT_PROMPTS, progress=progress,
+                   candidates=[Layout(1), Layout(2, policy="ar"), Layout(2, policy="rs")])
+    assert [(r["layout"], r["verdict"]) for r in result["rows"]] == [("tp1 auto", "PASS")]
+    assert result["verdict"] == "STOPPED"
+    assert result["stopped"] == {"signal": "SIGTERM", "exit_code": 128 + signal.SIGTERM,
+                                 "interrupted": "tp2 ar", "not_started": ["tp2 rs"]}
+    setup_logging(0)
+    print_table(result)
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "stopped by SIGTERM: interrupted: tp2 ar; not started: tp2 rs",
+        "verdict: STOPPED (by SIGTERM after 1 layouts: 1 passed)"]
+
+
 def test_the_largest_world_is_bounded(capsys):
     """``--max-world 2**62`` listed layouts for ever before the budget was read."""
     from layer_boundary.engine.cli import main

@@ -17,6 +17,7 @@ import sys
 # and --version answer before torch loads
 from .args import UsageError, build_parser
 from .logs import set_level, setup_logging
+from .stops import Stopped, stop_on_sigterm
 
 log = logging.getLogger("layer_boundary")  # what bench says while it works
 report = logging.getLogger("layer_boundary.report")  # its result
@@ -64,14 +65,34 @@ def _json_outcome(verdict: str, message: str, code: int) -> None:
 
 def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # argparse refused the arguments (its message is on stderr)
-        if exc.code == 2 and "--json" in argv:
-            _json_outcome("ERROR", "the arguments were refused (argparse's message is on "
-                                   "stderr)", 2)
-        raise
-    as_json = bool(getattr(args, "json", False))
+    as_json = "--json" in argv
+    # SIGTERM and Ctrl-C stop the command from here on, torch's import included (a second or
+    # more: a signal there was a KeyboardInterrupt traceback, or a death with nothing said)
+    with stop_on_sigterm():
+        try:
+            try:
+                args = build_parser().parse_args(argv)
+            except SystemExit as exc:  # argparse refused the arguments (its message: stderr)
+                if exc.code == 2 and as_json:
+                    _json_outcome("ERROR", "the arguments were refused (argparse's message "
+                                           "is on stderr)", 2)
+                raise
+            as_json = bool(getattr(args, "json", False))
+            return _command(args, as_json)
+        except (Stopped, KeyboardInterrupt) as exc:
+            # SIGTERM or Ctrl-C (SIGINT): the spawner has stopped the ranks on the way out
+            name, code = ((exc.signal, exc.code) if isinstance(exc, Stopped)
+                          else ("SIGINT", 128 + signal.SIGINT))
+            message = f"stopped by {name}; every rank it started is stopped"
+            print(f"layer-boundary: {message}", file=sys.stderr)
+            if as_json:
+                _json_outcome("STOPPED", message, code)
+            return code
+
+
+def _command(args, as_json: bool) -> int:
+    """The command ``args`` name, its named errors each one line on stderr (and ``--json``'s
+    object) with its exit status."""
     set_level(getattr(args, "log_level", "info"))
     if getattr(args, "fusion_provider", None) == "triton" or getattr(args, "features", None):
         # without CUDA the kernels run under the interpreter, chosen before anything imports
@@ -87,7 +108,6 @@ def _main(argv) -> int:
     from ..models.loader import CheckpointError
     from ..runtime.parallel import TopologyError
     from ..runtime.launch import RankError
-    from .run_command import Stopped
 
     try:
         if args.command == "run":
@@ -116,15 +136,6 @@ def _main(argv) -> int:
         if as_json:
             _json_outcome("ERROR", f"{exc}{hint}", 1)
         return 1
-    except (Stopped, KeyboardInterrupt) as exc:
-        # SIGTERM or Ctrl-C (SIGINT): the spawner has stopped the ranks on the way out
-        name, code = ((exc.signal, exc.code) if isinstance(exc, Stopped)
-                      else ("SIGINT", 128 + signal.SIGINT))
-        message = f"stopped by {name}; every rank it started is stopped"
-        print(f"layer-boundary: {message}", file=sys.stderr)
-        if as_json:
-            _json_outcome("STOPPED", message, code)
-        return code
     return 0
 
 

@@ -4,11 +4,8 @@ world-1 reference, and the report."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
-import threading
 from dataclasses import replace
 
 import torch
@@ -32,6 +29,7 @@ from .logits_file import check_target
 from .logs import setup_logging
 from .report import report
 from .runner import RunSpec, backend_for, merge, run_rank
+from .stops import Stopped, stop_on_sigterm  # noqa: F401 - run_command's names too
 
 log = logging.getLogger("layer_boundary")
 
@@ -210,33 +208,6 @@ def _spawned_run(args, timeout) -> int:
 # a compiling rank may reach its first collective minutes after a peer (cold inductor caches)
 COMPILE_COLLECTIVE_TIMEOUT_S = 900.0
 TORCHRUN_COLLECTIVE_TIMEOUT_S = 15.0
-
-
-class Stopped(SystemExit):
-    """The job was stopped by a signal (SIGTERM): its exit status is 128 + the signal's
-    number, and the CLI names the signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signal = signal.Signals(signum).name
-
-
-@contextlib.contextmanager
-def stop_on_sigterm():
-    """SIGTERM ends the job like Ctrl-C (the spawner stops every rank on its way out), as a
-    ``Stopped`` the CLI reports by name."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        raise Stopped(signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def reference_run(spec):

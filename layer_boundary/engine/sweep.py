@@ -163,6 +163,7 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
     rows, refused, skipped, stopped = [], [], [], None
     started = time.perf_counter()
     done = 0  # rows of the plan finished (run, refused or left out)
+    running = None  # the row started and not finished (what a signal interrupts)
     with tempfile.TemporaryDirectory(prefix="layer-boundary-sweep-") as work:
         try:
             adapter = (write_adapter(checkpoint, Path(work) / "adapter") if any(
@@ -179,8 +180,9 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
                 elif budget is not None and time.perf_counter() - started > budget:
                     skipped.append(combo.name())
                 else:
+                    running = combo.name()
                     if progress is not None:
-                        progress(f"  {combo.name()} ...")
+                        progress(f"  {running} ...")
                     key = (asked, spec.lora, spec.prompt_lora)
                     if key not in references:
                         references[key] = _reference_of(spec)
@@ -188,12 +190,14 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
                     name = None if feature is None else feature.value
                     rows.append(Row(layout, "ERROR", error, feature=name) if results is None
                                 else _judge(layout, name, spec, results, references[key]))
+                    running = None
                 done += 1
         except (Stopped, KeyboardInterrupt) as exc:  # the rows so far are the result
             stopped = {"signal": exc.signal if isinstance(exc, Stopped) else "SIGINT",
                        "exit_code": exc.code if isinstance(exc, Stopped)
                        else 128 + signal.SIGINT,
-                       "not_started": [c.name() for c in plan[done:]]}
+                       "interrupted": running,
+                       "not_started": [c.name() for c in plan[done + (running is not None):]]}
     return _result(folder, max_world, features, rows, refused, skipped, stopped,
                    time.perf_counter() - started)
 
@@ -215,7 +219,8 @@ def _result(folder, max_world, features, rows, refused, skipped, stopped, second
     passed = sum(r.verdict == "PASS" for r in rows)
     return {"model": folder, "max_world": max_world,
             "features": None if features is None else [f.value for f in features],
-            "verdict": ("NOT_CHECKED" if not rows else
+            # a stopped sweep's verdict is its exit status's: it proved part of its plan
+            "verdict": ("STOPPED" if stopped else "NOT_CHECKED" if not rows else
                         "PASS" if passed == len(rows) else "FAIL"),
             "rows": [r.record() for r in rows],
             "refused": refused, "refused_by_reason": by_reason, "skipped": skipped,
@@ -247,10 +252,14 @@ def print_table(result: dict) -> None:
             report.info("  %3d x %s", count, why)
     if result["skipped"]:
         report.info("left out by --budget: %s", ", ".join(result["skipped"]))
-    if result["stopped"]:
-        report.info("stopped by %s: not started: %s", result["stopped"]["signal"],
-                    ", ".join(result["stopped"]["not_started"]) or "none")
-    if not rows:
+    stopped = result["stopped"]
+    if stopped:
+        report.info("stopped by %s: %snot started: %s", stopped["signal"],
+                    f"interrupted: {stopped['interrupted']}; " if stopped.get("interrupted")
+                    else "", ", ".join(stopped["not_started"]) or "none")
+        report.info("verdict: STOPPED (by %s after %d %s: %d passed)", stopped["signal"],
+                    result["run"], what, result["passed"])
+    elif not rows:
         report.info("verdict: NOT_CHECKED (no %s ran: nothing was compared)", what[:-1])
     else:
         report.info("verdict: %s (%d of %d %s passed)", result["verdict"], result["passed"],
