@@ -37,7 +37,7 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
             return RowMode.AR, why_ar
     if runtime.allows_rsv:
         if (not cp and torch.compiler.is_compiling()
-                and min(parts, default=0) < dims.attn_tp):
+                and (min(parts) if parts else 0) < dims.attn_tp):  # (no default=: dynamo)
             reason = (f"rsv leaves an attention-TP rank no rows (DP rows {list(parts)} vs "
                       f"attn_tp={dims.attn_tp}), and a compiled graph must have every rank's "
                       "shapes: a rank's empty share makes its next collective independent of "

@@ -113,3 +113,20 @@ def test_a_compiled_sequence_parallel_run_needs_padding_permitted(capsys, restor
         "reduce-scatter permitted (--boundary-reduction rs or rs+rsv): a compiled prefill of "
         "fewer rows than attention TP (2) leaves a rank none under rsv, and every rank's graph "
         "must have the same shapes\n")
+
+
+def test_the_compiled_choice_traces_with_symbolic_row_counts():
+    """``run --compile --tp 2 --boundary-reduction rsv`` on a Nemotron-H failed on every rank
+    (found by ``sweep --features``): its row counts reach the choice as symbolic sizes, and
+    dynamo has no handler for ``min(parts, default=0)``."""
+    import torch
+
+    rsv_only = _runtime(4, 2, "rsv", by_bytes=False)
+
+    @torch.compile(fullgraph=True, backend="eager", dynamic=True)
+    def rsv_taken(x):
+        mode, _ = select_mode(rsv_only, (x.shape[0], x.shape[0]))
+        return x.sum() * 0 + (mode is RowMode.RSV)
+
+    assert rsv_taken(torch.ones(3)).item() == 1  # a row on every rank
+    assert rsv_taken(torch.ones(1)).item() == 0  # [1, 1] over attention TP 2: ar
