@@ -72,6 +72,7 @@ def report(args, spec, results, reference, why_unchecked: str = "nothing compare
     else:
         _text(args, spec, results, outcome)
         _collectives_text(spec, results[0])
+        log.info("\n%s", verdict_line(outcome.checks))  # the report's last line, as documented
     required = outcome.check("required fusions")
     if required is not None and required.status is Status.FAIL:
         import sys
@@ -170,7 +171,6 @@ def _text(args, spec, results, outcome: Outcome) -> None:
                  parity_check.status.value,
                  "match" if verdict["tokens_match"] else "DIFFER", verdict["max_abs_diff"],
                  outcome.how)
-    log.info("%s", verdict_line(outcome.checks))
     log.info("\nboundary paths (per stage; row mode per forward: %s):",
              ", ".join(f"step {i} {m}" for i, m in enumerate(rank0.modes)))
     for head in (r for r in results if r.rank % spec.tp == 0):  # one rank per pipeline stage
