@@ -139,6 +139,19 @@ def test_a_stopped_sweeps_verdict_is_stopped(qwen3_dir, capsys):
         "verdict: STOPPED (by SIGTERM after 1 layouts: 1 passed)"]
 
 
+def test_a_failed_rows_detail_says_what_failed():
+    """A row whose ranks failed read "RankError: a rank failed:" (the rank's error is the next
+    line); an error with no message ended the sweep in an IndexError."""
+    from layer_boundary.engine.sweep import error_words
+    from layer_boundary.runtime.launch import RankError
+
+    failed = RankError("a rank failed:\nrank 1: Unsupported: invalid call to builtin op\n"
+                       "  Explanation: ...")
+    assert error_words(failed) == "a rank failed: rank 1: Unsupported: invalid call to builtin op"
+    assert error_words(AssertionError()) == "AssertionError"
+    assert error_words(failed, lines=1, limit=None) == "a rank failed:"
+
+
 def test_the_largest_world_is_bounded(capsys):
     """``--max-world 2**62`` listed layouts for ever before the budget was read."""
     from layer_boundary.engine.cli import main

@@ -72,7 +72,7 @@ def _spec(parser, base: list[str], layout: Layout, prompts, extra=()):
                                        else extra))
         return replace(spec_from_args(args), check_agreement=True), None
     except (ValueError, RuntimeError) as exc:  # UsageError, CapabilityError, TopologyError
-        return None, str(exc).splitlines()[0]
+        return None, error_words(exc, lines=1, limit=None)  # counted by reason: one line
 
 
 def _run(spec) -> tuple[list | None, str]:
@@ -87,7 +87,16 @@ def _run(spec) -> tuple[list | None, str]:
         return spawn(rank_entry, spec.world_size, spec,
                      backend=backend_for(spec.device, spec.world_size)), ""
     except Exception as exc:  # a failed layout is a row of the table, named
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        return None, f"{type(exc).__name__}: {error_words(exc)}"
+
+
+def error_words(exc: BaseException, lines: int = 2, limit: int | None = 300) -> str:
+    """What ``exc`` says, in one line of at most ``limit`` characters: its first ``lines``
+    non-empty lines (a ``RankError``'s first is only "a rank failed:", the rank's error the
+    next), or its type's name where it says nothing (an empty message ended the sweep in an
+    IndexError)."""
+    said = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(said[:lines])[:limit] or type(exc).__name__
 
 
 def _reference_of(spec):
