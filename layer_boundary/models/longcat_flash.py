@@ -296,7 +296,11 @@ class LongcatFlashDecoderLayer(nn.Module):
     def forward(self, positions, hidden_states, forward_batch):
         fb = forward_batch
         h = self.attn0_boundary.prepare(hidden_states, fb)  # qkv latent of attention 0
-        h = self.attn0_boundary.finish(self._attention(0, h, positions, fb), fb)
+        # each attention inside its exit scope, which publishes each row's LoRA adapter to
+        # its linears (finish() alone left an adapted o_proj none: a RuntimeError mid-forward)
+        with self.attn0_boundary.exit(fb) as output:
+            a = self._attention(0, h, positions, fb)
+        h = output.finish(a)
 
         h = self.moe_boundary.prepare(h, fb)  # post_attention_layernorm[0] on global rows
         with self.moe_boundary.exit(fb) as output:
@@ -308,7 +312,9 @@ class LongcatFlashDecoderLayer(nn.Module):
             y = self.mlps[0](x)
         y = output.finish(y)
         y = self.attn1_boundary.prepare(y, fb)
-        y = self.attn1_boundary.finish(self._attention(1, y, positions, fb), fb)
+        with self.attn1_boundary.exit(fb) as output:
+            a = self._attention(1, y, positions, fb)
+        y = output.finish(a)
         y = self.mlp1_boundary.prepare(y, fb)
         with self.mlp1_boundary.exit(fb) as output:
             z = self.mlps[1](y)

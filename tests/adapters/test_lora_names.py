@@ -74,6 +74,12 @@ CASES = {
                       "gpt_neox.layers.0.attention.query_key_value.base_layer.weight",
                       "gpt_neox.layers.1.mlp.dense_h_to_4h.weight"),
                      ("embed_out.weight",)),
+    # each layer's two attentions published without an exit scope: an adapted o_proj found
+    # no adapter rows (a RuntimeError mid-forward); its stacked experts count identity ones
+    "longcat": Case("checkpoints.lc:hf_longcat_flash", ("o_proj",),
+                    ("model.layers.0.mlp.experts.gate_up_proj",
+                     "model.layers.0.self_attn.1.o_proj.base_layer.weight"),
+                    ("model.layers.0.mlp.experts.1.up_proj.weight",)),
     "phi3": Case("checkpoints.phi3:hf_phi3", ("qkv_proj", "gate_up_proj", "o_proj"),
                  ("model.layers.0.mlp.gate_up_proj.base_layer.weight",
                   "model.layers.1.self_attn.qkv_proj.base_layer.weight"),
