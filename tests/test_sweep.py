@@ -216,6 +216,30 @@ def test_the_generated_adapter_is_one_run_takes_on_a_moe_model(qwen3_moe_dir, tm
     assert refusal is None and spec.prompt_lora == ("sweep", "none")
 
 
+def test_the_generated_adapter_leaves_a_nextn_layer_alone(tmp_path):
+    """A DeepSeek-V3 storing its NextN layer after the stack (as it ships): the adapter
+    targeted that layer's projections too, which transformers has no module for, and every
+    LoRA row of its sweep was refused."""
+    from safetensors import safe_open
+    from checkpoints.ds import hf_deepseek_v3_nextn
+
+    from layer_boundary.engine.args import build_parser
+    from layer_boundary.engine.sweep import _spec
+    from layer_boundary.engine.sweep_features import SweepFeature, feature_args, write_adapter
+    from layer_boundary.models import open_checkpoint
+
+    path = hf_deepseek_v3_nextn(tmp_path / "ds3")
+    checkpoint = open_checkpoint(str(path))
+    folder = write_adapter(checkpoint, tmp_path / "adapter")
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+        layers = {k.split(".")[4] for k in f.keys()}
+    assert layers == {"0", "1", "2"}  # the stack's, not NextN layer 3
+    extra = feature_args(SweepFeature.LORA, checkpoint, str(path), str(folder), 2)
+    spec, refusal = _spec(build_parser(), ["--model", str(path)], Layout(1),
+                          DEFAULT_PROMPTS[:2], extra)
+    assert refusal is None and spec.prompt_lora == ("sweep", "none")
+
+
 def test_a_model_the_sweep_writes_no_adapter_for_has_its_lora_rows_refused(qwen3_dir,
                                                                           monkeypatch):
     from layer_boundary.engine import sweep_features

@@ -259,5 +259,10 @@ class CausalLM(nn.Module):
     def transformers_tensors(self, facts: dict) -> dict:
         """{transformers' parameter name: ``runtime.hf_names.HfTensor``} of the checkpoint
         whose safetensors headers are ``facts`` ({name: (shape, dtype)}), as this model's
-        ``transformers_names`` declare them."""
-        return transformers_tensors(self.transformers_names, facts, self.config)
+        ``transformers_names`` declare them. The layers this model never loads (the MTP/NextN
+        layers a checkpoint stores after its stack: its ``skipped_params`` prefixes) are no
+        parameter of transformers' model either, which ignores them on load."""
+        skipped = tuple(p for p in self.skipped_params() if p.endswith("."))
+        return transformers_tensors(self.transformers_names,
+                                    {n: f for n, f in facts.items() if not n.startswith(skipped)}
+                                    if skipped else facts, self.config)

@@ -74,6 +74,12 @@ CASES = {
                       "gpt_neox.layers.0.attention.query_key_value.base_layer.weight",
                       "gpt_neox.layers.1.mlp.dense_h_to_4h.weight"),
                      ("embed_out.weight",)),
+    # the NextN layer stored after the stack is no module of transformers' (peft ignores its
+    # tensors; the map named its linears, so the sweep's adapter targeted them, refused)
+    "deepseek_v3_nextn": Case("checkpoints.ds:hf_deepseek_v3_nextn", ("o_proj",),
+                              ("model.layers.1.mlp.experts.gate_up_proj",),
+                              ("model.layers.3.enorm.weight",
+                               "model.layers.3.self_attn.o_proj.base_layer.weight")),
     # each layer's two attentions published without an exit scope: an adapted o_proj found
     # no adapter rows (a RuntimeError mid-forward); its stacked experts count identity ones
     "longcat": Case("checkpoints.lc:hf_longcat_flash", ("o_proj",),

@@ -35,5 +35,15 @@ def hf_deepseek_v3(path: Path, *, seed: int = 0, tie: bool = False, rope_theta: 
     return Path(path)
 
 
+def hf_deepseek_v3_nextn(path: Path, **kwargs) -> Path:
+    """``hf_deepseek_v3`` with a NextN layer stored after its stack (as DeepSeek-V3 ships it;
+    transformers' model has no parameter for it)."""
+    from layer_boundary.models.nextn import add_nextn_layer
+
+    path = hf_deepseek_v3(path, **kwargs)
+    add_nextn_layer(path)
+    return path
+
+
 def hf_deepseek_v3_reference(path: Path):
     return hf_oracle("DeepseekV3ForCausalLM", path)
