@@ -12,6 +12,7 @@ import torch
 
 from .contracts import BatchVariant, UnsupportedBoundary
 from .layout import RowMode
+from .runtime.invariant import BATCH_INVARIANT
 
 
 # the batch variants that keep the residual scattered over attention TP in every stage
@@ -31,7 +32,10 @@ def select_mode(runtime, counts: tuple[int, ...], parts: tuple[int, ...] | None 
     scattered = keeps_scattered(runtime, variant)
     # an ordinary batch only: a variant the engine asked for (input-scattered attention) keeps
     # the policy's scattered mode, where its path differs
-    if runtime.choose_by_bytes and variant is BatchVariant.ORDINARY and not scattered and not cp:
+    # batch-invariant: the policy's mode for every batch (chosen by a batch's bytes, a request
+    # alone took ar and the batch rsv: other bits at tp 4 dp 2, with choose_by_bytes=True)
+    if (runtime.choose_by_bytes and not BATCH_INVARIANT.on and variant is BatchVariant.ORDINARY
+            and not scattered and not cp):
         why_ar = _ar_is_cheaper(runtime, counts)
         if why_ar is not None:
             return RowMode.AR, why_ar

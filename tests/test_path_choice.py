@@ -130,3 +130,15 @@ def test_the_compiled_choice_traces_with_symbolic_row_counts():
 
     assert rsv_taken(torch.ones(3)).item() == 1  # a row on every rank
     assert rsv_taken(torch.ones(1)).item() == 0  # [1, 1] over attention TP 2: ar
+
+
+def test_the_batch_invariant_mode_never_chooses_by_bytes():
+    """A library runtime built with choose_by_bytes=True, run under ``batch_invariant()``: a
+    request alone took ar, in the batch rsv, so its logits were other bits (tp 4, dp 2:
+    5e-7 apart); the command line turned the choice off, the library did not."""
+    from layer_boundary.runtime.invariant import batch_invariant
+
+    rt = _runtime(4, 2, by_bytes=True)
+    assert select_mode(rt, (1, 1))[0] is RowMode.AR  # off the mode: the bytes decide
+    with batch_invariant():
+        assert select_mode(rt, (1, 1))[0] is select_mode(rt, (40, 3))[0] is RowMode.RSV
