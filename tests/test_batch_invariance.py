@@ -297,6 +297,44 @@ def test_a_model_that_declares_it_cannot_is_refused_by_name(qwen3_dir, monkeypat
         model(SimpleNamespace(tbo=False))  # refused before the forward reads anything
 
 
+def test_a_parallel_block_under_attention_dp_is_refused_by_name(tmp_path, capsys):
+    """Cohere's and GPT-NeoX's parallel blocks add each DP rank's attention output into its
+    rows of the FFN's sum over TP (LongCat-Flash its branch's), so a request's bits followed
+    the DP rank a batch put it on: ``run --tp 2 --dp 2 --batch-invariant`` failed its own
+    check (6e-7 to 1e-6 apart on DP rank 1). Refused by name by the command line and the
+    library; without attention DP, or with sequential blocks, it runs."""
+    from layer_boundary.engine.runner import runtime_of, with_checkpoints
+    from layer_boundary.runtime.parallel import virtual_parallel
+    from checkpoints.cohere import hf_cohere
+    from checkpoints.gpt_neox import hf_neox
+
+    cohere = hf_cohere(tmp_path / "cohere")
+    capsys.readouterr()  # what writing it said
+    code, _ = cli(["run", "--model", str(cohere), "--tp", "2", "--dp", "2",
+                   "--batch-invariant"], capsys)
+    message = ("cohere cannot run --batch-invariant (runtime.invariant.batch_invariant) with "
+               "attention DP 2: its parallel block adds each DP rank's attention output into "
+               "that rank's rows of the FFN's sum over TP, so where a request's attention "
+               "output enters the sum, and its last bits, follow the DP rank a batch puts it on")
+    assert code == 2 and capsys.readouterr().err == f"layer-boundary: error: {message}\n"
+    spec = with_checkpoints(RunSpec(str(cohere), tp=2, dp=2))
+    runtime = runtime_of(spec, virtual_parallel(spec.dims()))
+    exactly = f"^{re.escape(message)}$"
+    with torch.device("meta"):
+        with invariant.batch_invariant(), pytest.raises(CapabilityError, match=exactly):
+            model_class("cohere")(spec.checkpoint.config, runtime)
+        model = model_class("cohere")(spec.checkpoint.config, runtime)
+    with invariant.batch_invariant(), pytest.raises(CapabilityError, match=exactly):
+        model(type("Batch", (), {"tbo": False})())  # built outside the mode, run in it
+    from layer_boundary.engine.args import build_parser
+    from layer_boundary.engine.run_command import spec_from_args
+
+    for argv in (["--model", str(cohere), "--tp", "2"],
+                 ["--model", str(hf_neox(tmp_path / "neox", use_parallel_residual=False)),
+                  "--tp", "2", "--dp", "2"]):
+        spec_from_args(build_parser().parse_args(["run", *argv, "--batch-invariant"]))
+
+
 def test_the_library_refuses_what_the_command_line_refuses(qwen3_dir):
     """In the mode: a compiled forward, a two-batch forward and speculative decoding, each
     with the table's pair message (the command line's)."""

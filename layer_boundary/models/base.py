@@ -146,10 +146,21 @@ class CausalLM(nn.Module):
     # (runtime.hf_names: renames, stacked experts, matrix weights that are no nn.Linear);
     # none: as the checkpoint names them
     transformers_names: tuple = ()
+    # why the batch-invariant mode cannot hold under attention DP where the model declares
+    # batch_invariant (None: it holds on every layout): an output added on its DP rank's
+    # ranks before a sum over TP enters that sum where the batch put the request
+    batch_invariant_dp: str | None = None
 
     @staticmethod
     def nextn_layers(cfg) -> int:
         return 0
+
+    @classmethod
+    def batch_invariant_layout(cls, cfg, dims) -> str | None:
+        """Why the batch-invariant mode cannot hold for ``cfg`` on ``dims`` (None: it holds,
+        where the model declares ``batch_invariant``): ``batch_invariant_dp`` under attention
+        DP."""
+        return cls.batch_invariant_dp if dims.attn_dp > 1 else None
 
     @staticmethod
     def final_norm(cfg, dtype) -> torch.nn.Module:
@@ -162,6 +173,7 @@ class CausalLM(nn.Module):
         super().__init__()
         check_model(type(self), cfg, runtime)  # what it declares against the runtime's features
         self.config, self.dtype = cfg, dtype
+        self._dims = runtime.parallel.dims  # what each forward in the batch-invariant mode asks
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
                                   self.decoder_layers(cfg), self.final_norm)
         self.stage = self.model.stage
@@ -211,7 +223,8 @@ class CausalLM(nn.Module):
         norm's output on every token) (a NextN draft reads it)."""
         # in the batch-invariant mode: a model that declares it cannot, or a two-batch forward,
         # is refused by name before anything runs (a model built outside the mode included)
-        check_invariant(type(self), (Feature.TBO,) if forward_batch.tbo else ())
+        check_invariant(type(self), (Feature.TBO,) if forward_batch.tbo else (),
+                        self.config, self._dims)
         out = self.model(forward_batch, pp_input)
         if not self.stage.last or out is None:
             return out

@@ -27,7 +27,7 @@ from .config import (BOOL, DECODER, POSITIVE_NUMBER, CheckedConfig, CheckpointEr
 from .head import ScaledLMHead, rebuilt_as
 from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .llama import LlamaForCausalLM, check_parallel
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, PARALLEL_BLOCK_DP, register_model
 from .rope import inverse_frequencies
 
 # a parallel block's attention completes on scattered rows in a sequence-parallel batch,
@@ -134,6 +134,7 @@ class CohereForCausalLM(LlamaForCausalLM):
     (by default) tied head."""
 
     layer_cls = CohereDecoderLayer
+    batch_invariant_dp = PARALLEL_BLOCK_DP  # (a tp 2 dp 2 request: 6e-7 apart on DP rank 1)
 
     @staticmethod
     def final_norm(cfg, dtype) -> torch.nn.Module:

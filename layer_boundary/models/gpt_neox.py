@@ -40,7 +40,7 @@ from .config import (BOOL, DECODER, FRACTION, POSITIVE_NUMBER, CheckedConfig, Ch
 from .kv_cache import KVCache
 from .layers import DecoderLayer, GqaAttention
 from .qwen3 import check_tp
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, PARALLEL_BLOCK_DP, register_model
 from .rope import inverse_frequencies
 
 # hidden_act -> F.gelu's approximation (transformers' gelu is exact; gelu_new the tanh form)
@@ -185,6 +185,12 @@ class GPTNeoXForCausalLM(CausalLM):
     # transformers' GPTNeoXForCausalLM conversion: its head is lm_head; where a checkpoint
     # holds embed_out and lm_head both, embed_out (first in its order) is the one it reads
     transformers_names = (Rename(r"^embed_out\.", "lm_head."),)
+    batch_invariant_dp = PARALLEL_BLOCK_DP  # (a tp 2 dp 2 request: 1e-6 apart on DP rank 1)
+
+    @classmethod
+    def batch_invariant_layout(cls, cfg, dims) -> str | None:
+        # sequential blocks (use_parallel_residual false) add nothing before the sum
+        return super().batch_invariant_layout(cfg, dims) if cfg.use_parallel_residual else None
 
     @staticmethod
     def final_norm(cfg, dtype) -> torch.nn.Module:

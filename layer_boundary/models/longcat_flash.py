@@ -343,6 +343,10 @@ class LongcatFlashForCausalLM(CausalLM):
     identity experts (the branch of the first attention's output)."""
 
     layer_cls = LongcatFlashDecoderLayer
+    # (a tp 2 dp 2 request: 8e-7 apart on DP rank 1)
+    batch_invariant_dp = ("its dense branch's output is added on one of its DP rank's ranks "
+                          "into the MoE's sum over TP still owed, so where it enters the sum, "
+                          "and a request's last bits, follow the DP rank a batch puts it on")
     # transformers' qwen2_moe conversion; its gate_up_proj holds the identity experts' rows too
     # (n_routed_experts + zero_expert_num), which the checkpoint may store, and no forward reads
     transformers_names = (

@@ -44,6 +44,10 @@ SUPPORT = ("context_parallel", "sequence_parallel", "attn_input_scattered", "moe
 # reasons several models give, stated once
 NO_QKV_LATENT = "its attention has no qkv latent to run before the gather (MLA only)"
 NO_MOE_LAYERS = "it has no MoE layers to dispatch"
+# batch invariance under attention DP (CausalLM.batch_invariant_dp)
+PARALLEL_BLOCK_DP = ("its parallel block adds each DP rank's attention output into that rank's "
+                     "rows of the FFN's sum over TP, so where a request's attention output "
+                     "enters the sum, and its last bits, follow the DP rank a batch puts it on")
 
 
 def register_model(model_type: str, config_class: type, *, architectures: tuple = (),

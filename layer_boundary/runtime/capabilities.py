@@ -215,6 +215,17 @@ def _sharding(setup: Setup) -> str | None:
     return None
 
 
+def _invariant_layout(setup: Setup) -> str | None:
+    layout = getattr(setup.model, "batch_invariant_layout", None)
+    if layout is None or setup.dims is None or setup.config is None:
+        return None
+    reason = layout(setup.config, setup.dims)
+    if reason is None:
+        return None
+    return (f"{setup.model.model_type} cannot run {Feature.BATCH_INVARIANT.flag} "
+            f"({Feature.BATCH_INVARIANT.field}) with attention DP {setup.dims.attn_dp}: {reason}")
+
+
 def _nextn_layers(setup: Setup) -> str | None:
     if not setup.nextn or setup.model is None or setup.config is None:
         return None
@@ -301,6 +312,8 @@ MODEL_RULES: tuple[Rule, ...] = (
          _declared("moe_a2a", "moe_a2a_backend=all_to_all")),
     Rule(Feature.BATCH_INVARIANT, "the model declares batch_invariant",
          _declared("batch_invariant", "--batch-invariant (runtime.invariant.batch_invariant)")),
+    Rule(Feature.BATCH_INVARIANT, "the model's batch invariance holds on the layout (its "
+         "batch_invariant_layout: under attention DP, batch_invariant_dp)", _invariant_layout),
     Rule(Feature.SPECULATIVE, "a NextN draft: the checkpoint carries NextN layers",
          _nextn_layers),
     Rule(Feature.SPECULATIVE, "a draft checkpoint: the target's vocabulary", _draft_vocab),
@@ -379,7 +392,7 @@ def mode_features() -> set:
     return {Feature.BATCH_INVARIANT} if BATCH_INVARIANT.on else set()
 
 
-def check_invariant(model_cls, features=()) -> None:
+def check_invariant(model_cls, features=(), config=None, dims=None) -> None:
     """In the batch-invariant mode, ``model_cls`` (its ``batch_invariant`` declaration) and
     ``features`` against it; nothing outside the mode. A forward or a generation asks it, so a
     model built outside the mode and run inside it is refused too.
@@ -387,9 +400,10 @@ def check_invariant(model_cls, features=()) -> None:
     Args:
         model_cls: the model class, or None.
         features: what else the caller turns on (``TBO`` for a two-batch forward, say).
+        config, dims: the model's parsed config and ``ParallelDims`` (its layout's rule).
     """
     if BATCH_INVARIANT.on:
-        check(Setup(frozenset({Feature.BATCH_INVARIANT, *features}), model_cls))
+        check(Setup(frozenset({Feature.BATCH_INVARIANT, *features}), model_cls, config, dims))
 
 
 def check_model(model_cls, config, runtime, features=()) -> None:
