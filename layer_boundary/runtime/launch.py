@@ -4,12 +4,15 @@ ranks we spawn, so a rank that dies, stops or falls silent ends the job with its
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import signal
 import socket
+import threading
 import time
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
@@ -287,6 +290,25 @@ class _RendezvousFailed(Exception):
         self.rank, self.text = rank, text
 
 
+@contextlib.contextmanager
+def _children_ignore_interrupts():
+    """Ctrl-C ignored in what is started inside (a fresh interpreter inherits it through its
+    exec): the fork server and a spawned rank import torch before they can ignore Ctrl-C
+    themselves, and one then printed its own KeyboardInterrupt traceback. Only for the
+    milliseconds of a fork and exec: this process ignores it meanwhile (its other threads
+    would discard a Ctrl-C they take), and it is set on the main thread only."""
+    interrupt = (signal.getsignal(signal.SIGINT)
+                 if threading.current_thread() is threading.main_thread() else None)
+    if interrupt is None:  # not the main thread, or a handler set outside Python: as it is
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+
+
 def _context(start_method: str, fn):
     import torch.multiprocessing as mp
 
@@ -318,8 +340,15 @@ def _spawn_once(fn, world_size, args, timeout_s, collective_timeout_s, silent_s,
         # rank has a pid here, so the cleanup below stops them all; none runs on unknown
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            for p in procs:
-                p.start()
+            if start_method == "forkserver":
+                with _children_ignore_interrupts():  # the server's fork and exec only
+                    forkserver.ensure_running()
+                for p in procs:
+                    p.start()  # (waits while the server imports torch)
+            else:
+                with _children_ignore_interrupts():  # each rank's fork and exec
+                    for p in procs:
+                        p.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         for _, theirs in pipes:
