@@ -415,6 +415,11 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
             joined = dataclasses.replace(default, label=f"{default.label}, joined to the "
                                                         "parallel FFN's")
             exit_path = dataclasses.replace(exit_path, default=joined, issues_early=False)
+        if declared(declaration.residual.update, "token_rows", False):
+            # its consumer completes the sum onto each DP rank's token rows (a short
+            # convolution): issued early, a two-batch-overlap microbatch's sum landed on the
+            # residual's scattered rows under rs, which no entry takes
+            exit_path = dataclasses.replace(exit_path, issues_early=False)
         prev_output = prev_exit = None
         if prev is not None:
             prev_output = resolve_output(prev, declaration, runtime, layouts, fusions,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from checkpoints.inkling import hf_inkling
 
+from layer_boundary.adapters.tbo import TboPolicy
 from layer_boundary.engine.runner import RunSpec
 
 from .checks import A2A, run_matching_world1
@@ -23,6 +24,9 @@ CASES = [
     (4, 2, 2, 1, {"boundary_reduction": "rsv"}, "rsv"),
     (4, 4, 4, 1, A2A, "ar"),
     (2, 1, 1, 2, {}, "ar"),
+    # two-batch overlap under rs: a microbatch issued its owed sum early onto the scattered
+    # rows, which the convolution's consumer does not take (a RuntimeError on every rank)
+    (2, 1, 1, 1, {"boundary_reduction": "rs", "tbo": TboPolicy.ALWAYS}, "rs"),
 ]
 
 
