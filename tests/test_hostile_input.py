@@ -205,6 +205,17 @@ def test_a_config_json_no_reader_takes_is_a_named_error(qwen3_dir, tmp_path, cap
     _one_line_error(capsys, ["--model", model], expected)
 
 
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_an_empty_token_id_is_refused(command, capsys):
+    """``--prompt-ids 1,,2`` (or ``1,2,``) ran the prompt [1, 2]."""
+    for text in ("1,,2", "1,2,"):
+        with pytest.raises(SystemExit) as stop:
+            main([command, "--prompt-ids", text])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip().endswith(
+            f"argument --prompt-ids: --prompt-ids '{text}' has an empty id between its commas")
+
+
 @pytest.mark.parametrize("value, expected", [("0.001", "must be at least 1 s"),
                                              ("1e308", "at most 604800")])
 def test_a_collective_timeout_out_of_range_is_a_usage_error(capsys, value, expected):

@@ -67,8 +67,12 @@ _collective_seconds = _seconds(1.0, " (shorter waits end healthy jobs on a busy 
 
 
 def _prompt_ids(text: str) -> tuple[int, ...]:
+    items = text.split(",")
+    if len(items) > 1 and not all(t.strip() for t in items):  # "1,,2" was read as 1,2
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} has an empty id between "
+                                         "its commas")
     try:
-        ids = tuple(int(t) for t in text.split(",") if t.strip())
+        ids = tuple(int(t) for t in items if t.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--prompt-ids {text!r} must be comma-separated integers") from None
