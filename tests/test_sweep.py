@@ -255,7 +255,9 @@ def test_a_model_the_sweep_writes_no_adapter_for_has_its_lora_rows_refused(qwen3
 
 @pytest.mark.parametrize("value,message", [
     ("foo", "--features 'foo': foo is not a feature (give sample, all, or some of tbo, "),
-    (",", "--features ',': names no feature (give sample, all, or some of tbo, ")])
+    (",", "--features ',': names no feature (give sample, all, or some of tbo, "),
+    ("sample,tbo", "--features 'sample,tbo': sample stands alone, not among feature names "
+                   "(give sample, all, or some of tbo, ")])
 def test_features_that_name_nothing_known_are_refused(value, message, capsys):
     code, _ = cli(["sweep", "--features", value], capsys)
     assert code == 2

@@ -173,6 +173,9 @@ def parse_features(text: str) -> tuple[list[SweepFeature], bool]:
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         what = f"{', '.join(unknown)} is not a feature" if unknown else "names no feature"
+        alone = [n for n in unknown if n in ("sample", "all")]
+        if alone:  # it read "sample is not a feature (give sample, ...)"
+            what = f"{alone[0]} stands alone, not among feature names"
         raise ValueError(f"--features {text!r}: {what} (give sample, all, or some of "
                          f"{', '.join(known)})")
     return [known[n] for n in dict.fromkeys(names)], False
