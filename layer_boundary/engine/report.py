@@ -51,7 +51,7 @@ def tbo_summary(spec, rank0) -> dict | None:
             "reasons": sorted({d.reason for d in decisions})}
 
 
-def report(args, spec, results, reference, why_unchecked: str = "nothing compared") -> int:
+def report(args, spec, results, reference, why_unchecked: str = "no reference run") -> int:
     """Log the run's report from every rank's result (``reference``: the world-1 run, or None
     when parity is not checked, ``why_unchecked`` saying why); the exit status: 1 where the
     verdict is FAIL (parity, batch invariance, the exactly-once audit or

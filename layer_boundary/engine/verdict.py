@@ -92,7 +92,7 @@ def reads_quantized(spec) -> bool:
     return checkpoint is not None and getattr(checkpoint.config, "fp8_block", None) is not None
 
 
-def judge(spec, results, reference, why_unchecked: str = "nothing compared",
+def judge(spec, results, reference, why_unchecked: str = "no reference run",
           require_fusions: bool = False) -> Outcome:
     """Every check of the run, judged once.
 
