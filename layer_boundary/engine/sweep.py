@@ -12,7 +12,8 @@ the exactly-once audit (``engine.audit``). Every layout runs with the agreement 
 
 A layout is what ``run`` takes: the sweep builds each one's arguments and asks
 ``run_command.spec_from_args``, the checks ``run`` makes before any rank starts; what it
-refuses is counted, not run.
+refuses is counted, not run. With features (``sweep_features``) each row is a layout and
+a feature run beside it, judged the same way.
 """
 
 from __future__ import annotations
