@@ -25,12 +25,16 @@ def _positive(text: str) -> int:
     return value
 
 
-def _bounded(most: int, what: str):
-    """A positive integer of at most ``most`` (``what`` it counts, for the refusal)."""
+def _bounded(most: int, why: str, multiple: int = 1, why_multiple: str = ""):
+    """A positive integer of at most ``most`` (``why``: what the refusal adds after the bound)
+    and a multiple of ``multiple`` (``why_multiple``: after that refusal)."""
     def parse(text: str) -> int:
         value = _positive(text)
         if value > most:
-            raise argparse.ArgumentTypeError(f"{value} is more than {most} ({what})")
+            raise argparse.ArgumentTypeError(f"{value} is more than {most}{why}")
+        if value % multiple:
+            raise argparse.ArgumentTypeError(f"{value} is not a multiple of {multiple}"
+                                             f"{why_multiple}")
         return value
     return parse
 
@@ -233,20 +237,10 @@ def _bench_parser(sub, log_level) -> None:
     bench = sub.add_parser("bench", formatter_class=_HelpFormatter, parents=[log_level],
                            help="boundary overhead against a hand-written decoder")
 
+    # the benchmark times a fixed cost per stage, which these sizes measure; past them it
+    # builds for minutes, or for longer than the machine's memory lasts
     def upto(most: int, multiple: int = 1, why: str = ""):
-        """A positive integer of at most ``most`` (a multiple of ``multiple``: ``why``): the
-        benchmark times a fixed cost per stage, which these sizes measure; past them it
-        builds for minutes, or for longer than the machine's memory lasts."""
-        def parse(text: str) -> int:
-            value = _positive(text)
-            if value > most:
-                raise argparse.ArgumentTypeError(f"{value} is more than {most}, the most the "
-                                                 "benchmark takes")
-            if value % multiple:
-                raise argparse.ArgumentTypeError(f"{value} is not a multiple of {multiple}"
-                                                 f"{why}")
-            return value
-        return parse
+        return _bounded(most, ", the most the benchmark takes", multiple, why)
 
     # 8 attention heads (engine.bench.BENCH_HEADS) of an even head_dim: the rotary turns
     # pairs of each head's dims (hidden 8 has head_dim 1: "not enough values to unpack")
@@ -272,8 +266,8 @@ def _sweep_parser(sub, log_level) -> None:
     sweep.add_argument("--model",
                        help="a Hugging Face checkpoint folder or repo id (default: the "
                             "built-in tiny Qwen3)")
-    sweep.add_argument("--max-world", type=_bounded(MAX_SWEEP_WORLD, "rank processes at once on "
-                                                    "this machine"), default=8,
+    sweep.add_argument("--max-world", type=_bounded(MAX_SWEEP_WORLD, " (rank processes at once "
+                                                    "on this machine)"), default=8,
                        help="the largest world size tried (1, 2, 4, ... up to it; at most "
                             f"{MAX_SWEEP_WORLD}: each layout starts that many rank processes "
                             "on this machine)")

@@ -142,7 +142,7 @@ def _command(args, as_json: bool) -> int:
 def cmd_bench(args) -> int:
     """``layer-boundary bench``: one paired timing of the boundary against a hand-written
     decoder."""
-    from ..models.estimate import available_memory, memory_override, size
+    from ..models.estimate import memory_budget, size
     from .bench import BENCH_HEADS, bench_bytes, overhead_with_noise
 
     # the parser bounds each flag; these hold for any args (a caller's own namespace)
@@ -151,8 +151,7 @@ def cmd_bench(args) -> int:
                          f"{BENCH_HEADS} attention heads of an even head_dim, which the "
                          "rotary turns in pairs")
     need = bench_bytes(args.hidden, args.layers, args.requests)
-    override = memory_override()  # LAYER_BOUNDARY_MEMORY_GB, checked: a test's budget
-    available = override if override is not None else available_memory()
+    available = memory_budget()  # LAYER_BOUNDARY_MEMORY_GB where set (checked)
     if available is not None and need > available:
         raise UsageError(f"bench --hidden {args.hidden} --layers {args.layers} --requests "
                          f"{args.requests} needs about {size(need)}; this machine has "

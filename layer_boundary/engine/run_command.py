@@ -164,8 +164,7 @@ def cmd_run(args) -> int:
         dist.destroy_process_group()
         return code
     setup_logging(0, args.json)
-    with stop_on_sigterm():
-        return _spawned_run(args, timeout)
+    return _spawned_run(args, timeout)  # a signal: cli's stop_on_sigterm, around the command
 
 
 def _spawned_run(args, timeout) -> int:

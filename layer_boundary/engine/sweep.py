@@ -286,7 +286,7 @@ def cmd_sweep(args) -> int:
     from .hub import model_folder
     from .checks import check_token_ids
     from .logs import setup_logging
-    from .run_command import DEFAULT_PROMPTS, stop_on_sigterm
+    from .run_command import DEFAULT_PROMPTS
     from .sweep_features import parse_features
 
     setup_logging(0, args.json)
@@ -304,9 +304,9 @@ def cmd_sweep(args) -> int:
     def say(line: str) -> None:  # under --json stdout holds the JSON alone
         log.info("%s", line)
 
-    with stop_on_sigterm():
-        result = sweep(folder, args.max_world, args.budget, args.max_new_tokens, prompts,
-                       progress=say, features=features, every=every)
+    # a signal raises Stopped (cli's stop_on_sigterm, around the command): sweep() ends there
+    result = sweep(folder, args.max_world, args.budget, args.max_new_tokens, prompts,
+                   progress=say, features=features, every=every)
     if args.json:
         report.info("%s", json.dumps(result))
     else:

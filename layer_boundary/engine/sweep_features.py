@@ -134,11 +134,10 @@ def write_adapter(checkpoint, folder: Path, seed: int = 0) -> Path | None:
     from ..adapters.lora_base import transformers_names
     from ..models.estimate import meta_model
     from ..runtime import BoundaryRuntime, ParallelDims, virtual_parallel
-    from ..runtime.safetensors_files import header_facts
 
     # the model's own reading of the names (a NextN/MTP layer stored after the stack is no
     # module of transformers': targeting it refused every LoRA row of a DeepSeek-V3 sweep)
-    named = transformers_names(header_facts(checkpoint.folder),
+    named = transformers_names(checkpoint.tensor_facts(),
                                meta_model(checkpoint,
                                           BoundaryRuntime(virtual_parallel(ParallelDims()))))
     targets = sorted((t for t in named.values() if t.linear and t.name.endswith(".weight")

@@ -224,6 +224,15 @@ def memory_override() -> int | None:
     return int(value * GB)
 
 
+def memory_budget(available: int | None = None) -> int | None:
+    """The bytes a job may take here: ``LAYER_BOUNDARY_MEMORY_GB`` where set (a test's
+    budget), else ``available`` where given, else ``available_memory()`` (None: unknown)."""
+    override = memory_override()
+    if override is not None:
+        return override
+    return available_memory() if available is None else available
+
+
 def check_fits(estimate: MemoryEstimate, available: int | None = None) -> None:
     """Refuse, naming both figures, an estimate over the memory this machine has.
 
@@ -232,11 +241,7 @@ def check_fits(estimate: MemoryEstimate, available: int | None = None) -> None:
         available: bytes to compare with (default: ``available_memory()``; None: unknown,
             nothing refused). ``LAYER_BOUNDARY_MEMORY_GB`` overrides it (a test's budget).
     """
-    override = memory_override()
-    if override is not None:
-        available = override
-    elif available is None:
-        available = available_memory()
+    available = memory_budget(available)
     if available is not None and estimate.total > available:
         raise CheckpointError(f"config.json asks for {estimate.describe()}; this machine has "
                               f"{size(available)} available")
