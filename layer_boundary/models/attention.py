@@ -84,7 +84,7 @@ def _groups(forward_batch) -> list[_Group]:
 def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      forward_batch, scaling: float, sinks: torch.Tensor | None = None,
                      queries: torch.Tensor | None = None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of this forward's tokens over each request's cached prefix; writes
     this forward's k/v into the batch's cache (``forward_batch.kv_cache``).
 
@@ -102,18 +102,21 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         window: this layer's sliding window on a positional cache (a hybrid model's sliding
             layers: a query sees its last ``window`` positions, itself included); the cache
             keeps every position, the mask hides the older ones. None: every position.
+        softcap: each scaled score s becomes softcap * tanh(s / softcap) before the mask
+            (Gemma 2's attention); None: none.
 
     Returns:
         [rows of q, H, Dv].
     """
     cache = forward_batch.kv_cache
+    scores = None if sinks is None and softcap is None else Scores(sinks, softcap)
     if window is not None and cache.window is not None:
         raise ValueError("a layer's sliding window reads a positional cache; this cache is a "
                          f"ring of {cache.window} rows")
     if forward_batch.token_slots is not None:
         if queries is not None or cache.window is not None:
             raise ValueError("a padded batch takes every token's queries on a positional cache")
-        return _slot_attention(cache, layer, q, k, v, forward_batch, scaling, sinks, window)
+        return _slot_attention(cache, layer, q, k, v, forward_batch, scaling, scores, window)
     for slot, total in zip(forward_batch.req_slots, forward_batch.seq_lens):
         if total > cache.max_len:
             raise ValueError(f"request in slot {slot} needs {total} cache rows; the cache holds "
@@ -121,21 +124,21 @@ def cached_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if queries is not None:
         if cache.window is not None:
             raise ValueError("a sliding-window cache takes every token's queries (no CP share)")
-        return _share_attention(cache, layer, q, k, v, forward_batch, scaling, sinks, queries,
+        return _share_attention(cache, layer, q, k, v, forward_batch, scaling, scores, queries,
                                 window)
     if cache.window is not None:
-        return _ring_attention(cache, layer, q, k, v, forward_batch, scaling, sinks)
+        return _ring_attention(cache, layer, q, k, v, forward_batch, scaling, scores)
     groups = forward_batch.per_forward("attention groups", lambda: _groups(forward_batch))
     if len(groups) == 1 and groups[0].contiguous:  # a decode step, equal prompts: no gather
         g = groups[0]
         return _group_attention(cache, layer, g, q.view(len(g.slots), g.rows, *q.shape[1:]),
                                 k.view(len(g.slots), g.rows, *k.shape[1:]),
                                 v.view(len(g.slots), g.rows, *v.shape[1:]), scaling,
-                                sinks, window).flatten(0, 1)
+                                scores, window).flatten(0, 1)
     out = q.new_empty((*q.shape[:2], v.shape[-1]))
     for g in groups:
         rows = _rows(g, q.device)  # [b, n] token rows
-        out[rows] = _group_attention(cache, layer, g, q[rows], k[rows], v[rows], scaling, sinks,
+        out[rows] = _group_attention(cache, layer, g, q[rows], k[rows], v[rows], scaling, scores,
                                      window)
     return out
 
@@ -153,7 +156,7 @@ def slot_index(slots: tuple[int, ...], device):
     return torch.tensor(slots, dtype=torch.long, device=device)
 
 
-def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sinks,
+def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, scores,
                      window=None):
     """One group: q [b, n, H, D], k/v [b, n, KVH, *] its new tokens. Writes them at their
     positions in the group's slots, then attends over the cache rows [0, longest) (the last
@@ -163,7 +166,7 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
     slots = slot_index(g.slots, device)
     # SDPA's own causal mask is exact for equal prompts with no prefix (query i sees keys
     # 0..i, n == L): the flash kernel runs it blockwise with no mask at all
-    causal = g.uniform and g.prefixes[0] == 0 and n > 1 and sinks is None
+    causal = g.uniform and g.prefixes[0] == 0 and n > 1 and scores is None
     # every key is seen, or SDPA masks: no positions (unless a window hides some of ``keys``)
     if (window is None or window >= keys) and ((g.uniform and n == 1) or causal):
         query_pos = None
@@ -186,12 +189,12 @@ def _group_attention(cache, layer: int, g: _Group, q, k, v, scaling: float, sink
     key_rows = cache.k[layer][slots, :, :keys]  # [b, KVH, L, D] (a view for consecutive slots)
     value_rows = key_rows if cache.shared_kv else cache.v[layer][slots, :, :keys]
     if query_pos is None:
-        return _attend_chunk(q, key_rows, value_rows, None, None, scaling, sinks, causal, None)
+        return _attend_chunk(q, key_rows, value_rows, None, None, scaling, scores, causal, None)
     return _attend(q, key_rows, value_rows, query_pos, torch.arange(keys, device=device),
-                   scaling, sinks, window=window)
+                   scaling, scores, window=window)
 
 
-def _attend(q, keys, values, query_pos, key_pos, scaling: float, sinks, *, window):
+def _attend(q, keys, values, query_pos, key_pos, scaling: float, scores, *, window):
     """q [b, n, H, D] over keys [b, KVH, L, D] / values [b, KVH, L, Dv] (the cache's
     head-major layout) -> [b, n, H, Dv].
 
@@ -199,17 +202,17 @@ def _attend(q, keys, values, query_pos, key_pos, scaling: float, sinks, *, windo
     query sees keys at positions <= its own (and > its own - ``window``)."""
     n = q.shape[1]
     if n <= CHUNK:
-        return _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, False, window)
+        return _attend_chunk(q, keys, values, query_pos, key_pos, scaling, scores, False, window)
     # chunks of queries: the mask (and the sink path's scores) stay [chunk, keys]
     parts = []
     for lo in range(0, n, CHUNK):
         hi = lo + CHUNK if lo + CHUNK < n else n
         parts.append(_attend_chunk(q[:, lo:hi], keys, values, query_pos[:, lo:hi], key_pos,
-                                   scaling, sinks, False, window))
+                                   scaling, scores, False, window))
     return torch.cat(parts, dim=1)
 
 
-def _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, causal, window):
+def _attend_chunk(q, keys, values, query_pos, key_pos, scaling, scores, causal, window):
     """``_attend`` in one call; query_pos None (and not ``causal``): every key is seen."""
     mask = None
     if query_pos is not None:
@@ -219,8 +222,8 @@ def _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, causal, w
             seen = seen & (key_pos > query_pos[:, :, None] - window)
         mask = seen[:, None]  # [b, 1, n, L], one mask for every head
     q4, k4, v4 = q.transpose(1, 2), keys, values  # [b, h, *, d]
-    if sinks is not None:
-        out = _sink_attention(q4, k4, v4, mask, scaling, sinks)
+    if scores is not None:
+        out = _sink_attention(q4, k4, v4, mask, scaling, scores)
     else:
         dv = v4.shape[-1]
         if dv < q4.shape[-1]:  # MLA: pad v to q's head dim, the flash kernel's requirement
@@ -240,24 +243,39 @@ def _attend_chunk(q, keys, values, query_pos, key_pos, scaling, sinks, causal, w
     return out.transpose(1, 2)  # [b, n, H, Dv]
 
 
-def _sink_attention(q4, k4, v4, mask, scaling: float, sinks):
-    """SDPA's arithmetic with ``sinks`` [H] joining each row's fp32 softmax, without
-    repeating K/V: q4 [b, H, n, D] is read as [b, KVH, H/KVH, n, D]."""
+@dataclass(frozen=True)
+class Scores:
+    """What changes attention scores beyond SDPA's arithmetic (it then runs as explicit fp32
+    softmax math): ``softcap`` (each scaled score s becomes cap * tanh(s / cap), Gemma 2's)
+    and ``sinks`` ([H]: one extra logit per head that joins the softmax and is dropped)."""
+
+    sinks: torch.Tensor | None = None
+    softcap: float | None = None
+
+
+def _sink_attention(q4, k4, v4, mask, scaling: float, scores: Scores):
+    """SDPA's arithmetic with ``scores``' changes, without repeating K/V: q4 [b, H, n, D] is
+    read as [b, KVH, H/KVH, n, D]."""
     b, heads, n, d = q4.shape
     kv_heads = k4.shape[1]
     qg = q4.reshape(b, kv_heads, heads // kv_heads, n, d)
-    scores = torch.einsum("bkgnd,bkld->bkgnl", qg, k4) * scaling  # [b, KVH, G, n, L]
+    logits = torch.einsum("bkgnd,bkld->bkgnl", qg, k4) * scaling  # [b, KVH, G, n, L]
+    if scores.softcap is not None:
+        logits = torch.tanh(logits / scores.softcap) * scores.softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
-    sink = sinks.to(scores.dtype).view(1, kv_heads, heads // kv_heads, 1, 1).expand(
-        b, kv_heads, heads // kv_heads, n, 1)
-    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
-    probs = probs[..., :-1].to(q4.dtype)
+        logits = logits.masked_fill(~mask[:, :, None], torch.finfo(logits.dtype).min)
+    if scores.sinks is not None:
+        sink = scores.sinks.to(logits.dtype).view(1, kv_heads, heads // kv_heads, 1, 1).expand(
+            b, kv_heads, heads // kv_heads, n, 1)
+        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1, dtype=torch.float32)
+        probs = probs[..., :-1].to(q4.dtype)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q4.dtype)
     out = torch.einsum("bkgnl,bkle->bkgne", probs, v4)
     return out.reshape(b, heads, n, v4.shape[-1])
 
 
-def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks,
+def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, scores,
                     window=None):
     """A padded batch: each row's k/v is written at (its slot, its position), then every row
     is its own one-query request over its slot's cache rows. Nothing reads the per-request
@@ -269,11 +287,11 @@ def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
     keys = cache.k[layer][slots]  # [T, KVH, rows, D]
     values = keys if cache.shared_kv else cache.v[layer][slots]
     key_pos = torch.arange(cache.rows, device=q.device)
-    return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling, sinks,
+    return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling, scores,
                          False, window)[:, 0]
 
 
-def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks):
+def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, scores):
     """A sliding-window ring. Decode (one row a request) writes, then reads the whole ring,
     each row's position recovered from the request's length; a prefill runs a request at a
     time, reading the ring before the new rows overwrite what it still needs. Batch-invariant,
@@ -292,7 +310,7 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         r = torch.arange(rows, device=device)[None, :]
         key_pos = positions[:, None] - (positions[:, None] - r) % rows  # [B, rows]; < 0: empty
         return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling,
-                             sinks, False, cache.window)[:, 0]
+                             scores, False, cache.window)[:, 0]
     out = q.new_empty((*q.shape[:2], v.shape[-1]))
     start = 0
     for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
@@ -303,7 +321,7 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         query_pos = torch.arange(prefix, prefix + n, device=q.device)[None]
         key_pos = torch.arange(first, first + keys.shape[1], device=q.device)
         out[start:end] = _attend(q[None, start:end], keys[None], values[None], query_pos,
-                                 key_pos, scaling, sinks, window=cache.window)[0]
+                                 key_pos, scaling, scores, window=cache.window)[0]
         start = end
     return out
 
@@ -327,7 +345,7 @@ def _window_keys(cache, layer: int, slot: int, prefix: int, k, v):
     return first, keys, values
 
 
-def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, sinks,
+def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, scores,
                      queries, window=None):
     """A CP share: every token's k/v is written (in token order), and the share's query rows,
     at scattered positions of their requests, attend a request at a time."""
@@ -347,7 +365,7 @@ def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, 
             keys = cache.k[layer][slot:slot + 1, :, :total]
             values = keys if cache.shared_kv else cache.v[layer][slot:slot + 1, :, :total]
             out[lo:hi] = _attend(q[None, lo:hi], keys, values, query_pos,
-                                 torch.arange(total, device=q.device), scaling, sinks,
+                                 torch.arange(total, device=q.device), scaling, scores,
                                  window=window)[0]
         start = end
     return out

@@ -150,6 +150,10 @@ class CausalLM(nn.Module):
     # batch_invariant (None: it holds on every layout): an output added on its DP rank's
     # ranks before a sum over TP enters that sum where the batch put the request
     batch_invariant_dp: str | None = None
+    # features this model refuses beyond its declared capabilities ({Feature: why}; the
+    # capability table names each): the Transformers backend's
+    refused_features: dict = {}
+    impl = "native"  # which implementation it is (``--model-impl``): our own model file
 
     @staticmethod
     def nextn_layers(cfg) -> int:

@@ -35,7 +35,15 @@ class Checkpoint:
 
     @property
     def model_type(self) -> str:
+        """config.json's ``model_type`` (the Transformers backend serves many)."""
+        if self.model_class.impl == "transformers":
+            return self.config.model_type
         return self.model_class.model_type
+
+    @property
+    def impl(self) -> str:
+        """Which implementation serves it: "native" (our model file) or "transformers"."""
+        return self.model_class.impl
 
     def tensor_facts(self) -> dict:
         """{tensor: (shape, safetensors dtype)} from the safetensors headers, read once."""
@@ -57,7 +65,9 @@ class Checkpoint:
 
     def auto_policy(self) -> tuple[str, str]:
         """What ``--boundary-reduction auto`` resolves to, and what decided it
-        (``registry.auto_policy``)."""
+        (``registry.auto_policy``; the Transformers backend's own policy where it serves)."""
+        if self.impl == "transformers":
+            return self.model_class.boundary_reduction, "the transformers backend"
         return auto_policy(self.raw)
 
     def boundary_reduction(self, value: str) -> str:
@@ -65,21 +75,53 @@ class Checkpoint:
         return resolve_boundary_reduction(value, self.auto_policy()[0])
 
 
-def open_checkpoint(path) -> Checkpoint:
+def open_checkpoint(path, impl: str = "auto") -> Checkpoint:
     """The checkpoint at ``path``: config.json read once, its fields checked, then parsed.
 
     Args:
         path: the checkpoint folder, or a ``Checkpoint`` (returned as it is).
+        impl: which implementation serves it (``--model-impl``): "native" our model file of
+            its ``model_type``, "transformers" the Transformers backend (``models.generic``:
+            its probe runs here, once, before any rank starts), "auto" ours where we have
+            one, else the Transformers backend.
     """
     if isinstance(path, Checkpoint):
         return path
+    impl = _impl(impl)
     raw = config_json.read_config(path)  # the one read of config.json
-    cls = model_class(raw.get("model_type"))
+    cls = _serving_class(raw, impl)
     cls.config_class.validate(raw)
     memo: dict = {}
     config = _tied_as_stored(path, cls.config_class.from_dict(raw), memo,
                              cls.transformers_names)
+    if cls.impl == "transformers":
+        from .generic.probe import check
+
+        check(config)
     return Checkpoint(str(path), raw, config, cls, memo)
+
+
+IMPLS = ("auto", "native", "transformers")
+
+
+def _impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"model impl {impl!r} is not one of {', '.join(IMPLS)}")
+    return impl
+
+
+def _serving_class(raw: dict, impl: str) -> type:
+    """The class serving config.json ``raw`` under ``impl``."""
+    from .registry import model_types
+
+    model_type = raw.get("model_type")
+    if impl == "native" or (impl == "auto" and model_type in model_types()):
+        return model_class(model_type)
+    if impl == "auto" and not _transformers_knows(model_type):
+        model_class(model_type)  # the error naming the types we serve
+    from .generic.model import GenericCausalLM
+
+    return GenericCausalLM
 
 
 # a head and an input embedding as checkpoints name them (GPT-NeoX: embed_out, embed_in)
@@ -119,3 +161,11 @@ def _tied_as_stored(folder, config, memo: dict, rules=()):
                 "and %s with different values: both are loaded, untied, as transformers does "
                 "(set tie_word_embeddings false to say so)", folder, heads[0], embeddings[0])
     return dataclasses.replace(config, tie_word_embeddings=False)
+
+
+def _transformers_knows(model_type) -> bool:
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return False
+    return model_type in CONFIG_MAPPING

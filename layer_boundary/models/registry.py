@@ -80,17 +80,7 @@ def register_model(model_type: str, config_class: type, *, architectures: tuple 
             whose kernel follows the batch runs a row, or a request, a call: ``rowwise``,
             ``per_row``, ``product``), or why it cannot (``--batch-invariant`` is refused).
     """
-    missing = [c for c in CAPABILITIES if c not in capabilities]
-    for name in SUPPORT:
-        support = capabilities.get(name)
-        if support is not None and support is not True and not (isinstance(support, str)
-                                                                and support):
-            raise TypeError(f"register_model({model_type!r}): {name} is True or the reason "
-                            "the model cannot run it")
-    unknown = sorted(set(capabilities) - set(CAPABILITIES))
-    if missing or unknown:
-        raise TypeError(f"register_model({model_type!r}) must declare {list(CAPABILITIES)}"
-                        + (f"; unknown {unknown}" if unknown else ""))
+    _check_capabilities(model_type, capabilities)
 
     def register(cls: type) -> type:
         known = _MODELS.get(model_type)
@@ -103,15 +93,45 @@ def register_model(model_type: str, config_class: type, *, architectures: tuple 
         cls.model_type, cls.config_class = model_type, config_class
         cls.architectures = tuple(architectures)
         _ARCHITECTURES.update(dict.fromkeys(architectures, cls))
-        for name, value in capabilities.items():
-            setattr(cls, name, staticmethod(value) if callable(value) else value)
-        for name in SUPPORT:  # None where supported, else the reason
-            value = capabilities[name]
-            setattr(cls, f"{name}_refusal", None if value is True else value)
+        _set_capabilities(cls, capabilities)
         _MODELS[model_type] = cls
         return cls
 
     return register
+
+
+def _check_capabilities(model_type: str, capabilities: dict) -> None:
+    missing = [c for c in CAPABILITIES if c not in capabilities]
+    for name in SUPPORT:
+        support = capabilities.get(name)
+        if support is not None and support is not True and not (isinstance(support, str)
+                                                                and support):
+            raise TypeError(f"register_model({model_type!r}): {name} is True or the reason "
+                            "the model cannot run it")
+    unknown = sorted(set(capabilities) - set(CAPABILITIES))
+    if missing or unknown:
+        raise TypeError(f"register_model({model_type!r}) must declare {list(CAPABILITIES)}"
+                        + (f"; unknown {unknown}" if unknown else ""))
+
+
+def _set_capabilities(cls: type, capabilities: dict) -> None:
+    for name, value in capabilities.items():
+        setattr(cls, name, staticmethod(value) if callable(value) else value)
+    for name in SUPPORT:  # None where supported, else the reason
+        value = capabilities[name]
+        setattr(cls, f"{name}_refusal", None if value is True else value)
+
+
+def declare_capabilities(**capabilities):
+    """Class decorator: what ``register_model`` declares, for a class that serves no
+    ``model_type`` of its own (the Transformers backend's, which serves many)."""
+    _check_capabilities("(unregistered)", capabilities)
+
+    def declare(cls: type) -> type:
+        _set_capabilities(cls, capabilities)
+        return cls
+
+    return declare
 
 
 def _discover() -> None:

@@ -299,8 +299,18 @@ def _compiled_scatter(setup: Setup) -> str | None:
             "rsv, and every rank's graph must have the same shapes")
 
 
+def _refused_feature(setup: Setup) -> str | None:
+    refused = getattr(setup.model, "refused_features", None) or {}
+    for feature in setup.features:
+        if feature in refused:
+            return f"{setup.model.model_type} cannot run {feature.flag}: {refused[feature]}"
+    return None
+
+
 MODEL_RULES: tuple[Rule, ...] = (
     Rule(None, "the model's config shards over the topology (its check_parallel)", _sharding),
+    Rule(None, "the model serves each feature asked (none of its refused_features)",
+         _refused_feature),
     Rule(Feature.CP, "the model declares context_parallel",
          _declared("context_parallel", "context parallelism",
                    lambda s: f" (attn_cp={s.dims.attn_cp})" if s.dims else "")),

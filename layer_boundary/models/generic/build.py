@@ -1,0 +1,136 @@
+"""transformers' modules on the meta device, made ours: each linear the tp_plan names swapped
+for our parallel linear of its style, every other parameter allocated on this rank's device
+(and read from the checkpoint by its own name)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...runtime.linear import (ColumnParallelLinear, RowParallelLinear, _divide,
+                               expect_shape)
+from ...runtime.shards import take
+from .config import ATTENTION, COLWISE, REPLICATED, ROWWISE, refuse
+
+
+def register_attention() -> None:
+    """Our attention function under ``ATTENTION`` in transformers' ``AttentionInterface``
+    (and its mask interface, which builds no mask for it: our attention masks by position)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from .attention import boundary_attention
+
+    AttentionInterface.register(ATTENTION, boundary_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, lambda *args, **kwargs: None)
+
+
+def skeleton(hf):
+    """transformers' causal-LM model of config ``hf`` on the meta device (no memory), its
+    attention set to ours."""
+    from transformers import AutoModelForCausalLM
+
+    register_attention()
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
+        except ValueError as exc:
+            raise refuse(hf.model_type, f"transformers builds no causal LM of it ({exc})") from None
+    model.config._attn_implementation = ATTENTION
+    return model
+
+
+class HeadColumnLinear(ColumnParallelLinear):
+    """A column-parallel projection onto attention heads of ``head_dim``: heads split over
+    ``group``, or, where the group is larger than the head count, each head replicated on
+    ``group.size // heads`` consecutive ranks (as ``QKVParallelLinear``'s kv heads)."""
+
+    def __init__(self, in_features: int, out_features: int, head_dim: int, group, *, bias: bool,
+                 dtype, name: str) -> None:
+        heads = _divide(out_features, head_dim, f"{name} output size over head_dim")
+        if group.size > heads:
+            _divide(group.size, heads, f"{name} heads replication: tp")
+            self.replicas, per_rank = group.size // heads, head_dim
+        else:
+            self.replicas, per_rank = 1, _divide(heads, group.size, f"{name} heads") * head_dim
+        self.full = out_features
+        super().__init__(in_features, per_rank * group.size, group, bias=bias, dtype=dtype,
+                         name=name)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expect_shape(loaded, self.full, *param.shape[1:])
+        start = (self.group.rank // self.replicas) * self.out_per_rank
+        param.data.copy_(take(loaded, 0, start, self.out_per_rank))
+
+
+HeadColumnLinear.weight_loader.reads_slices = True
+
+
+def parallel_linear(linear: nn.Linear, style: str | None, name: str, *, attention: bool,
+                    runtime, head_dim: int, dtype) -> nn.Module:
+    """Our linear for transformers' ``linear`` (on the meta device) of tp_plan ``style``:
+    colwise splits the output (heads of the attention), rowwise the input (an attention's sum
+    owed to the boundary; an FFN's obeying the exit's flags); unplanned or replicated, a whole
+    copy on every rank."""
+    group = runtime.parallel.attn_tp_group if attention else runtime.parallel.tp_group
+    bias = linear.bias is not None
+    short = name.rsplit(".", 1)[-1]
+    if style == COLWISE:
+        if attention:
+            return HeadColumnLinear(linear.in_features, linear.out_features, head_dim, group,
+                                    bias=bias, dtype=dtype, name=short)
+        return ColumnParallelLinear(linear.in_features, linear.out_features, group, bias=bias,
+                                    dtype=dtype, name=short)
+    if style == ROWWISE:
+        return RowParallelLinear(linear.in_features, linear.out_features, group, bias=bias,
+                                 reduce_results=not attention, dtype=dtype, name=short)
+    if style is None or style in REPLICATED:
+        out = nn.Linear(linear.in_features, linear.out_features, bias=bias, dtype=dtype)
+        for p in out.parameters():
+            p.requires_grad_(False)
+        return out
+    raise ValueError(f"{name}: tp_plan style {style!r} is not served (colwise, rowwise and "
+                     "replicated linears only)")
+
+
+def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
+    """Swap each ``nn.Linear`` of transformers' ``layer`` (built on the meta device; its name
+    in the base model ``prefix``) for ours, then allocate every other parameter on the default
+    device in ``dtype``. A buffer transformers computed at construction cannot be rebuilt from
+    the meta device: refused by name."""
+    model_type = cfg.model_type
+    for name, module in list(layer.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        full = f"{prefix}.{name}"
+        try:
+            ours = parallel_linear(module, cfg.style(full), full,
+                                   attention=name.split(".")[0] == "self_attn", runtime=runtime,
+                                   head_dim=cfg.head_dim, dtype=dtype)
+        except ValueError as exc:
+            raise refuse(model_type, str(exc)) from None
+        parent, _, leaf = name.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, leaf, ours)
+    for name, buffer in layer.named_buffers():
+        if buffer.is_meta:
+            raise refuse(model_type, f"{prefix}.{name} is a buffer transformers computes at "
+                         "construction, which the generic path cannot rebuild")
+    for module in layer.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=dtype),
+                                                   requires_grad=False))
+
+
+def rotary(model, hf, device):
+    """transformers' rotary module of ``model`` (a skeleton; None: it has none), built for
+    real from config ``hf`` on ``device`` (its tables are computed at construction)."""
+    module = getattr(model.model, "rotary_emb", None)
+    if module is None:
+        return None
+    try:
+        with torch.device(device):
+            return type(module)(config=hf)
+    except TypeError as exc:
+        raise refuse(hf.model_type, f"its rotary module {type(module).__name__} is not built "
+                     f"from the config alone ({exc})") from None

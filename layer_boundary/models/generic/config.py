@@ -1,0 +1,173 @@
+"""What the Transformers backend reads of a checkpoint: transformers' config for its
+``model_type``, the ``base_model_tp_plan`` that says how each linear splits, and the shape of
+each decoder layer (which norms it holds decides its residual kind). What it cannot serve is
+refused here, by name, before anything is built."""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+from dataclasses import dataclass, field
+
+from ..config import CheckpointError
+
+ATTENTION = "layer_boundary"  # the name our attention function is registered under
+
+
+class LayerShape(enum.Enum):
+    """How a decoder layer joins its residual, read from the norms it holds."""
+
+    # input_layernorm -> attention -> add; post_attention_layernorm -> mlp -> add (Llama)
+    PRE_NORM = "pre-norm"
+    # each sublayer read through its input norm, its output through its own post norm before
+    # the add (Gemma 2/3: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+    # post_feedforward_layernorm)
+    SANDWICH = "sandwich"
+    # the residual read as it is, each output through its post norm before the add (OLMo-2)
+    POST_NORM = "post-norm"
+
+
+# the norms of each shape: (attention read, attention post norm, FFN read, FFN post norm)
+SHAPE_NORMS = {
+    LayerShape.PRE_NORM: ("input_layernorm", None, "post_attention_layernorm", None),
+    LayerShape.SANDWICH: ("input_layernorm", "post_attention_layernorm",
+                          "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    LayerShape.POST_NORM: (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}
+COMPUTE = ("self_attn", "mlp")
+
+# tp_plan styles, and what each becomes
+COLWISE, ROWWISE = "colwise", "rowwise"
+REPLICATED = ("replicated_with_grad_allreduce",)  # the same tensor on every rank
+
+
+class Impl(enum.Enum):
+    """Which implementation serves a checkpoint (``--model-impl``)."""
+
+    AUTO = "auto"  # our own model file where one exists, else the Transformers backend
+    NATIVE = "native"  # our own model file only
+    TRANSFORMERS = "transformers"  # the Transformers backend
+
+
+def refuse(model_type: str, why: str) -> CheckpointError:
+    return CheckpointError(f"the transformers backend cannot serve model_type {model_type!r}: "
+                           f"{why}")
+
+
+def transformers_config(raw: dict):
+    """transformers' config of ``raw`` (a config.json dict), or the refusal naming why not."""
+    model_type = raw.get("model_type")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise CheckpointError(f"config.json model_type {model_type!r} has no model file of ours "
+                              "and the transformers backend needs transformers: pip install "
+                              "'layer_boundary[transformers]'") from None
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise CheckpointError(f"config.json model_type {model_type!r} is unknown to "
+                              f"transformers {transformers.__version__} and has no model file "
+                              "of ours")
+    config = CONFIG_MAPPING[model_type].from_dict(dict(raw))
+    if getattr(config, "quantization_config", None) is not None or "quantization_config" in raw:
+        raise refuse(model_type, "a quantized checkpoint (quantization_config)")
+    return config
+
+
+@dataclass(frozen=True, eq=False)
+class GenericConfig:
+    """A checkpoint as the Transformers backend serves it.
+
+    Args:
+        model_type: config.json's.
+        hf: transformers' config (its attention implementation set to ours).
+        tp_plan: ``base_model_tp_plan``: {module pattern ("layers.*.mlp.down_proj"): style}.
+        shapes: each decoder layer's ``LayerShape``.
+        hidden_size, vocab_size, num_hidden_layers, tie_word_embeddings: as the config says.
+        num_attention_heads, num_key_value_heads, head_dim: the attention's shapes.
+        embed_scale: what the embedding's output is multiplied by (transformers'
+            ``embed_scale`` of a scaled embedding; None: nothing).
+        final_logit_softcapping: logits = cap * tanh(logits / cap) (None: none).
+    """
+
+    model_type: str
+    hf: object = field(repr=False)
+    tp_plan: dict
+    shapes: tuple
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    tie_word_embeddings: bool
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    embed_scale: float | None = None
+    final_logit_softcapping: float | None = None
+
+    fields = {}  # config.json fields checked here: none (transformers reads its own)
+
+    @classmethod
+    def validate(cls, raw: dict) -> None:
+        """transformers validates its own config when it reads it (``from_dict``)."""
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> GenericConfig:
+        from .build import skeleton
+
+        hf = transformers_config(raw)
+        model_type = raw["model_type"]
+        plan = getattr(hf, "base_model_tp_plan", None)
+        if not plan:
+            raise refuse(model_type, "its config has no base_model_tp_plan (transformers says "
+                                     "nothing of how its linears split)")
+        model = skeleton(hf)  # on the meta device: no memory
+        shapes = tuple(layer_shape(model_type, layer) for layer in decoder_layers(model, hf))
+        attn = model.model.layers[0].self_attn
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        head_dim = getattr(attn, "head_dim", None) or hf.hidden_size // heads
+        embed = model.model.embed_tokens
+        scale = getattr(embed, "embed_scale", None)
+        return cls(model_type, hf, dict(plan), shapes, hf.hidden_size, hf.vocab_size,
+                   hf.num_hidden_layers, bool(getattr(hf, "tie_word_embeddings", False)),
+                   heads, kv_heads, int(head_dim),
+                   embed_scale=None if scale is None else float(scale),
+                   final_logit_softcapping=getattr(hf, "final_logit_softcapping", None))
+
+    def style(self, name: str) -> str | None:
+        """The tp_plan style of the module ``name`` (relative to the base model:
+        ``layers.3.mlp.down_proj``), None where the plan names none."""
+        for pattern, style in self.tp_plan.items():
+            if fnmatch.fnmatchcase(name, pattern.replace("*", "[0-9]*")):
+                return style
+        return None
+
+
+def decoder_layers(model, hf) -> list:
+    """The decoder layers of transformers' model ``model`` (``model.model.layers``), or the
+    refusal naming what it holds instead."""
+    base = getattr(model, "model", None)
+    missing = [name for name in ("embed_tokens", "layers", "norm")
+               if base is None or not hasattr(base, name)]
+    if missing or not hasattr(model, "lm_head"):
+        raise refuse(hf.model_type, f"{type(model).__name__} is not laid out as "
+                     "model.embed_tokens, model.layers, model.norm and lm_head (it lacks "
+                     f"{', '.join(missing or ['lm_head'])})")
+    return list(base.layers)
+
+
+def layer_shape(model_type: str, layer) -> LayerShape:
+    """A decoder layer's ``LayerShape``, from the modules it holds: the attention
+    (``self_attn``), the FFN (``mlp``) and the norms of exactly one shape."""
+    children = {name for name, _ in layer.named_children()}
+    cls = type(layer).__name__
+    missing = [name for name in COMPUTE if name not in children]
+    if missing:
+        raise refuse(model_type, f"{cls} has no {' or '.join(missing)} (its children: "
+                     f"{', '.join(sorted(children))})")
+    for shape, norms in SHAPE_NORMS.items():
+        if children == set(COMPUTE) | {n for n in norms if n is not None}:
+            return shape
+    raise refuse(model_type, f"{cls} holds {', '.join(sorted(children))}: not a pre-norm, "
+                 "sandwich or post-norm layer of one attention and one MLP")
