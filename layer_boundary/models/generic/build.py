@@ -10,7 +10,8 @@ from torch import nn
 from ...runtime.linear import (ColumnParallelLinear, RowParallelLinear, _divide,
                                expect_shape)
 from ...runtime.shards import take
-from .config import ATTENTION, COLWISE, REPLICATED, ROWWISE, refuse
+from .config import (ATTENTION, COLWISE, COLWISE_GATHER, MOE_EXPERTS, REPLICATED, ROWWISE,
+                     ROWWISE_SPLIT, refuse)
 
 
 def register_attention() -> None:
@@ -41,18 +42,21 @@ def skeleton(hf):
 
 
 class HeadColumnLinear(ColumnParallelLinear):
-    """A column-parallel projection onto attention heads of ``head_dim``: heads split over
-    ``group``, or, where the group is larger than the head count, each head replicated on
-    ``group.size // heads`` consecutive ranks (as ``QKVParallelLinear``'s kv heads)."""
+    """A column-parallel projection onto attention heads, ``unit`` outputs each (head_dim; 1
+    for a gate per head): heads split over ``group``, or, where the group is larger than the
+    head count, each head replicated on ``group.size // heads`` consecutive ranks (as
+    ``QKVParallelLinear``'s kv heads)."""
 
-    def __init__(self, in_features: int, out_features: int, head_dim: int, group, *, bias: bool,
+    def __init__(self, in_features: int, out_features: int, unit: int, group, *, bias: bool,
                  dtype, name: str) -> None:
-        heads = _divide(out_features, head_dim, f"{name} output size over head_dim")
+        heads = out_features // unit
         if group.size > heads:
-            _divide(group.size, heads, f"{name} heads replication: tp")
-            self.replicas, per_rank = group.size // heads, head_dim
+            if group.size % heads:
+                raise ValueError(f"{name}'s {heads} heads neither divide nor are divisible by "
+                                 f"the tensor-parallel size {group.size}")
+            self.replicas, per_rank = group.size // heads, unit
         else:
-            self.replicas, per_rank = 1, _divide(heads, group.size, f"{name} heads") * head_dim
+            self.replicas, per_rank = 1, _divide(heads, group.size, f"{name} heads") * unit
         self.full = out_features
         super().__init__(in_features, per_rank * group.size, group, bias=bias, dtype=dtype,
                          name=name)
@@ -66,25 +70,53 @@ class HeadColumnLinear(ColumnParallelLinear):
 HeadColumnLinear.weight_loader.reads_slices = True
 
 
+class SplitInputRowLinear(RowParallelLinear):
+    """A row-parallel linear over a whole input (``rowwise_split_input``): each rank takes its
+    slice of the features (the gathered output of ``colwise_gather_output`` projections)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.in_per_rank
+        return super().forward(x.narrow(-1, self.group.rank * n, n))
+
+
+def _head_unit(linear: nn.Linear, cfg, name: str) -> int:
+    """The outputs of one head of an attention projection: head_dim, or one (a gate per
+    head)."""
+    out = linear.out_features
+    if out % cfg.head_dim == 0:
+        return cfg.head_dim
+    if out % cfg.num_attention_heads == 0:
+        return out // cfg.num_attention_heads
+    raise ValueError(f"{name}'s {out} outputs are no whole number of heads of {cfg.head_dim}")
+
+
 def parallel_linear(linear: nn.Linear, style: str | None, name: str, *, attention: bool,
-                    runtime, head_dim: int, dtype) -> nn.Module:
+                    runtime, cfg, dtype) -> nn.Module:
     """Our linear for transformers' ``linear`` (on the meta device) of tp_plan ``style``:
     colwise splits the output (heads of the attention), rowwise the input (an attention's sum
-    owed to the boundary; an FFN's obeying the exit's flags); unplanned or replicated, a whole
-    copy on every rank."""
+    owed to the boundary; an FFN's obeying the exit's flags), ``colwise_gather_output`` and
+    ``rowwise_split_input`` the same with the heads gathered between; unplanned or
+    replicated, a whole copy on every rank, refused where its output would join a stage's sum
+    over ranks (an output of the hidden size)."""
     group = runtime.parallel.attn_tp_group if attention else runtime.parallel.tp_group
     bias = linear.bias is not None
     short = name.rsplit(".", 1)[-1]
-    if style == COLWISE:
-        if attention:
-            return HeadColumnLinear(linear.in_features, linear.out_features, head_dim, group,
-                                    bias=bias, dtype=dtype, name=short)
-        return ColumnParallelLinear(linear.in_features, linear.out_features, group, bias=bias,
+    shape = (linear.in_features, linear.out_features, group)
+    if style == COLWISE and attention:
+        return HeadColumnLinear(linear.in_features, linear.out_features,
+                                _head_unit(linear, cfg, name), group, bias=bias, dtype=dtype,
+                                name=short)
+    if style in (COLWISE, COLWISE_GATHER):
+        return ColumnParallelLinear(*shape, bias=bias, gather_output=style == COLWISE_GATHER,
                                     dtype=dtype, name=short)
-    if style == ROWWISE:
-        return RowParallelLinear(linear.in_features, linear.out_features, group, bias=bias,
-                                 reduce_results=not attention, dtype=dtype, name=short)
+    if style in (ROWWISE, ROWWISE_SPLIT):
+        cls = SplitInputRowLinear if style == ROWWISE_SPLIT else RowParallelLinear
+        return cls(*shape, bias=bias, reduce_results=not attention, dtype=dtype, name=short)
     if style is None or style in REPLICATED:
+        if group.size > 1 and linear.out_features == cfg.hidden_size:
+            raise ValueError(f"{name} is in no tp_plan entry and writes the hidden size: a "
+                             "whole copy on every rank would join the stage's sum over "
+                             f"{group.size} ranks once per rank")
         out = nn.Linear(linear.in_features, linear.out_features, bias=bias, dtype=dtype)
         for p in out.parameters():
             p.requires_grad_(False)
@@ -100,13 +132,18 @@ def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
     the meta device: refused by name."""
     model_type = cfg.model_type
     for name, module in list(layer.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
         full = f"{prefix}.{name}"
+        if name and cfg.style(full) == MOE_EXPERTS:
+            from .moe import make_experts_ours
+
+            make_experts_ours(module, full, cfg, runtime, dtype)
+            continue
+        if type(module) is not nn.Linear:  # a subclass (a router) keeps its own forward
+            continue
         try:
             ours = parallel_linear(module, cfg.style(full), full,
                                    attention=name.split(".")[0] == "self_attn", runtime=runtime,
-                                   head_dim=cfg.head_dim, dtype=dtype)
+                                   cfg=cfg, dtype=dtype)
         except ValueError as exc:
             raise refuse(model_type, str(exc)) from None
         parent, _, leaf = name.rpartition(".")

@@ -38,6 +38,10 @@ COMPUTE = ("self_attn", "mlp")
 
 # tp_plan styles, and what each becomes
 COLWISE, ROWWISE = "colwise", "rowwise"
+# the output gathered (every rank computes on every head), and the input split to match
+# (OLMo-2's q/k norms over the whole projection)
+COLWISE_GATHER, ROWWISE_SPLIT = "colwise_gather_output", "rowwise_split_input"
+MOE_EXPERTS = "moe_tp_experts"  # stacked experts, their intermediate split over TP
 REPLICATED = ("replicated_with_grad_allreduce",)  # the same tensor on every rank
 
 
@@ -128,7 +132,11 @@ class GenericConfig:
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         head_dim = getattr(attn, "head_dim", None) or hf.hidden_size // heads
         embed = model.model.embed_tokens
-        scale = getattr(embed, "embed_scale", None)
+        # a scaled embedding keeps its scale as a float beside the buffer (on the meta device)
+        scale = getattr(embed, "scalar_embed_scale", None)
+        if scale is None and hasattr(embed, "embed_scale"):
+            raise refuse(model_type, f"{type(embed).__name__} scales its output by a buffer "
+                         "whose value the meta device does not hold")
         return cls(model_type, hf, dict(plan), shapes, hf.hidden_size, hf.vocab_size,
                    hf.num_hidden_layers, bool(getattr(hf, "tie_word_embeddings", False)),
                    heads, kv_heads, int(head_dim),
@@ -137,11 +145,23 @@ class GenericConfig:
 
     def style(self, name: str) -> str | None:
         """The tp_plan style of the module ``name`` (relative to the base model:
-        ``layers.3.mlp.down_proj``), None where the plan names none."""
-        for pattern, style in self.tp_plan.items():
-            if fnmatch.fnmatchcase(name, pattern.replace("*", "[0-9]*")):
-                return style
+        ``layers.3.mlp.down_proj``), None where the plan names none. A module nested deeper
+        in a stage than the plan names takes the style of its stage's module of the same
+        name (Qwen2-MoE's ``mlp.shared_expert.gate_proj`` is split as ``mlp.gate_proj``)."""
+        for candidate in (name, _stage_leaf(name)):
+            for pattern, style in self.tp_plan.items():
+                if candidate and fnmatch.fnmatchcase(candidate, pattern.replace("*", "[0-9]*")):
+                    return style
         return None
+
+
+def _stage_leaf(name: str) -> str | None:
+    """``layers.3.mlp.shared_expert.gate_proj`` -> ``layers.3.mlp.gate_proj`` (None where the
+    name is no deeper than that)."""
+    parts = name.split(".")
+    if len(parts) <= 4 or parts[0] != "layers":
+        return None
+    return ".".join(parts[:3] + parts[-1:])
 
 
 def decoder_layers(model, hf) -> list:

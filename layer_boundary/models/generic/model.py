@@ -17,7 +17,8 @@ from ..layers import DecoderLayer
 from ..registry import NO_QKV_LATENT, declare_capabilities
 from .attention import position_embeddings, takes_layer_type
 from .build import make_ours, rotary, skeleton
-from .config import SHAPE_NORMS, GenericConfig
+from .config import COLWISE, SHAPE_NORMS, GenericConfig
+from .moe import checkpoint_weights
 
 # transformers' model (meta device) and its rotary module while a GenericCausalLM is built:
 # its layers and final norm are taken from it (one object per build, never shared)
@@ -128,6 +129,8 @@ class GenericCausalLM(CausalLM):
         self.rotary_emb = rope  # its tables follow the model's device
         attn_tp = runtime.parallel.dims.attn_tp
         kv = cfg.num_key_value_heads
+        if cfg.style("layers.0.self_attn.k_proj") != COLWISE:  # every head on every rank
+            attn_tp = 1
         self._kv_heads = kv // attn_tp if kv % attn_tp == 0 else 1
         if cfg.embed_scale is not None and self.stage.first:
             scale = cfg.embed_scale
@@ -143,6 +146,9 @@ class GenericCausalLM(CausalLM):
         logits, hidden = out if return_hidden else (out, None)
         logits = torch.tanh(logits / cap) * cap
         return (logits, hidden) if return_hidden else logits
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(checkpoint_weights(weights, self))
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
         return KVCache(self.stage.layers, slots, max_len, self._kv_heads, self.config.head_dim,

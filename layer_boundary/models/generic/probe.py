@@ -61,33 +61,58 @@ def _reference(hf):
     return model.eval()
 
 
+NEXT = (7, 50)  # one cached decode step's token for each prompt
+
+
+def _ours(model) -> torch.Tensor:
+    """Our logits: every position of the prompts in one prefill, then one decode step."""
+    from ...runtime.forward_batch import ForwardBatch, ForwardMode
+
+    cache = model.make_kv_cache(len(PROMPTS), max(map(len, PROMPTS)) + 1)
+    prefill = ForwardBatch.build(ForwardMode.EXTEND, [list(p) for p in PROMPTS],
+                                 [0] * len(PROMPTS), kv_cache=cache)
+    decode = ForwardBatch.build(ForwardMode.DECODE, [[t] for t in NEXT],
+                                [len(p) for p in PROMPTS], kv_cache=cache)
+    with torch.no_grad():
+        return torch.cat((model(prefill), model(decode)))
+
+
+def _theirs(reference) -> torch.Tensor:
+    """transformers' logits of the same: each prompt, then its cached decode step."""
+    from transformers import DynamicCache
+
+    prefills, steps = [], []
+    with torch.no_grad():
+        for prompt, token in zip(PROMPTS, NEXT):
+            out = reference(torch.tensor([prompt]), cache=DynamicCache(config=reference.config),
+                            use_cache=True)
+            prefills.append(out.logits[0])
+            steps.append(reference(torch.tensor([[token]]), cache=out.cache,
+                                   use_cache=True).logits[0])
+    return torch.cat(prefills + steps)
+
+
 def check(cfg: GenericConfig) -> None:
     """Refuse ``cfg``'s model, naming its decoder-layer classes and the difference, where our
-    path's logits differ from transformers' beyond fp32 rounding (or it fails to run)."""
+    path's logits (a prefill of two prompts at every position, then a cached decode step)
+    differ from transformers' beyond fp32 rounding, or where it fails to run."""
     from ...runtime.args import BoundaryRuntime
-    from ...runtime.forward_batch import ForwardBatch, ForwardMode
     from ...runtime.parallel import ParallelDims, build_parallel
     from .model import GenericCausalLM
 
     small = probe_config(cfg)
     reference = _reference(small.hf)
     classes = ", ".join(sorted({type(layer).__name__ for layer in reference.model.layers}))
-    with torch.device("cpu"):
-        ours = GenericCausalLM(small, BoundaryRuntime(build_parallel(ParallelDims())),
-                               dtype=torch.float32)
     try:
+        with torch.device("cpu"):
+            ours = GenericCausalLM(small, BoundaryRuntime(build_parallel(ParallelDims())),
+                                   dtype=torch.float32)
         ours.load_weights(reference.state_dict().items())
-        batch = ForwardBatch.build(ForwardMode.EXTEND, [list(p) for p in PROMPTS],
-                                   [0] * len(PROMPTS),
-                                   kv_cache=ours.make_kv_cache(len(PROMPTS),
-                                                               max(map(len, PROMPTS))))
-        with torch.no_grad():
-            logits = ours.eval()(batch)
+        logits = _ours(ours.eval())
     except Exception as exc:  # noqa: BLE001 - any failure of our path is the refusal
         raise refuse(cfg.model_type, f"its layers ({classes}) do not run on the generic path "
                      f"({type(exc).__name__}: {exc})") from None
-    with torch.no_grad():
-        expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in PROMPTS])
+    expected = _theirs(reference)
     diff = (logits - expected).abs().max().item()
     scale = max(1.0, expected.abs().max().item())
     if not diff <= RTOL * scale:  # NaN included
