@@ -31,8 +31,9 @@ from layer_boundary.runtime.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 240
-JSON_KEYS = {"verdict", "reason", "checks", "tp", "dp", "ep", "pp", "boundary_reduction", "dtype",
-             "stages", "audit", "prompts", "parity", "collectives"}
+JSON_KEYS = {"verdict", "reason", "checks", "model_type", "model_impl", "tp", "dp", "ep", "pp",
+             "boundary_reduction", "dtype", "stages", "audit", "prompts", "parity",
+             "collectives"}
 RESOLVED_REDUCTIONS = {"ar", "rs", "rsv", "rs+rsv"}
 PROMPTS = [[1, 2, 3], [9, 8]]
 PROMPT_ARGS = ["--prompt-ids", "1,2,3", "--prompt-ids", "9,8"]
@@ -190,6 +191,7 @@ def test_json_report_has_the_documented_shape_and_passes_parity(default_json, bu
     assert report["dp"] == 2 and _is_int(report["dp"])
     assert report["boundary_reduction"] in RESOLVED_REDUCTIONS
     assert report["dtype"] == "float32"
+    assert (report["model_type"], report["model_impl"]) == ("qwen3", "native")
 
     assert isinstance(report["prompts"], list) and report["prompts"]
     for p in report["prompts"]:

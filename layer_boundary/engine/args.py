@@ -256,6 +256,11 @@ def _bench_parser(sub, log_level) -> None:
                        help="timed forwards of each kind, interleaved (at most 1000)")
     bench.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), default=None,
                        help="run both forwards under torch.compile(fullgraph=True)")
+    bench.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
+                       help="the benchmark model's implementation: auto or native (our Qwen3 "
+                            "model file), or transformers (the transformers backend: "
+                            "transformers' own Qwen3 layers on the boundaries); both forwards "
+                            "run its modules")
 
 
 def _sweep_parser(sub, log_level) -> None:
@@ -266,6 +271,7 @@ def _sweep_parser(sub, log_level) -> None:
     sweep.add_argument("--model",
                        help="a Hugging Face checkpoint folder or repo id (default: the "
                             "built-in tiny Qwen3)")
+    model_impl_arg(sweep)
     sweep.add_argument("--max-world", type=_bounded(MAX_SWEEP_WORLD, " (rank processes at once "
                                                     "on this machine)"), default=8,
                        help="the largest world size tried (1, 2, 4, ... up to it; at most "
@@ -290,6 +296,23 @@ def _sweep_parser(sub, log_level) -> None:
                             "run's three)")
     sweep.add_argument("--json", action="store_true",
                        help="print one JSON object (one row a layout)")
+
+
+# which implementation serves a checkpoint (``models.checkpoint.IMPLS``, named here without
+# importing torch): vLLM's and SGLang's --model-impl
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
+def model_impl_arg(parser) -> None:
+    """``--model-impl``: which implementation serves the checkpoint."""
+    parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
+                        help="which implementation serves the model (vLLM's and SGLang's "
+                             "flag): native (our own model file for config.json's "
+                             "model_type), transformers (the transformers backend: "
+                             "transformers' own decoder layers on the boundaries, each "
+                             "linear split as the config's base_model_tp_plan says, checked "
+                             "against transformers' forward at load), or auto (native where "
+                             "we have a model file, else transformers)")
 
 
 def _device_args(run) -> None:
@@ -336,6 +359,7 @@ def _topology_args(parser) -> None:
     parser.add_argument("--model",
                         help="a Hugging Face checkpoint folder or repo id (the hub's cache "
                              "first; default: the built-in tiny Qwen3)")
+    model_impl_arg(parser)
     parser.add_argument("--tp", "--tensor-parallel-size", "--tp-size", dest="tp",
                         type=_positive, default=None, help="tensor-parallel size (default 4)")
     parser.add_argument("--dp", type=_positive, default=None,

@@ -47,32 +47,67 @@ def bench_bytes(hidden: int, layers: int, requests: int, prefix: int = PREFIX) -
     return weights + packed_bytes(model) + cache + activations
 
 
-def hand_written(model: Qwen3ForCausalLM, fb: ForwardBatch) -> torch.Tensor:
+def hand_written(model, fb: ForwardBatch) -> torch.Tensor:
     """The same forward without boundaries: fp32 residual add + norm written inline; at
     tp > 1 the attention's partial is all-reduced by hand (the MLP's down projection reduces
-    itself outside a boundary's scope)."""
+    itself outside a boundary's scope). ``model``: the benchmark's Qwen3, ours or the
+    Transformers backend's (``bench_model``): each layer's own attention, MLP and norms."""
     m = model.model
     attn_tp = m.layers[0].self_attn.o_proj.group  # the group its partial is a sum over
     # the forward's own state, as the stack's entry makes it: the layers share their
     # per-forward tables (rotary cos/sin, attention groups) as in the boundary's forward
     residual_batch.start(fb)
     residual = m.embed_tokens(fb.input_ids)
-    x = m.layers[0].input_layernorm(residual)
+    x = m.layers[0].read_norms()[0](residual)
     for i, layer in enumerate(m.layers):
-        out = all_reduce_rows(layer.self_attn(fb.positions, x, fb), attn_tp)
+        attn_norm, ffn_norm = layer.read_norms()
+        out = all_reduce_rows(layer.attend(fb.positions, x, fb), attn_tp)
         total = residual.float() + out.float()
         residual = total.to(dtype=out.dtype)
-        x = layer.post_attention_layernorm.normalize_fp32(total, out.dtype)
-        out = layer.mlp(x)
+        x = _normalize(ffn_norm, total, out.dtype)
+        out = layer.feed_forward(x, fb)
         total = residual.float() + out.float()
         residual = total.to(dtype=out.dtype)
-        norm = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
-        x = norm.normalize_fp32(total, out.dtype)
+        norm = m.layers[i + 1].read_norms()[0] if i + 1 < len(m.layers) else m.norm
+        x = _normalize(norm, total, out.dtype)
     return model.lm_head(x)
 
 
-def _random_model(cfg: Qwen3Config, runtime: BoundaryRuntime | None = None) -> Qwen3ForCausalLM:
-    model = Qwen3ForCausalLM(cfg, runtime or BoundaryRuntime(build_parallel(ParallelDims())))
+def _normalize(norm, total: torch.Tensor, dtype) -> torch.Tensor:
+    """``norm`` of the fp32 sum ``total``, in ``dtype``: our RMSNorm reads the fp32 sum;
+    transformers' (the Transformers backend's) takes its input's dtype and computes in fp32."""
+    if hasattr(norm, "normalize_fp32"):
+        return norm.normalize_fp32(total, dtype)
+    return norm(total.to(dtype))
+
+
+def bench_model(cfg: Qwen3Config, runtime: BoundaryRuntime, impl: str = "native"):
+    """The benchmark's Qwen3 of ``cfg`` on ``runtime``, its weights uninitialised: ours
+    (``impl`` "native" or "auto": we have a Qwen3 file) or the Transformers backend's
+    (``GenericCausalLM`` over transformers' Qwen3 modules of the same sizes, its probe
+    passed first, as ``open_checkpoint`` runs it)."""
+    if impl in ("auto", "native"):
+        return Qwen3ForCausalLM(cfg, runtime)
+    if impl != "transformers":
+        raise ValueError(f"model impl {impl!r} is not one of auto, native, transformers")
+    from ..models.generic.model import GenericCausalLM
+    from ..models.generic.probe import check
+
+    raw = {"model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+           "intermediate_size": cfg.intermediate_size,
+           "num_hidden_layers": cfg.num_hidden_layers,
+           "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+           "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
+           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    generic = GenericCausalLM.config_class.from_dict(raw)
+    check(generic)
+    return GenericCausalLM(generic, runtime)
+
+
+def _random_model(cfg: Qwen3Config, runtime: BoundaryRuntime | None = None,
+                  impl: str = "native"):
+    model = bench_model(cfg, runtime or BoundaryRuntime(build_parallel(ParallelDims())), impl)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -83,23 +118,25 @@ def _random_model(cfg: Qwen3Config, runtime: BoundaryRuntime | None = None) -> Q
 
 
 def overhead(hidden: int = 256, layers: int = 8, requests: int = 16, prefix: int = PREFIX,
-             repeats: int = 30, compile: str | None = None) -> dict:
+             repeats: int = 30, compile: str | None = None, model_impl: str = "native") -> dict:
     """Median decode-step time with and without boundaries at world 1, their ratio, and the
     boundary's cost per stage in microseconds (the difference of the fastest runs over the
     2 x layers stages). With ``compile`` (a torch.compile backend) both forwards run
-    compiled, fullgraph."""
-    result = _overhead_rank(hidden, layers, requests, prefix, repeats, compile, "rs+rsv", 1)
+    compiled, fullgraph; ``model_impl``: the model's implementation (``bench_model``)."""
+    result = _overhead_rank(hidden, layers, requests, prefix, repeats, compile, "rs+rsv", 1,
+                            model_impl)
     return {k: result[k] for k in ("hidden", "layers", "requests", "compile", "boundary_ms",
                                    "hand_written_ms", "overhead", "per_stage_us")}
 
 
 def overhead_with_noise(hidden: int = 256, layers: int = 8, requests: int = 16,
                         prefix: int = PREFIX, repeats: int = 30,
-                        compile: str | None = None) -> dict:
+                        compile: str | None = None, model_impl: str = "native") -> dict:
     """``overhead`` with the spread of the timed forwards: ``spread_ms`` (min, median, max of
     each kind) and ``noise`` (the hand-written forward's interquartile range over its
     median: an overhead smaller than it is not measured)."""
-    return _overhead_rank(hidden, layers, requests, prefix, repeats, compile, "rs+rsv", 1)
+    return _overhead_rank(hidden, layers, requests, prefix, repeats, compile, "rs+rsv", 1,
+                          model_impl)
 
 
 def overhead_tp(tp: int, hidden: int = 256, layers: int = 8, requests: int = 16,
@@ -123,12 +160,12 @@ def overhead_tp(tp: int, hidden: int = 256, layers: int = 8, requests: int = 16,
 
 @torch.no_grad()
 def _overhead_rank(hidden, layers, requests, prefix, repeats, compile, boundary_reduction,
-                   tp: int) -> dict:
+                   tp: int, model_impl: str = "native") -> dict:
     cfg = bench_config(hidden, layers, tp)
     runtime = BoundaryRuntime(build_parallel(ParallelDims(world_size=tp, tp=tp)),
                               boundary_reduction=boundary_reduction,
                               choose_by_bytes=boundary_reduction == "rs+rsv")
-    model = _random_model(cfg, runtime)
+    model = _random_model(cfg, runtime, model_impl)
     sync = _barrier if tp > 1 else (lambda: None)
     cache = model.make_kv_cache(requests, prefix + 1)
     prompts = [[(7 * r + t) % cfg.vocab_size for t in range(prefix)] for r in range(requests)]
@@ -166,7 +203,7 @@ def _overhead_rank(hidden, layers, requests, prefix, repeats, compile, boundary_
     hand = sorted(times["hand_written"])
     noise = (hand[len(hand) * 3 // 4] - hand[len(hand) // 4]) / med["hand_written"]
     return {"hidden": hidden, "layers": layers, "requests": requests, "compile": compile,
-            "tp": tp, "boundary_reduction": boundary_reduction,
+            "model_impl": model.impl, "tp": tp, "boundary_reduction": boundary_reduction,
             "spread_ms": {k: [min(v) * 1e3, med[k] * 1e3, max(v) * 1e3]
                           for k, v in times.items()},
             "noise": noise,

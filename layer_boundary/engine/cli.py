@@ -144,12 +144,21 @@ def cmd_bench(args) -> int:
     decoder."""
     from ..models.estimate import memory_budget, size
     from .bench import BENCH_HEADS, bench_bytes, overhead_with_noise
+    from .report import IMPL_WORDS
 
     # the parser bounds each flag; these hold for any args (a caller's own namespace)
     if args.hidden % (2 * BENCH_HEADS):
         raise UsageError(f"--hidden {args.hidden} must be a multiple of {2 * BENCH_HEADS}: "
                          f"{BENCH_HEADS} attention heads of an even head_dim, which the "
                          "rotary turns in pairs")
+    impl = getattr(args, "model_impl", "auto")
+    if impl == "transformers" and args.compile:
+        from ..capabilities import Feature
+        from ..models.generic.model import GenericCausalLM
+
+        raise UsageError("bench --compile: the transformers backend (--model-impl "
+                         "transformers) does not compile: "
+                         f"{GenericCausalLM.refused_features[Feature.COMPILE]}")
     need = bench_bytes(args.hidden, args.layers, args.requests)
     available = memory_budget()  # LAYER_BOUNDARY_MEMORY_GB where set (checked)
     if available is not None and need > available:
@@ -161,10 +170,11 @@ def cmd_bench(args) -> int:
              args.repeats, args.hidden, args.layers, args.requests,
              f", compiling with {args.compile} first" if args.compile else "")
     result = overhead_with_noise(args.hidden, args.layers, args.requests,
-                                 repeats=args.repeats, compile=args.compile)
-    report.info("decode step, world 1, hidden %d, %d layers, %d requests%s: boundary %.3f "
-                "ms, hand-written %.3f ms, overhead %+.1f%% (%.1f us per stage)",
-                result["hidden"], result["layers"], result["requests"],
+                                 repeats=args.repeats, compile=args.compile, model_impl=impl)
+    report.info("decode step, world 1, qwen3 (%s), hidden %d, %d layers, %d requests%s: "
+                "boundary %.3f ms, hand-written %.3f ms, overhead %+.1f%% (%.1f us per stage)",
+                IMPL_WORDS[result["model_impl"]], result["hidden"], result["layers"],
+                result["requests"],
                 f", compiled ({args.compile})" if args.compile else ", eager",
                 result["boundary_ms"], result["hand_written_ms"], 100 * result["overhead"],
                 result["per_stage_us"])

@@ -26,7 +26,7 @@ from .describe import handoff_contract, plan_rows
 from .features import check_spec
 from .hub import model_folder
 from .logs import setup_logging
-from .report import PLAN_LEGEND, a2a_note, asked, plan_table
+from .report import PLAN_LEGEND, a2a_note, asked, model_line, model_record, plan_table
 from .runner import RunSpec, forward_variants, runtime_of
 
 log = logging.getLogger("layer_boundary.report")
@@ -37,6 +37,7 @@ class PlanExplanation:
     """What ``plan`` explains of one batch shape on one topology."""
 
     model_dir: str
+    checkpoint: object  # the Checkpoint planned (its model_type and implementation)
     dims: object  # the ParallelDims the plan runs on
     variant: BatchVariant
     moe_a2a_backend: str
@@ -79,7 +80,7 @@ def explain_plan(args) -> PlanExplanation:
     engine_names(args)
     args.tp, args.dp = tp_dp(args)
     model_dir = model_folder(args.model) or str(builtin_checkpoint())
-    checkpoint = open_checkpoint(model_dir)
+    checkpoint = open_checkpoint(model_dir, args.model_impl)
     spec = _spec_of(args, model_dir, checkpoint)
     dims = spec.dims()  # names bad factors
     check_spec(spec)  # the combination table, as run asks it
@@ -115,7 +116,8 @@ def explain_plan(args) -> PlanExplanation:
     ranks = _rows_per_rank(dims, mode, counts, lens)
     microbatches = _microbatches(runtime, dims, counts, lens) if args.tbo else None
     return PlanExplanation(
-        model_dir=model_dir, dims=dims, variant=variant, moe_a2a_backend=args.moe_a2a_backend,
+        model_dir=model_dir, checkpoint=checkpoint, dims=dims, variant=variant,
+        moe_a2a_backend=args.moe_a2a_backend,
         policy=policy, asked=asked(args.boundary_reduction, checkpoint), counts=counts,
         mode=mode, reason=reason, ranks=ranks, stages=stages,
         movements=table_rows(runtime.parallel, mode, cp), memory=memory, pipeline=pipeline,
@@ -124,8 +126,8 @@ def explain_plan(args) -> PlanExplanation:
 
 def _spec_of(args, model_dir: str, checkpoint) -> RunSpec:
     """The run spec ``run`` would build of the same topology and policy flags."""
-    return RunSpec(model_dir, checkpoint=checkpoint, tp=args.tp, dp=args.dp, ep=args.ep,
-                   cp=args.cp, pp=args.pp, pp_layers=args.pp_layers,
+    return RunSpec(model_dir, model_impl=args.model_impl, checkpoint=checkpoint, tp=args.tp,
+                   dp=args.dp, ep=args.ep, cp=args.cp, pp=args.pp, pp_layers=args.pp_layers,
                    sequence_parallel=args.sequence_parallel,
                    attn_input_scattered=args.attn_input_scattered,
                    moe_a2a_backend=args.moe_a2a_backend,
@@ -179,7 +181,8 @@ def _microbatches(runtime, dims, counts, lens) -> list:
 def plan_json(plan: PlanExplanation) -> dict:
     """``plan --json``'s object."""
     dims = plan.dims
-    return {"tp": dims.tp, "dp": dims.attn_dp, "cp": dims.attn_cp, "attn_tp": dims.attn_tp,
+    return {**model_record(plan.checkpoint),
+            "tp": dims.tp, "dp": dims.attn_dp, "cp": dims.attn_cp, "attn_tp": dims.attn_tp,
             "variant": plan.variant.value, "moe_a2a_backend": plan.moe_a2a_backend,
             "boundary_reduction": plan.policy, "tokens": list(plan.counts),
             "mode": plan.mode.value, "reason": plan.reason, "ranks": plan.ranks,
@@ -204,6 +207,7 @@ def _log_header(plan: PlanExplanation) -> None:
     log.info("layer-boundary plan: %s  tp=%d dp=%d cp=%d attn_tp=%d  boundary_reduction=%s "
              "(asked %s)%s", plan.model_dir, dims.tp, dims.attn_dp, dims.attn_cp, dims.attn_tp,
              plan.policy, plan.asked, a2a_note(plan.moe_a2a_backend))
+    log.info("%s", model_line(plan.checkpoint))
     article = "an" if variant.value[0] in "aeiou" else "a"
     log.info("memory (estimate): %s", plan.memory.describe())
     log.info("tokens per DP rank %s -> row mode %s (%s)%s", list(plan.counts), plan.mode.value,

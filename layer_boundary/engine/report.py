@@ -22,6 +22,28 @@ def asked(value: str, checkpoint) -> str:
     return f"auto, by {checkpoint.auto_policy()[1]}"
 
 
+# ``Checkpoint.impl`` in the text report's words
+IMPL_WORDS = {"native": "native", "transformers": "transformers backend"}
+
+
+def model_line(checkpoint, impl: str | None = None) -> str:
+    """The report line naming the model and which implementation served it:
+    ``model: qwen2 (transformers backend)`` or ``model: llama (native)``.
+
+    Args:
+        checkpoint: the ``Checkpoint`` (its ``model_type``).
+        impl: the implementation that ran ("native" | "transformers"; None: the one
+            ``checkpoint`` is opened for).
+    """
+    return f"model: {checkpoint.model_type} ({IMPL_WORDS[impl or checkpoint.impl]})"
+
+
+def model_record(checkpoint, impl: str | None = None) -> dict:
+    """``--json``'s keys naming the model: config.json's ``model_type`` and ``model_impl``
+    ("native": our model file; "transformers": the Transformers backend), as ``model_line``."""
+    return {"model_type": checkpoint.model_type, "model_impl": impl or checkpoint.impl}
+
+
 def a2a_note(backend: str) -> str:
     return "" if backend == "none" else f"  MoE {backend} dispatch"
 
@@ -93,6 +115,7 @@ def json_record(args, spec, results, outcome: Outcome) -> dict:
     return {
         "verdict": outcome.status.value, "reason": overall_reason(outcome.checks),
         "checks": [c.record() for c in outcome.checks],
+        **model_record(spec.checkpoint, rank0.model_impl),
         "tp": spec.tp, "dp": spec.dp, "ep": spec.ep, "pp": spec.pp,
         "boundary_reduction": rank0.resolved_reduction, "dtype": spec.dtype,
         "prompts": [{"prompt_ids": list(spec.prompts[i]), "generated_ids": g,
@@ -135,6 +158,7 @@ def _text(args, spec, results, outcome: Outcome) -> None:
              + a2a_note(spec.moe_a2a_backend) + _modes_on(spec)
              + (f"  compiled ({spec.compile}, fullgraph) into {rank0.compiled_graphs} "
                 f"graph{'s' * (rank0.compiled_graphs != 1)} on rank 0" if spec.compile else ""))
+    log.info("%s", model_line(spec.checkpoint, rank0.model_impl))
     if spec.device == "cuda":
         log.info("%s", graphs_line(rank0.cuda_graphs))
     for i, g in zip(run.request_ids, run.generated):

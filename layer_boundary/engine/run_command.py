@@ -66,7 +66,7 @@ def spec_from_args(args):
     args.lora = [(name, model_folder(folder, f"--lora {name}="))
                  for name, folder in args.lora or ()]  # a folder, or a repo id as --model takes
     model_dir = model_folder(args.model) or str(builtin_checkpoint())
-    checkpoint = open_checkpoint(model_dir)
+    checkpoint = open_checkpoint(model_dir, args.model_impl)
     cfg = checkpoint.config
     safetensors_files(model_dir)  # a missing weights file is a one-line error before any rank
     check_fp8_tensors(model_dir, getattr(cfg, "fp8_block", None),  # headers only
@@ -92,8 +92,8 @@ def spec_from_args(args):
     if args.draft_model is not None and algorithm == "draft":
         safetensors_files(args.draft_model)
         draft = open_checkpoint(args.draft_model)
-    spec = RunSpec(model_dir=str(model_dir), checkpoint=checkpoint, draft_checkpoint=draft,
-                   tp=tp, dp=dp, ep=args.ep, cp=args.cp,
+    spec = RunSpec(model_dir=str(model_dir), model_impl=args.model_impl, checkpoint=checkpoint,
+                   draft_checkpoint=draft, tp=tp, dp=dp, ep=args.ep, cp=args.cp,
                    sequence_parallel=args.sequence_parallel,
                    attn_input_scattered=args.attn_input_scattered,
                    moe_a2a_backend=args.moe_a2a_backend, lora=tuple(args.lora or ()),

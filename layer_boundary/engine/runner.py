@@ -89,6 +89,10 @@ class RunSpec:
     speculative_algorithm: str | None = None  # None | "draft" (draft_model) | "nextn"
     speculative_steps: int = 3  # draft tokens proposed per round
     speculative_boundary_reduction: str = "auto"  # the draft's own policy (its architecture's)
+    # which implementation serves model_dir (``open_checkpoint``'s impl, ``--model-impl``):
+    # "native" our model file, "transformers" the Transformers backend, "auto" ours where we
+    # have one; a draft is served as "auto" (the Transformers backend drafts for nothing)
+    model_impl: str = "auto"
     # model_dir's and draft_model's config.json, read once (``with_checkpoints``) and carried
     # to every rank, so no rank reads them again
     checkpoint: Checkpoint | None = field(default=None, compare=False, repr=False)
@@ -142,14 +146,19 @@ class RankResult:
     # replays, inductor's reasons for skipping a graph (``graphs_summary``)
     cuda_graphs: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)  # ForwardRecord of each call of the target
+    # the implementation this rank's model is (``CausalLM.impl``: "native" our model file,
+    # "transformers" the Transformers backend): what the report says ran
+    model_impl: str = ""
 
 
 def with_checkpoints(spec: RunSpec) -> RunSpec:
     """``spec`` with its checkpoints' config.json read (each once; those already read are
-    kept): what every rank of the run is handed."""
+    kept, unless ``model_impl`` names another implementation than the one read): what every
+    rank of the run is handed, so every rank and sweep row serves the same implementation."""
     checkpoint, draft = spec.checkpoint, spec.draft_checkpoint
-    if checkpoint is None or checkpoint.folder != str(spec.model_dir):  # none, or another's
-        checkpoint = open_checkpoint(spec.model_dir)
+    if (checkpoint is None or checkpoint.folder != str(spec.model_dir)  # none, or another's
+            or spec.model_impl not in ("auto", checkpoint.impl)):  # or another implementation
+        checkpoint = open_checkpoint(spec.model_dir, spec.model_impl)
     if spec.draft_model is None:
         draft = None
     elif draft is None or draft.folder != str(spec.draft_model):
@@ -334,6 +343,7 @@ def _run_rank(spec: RunSpec, world_size: int | None) -> RankResult:
     result.cuda_graphs = graphs_summary(run.decision, captured, skips)
     result.layers = tuple(model.stage.layers)
     result.calls = checked.calls
+    result.model_impl = model.impl
     if provider is not None:
         result.fused_inputs = provider.accepted
         result.fused_final_norms = 0 if provider.service is None else provider.service.calls

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .report import IMPL_WORDS, model_record
 from .sweep_layouts import POLICIES, Layout, layouts  # noqa: F401 - the sweep's public names
 
 log = logging.getLogger("layer_boundary")
@@ -128,7 +129,7 @@ def _judge(layout: Layout, feature, spec, results, reference) -> Row:
 
 def sweep(model: str | None, max_world: int, budget: float | None, max_new_tokens: int,
           prompts, progress=None, candidates: list[Layout] | None = None,
-          features=None, every: bool = False) -> dict:
+          features=None, every: bool = False, model_impl: str = "auto") -> dict:
     """The sweep's rows (``Row.record``), what the capability check refused (and how often for
     each reason), what the budget left out, and what a signal stopped.
 
@@ -144,6 +145,8 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
         features: ``sweep_features.SweepFeature``s to cross with layouts (None: layouts
             alone); each runs on ``sweep_features.sample_layouts`` (``every``: on every
             layout, or on ``candidates`` where given).
+        model_impl: which implementation serves the model (``--model-impl``: auto, native,
+            transformers), in every row.
 
     A checkpoint or option ``run`` refuses on one rank is refused here, by ``run``'s own
     error, before any row runs. SIGINT or SIGTERM (``run_command.Stopped``) ends the sweep
@@ -158,12 +161,13 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
     from .sweep_features import combinations, feature_args, write_adapter
 
     folder = model or str(builtin_checkpoint())
-    checkpoint = open_checkpoint(folder)
+    checkpoint = open_checkpoint(folder, model_impl)
     cfg = checkpoint.config
     moe = bool(getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0))
     layers = checkpoint.model_class.decoder_layers(cfg)
     prompts = tuple(tuple(t % cfg.vocab_size for t in p) for p in prompts)
-    base = ["--model", folder, "--max-new-tokens", str(max_new_tokens)]
+    base = ["--model", folder, "--model-impl", model_impl, "--max-new-tokens",
+            str(max_new_tokens)]
     parser = build_parser()
     # run's own checks of the checkpoint and the options, on one rank: what it refuses there
     # it refuses on every layout, so the sweep ends with its error instead of counting it
@@ -208,11 +212,12 @@ def sweep(model: str | None, max_world: int, budget: float | None, max_new_token
                        else 128 + signal.SIGINT,
                        "interrupted": running,
                        "not_started": [c.name() for c in plan[done + (running is not None):]]}
-    return _result(folder, max_world, features, rows, refused, skipped, stopped,
+    return _result(checkpoint, max_world, features, rows, refused, skipped, stopped,
                    time.perf_counter() - started)
 
 
-def _result(folder, max_world, features, rows, refused, skipped, stopped, seconds) -> dict:
+def _result(checkpoint, max_world, features, rows, refused, skipped, stopped,
+            seconds) -> dict:
     """The sweep's record: each row (its bytes against the least any policy moved for its
     layout, where no feature ran beside it), the refusals and their count by reason."""
     least: dict = {}
@@ -227,7 +232,7 @@ def _result(folder, max_world, features, rows, refused, skipped, stopped, second
     for r in refused:
         by_reason[r["why"]] = by_reason.get(r["why"], 0) + 1
     passed = sum(r.verdict == "PASS" for r in rows)
-    return {"model": folder, "max_world": max_world,
+    return {"model": checkpoint.folder, **model_record(checkpoint), "max_world": max_world,
             "features": None if features is None else [f.value for f in features],
             # a stopped sweep's verdict is its exit status's: it proved part of its plan
             "verdict": ("STOPPED" if stopped else "NOT_CHECKED" if not rows else
@@ -247,6 +252,7 @@ def print_table(result: dict) -> None:
                 f", features {', '.join(result['features'])}" if result.get("features") else "",
                 result["run"], what, result["passed"], len(result["refused"]),
                 len(result["skipped"]))
+    report.info("model: %s (%s)", result["model_type"], IMPL_WORDS[result["model_impl"]])
     if rows:
         report.info("  %-*s  %-7s %-10s %-16s %s", width, "layout", "verdict", "max |diff|",
                     "bytes / least", "exactly once")
@@ -298,7 +304,8 @@ def cmd_sweep(args) -> int:
             raise UsageError(str(exc)) from None
     folder = model_folder(args.model)
     if args.prompt_ids:  # the defaults are taken modulo the vocabulary; a user's ids are not
-        check_token_ids(open_checkpoint(folder or str(builtin_checkpoint())), args.prompt_ids)
+        check_token_ids(open_checkpoint(folder or str(builtin_checkpoint()), args.model_impl),
+                        args.prompt_ids)
     prompts = tuple(tuple(p) for p in (args.prompt_ids or DEFAULT_PROMPTS))
 
     def say(line: str) -> None:  # under --json stdout holds the JSON alone
@@ -306,7 +313,7 @@ def cmd_sweep(args) -> int:
 
     # a signal raises Stopped (cli's stop_on_sigterm, around the command): sweep() ends there
     result = sweep(folder, args.max_world, args.budget, args.max_new_tokens, prompts,
-                   progress=say, features=features, every=every)
+                   progress=say, features=features, every=every, model_impl=args.model_impl)
     if args.json:
         report.info("%s", json.dumps(result))
     else:
