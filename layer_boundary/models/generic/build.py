@@ -4,6 +4,8 @@ for our parallel linear of its style, every other parameter allocated on this ra
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -171,3 +173,62 @@ def rotary(model, hf, device):
     except TypeError as exc:
         raise refuse(hf.model_type, f"its rotary module {type(module).__name__} is not built "
                      f"from the config alone ({exc})") from None
+
+
+_SAME_NORM: dict = {}  # (transformers' class, ours) -> whether they compute the same
+
+
+def _candidates(norm) -> list:
+    from ...runtime.norm import Fp32ScaleRMSNorm, GemmaRMSNorm, LayerNorm, RMSNorm
+
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    if not isinstance(eps, float) or weight is None or weight.dim() != 1:
+        return []
+    size, bias = weight.shape[0], getattr(norm, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        return [lambda dtype: LayerNorm(size, eps, bias=True, dtype=dtype)]
+    return [lambda dtype, cls=cls: cls(size, eps, dtype=dtype)
+            for cls in (RMSNorm, GemmaRMSNorm, Fp32ScaleRMSNorm)] + [
+        lambda dtype: LayerNorm(size, eps, bias=False, dtype=dtype)]
+
+
+def _same(norm, ours) -> bool:
+    """Whether transformers' ``norm`` (meta) and ``ours`` give the same numbers: both with
+    the same random weights, on random fp32 and bf16 rows (bf16 to the bit)."""
+    key = (type(norm), type(ours), getattr(ours, "bias", None) is not None)
+    if key not in _SAME_NORM:
+        theirs = copy.deepcopy(norm).to_empty(device="cpu").float()
+        mine = copy.deepcopy(ours).to_empty(device="cpu").float()
+        generator = torch.Generator().manual_seed(0)
+        same = True
+        with torch.no_grad():
+            for (_, a), (_, b) in zip(sorted(theirs.named_parameters()),
+                                      sorted(mine.named_parameters())):
+                a.copy_(torch.randn(a.shape, generator=generator) * 0.3 + 0.5)
+                b.copy_(a)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(5, theirs.weight.shape[0], generator=generator).to(dtype)
+                try:
+                    want = theirs.to(dtype)(x) if dtype is torch.float32 else theirs(x)
+                except Exception:  # noqa: BLE001 - a norm that does not run alone stays theirs
+                    same = False
+                    break
+                got = mine(x)
+                same = same and got.dtype == want.dtype and (
+                    torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+                    if dtype is torch.float32 else torch.equal(got, want))
+        _SAME_NORM[key] = same
+    return _SAME_NORM[key]
+
+
+def our_norm(norm: nn.Module, dtype) -> nn.Module:
+    """Our norm for transformers' ``norm`` (on the meta device) where one computes the same
+    (the boundary then reads it through the fused add+norm), else ``norm`` itself,
+    materialized."""
+    for make in _candidates(norm):
+        with torch.device("meta"):
+            probe = make(torch.float32)
+        if _same(norm, probe):
+            return make(dtype)
+    return norm

@@ -73,7 +73,11 @@ def transformers_config(raw: dict):
         raise CheckpointError(f"config.json model_type {model_type!r} is unknown to "
                               f"transformers {transformers.__version__} and has no model file "
                               "of ours")
-    config = CONFIG_MAPPING[model_type].from_dict(dict(raw))
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(dict(raw))
+    except Exception as exc:  # noqa: BLE001 - transformers' own reader refusing its file
+        raise refuse(model_type, f"transformers does not read its config.json back "
+                     f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
     if getattr(config, "quantization_config", None) is not None or "quantization_config" in raw:
         raise refuse(model_type, "a quantized checkpoint (quantization_config)")
     return config

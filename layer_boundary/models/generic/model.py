@@ -16,9 +16,9 @@ from ..kv_cache import KVCache
 from ..layers import DecoderLayer
 from ..registry import NO_QKV_LATENT, declare_capabilities
 from .attention import position_embeddings, takes_layer_type
-from .build import make_ours, rotary, skeleton
+from .build import make_ours, our_norm, rotary, skeleton
 from .config import COLWISE, SHAPE_NORMS, GenericConfig
-from .moe import checkpoint_weights
+from .moe import checkpoint_weights, expert_stacked_params
 
 # transformers' model (meta device) and its rotary module while a GenericCausalLM is built:
 # its layers and final norm are taken from it (one object per build, never shared)
@@ -34,6 +34,9 @@ class GenericDecoderLayer(DecoderLayer):
         super().__init__(cfg.hidden_size, 0.0, dtype, input_norms=False)
         model, self.__dict__["rotary"] = _BUILDING.get()  # shared, not a child of each layer
         layer = model.model.layers[layer_id]
+        for name in SHAPE_NORMS[cfg.shapes[layer_id]]:
+            if name is not None:  # ours where it computes the same: the fused add+norm read
+                setattr(layer, name, our_norm(getattr(layer, name), dtype))
         make_ours(layer, f"layers.{layer_id}", cfg, runtime, dtype)
         for name, child in layer.named_children():
             setattr(self, name, child)
@@ -69,7 +72,8 @@ class GenericDecoderLayer(DecoderLayer):
         return out[0]  # [1, T, hidden] -> [T, hidden]
 
     def feed_forward(self, hidden_states, forward_batch):
-        return self.mlp(hidden_states)
+        # [T, hidden] as transformers' [1, T, hidden] (a MoE block reads batch and sequence)
+        return self.mlp(hidden_states[None])[0]
 
 
 def check_parallel(cfg: GenericConfig, dims) -> None:
@@ -84,7 +88,7 @@ def check_parallel(cfg: GenericConfig, dims) -> None:
 
 
 def _final_norm(cfg: GenericConfig, dtype) -> nn.Module:
-    norm = _BUILDING.get()[0].model.norm
+    norm = our_norm(_BUILDING.get()[0].model.norm, dtype)
     make_ours(norm, "norm", cfg, None, dtype)
     return norm
 
@@ -146,6 +150,9 @@ class GenericCausalLM(CausalLM):
         logits, hidden = out if return_hidden else (out, None)
         logits = torch.tanh(logits / cap) * cap
         return (logits, hidden) if return_hidden else logits
+
+    def stacked_params(self) -> list:
+        return super().stacked_params() + expert_stacked_params(self)
 
     def load_weights(self, weights) -> None:
         super().load_weights(checkpoint_weights(weights, self))

@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from ..config import CheckpointError
 from .config import GenericConfig, refuse
 
 VOCAB = 96  # the probe's vocabulary: its embedding and head stay small whatever the model
@@ -104,15 +105,21 @@ def check(cfg: GenericConfig) -> None:
     reference = _reference(small.hf)
     classes = ", ".join(sorted({type(layer).__name__ for layer in reference.model.layers}))
     try:
+        expected = _theirs(reference)
+    except Exception as exc:  # noqa: BLE001 - nothing to compare against
+        raise refuse(cfg.model_type, f"transformers' own forward fails on the probe's copy "
+                     f"({type(exc).__name__}: {exc})") from None
+    try:
         with torch.device("cpu"):
             ours = GenericCausalLM(small, BoundaryRuntime(build_parallel(ParallelDims())),
                                    dtype=torch.float32)
         ours.load_weights(reference.state_dict().items())
         logits = _ours(ours.eval())
+    except CheckpointError:
+        raise  # a refusal already naming what the backend cannot serve
     except Exception as exc:  # noqa: BLE001 - any failure of our path is the refusal
         raise refuse(cfg.model_type, f"its layers ({classes}) do not run on the generic path "
                      f"({type(exc).__name__}: {exc})") from None
-    expected = _theirs(reference)
     diff = (logits - expected).abs().max().item()
     scale = max(1.0, expected.abs().max().item())
     if not diff <= RTOL * scale:  # NaN included
