@@ -133,12 +133,14 @@ def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
     device in ``dtype``. A buffer transformers computed at construction cannot be rebuilt from
     the meta device: refused by name."""
     model_type = cfg.model_type
+    moe_blocks = set()  # the stage modules (``mlp``) holding stacked experts
     for name, module in list(layer.named_modules()):
         full = f"{prefix}.{name}"
         if name and cfg.style(full) == MOE_EXPERTS:
             from .moe import make_experts_ours
 
             make_experts_ours(module, full, cfg, runtime, dtype)
+            moe_blocks.add(name.split(".")[0])
             continue
         if type(module) is not nn.Linear:  # a subclass (a router) keeps its own forward
             continue
@@ -150,6 +152,10 @@ def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
             raise refuse(model_type, str(exc)) from None
         parent, _, leaf = name.rpartition(".")
         setattr(layer.get_submodule(parent) if parent else layer, leaf, ours)
+    for block in moe_blocks:  # its partials summed once (experts, shared expert)
+        from .moe import owe_one_sum
+
+        owe_one_sum(layer.get_submodule(block), runtime.parallel.tp_group)
     for name, buffer in layer.named_buffers():
         if buffer.is_meta:
             raise refuse(model_type, f"{prefix}.{name} is a buffer transformers computes at "
@@ -198,27 +204,29 @@ def _same(norm, ours) -> bool:
     the same random weights, on random fp32 and bf16 rows (bf16 to the bit)."""
     key = (type(norm), type(ours), getattr(ours, "bias", None) is not None)
     if key not in _SAME_NORM:
-        theirs = copy.deepcopy(norm).to_empty(device="cpu").float()
-        mine = copy.deepcopy(ours).to_empty(device="cpu").float()
-        generator = torch.Generator().manual_seed(0)
-        same = True
-        with torch.no_grad():
-            for (_, a), (_, b) in zip(sorted(theirs.named_parameters()),
-                                      sorted(mine.named_parameters())):
-                a.copy_(torch.randn(a.shape, generator=generator) * 0.3 + 0.5)
-                b.copy_(a)
-            for dtype in (torch.float32, torch.bfloat16):
-                x = torch.randn(5, theirs.weight.shape[0], generator=generator).to(dtype)
-                try:
-                    want = theirs.to(dtype)(x) if dtype is torch.float32 else theirs(x)
-                except Exception:  # noqa: BLE001 - a norm that does not run alone stays theirs
-                    same = False
-                    break
-                got = mine(x)
-                same = same and got.dtype == want.dtype and (
-                    torch.allclose(got, want, rtol=1e-6, atol=1e-6)
-                    if dtype is torch.float32 else torch.equal(got, want))
-        _SAME_NORM[key] = same
+        # on the CPU whatever the default device (a rank's size check builds on meta)
+        with torch.device("cpu"):
+            theirs = copy.deepcopy(norm).to_empty(device="cpu").float()
+            mine = copy.deepcopy(ours).to_empty(device="cpu").float()
+            generator = torch.Generator().manual_seed(0)
+            same = True
+            with torch.no_grad():
+                for (_, a), (_, b) in zip(sorted(theirs.named_parameters()),
+                                          sorted(mine.named_parameters())):
+                    a.copy_(torch.randn(a.shape, generator=generator) * 0.3 + 0.5)
+                    b.copy_(a)
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(5, theirs.weight.shape[0], generator=generator).to(dtype)
+                    try:
+                        want = theirs.to(dtype)(x) if dtype is torch.float32 else theirs(x)
+                    except Exception:  # noqa: BLE001 - a norm that does not run alone stays theirs
+                        same = False
+                        break
+                    got = mine(x)
+                    same = same and got.dtype == want.dtype and (
+                        torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+                        if dtype is torch.float32 else torch.equal(got, want))
+            _SAME_NORM[key] = same
     return _SAME_NORM[key]
 
 

@@ -147,6 +147,16 @@ class GenericConfig:
                    embed_scale=None if scale is None else float(scale),
                    final_logit_softcapping=getattr(hf, "final_logit_softcapping", None))
 
+    @property
+    def num_experts(self) -> int:
+        """The routed experts of each MoE block, as transformers' config names them (0: a
+        dense model): what ``--ep`` splits."""
+        for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+            value = getattr(self.hf, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return 0
+
     def style(self, name: str) -> str | None:
         """The tp_plan style of the module ``name`` (relative to the base model:
         ``layers.3.mlp.down_proj``), None where the plan names none. A module nested deeper

@@ -8,8 +8,9 @@ rows, then its up rows; ``up_proj`` [experts, inter, hidden] where ungated) and 
 [experts, hidden, inter]. Each rank keeps the experts of its EP rank (``moe_ep``; one EP rank
 unless asked) and its moe_tp slice of every expert's intermediate: the gate half's and the up
 half's rows, the down projection's columns. transformers' own forward of the module then
-computes this rank's partial sum over the TP group, left to the boundary where the exit skips
-the reduction (as a row-parallel linear does), all-reduced on the spot otherwise.
+computes this rank's partial sum over the TP group, which the block adds to its other partials
+(a shared expert's); the block's output is left to the boundary where the exit skips the
+reduction, all-reduced once on the spot otherwise (``owe_one_sum``).
 
 The checkpoint holds what ``save_pretrained`` writes: one matrix per expert and projection
 (``mlp.experts.3.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.3.w1.weight``),
@@ -31,7 +32,7 @@ from torch import nn
 from ...runtime.collectives import all_reduce_rows
 from ...runtime.context import get_forward
 from ...runtime.hf_names import Rename, StackExperts, renamed
-from ...runtime.linear import expect_shape
+from ...runtime.linear import RowParallelLinear, expect_shape
 from ...runtime.shards import CheckpointError, CheckpointSlice, take, take_columns
 from .config import refuse
 
@@ -122,9 +123,9 @@ def make_experts_ours(experts, name: str, cfg, runtime, dtype) -> None:
     """Shard transformers' experts module ``experts`` (on the meta device; ``name`` in the
     base model) over the TP group: its stacked parameters replaced by this rank's (EP rank's
     experts, moe_tp slice of each expert's intermediate), each with a loader that cuts it from
-    the checkpoint's per-expert matrices; its forward kept, its output's sum over the TP group
-    owed to the boundary where the exit skips the reduction. What it cannot split is refused
-    by name."""
+    the checkpoint's per-expert matrices; its forward kept (its output this rank's partial sum
+    over the TP group: ``owe_one_sum`` completes its block's). What it cannot split is
+    refused by name."""
     model_type, cls = cfg.model_type, type(experts).__name__
     parallel = runtime.parallel
     dims, group = parallel.dims, parallel.tp_group
@@ -193,8 +194,6 @@ def make_experts_ours(experts, name: str, cfg, runtime, dtype) -> None:
         first = parallel.moe_ep_rank * local
         experts.register_forward_pre_hook(functools.partial(_local_ids, first, local),
                                           with_kwargs=True)
-    if group.size > 1:
-        experts.register_forward_hook(functools.partial(_owed_sum, group))
 
 
 def _local_ids(first: int, local: int, module, args, kwargs):
@@ -211,13 +210,24 @@ def _local_ids(first: int, local: int, module, args, kwargs):
     return tuple(args), kwargs
 
 
+def owe_one_sum(block: nn.Module, group) -> None:
+    """The FFN ``block`` holding stacked experts (its stage's compute module: transformers'
+    ``mlp``) as one partial sum over the TP ``group``: its row-parallel linears (a shared
+    expert's down projection) never reduce, its experts' partial joins theirs as the block
+    adds them, and the block's output is left to the boundary where the exit skips the
+    reduction, all-reduced once here otherwise (a stage's output is summed once: two sums of
+    two partials read as two sums of one output to the exactly-once audit)."""
+    for module in block.modules():
+        if isinstance(module, RowParallelLinear):
+            module.reduce_results = False
+    if group.size > 1:
+        block.register_forward_hook(functools.partial(_owed_sum, group))
+
+
 def _owed_sum(group, module, args, out: torch.Tensor) -> torch.Tensor:
-    """This rank's partial sum of the experts' output: left to the boundary where the exit
-    skips the reduction (its sum is owed), summed over the TP group here otherwise (as a
-    row-parallel linear does)."""
     if get_forward().skips_reduction:
         return out
-    return all_reduce_rows(out, group)
+    return all_reduce_rows(out.reshape(-1, out.shape[-1]), group).view(out.shape)
 
 
 @functools.cache
