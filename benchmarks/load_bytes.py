@@ -1,5 +1,6 @@
 """What each rank reads from the checkpoint, and its peak memory, at tp 4 against world 1:
-`python benchmarks/load_bytes.py`.
+`python benchmarks/load_bytes.py [--model-impl transformers]` (the latter: the same
+checkpoint through the Transformers backend, ``models/generic``).
 
 A hidden-1024, 8-layer Qwen3 (transformers save_pretrained, random weights). Each rank
 loads its model through the sharded loader and reports the bytes it asked for, the bytes it
@@ -91,10 +92,11 @@ def _storage_bytes() -> int:
     return 0
 
 
-def load_rank(model_dirs: list[str], tp: int, lazy: bool) -> dict:
+def load_rank(model_dirs: list[str], tp: int, lazy: bool, impl: str = "auto") -> dict:
     """Rank r loads from ``model_dirs[r]`` (a copy of its own, so the page cache shows what
-    this rank alone touched; any one entry when they are all the same folder)."""
-    from layer_boundary.models import load_config, model_class_of
+    this rank alone touched; any one entry when they are all the same folder), through the
+    implementation ``impl`` serves."""
+    from layer_boundary.models.checkpoint import open_checkpoint
     from layer_boundary.models.loader import iter_weights
     from layer_boundary.engine.runner import RunSpec, make_runtime
     from layer_boundary.runtime.shards import ReadBytes
@@ -103,7 +105,8 @@ def load_rank(model_dirs: list[str], tp: int, lazy: bool) -> dict:
 
     runtime = make_runtime(RunSpec(model_dirs[0], tp=tp))
     model_dir = model_dirs[dist.get_rank() if dist.is_initialized() else 0]
-    model = model_class_of(model_dir)(load_config(model_dir), runtime)
+    checkpoint = open_checkpoint(model_dir, impl)
+    model = checkpoint.model_class(checkpoint.config, runtime)
     before = _peak_mb()
     read = ReadBytes()
     weights = iter_weights(model_dir, lazy=lazy, read=read)
@@ -129,7 +132,7 @@ def copies(model_dir: str, n: int) -> list[str]:
     return out
 
 
-def measure(model_dir: str, tp: int) -> dict:
+def measure(model_dir: str, tp: int, impl: str = "auto") -> dict:
     """Each rank loads from its own copy with the page cache evicted, sliced and then whole;
     ``resident_mb``: the pages of each rank's copy in the page cache after its load."""
     from layer_boundary.runtime.launch import spawn
@@ -139,7 +142,7 @@ def measure(model_dir: str, tp: int) -> dict:
     for lazy in (True, False):
         for d in dirs:
             evict(d)
-        ranks = spawn(load_rank, tp, dirs, tp, lazy)
+        ranks = spawn(load_rank, tp, dirs, tp, lazy, impl)
         rows[lazy] = [dict(r, resident_mb=resident_bytes(d) / 2 ** 20)
                       for r, d in zip(ranks, dirs)]
     for d in dirs:
@@ -147,7 +150,7 @@ def measure(model_dir: str, tp: int) -> dict:
     sliced, whole = rows[True], rows[False]
     size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2 ** 20
     return {
-        "tp": tp, "checkpoint_mb": round(size, 1),
+        "tp": tp, "impl": impl, "checkpoint_mb": round(size, 1),
         "read_mb": [round(r["read_mb"], 1) for r in sliced],
         "kept_mb": [round(r["kept_mb"], 1) for r in sliced],
         "resident_mb": [round(r["resident_mb"], 1) for r in sliced],
@@ -161,8 +164,9 @@ def measure(model_dir: str, tp: int) -> dict:
 
 
 if __name__ == "__main__":
+    impl = sys.argv[sys.argv.index("--model-impl") + 1] if "--model-impl" in sys.argv else "auto"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(checkpoint(Path(tmp) / "qwen3_1024x8"))
         for tp in (1, 4):
-            print(json.dumps(measure(model_dir, tp)), flush=True)
+            print(json.dumps(measure(model_dir, tp, impl)), flush=True)
     sys.exit(0)
