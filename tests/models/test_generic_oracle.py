@@ -65,9 +65,20 @@ def test_a_layer_that_scales_its_residual_is_refused_by_name(dirs, monkeypatch):
         return forward(self, hidden_states * 0.5, *args, **kwargs) + 0.5 * hidden_states
 
     monkeypatch.setattr(modeling_qwen2.Qwen2DecoderLayer, "forward", scaled)
-    with pytest.raises(CheckpointError, match=r"cannot serve model_type 'qwen2': its layers "
-                                              r"\(Qwen2DecoderLayer\) restructured .* differ"):
+    with pytest.raises(CheckpointError, match=r"cannot serve model_type 'qwen2': "
+                                              r"Qwen2ForCausalLM, layers Qwen2DecoderLayer, "
+                                              r"restructured onto the boundaries, differs"):
         open_checkpoint(dirs["qwen2"], "transformers")
+
+
+@pytest.mark.parametrize("field", [{"residual_multiplier": 0.5}, {"embedding_multiplier": 3.0}])
+def test_multipliers_the_backend_does_not_know_are_refused(tmp_path, field):
+    """Granite's multipliers (a layer's residual, the model's embedding): transformers' config
+    fields the restructured model does not apply, refused by the probe, never run wrong."""
+    folder = hf_tiny("granite", tmp_path / "granite", **field)
+    with pytest.raises(CheckpointError, match="GraniteForCausalLM, layers GraniteDecoderLayer, "
+                                              "restructured onto the boundaries, differs"):
+        open_checkpoint(folder, "transformers")
 
 
 def test_an_unknown_tp_style_is_refused_by_name(dirs, monkeypatch):

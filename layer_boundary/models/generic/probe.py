@@ -103,7 +103,8 @@ def check(cfg: GenericConfig) -> None:
 
     small = probe_config(cfg)
     reference = _reference(small.hf)
-    classes = ", ".join(sorted({type(layer).__name__ for layer in reference.model.layers}))
+    classes = (f"{type(reference).__name__}, layers "
+               + ", ".join(sorted({type(layer).__name__ for layer in reference.model.layers})))
     try:
         expected = _theirs(reference)
     except Exception as exc:  # noqa: BLE001 - nothing to compare against
@@ -118,12 +119,12 @@ def check(cfg: GenericConfig) -> None:
     except CheckpointError:
         raise  # a refusal already naming what the backend cannot serve
     except Exception as exc:  # noqa: BLE001 - any failure of our path is the refusal
-        raise refuse(cfg.model_type, f"its layers ({classes}) do not run on the generic path "
+        raise refuse(cfg.model_type, f"{classes} does not run on the generic path "
                      f"({type(exc).__name__}: {exc})") from None
     diff = (logits - expected).abs().max().item()
     scale = max(1.0, expected.abs().max().item())
     if not diff <= RTOL * scale:  # NaN included
-        raise refuse(cfg.model_type, f"its layers ({classes}) restructured onto the "
-                     f"boundaries differ from transformers' own forward by {diff:.3g} (logits "
-                     f"up to {scale:.3g}): an op the generic path does not know (a residual "
+        raise refuse(cfg.model_type, f"{classes}, restructured onto the boundaries, differs "
+                     f"from transformers' own forward by {diff:.3g} (logits up to {scale:.3g}): "
+                     "an op the generic path does not know (a residual or embedding "
                      "multiplier, an extra norm, another equation)")
