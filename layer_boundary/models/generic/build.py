@@ -160,11 +160,38 @@ def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
         if buffer.is_meta:
             raise refuse(model_type, f"{prefix}.{name} is a buffer transformers computes at "
                          "construction, which the generic path cannot rebuild")
-    for module in layer.modules():
+    for path, module in layer.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_meta:
-                setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=dtype),
-                                                   requires_grad=False))
+            if not param.is_meta:
+                continue
+            if path.split(".")[0] == "self_attn" and runtime is not None:
+                param = head_param(param, f"{prefix}.{path}.{name}", cfg,
+                                   runtime.parallel.attn_tp_group, dtype)
+            else:
+                param = nn.Parameter(torch.empty(param.shape, dtype=dtype), requires_grad=False)
+            setattr(module, name, param)
+
+
+def head_param(param, name: str, cfg, group, dtype) -> nn.Parameter:
+    """An attention's parameter outside its linears, on this rank: one row per query head
+    (GPT-OSS-style sinks) split over attention TP as the heads are, anything else whole."""
+    heads = cfg.num_attention_heads
+    if param.dim() == 0 or param.shape[0] != heads or group.size == 1:
+        return nn.Parameter(torch.empty(param.shape, dtype=dtype), requires_grad=False)
+    if heads % group.size:
+        raise refuse(cfg.model_type, f"{name} holds one row per head, and its {heads} heads do "
+                     f"not split over attention TP {group.size}")
+    rows = heads // group.size
+    local = nn.Parameter(torch.empty((rows, *param.shape[1:]), dtype=dtype),
+                         requires_grad=False)
+
+    def loader(target, loaded):
+        expect_shape(loaded, *param.shape)
+        target.data.copy_(take(loaded, 0, group.rank * rows, rows))
+
+    loader.reads_slices = True
+    local.weight_loader = loader
+    return local
 
 
 def rotary(model, hf, device):

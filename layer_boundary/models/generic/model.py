@@ -119,7 +119,7 @@ class GenericCausalLM(CausalLM):
         Feature.FP8: "it loads unquantized checkpoints only",
         Feature.SPECULATIVE: "it serves no draft or NextN stack",
         Feature.COMPILE: "it runs transformers' modules eagerly",
-        Feature.FUSIONS: "it reads its norms through transformers' modules",
+        Feature.FUSIONS: "no fusion provider is proven on transformers' modules",
     }
 
     def __init__(self, cfg: GenericConfig, runtime, dtype=torch.float32, fusions=None):
