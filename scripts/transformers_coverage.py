@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "docs" / "models.md"
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=48, num_experts=4, num_local_experts=4,
             n_routed_experts=4, num_experts_per_tok=2, sliding_window=4)

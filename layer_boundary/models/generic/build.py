@@ -156,15 +156,22 @@ def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
         from .moe import owe_one_sum
 
         owe_one_sum(layer.get_submodule(block), runtime.parallel.tp_group)
-    for name, buffer in layer.named_buffers():
-        if buffer.is_meta:
-            raise refuse(model_type, f"{prefix}.{name} is a buffer transformers computes at "
-                         "construction, which the generic path cannot rebuild")
     for path, module in layer.named_modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if not buffer.is_meta:
+                continue
+            if name in module._non_persistent_buffers_set:
+                raise refuse(model_type, f"{prefix}.{path}.{name} is a buffer transformers "
+                             "computes at construction, which the generic path cannot rebuild")
+            # a buffer the checkpoint holds (a router's score bias): loaded as a parameter
+            del module._buffers[name]
+            module.register_parameter(name, nn.Parameter(torch.empty(buffer.shape,
+                                                                     dtype=buffer.dtype),
+                                                         requires_grad=False))
         for name, param in list(module.named_parameters(recurse=False)):
             if not param.is_meta:
                 continue
-            if path.split(".")[0] == "self_attn" and runtime is not None:
+            if path == "self_attn" and runtime is not None:
                 param = head_param(param, f"{prefix}.{path}.{name}", cfg,
                                    runtime.parallel.attn_tp_group, dtype)
             else:
@@ -173,8 +180,9 @@ def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
 
 
 def head_param(param, name: str, cfg, group, dtype) -> nn.Parameter:
-    """An attention's parameter outside its linears, on this rank: one row per query head
-    (GPT-OSS-style sinks) split over attention TP as the heads are, anything else whole."""
+    """A parameter of the attention module itself (not of a linear or norm inside it), on this
+    rank: one row per query head (GPT-OSS-style sinks) split over attention TP as the heads
+    are, anything else whole."""
     heads = cfg.num_attention_heads
     if param.dim() == 0 or param.shape[0] != heads or group.size == 1:
         return nn.Parameter(torch.empty(param.shape, dtype=dtype), requires_grad=False)

@@ -17,23 +17,46 @@ ATTENTION = "layer_boundary"  # the name our attention function is registered un
 class LayerShape(enum.Enum):
     """How a decoder layer joins its residual, read from the norms it holds."""
 
-    # input_layernorm -> attention -> add; post_attention_layernorm -> mlp -> add (Llama)
+    # attention read through its norm, output added; FFN likewise (Llama)
     PRE_NORM = "pre-norm"
     # each sublayer read through its input norm, its output through its own post norm before
-    # the add (Gemma 2/3: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
-    # post_feedforward_layernorm)
+    # the add (Gemma 2/3, GLM-4)
     SANDWICH = "sandwich"
     # the residual read as it is, each output through its post norm before the add (OLMo-2)
     POST_NORM = "post-norm"
 
 
-# the norms of each shape: (attention read, attention post norm, FFN read, FFN post norm)
-SHAPE_NORMS = {
-    LayerShape.PRE_NORM: ("input_layernorm", None, "post_attention_layernorm", None),
-    LayerShape.SANDWICH: ("input_layernorm", "post_attention_layernorm",
-                          "pre_feedforward_layernorm", "post_feedforward_layernorm"),
-    LayerShape.POST_NORM: (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
-}
+@dataclass(frozen=True)
+class LayerForm:
+    """Which of a layer's norms does what: the attention's read and post norm, the FFN's
+    read and post norm (None: none), under the names transformers gives them."""
+
+    shape: LayerShape
+    attn_read: str | None
+    attn_post: str | None
+    ffn_read: str | None
+    ffn_post: str | None
+
+    @property
+    def norms(self) -> tuple:
+        return tuple(n for n in (self.attn_read, self.attn_post, self.ffn_read, self.ffn_post)
+                     if n is not None)
+
+
+# the forms served, by the norms a layer holds (each proven per model by the probe)
+FORMS = (
+    LayerForm(LayerShape.PRE_NORM, "input_layernorm", None, "post_attention_layernorm", None),
+    LayerForm(LayerShape.PRE_NORM, "attention_layernorm", None, "feedforward_layernorm", None),
+    LayerForm(LayerShape.PRE_NORM, "input_layernorm", None, "pre_feedforward_layernorm", None),
+    LayerForm(LayerShape.SANDWICH, "input_layernorm", "post_attention_layernorm",
+              "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    LayerForm(LayerShape.SANDWICH, "input_layernorm", "post_self_attn_layernorm",
+              "post_attention_layernorm", "post_mlp_layernorm"),
+    LayerForm(LayerShape.SANDWICH, "input_layernorm", "post_attention_layernorm",
+              "pre_mlp_layernorm", "post_mlp_layernorm"),
+    LayerForm(LayerShape.POST_NORM, None, "post_attention_layernorm", None,
+              "post_feedforward_layernorm"),
+)
 COMPUTE = ("self_attn", "mlp")
 
 # tp_plan styles, and what each becomes
@@ -43,14 +66,6 @@ COLWISE, ROWWISE = "colwise", "rowwise"
 COLWISE_GATHER, ROWWISE_SPLIT = "colwise_gather_output", "rowwise_split_input"
 MOE_EXPERTS = "moe_tp_experts"  # stacked experts, their intermediate split over TP
 REPLICATED = ("replicated_with_grad_allreduce",)  # the same tensor on every rank
-
-
-class Impl(enum.Enum):
-    """Which implementation serves a checkpoint (``--model-impl``)."""
-
-    AUTO = "auto"  # our own model file where one exists, else the Transformers backend
-    NATIVE = "native"  # our own model file only
-    TRANSFORMERS = "transformers"  # the Transformers backend
 
 
 def refuse(model_type: str, why: str) -> CheckpointError:
@@ -91,7 +106,7 @@ class GenericConfig:
         model_type: config.json's.
         hf: transformers' config (its attention implementation set to ours).
         tp_plan: ``base_model_tp_plan``: {module pattern ("layers.*.mlp.down_proj"): style}.
-        shapes: each decoder layer's ``LayerShape``.
+        forms: each decoder layer's ``LayerForm``.
         hidden_size, vocab_size, num_hidden_layers, tie_word_embeddings: as the config says.
         num_attention_heads, num_key_value_heads, head_dim: the attention's shapes.
         embed_scale: what the embedding's output is multiplied by (transformers'
@@ -102,7 +117,7 @@ class GenericConfig:
     model_type: str
     hf: object = field(repr=False)
     tp_plan: dict
-    shapes: tuple
+    forms: tuple
     hidden_size: int
     vocab_size: int
     num_hidden_layers: int
@@ -130,7 +145,9 @@ class GenericConfig:
             raise refuse(model_type, "its config has no base_model_tp_plan (transformers says "
                                      "nothing of how its linears split)")
         model = skeleton(hf)  # on the meta device: no memory
-        shapes = tuple(layer_shape(model_type, layer) for layer in decoder_layers(model, hf))
+        layers = decoder_layers(model, hf)
+        forms = tuple(layer_form(model_type, layer) for layer in layers)
+        plan = with_llama_names(dict(plan), layers[0], hf)
         attn = model.model.layers[0].self_attn
         heads = hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
@@ -141,7 +158,7 @@ class GenericConfig:
         if scale is None and hasattr(embed, "embed_scale"):
             raise refuse(model_type, f"{type(embed).__name__} scales its output by a buffer "
                          "whose value the meta device does not hold")
-        return cls(model_type, hf, dict(plan), shapes, hf.hidden_size, hf.vocab_size,
+        return cls(model_type, hf, plan, forms, hf.hidden_size, hf.vocab_size,
                    hf.num_hidden_layers, bool(getattr(hf, "tie_word_embeddings", False)),
                    heads, kv_heads, int(head_dim),
                    embed_scale=None if scale is None else float(scale),
@@ -191,17 +208,54 @@ def decoder_layers(model, hf) -> list:
     return list(base.layers)
 
 
-def layer_shape(model_type: str, layer) -> LayerShape:
-    """A decoder layer's ``LayerShape``, from the modules it holds: the attention
-    (``self_attn``), the FFN (``mlp``) and the norms of exactly one shape."""
-    children = {name for name, _ in layer.named_children()}
+def layer_form(model_type: str, layer) -> LayerForm:
+    """A decoder layer's ``LayerForm``, from the modules it holds: the attention
+    (``self_attn``), the FFN (``mlp``) and the norms of exactly one form (dropouts, which do
+    nothing in inference, aside)."""
+    from torch import nn
+
+    children = {name for name, child in layer.named_children()
+                if not isinstance(child, (nn.Dropout, nn.Identity))}
     cls = type(layer).__name__
     missing = [name for name in COMPUTE if name not in children]
     if missing:
         raise refuse(model_type, f"{cls} has no {' or '.join(missing)} (its children: "
                      f"{', '.join(sorted(children))})")
-    for shape, norms in SHAPE_NORMS.items():
-        if children == set(COMPUTE) | {n for n in norms if n is not None}:
-            return shape
+    for form in FORMS:
+        if children == set(COMPUTE) | set(form.norms):
+            return form
     raise refuse(model_type, f"{cls} holds {', '.join(sorted(children))}: not a pre-norm, "
                  "sandwich or post-norm layer of one attention and one MLP")
+
+
+# the plan of a Llama layer's linears: what a plan that names none of a stage's takes, where
+# the layer's linears of that stage carry these names and nothing in its attention spans
+# several heads (``with_llama_names``)
+LLAMA_PLAN = {"self_attn": {"q_proj": COLWISE, "k_proj": COLWISE, "v_proj": COLWISE,
+                            "o_proj": ROWWISE},
+              "mlp": {"gate_proj": COLWISE, "up_proj": COLWISE, "down_proj": ROWWISE}}
+
+
+def with_llama_names(plan: dict, layer, hf) -> dict:
+    """``plan`` with Llama's entries for a stage it names nothing of (HunYuan's config plans
+    only its embedding), where that stage's linears are exactly Llama's by name and shape
+    (and, in the attention, every other parameter is at most one head wide: a norm over the
+    whole projection, OLMo-2's, would need a sum over the heads' ranks). The tp 2 comparisons
+    of scripts/transformers_coverage.py hold each type that takes it against world 1."""
+    from torch import nn
+
+    head_dim = getattr(layer.self_attn, "head_dim", None)
+    for stage, names in LLAMA_PLAN.items():
+        if any(pattern.startswith(f"layers.*.{stage}.") for pattern in plan):
+            continue
+        module = getattr(layer, stage)
+        linears = {n for n, m in module.named_modules() if type(m) is nn.Linear}
+        if linears != set(names) or any(isinstance(m, nn.Linear) and type(m) is not nn.Linear
+                                        for m in module.modules()):
+            continue
+        if stage == "self_attn" and (head_dim is None or any(
+                p.numel() > head_dim for n, p in module.named_parameters()
+                if n.split(".")[0] not in names)):
+            continue
+        plan.update({f"layers.*.{stage}.{n}": style for n, style in names.items()})
+    return plan

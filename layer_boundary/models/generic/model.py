@@ -1,6 +1,6 @@
 """``GenericCausalLM``: a transformers decoder on the layer boundaries. Each decoder layer is
 transformers' own, cut into two stages: its attention and its MLP keep their modules (our
-linears inside), its norms become the stages' reads and post-norm updates (``LayerShape``)."""
+linears inside), its norms become the stages' reads and post-norm updates (``LayerForm``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..layers import DecoderLayer
 from ..registry import NO_QKV_LATENT, declare_capabilities
 from .attention import position_embeddings, takes_layer_type
 from .build import make_ours, our_norm, rotary, skeleton
-from .config import COLWISE, SHAPE_NORMS, GenericConfig
+from .config import COLWISE, GenericConfig
 from .moe import checkpoint_weights, expert_stacked_params
 
 # transformers' model (meta device) and its rotary module while a GenericCausalLM is built:
@@ -34,20 +34,19 @@ class GenericDecoderLayer(DecoderLayer):
         super().__init__(cfg.hidden_size, 0.0, dtype, input_norms=False)
         model, self.__dict__["rotary"] = _BUILDING.get()  # shared, not a child of each layer
         layer = model.model.layers[layer_id]
-        for name in SHAPE_NORMS[cfg.shapes[layer_id]]:
-            if name is not None:  # ours where it computes the same: the fused add+norm read
-                setattr(layer, name, our_norm(getattr(layer, name), dtype))
+        self.form = cfg.forms[layer_id]
+        for name in self.form.norms:  # ours where it computes the same: the fused add+norm read
+            setattr(layer, name, our_norm(getattr(layer, name), dtype))
         make_ours(layer, f"layers.{layer_id}", cfg, runtime, dtype)
         for name, child in layer.named_children():
             setattr(self, name, child)
-        self.shape = cfg.shapes[layer_id]
         types = getattr(cfg.hf, "layer_types", None)
         self.layer_type = (types[layer_id] if types and self.rotary is not None
                            and takes_layer_type(self.rotary) else None)
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
 
     def read_norms(self) -> tuple:
-        attn, _, ffn, _ = SHAPE_NORMS[self.shape]
+        attn, ffn = self.form.attn_read, self.form.ffn_read
         return (getattr(self, attn) if attn else nn.Identity(),
                 getattr(self, ffn) if ffn else nn.Identity())
 
@@ -55,7 +54,7 @@ class GenericDecoderLayer(DecoderLayer):
     def declarations(cls, cfg, index: int, runtime, layer=None) -> tuple:
         """The attention's sum over attention TP owed (PARTIAL), the MLP's obeying the exit;
         a post norm, where the layer has one, is the stage's residual update."""
-        _, attn_post, _, ffn_post = SHAPE_NORMS[cfg.shapes[index]]
+        attn_post, ffn_post = cfg.forms[index].attn_post, cfg.forms[index].ffn_post
         return (declare_attn(update=PostNormAdd.of(layer, attn_post, index)
                              if attn_post else None),
                 declare_ffn(update=PostNormAdd.of(layer, ffn_post, index)
@@ -68,7 +67,8 @@ class GenericDecoderLayer(DecoderLayer):
                    position_embeddings(self.rotary, forward_batch, self.layer_type,
                                        hidden_states.dtype))
         out, _ = self.self_attn(hidden_states=hidden_states[None], position_embeddings=cos_sin,
-                                attention_mask=None, forward_batch=forward_batch)
+                                attention_mask=None, position_ids=forward_batch.positions[None],
+                                forward_batch=forward_batch)
         return out[0]  # [1, T, hidden] -> [T, hidden]
 
     def feed_forward(self, hidden_states, forward_batch):

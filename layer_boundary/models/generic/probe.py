@@ -42,7 +42,7 @@ def probe_config(cfg: GenericConfig) -> GenericConfig:
     if isinstance(getattr(hf, "sliding_window", None), int):
         hf.sliding_window = WINDOW
     return dataclasses.replace(cfg, hf=hf, vocab_size=VOCAB, num_hidden_layers=layers,
-                               shapes=cfg.shapes[:layers])
+                               forms=cfg.forms[:layers])
 
 
 def _reference(hf):
