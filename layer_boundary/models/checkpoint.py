@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..runtime.args import resolve_boundary_reduction
 from . import config as config_json
+from .config import CheckpointError
 from .registry import auto_policy, model_class
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,16 @@ def _serving_class(raw: dict, impl: str) -> type:
     from .registry import model_types
 
     model_type = raw.get("model_type")
-    if impl == "native" or (impl == "auto" and model_type in model_types()):
+    if impl == "auto" and model_type in model_types():
         return model_class(model_type)
+    if impl == "native":
+        try:
+            return model_class(model_type)
+        except CheckpointError as exc:
+            if not _transformers_knows(model_type):
+                raise
+            raise CheckpointError(f"{exc}; --model-impl auto or transformers serves it "
+                                  "through the Transformers backend") from None
     if impl == "auto" and not _transformers_knows(model_type):
         model_class(model_type)  # the error naming the types we serve
     from .generic.model import GenericCausalLM
