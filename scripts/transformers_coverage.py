@@ -88,6 +88,8 @@ def world1_diff(folder: Path) -> float:
                       BoundaryRuntime(build_parallel(ParallelDims())))
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                attn_implementation="eager").eval()
+    if hasattr(ref, "set_experts_implementation"):
+        ref.set_experts_implementation("eager")
     gen = greedy_generate(ours, [list(p) for p in PROMPTS], STEPS)
     worst = 0.0
     with torch.no_grad():
