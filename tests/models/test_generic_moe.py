@@ -88,7 +88,7 @@ def _tp(size: int):
 def test_what_cannot_split_over_tp_is_refused_by_name(dirs, monkeypatch):
     from transformers.models.qwen2_moe import modeling_qwen2_moe
 
-    from layer_boundary.models.generic.build import skeleton
+    from layer_boundary.models.generic.meta import skeleton
     from layer_boundary.models.generic.moe import make_experts_ours
 
     cfg = open_checkpoint(dirs["qwen2_moe"], "transformers").config

@@ -10,8 +10,8 @@ import fnmatch
 from dataclasses import dataclass, field
 
 from ..config import CheckpointError
+from .meta import refuse
 
-ATTENTION = "layer_boundary"  # the name our attention function is registered under
 
 
 class LayerShape(enum.Enum):
@@ -66,11 +66,6 @@ COLWISE, ROWWISE = "colwise", "rowwise"
 COLWISE_GATHER, ROWWISE_SPLIT = "colwise_gather_output", "rowwise_split_input"
 MOE_EXPERTS = "moe_tp_experts"  # stacked experts, their intermediate split over TP
 REPLICATED = ("replicated_with_grad_allreduce",)  # the same tensor on every rank
-
-
-def refuse(model_type: str, why: str) -> CheckpointError:
-    return CheckpointError(f"the transformers backend cannot serve model_type {model_type!r}: "
-                           f"{why}")
 
 
 def transformers_config(raw: dict):
@@ -136,7 +131,7 @@ class GenericConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> GenericConfig:
-        from .build import skeleton
+        from .meta import skeleton
 
         hf = transformers_config(raw)
         model_type = raw["model_type"]

@@ -16,7 +16,8 @@ from ..kv_cache import KVCache
 from ..layers import DecoderLayer
 from ..registry import NO_QKV_LATENT, declare_capabilities
 from .attention import position_embeddings, takes_layer_type
-from .build import make_ours, our_norm, rotary, skeleton
+from .build import make_ours, our_norm, rotary
+from .meta import skeleton
 from .config import COLWISE, GenericConfig
 from .moe import checkpoint_weights, expert_stacked_params
 
