@@ -65,3 +65,19 @@ def assert_decode_matches(ours, ref, prompts, steps: int, tol: float = TOL) -> N
             diff = (expected[step] - gen.logits[j][step]).abs().max().item()
             assert diff <= tol, f"prompt {j} step {step}: max abs diff {diff}"
         assert gen.generated[j] == expected.argmax(-1).tolist()
+
+
+def assert_backend_matches(folder, model_class: str, prompts, steps: int) -> None:
+    """The Transformers backend (``--model-impl transformers``) on ``folder`` at world 1
+    against transformers' ``model_class``: prefill at every position, then cached decode."""
+    from checkpoints import hf_oracle
+
+    from layer_boundary.models import load_model
+    from layer_boundary.models.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(folder, "transformers")
+    assert checkpoint.impl == "transformers"
+    ours = load_model(checkpoint, world1())
+    ref = hf_oracle(model_class, folder)
+    assert_prefill_matches(ours, ref, prompts)
+    assert_decode_matches(ours, ref, prompts, steps)

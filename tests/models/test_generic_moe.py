@@ -15,7 +15,7 @@ import pytest
 import torch
 from checkpoints import hf_oracle
 from checkpoints.generic import hf_tiny
-from oracle import assert_decode_matches, assert_prefill_matches, prefill, world1
+from oracle import assert_backend_matches, prefill, world1
 
 from layer_boundary.models import load_model
 from layer_boundary.models.checkpoint import open_checkpoint
@@ -47,12 +47,7 @@ def dirs(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("model_type", list(MODELS))
 def test_world1_matches_transformers(dirs, model_type):
-    checkpoint = open_checkpoint(dirs[model_type], "transformers")
-    assert checkpoint.impl == "transformers" and checkpoint.model_type == model_type
-    ours = load_model(checkpoint, world1())
-    ref = hf_oracle(MODELS[model_type][0], dirs[model_type])
-    assert_prefill_matches(ours, ref, PROMPTS)
-    assert_decode_matches(ours, ref, PROMPTS, STEPS)
+    assert_backend_matches(dirs[model_type], MODELS[model_type][0], PROMPTS, STEPS)
 
 
 def test_a_checkpoint_of_stacked_experts_loads_the_same(dirs, tmp_path):
