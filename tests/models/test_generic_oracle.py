@@ -98,3 +98,16 @@ def test_the_probe_runs_once_per_open(dirs, monkeypatch):
     assert len(calls) == 1
     with torch.no_grad():
         assert checkpoint.config.hf.num_hidden_layers == 3  # the probe cut a copy, not it
+
+
+def test_without_transformers_the_backend_is_refused_by_name(dirs, monkeypatch):
+    """transformers is the backend's extra: without it, a type with no file of ours gets the
+    error naming the supported types (auto) or the extra to install (transformers)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    with pytest.raises(CheckpointError, match="model_type 'qwen2' is not supported"):
+        open_checkpoint(dirs["qwen2"])
+    with pytest.raises(CheckpointError, match=r"the transformers backend needs transformers: "
+                                              r"pip install 'layer_boundary\[transformers\]'"):
+        open_checkpoint(dirs["qwen2"], "transformers")
