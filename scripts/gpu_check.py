@@ -9,6 +9,7 @@ Rows:
   verdict against world 1;
 - the Triton kernels compiled for the GPU against the same kernels under the interpreter
   (CPU), and each kernel's achieved bandwidth against the device's measured copy bandwidth;
+  the in-place decode attention (models/decode_kernel.py) against the gathering path;
 - a decode step captured as a CUDA graph and replayed, against the eager step; `run --device
   cuda` (decode steps replayed from a CUDA graph per bucket) and `--compile` (inductor's graphs
   per bucket) against eager world 1, each report saying where graphs ran (off over gloo);
@@ -216,6 +217,52 @@ def kernels_against_interpreter(work: Path) -> None:
         row(f"kernel {name}", worst <= limit, f"max relative diff {worst:.1e}")
 
 
+DECODE_VARIANTS = {"gqa": {}, "layer window": {"window": 4}, "sinks": {"sinks": True},
+                   "softcap": {"softcap": 2.5}, "ring": {"ring": 5}}
+
+
+@guarded("decode in place")
+def decode_in_place(dtype=torch.bfloat16) -> None:
+    """models/decode_kernel.py compiled for the GPU against the gathering path, a padded decode
+    step (ragged prefixes, a scratch slot) of every variant; the ring decodes unpadded. Where
+    it passes, KVCache.decode_in_place may become CUDA's default."""
+    from layer_boundary.models.attention import cached_attention
+    from layer_boundary.models.kv_cache import KVCache
+    from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
+
+    heads, kv_heads, dim, prompts = 16, 4, 128, (300, 7, 1000)
+    for name, variant in DECODE_VARIANTS.items():
+        outs = []
+        for in_place in (False, True):
+            gen = torch.Generator().manual_seed(0)
+
+            def rand(*shape):
+                return torch.randn(*shape, generator=gen).to(dtype).cuda()
+
+            cache = KVCache(1, 4, 1024, kv_heads, dim, dtype, device="cuda",
+                            window=variant.get("ring"))
+            cache.decode_in_place = in_place
+            kwargs = dict(window=variant.get("window"), softcap=variant.get("softcap"),
+                          sinks=rand(heads).float() if variant.get("sinks") else None)
+            batch = ForwardBatch.build(ForwardMode.EXTEND, [[1] * n for n in prompts],
+                                       [0] * 3, kv_cache=cache, device="cuda")
+            n = sum(prompts)
+            cached_attention(0, rand(n, heads, dim), rand(n, kv_heads, dim),
+                             rand(n, kv_heads, dim), batch, dim ** -0.5, **kwargs)
+            step = ForwardBatch.build(ForwardMode.DECODE, [[1]] * 3, list(prompts),
+                                      kv_cache=cache, device="cuda")
+            rows = 3 if "ring" in variant else 4
+            if rows == 4:
+                step = step.padded(4, scratch_slot=3)
+            outs.append(cached_attention(0, rand(rows, heads, dim), rand(rows, kv_heads, dim),
+                                         rand(rows, kv_heads, dim), step, dim ** -0.5,
+                                         **kwargs)[:3].float())
+        worst = (outs[1] - outs[0]).abs().max().item()
+        scale = outs[0].abs().max().item()
+        row(f"decode in place {name} ({str(dtype).split('.')[-1]})", worst <= 2e-2 * scale,
+            f"max diff {worst:.1e} of outputs up to {scale:.2f}")
+
+
 def _timed(fn, repeats: int = 50) -> float:
     fn()
     torch.cuda.synchronize()
@@ -354,7 +401,8 @@ def main() -> int:
     paths = checkpoints(work)
     steps = {"parity": lambda: [world1_against_transformers(n, p) for n, p in paths.items()],
              "cli": lambda: cli_rows(paths, gpus),
-             "kernels": lambda: (kernels_against_interpreter(work), kernel_bandwidth()),
+             "kernels": lambda: (kernels_against_interpreter(work), kernel_bandwidth(),
+                                 decode_in_place()),
              "captured": lambda: captured_decode(paths["qwen3"]),
              "counts": lambda: kernel_counts(work),
              "perf": lambda: performance(work)}

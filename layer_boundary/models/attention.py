@@ -284,11 +284,24 @@ def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
     cache.k[layer][slots, :, positions] = k  # each (slot, position) pair takes [KVH, D]
     if not cache.shared_kv:
         cache.v[layer][slots, :, positions] = v
+    if cache.decode_in_place:  # each row reads its own slot up to its length, no copy
+        return _in_place(cache, layer, q, slots, positions, scaling, scores, window)
     keys = cache.k[layer][slots]  # [T, KVH, rows, D]
     values = keys if cache.shared_kv else cache.v[layer][slots]
     key_pos = torch.arange(cache.rows, device=q.device)
     return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling, scores,
                          False, window)[:, 0]
+
+
+def _in_place(cache, layer: int, q, slots, positions, scaling: float, scores, window,
+              ring: bool = False):
+    """One query row a request over its own slot, read where it lies (``decode_kernel``)."""
+    from .decode_kernel import decode_attention
+
+    return decode_attention(q, cache.k[layer], cache.v[layer], slots, positions + 1, scaling,
+                            window=window, ring=ring,
+                            sinks=None if scores is None else scores.sinks,
+                            softcap=None if scores is None else scores.softcap)
 
 
 def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, scores):
@@ -305,6 +318,9 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         cache.k[layer][slots, :, ring] = k  # each (slot, ring row) pair takes [KVH, D]
         if not cache.shared_kv:
             cache.v[layer][slots, :, ring] = v
+        if cache.decode_in_place:
+            return _in_place(cache, layer, q, slots, positions, scaling, scores, cache.window,
+                             ring=True)
         keys = cache.k[layer][slots]  # [B, KVH, rows, D]
         values = keys if cache.shared_kv else cache.v[layer][slots]
         r = torch.arange(rows, device=device)[None, :]

@@ -24,6 +24,11 @@ class KVCache:
     # as Nemotron-H's HybridCache) is a full, separate-k/v one
     window: int | None = None
     shared_kv: bool = False
+    # a decode step (one query row a request) reads each request's keys and values where they
+    # lie, up to its own length (``decode_kernel``, Triton), instead of gathering whole slots.
+    # Off unless set: the kernel is proven under the interpreter; its compiled form waits for
+    # a GPU run (scripts/gpu_check.py, "decode in place") before it becomes CUDA's default
+    decode_in_place: bool = False
 
     def __init__(self, layers, slots: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device="cpu", v_head_dim: int | None = None,

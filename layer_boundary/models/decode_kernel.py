@@ -1,0 +1,133 @@
+"""Decode attention that reads the KV cache where it lies: one query row a request, each
+request's keys and values read from its own slot up to its own length, never gathered into a
+copy (``attention._slot_attention`` gathers every row of every slot, ``max_len`` of them).
+
+Split-K (flash-decoding): a program per (row, kv head, split) walks its share of the row's
+keys in blocks with an online softmax in fp32, for the query heads that share the kv head
+(GQA: K/V read once per kv head); the splits' partial maxima, sums and outputs are then merged
+(and a sink logit per head, where the model has them, joins the merge). A sliding window reads
+the row's last ``window`` positions; a ring cache (``KVCache.window``) keeps position p in row
+p mod rows. A softcap is applied to each scaled score before the mask.
+
+On a CUDA device the kernel compiles; on the CPU it runs under the Triton interpreter
+(``TRITON_INTERPRET=1``, chosen before triton is first imported), where the tests hold it to
+the torch path. This module imports ``triton`` at import: ``attention`` imports it only for a
+cache that decodes in place (``KVCache.decode_in_place``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPLITS = 4  # key blocks walked in parallel per (row, kv head): enough to fill a GPU at B=1
+BLOCK_N = 32  # keys a step
+
+
+@triton.jit
+def _decode_split(q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
+                  q_row, q_head, k_slot, k_head, k_row, v_slot, v_head, v_row,
+                  part_row, part_head, acc_row, acc_head, acc_split,
+                  scaling, softcap, window, rows, GROUP: tl.constexpr,
+                  BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLITS: tl.constexpr, RING: tl.constexpr, SOFTCAP: tl.constexpr):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    slot = tl.load(slots_ptr + t)
+    length = tl.load(lengths_ptr + t)  # keys at positions [first, length)
+    first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    per_split = (length - first + SPLITS - 1) // SPLITS
+    lo = first + s * per_split
+    hi = tl.minimum(lo + per_split, length)
+    heads = g * GROUP + tl.arange(0, BLOCK_G)  # the query heads of kv head g
+    dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    head_ok = tl.arange(0, BLOCK_G) < GROUP
+    q = tl.load(q_ptr + t * q_row + heads[:, None] * q_head + dims[None, :],
+                mask=head_ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < hi
+        row = pos % rows if RING else pos
+        k = tl.load(k_ptr + slot * k_slot + g * k_head + row[:, None] * k_row + dims[None, :],
+                    mask=ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+        score = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [G, N]
+        if SOFTCAP:
+            e = tl.exp(2.0 * score / softcap)
+            score = softcap * (1.0 - 2.0 / (e + 1.0))  # softcap * tanh(score / softcap)
+        score = tl.where(ok[None, :], score, float("-inf"))
+        m_new = tl.maximum(m, tl.max(score, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(score - m_new[:, None])
+        v = tl.load(v_ptr + slot * v_slot + g * v_head + row[:, None] * v_row + vdims[None, :],
+                    mask=ok[:, None] & (vdims[None, :] < DV), other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        den = den * alpha + tl.sum(p, axis=1)
+        m = m_new
+    where = t * part_row + heads * part_head + s
+    tl.store(m_ptr + where, m, mask=head_ok)
+    tl.store(l_ptr + where, den, mask=head_ok)
+    tl.store(acc_ptr + t * acc_row + heads[:, None] * acc_head + s * acc_split + vdims[None, :],
+             acc, mask=head_ok[:, None] & (vdims[None, :] < DV))
+
+
+def launch(grid, *args, **meta) -> None:
+    """One launch of the split kernel (what a count of a step's launches counts as one: on
+    the CPU the interpreter copies its arguments in and out, which a GPU never does)."""
+    _decode_split[grid](*args, **meta)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, lengths: torch.Tensor, scaling: float, *,
+                     window: int | None = None, ring: bool = False,
+                     sinks: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Each row of ``q`` attends over its own slot's cached keys, in place.
+
+    Args:
+        q: [T, H, D], one query row per request (a padded row attends like any other).
+        k_cache, v_cache: one layer's cache, [slots, KVH, rows, D] and [slots, KVH, rows, Dv]
+            (H a multiple of KVH); the row's own k/v already written.
+        slots: [T] each row's cache slot; lengths: [T] how many positions it sees (its
+            position + 1).
+        scaling: the softmax scale.
+        window: a sliding window (the last ``window`` positions, its own included); None:
+            every position.
+        ring: the cache keeps position p in row p mod rows (a sliding-window ring).
+        sinks: [H] a logit per head joining the softmax (fp32), or None.
+        softcap: each scaled score s becomes softcap * tanh(s / softcap); None: none.
+
+    Returns:
+        [T, H, Dv] in ``q``'s dtype.
+    """
+    tokens, heads, dim = q.shape
+    kv_heads, rows, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+    group = heads // kv_heads
+    m = q.new_empty((tokens, heads, SPLITS), dtype=torch.float32)
+    den = torch.empty_like(m)
+    acc = q.new_empty((tokens, heads, SPLITS, dv), dtype=torch.float32)
+    if tokens:
+        launch((tokens, kv_heads, SPLITS),
+            q, k_cache, v_cache, slots, lengths, m, den, acc,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+            scaling, softcap or 1.0, window or 0, rows, GROUP=group,
+            BLOCK_G=triton.next_power_of_2(group), D=dim, BLOCK_D=triton.next_power_of_2(dim),
+            DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_N=BLOCK_N, SPLITS=SPLITS,
+            RING=ring, SOFTCAP=softcap is not None)
+    # the splits merged by their maxima (an empty split's is -inf and weighs nothing)
+    top = m.amax(dim=-1, keepdim=True)  # [T, H, 1]
+    if sinks is not None:
+        top = torch.maximum(top, sinks.float().view(1, heads, 1))
+    weight = torch.exp(m - top)  # [T, H, S]
+    total = (den * weight).sum(-1)
+    if sinks is not None:
+        total = total + torch.exp(sinks.float().view(1, heads) - top[..., 0])
+    out = (acc * weight[..., None]).sum(-2) / total[..., None]
+    return out.to(q.dtype)

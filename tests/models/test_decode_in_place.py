@@ -1,0 +1,144 @@
+"""Decode attention in place (``models/decode_kernel.py``, Triton under the interpreter here):
+each request's keys and values read from its own slot up to its own length. It matches the
+gathering path for every attention variant models use (GQA, a layer's window on a positional
+cache, a sliding-window ring, sinks, a softcap, a value head narrower than the key's, one
+tensor for keys and values); a padded decode step through it makes no tensor the size of the
+cached keys, where the gathering path makes one per layer; a model's padded decode step gives
+the same logits either way."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from layer_boundary.models.attention import cached_attention
+from layer_boundary.models.kv_cache import KVCache
+from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
+
+H, KVH, D, MAX_LEN = 8, 2, 16, 256  # a slot far longer than the prompts, as a server's
+PROMPTS = (7, 3, 12)  # ragged: each request reads its own length
+
+VARIANTS = {
+    "gqa": {},
+    "layer window": dict(layer_window=4),
+    "sinks": dict(sinks=True),
+    "softcap": dict(softcap=2.5),
+    "narrow values": dict(dv=8),
+    "keys are values": dict(shared_kv=True),
+}
+
+
+def _step(in_place: bool, *, layer_window=None, sinks=False, softcap=None, dv=D,
+          shared_kv=False, ring=None, padded=True, watch=None):
+    """A prefill of ``PROMPTS`` then one decode step (padded to 4 rows, the padding row in a
+    scratch slot), on a fresh cache: the decode step's attention output (``watch``: a
+    context around the decode step's attention alone)."""
+    torch.manual_seed(0)
+    cache = KVCache(1, len(PROMPTS) + 1, MAX_LEN, KVH, D, torch.float32, v_head_dim=dv,
+                    window=ring, shared_kv=shared_kv)
+    cache.decode_in_place = in_place
+    head_sinks = torch.randn(H) if sinks else None
+    kwargs = dict(sinks=head_sinks, softcap=softcap, window=layer_window)
+
+    def attend(batch, tokens):
+        q, k, v = torch.randn(tokens, H, D), torch.randn(tokens, KVH, D), torch.randn(tokens,
+                                                                                        KVH, dv)
+        return cached_attention(0, q, k, v, batch, D ** -0.5, **kwargs)
+
+    prefill = ForwardBatch.build(ForwardMode.EXTEND, [[1] * n for n in PROMPTS],
+                                 [0] * len(PROMPTS), kv_cache=cache)
+    attend(prefill, sum(PROMPTS))
+    decode = ForwardBatch.build(ForwardMode.DECODE, [[1]] * len(PROMPTS), list(PROMPTS),
+                                kv_cache=cache)
+    rows = len(PROMPTS) + padded
+    if padded:
+        decode = decode.padded(rows, scratch_slot=len(PROMPTS))
+    q, k, v = torch.randn(rows, H, D), torch.randn(rows, KVH, D), torch.randn(rows, KVH, dv)
+    with watch or contextlib.nullcontext():
+        out = cached_attention(0, q, k, v, decode, D ** -0.5, **kwargs)
+    return out[:len(PROMPTS)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+def test_a_padded_decode_step_matches_the_gathering_path(variant):
+    torch.testing.assert_close(_step(True, **variant), _step(False, **variant), atol=2e-6,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 64], ids=["ring shorter than prompts", "ring longer"])
+def test_a_ring_decode_step_matches_the_gathering_path(window):
+    """A sliding-window ring (position p in row p mod rows) decodes its requests unpadded."""
+    torch.testing.assert_close(_step(True, ring=window, padded=False),
+                               _step(False, ring=window, padded=False), atol=2e-6, rtol=1e-5)
+
+
+class _Made(TorchDispatchMode):
+    """The element counts of every tensor the ops inside it make, a kernel launch's own work
+    aside (``paused``: on the CPU the Triton interpreter copies a launch's arguments in and
+    out, which a compiled kernel on a GPU does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # an output that aliases an input (a view, or an in-place write's ``self``) is no new
+        # tensor
+        made = [r.alias_info is None for r in func._schema.returns]
+        for t, new in zip(out if isinstance(out, (tuple, list)) else (out,), made):
+            if isinstance(t, torch.Tensor) and new and not self.paused:
+                self.sizes.append(t.numel())
+        return out
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_padded_decode_step_copies_no_cache(in_place, monkeypatch):
+    """Gathering makes [rows, KVH, MAX_LEN, D] per step (what the test would find); in place,
+    nothing the step makes comes near one request's slot of keys."""
+    from layer_boundary.models import decode_kernel
+
+    slot = KVH * MAX_LEN * D
+    made, launch, launches = _Made(), decode_kernel.launch, []
+
+    def counted(*args, **meta):
+        launches.append(args[0])
+        made.paused = True
+        try:
+            launch(*args, **meta)
+        finally:
+            made.paused = False
+
+    monkeypatch.setattr(decode_kernel, "launch", counted)
+    _step(in_place, watch=made)
+    assert len(launches) == in_place
+    largest = max(made.sizes)
+    if in_place:
+        assert largest < slot, largest
+    else:
+        assert largest >= (len(PROMPTS) + 1) * slot, largest
+
+
+def test_a_model_decodes_the_same_logits_in_place(tmp_path):
+    """A tiny Qwen3's padded decode step through every layer: the same logits either way."""
+    from checkpoints import hf_qwen3
+    from oracle import world1
+
+    from layer_boundary.models import load_model
+
+    model = load_model(hf_qwen3(tmp_path / "qwen3"), world1())
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
+    logits = []
+    for in_place in (False, True):
+        cache = model.make_kv_cache(len(prompts) + 1, 16)
+        cache.decode_in_place = in_place
+        with torch.no_grad():
+            model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * 3, kv_cache=cache))
+            step = ForwardBatch.build(ForwardMode.DECODE, [[7], [8], [9]],
+                                      [len(p) for p in prompts], kv_cache=cache)
+            logits.append(model(step.padded(4, scratch_slot=3))[:3])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
