@@ -11,8 +11,10 @@ embedding, the final norm and the LM head drop out:
   provider (the ops its interpreter runs on the CPU are not counted);
 - ``cuda`` (on a GPU): the kernels the profiler saw run, memory copies and sets included.
 
-Rows: ours eager, ours with ``--fusions triton``, ours compiled by inductor (CUDA only), and
-transformers eager (its ``generate``'s step: a DynamicCache decode of the same requests).
+Rows: ours eager, ours with ``--fusions triton`` (and with the decode attention in place,
+``KVCache.decode_in_place``: one Triton launch where the gather and SDPA were), ours compiled
+by inductor (CUDA only), and transformers eager (its ``generate``'s step: a DynamicCache
+decode of the same requests).
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def _triton_launches(mode: _Dispatched):
     """Each launch of the Triton provider's kernels counts as one op, and what its interpreter
     runs inside (numpy and torch on the CPU) does not."""
     from layer_boundary.fusions import kernels
+    from layer_boundary.models import decode_kernel
 
-    originals = {name: getattr(kernels, name) for name in ("add_rms_norm", "add_rms_norm_fp8")}
+    originals = {(kernels, name): getattr(kernels, name)
+                 for name in ("add_rms_norm", "add_rms_norm_fp8")}
+    originals[(decode_kernel, "launch")] = decode_kernel.launch
 
     def counted(name, call):
         def launch(*args, **kwargs):
@@ -69,13 +74,13 @@ def _triton_launches(mode: _Dispatched):
                 mode.paused -= 1
         return launch
 
-    for name, call in originals.items():
-        setattr(kernels, name, counted(name, call))
+    for (module, name), call in originals.items():
+        setattr(module, name, counted(name, call))
     try:
         yield
     finally:
-        for name, call in originals.items():
-            setattr(kernels, name, call)
+        for (module, name), call in originals.items():
+            setattr(module, name, call)
 
 
 def _checkpoint(folder: Path, layers: int) -> Path:
@@ -84,7 +89,8 @@ def _checkpoint(folder: Path, layers: int) -> Path:
     return write_tiny_qwen3(folder / f"qwen3-{layers}", num_hidden_layers=layers)
 
 
-def _ours(path: Path, device: str, fusions: str | None, backend: str | None):
+def _ours(path: Path, device: str, fusions: str | None, backend: str | None,
+          in_place: bool = False):
     """A decode step of ours after a prefill: the callable and the step's batch."""
     from layer_boundary.engine.compiled import compile_forward
     from layer_boundary.engine.runner import make_fusions
@@ -99,6 +105,7 @@ def _ours(path: Path, device: str, fusions: str | None, backend: str | None):
         model.install_fusion(make_fusions(fusions))
     slots = len(PROMPTS) + 1
     cache = model.make_kv_cache(slots, 32)
+    cache.decode_in_place = in_place  # models/decode_kernel.py: attention without the gather
     with torch.no_grad():
         model(ForwardBatch.build(ForwardMode.EXTEND, PROMPTS, [0] * len(PROMPTS),
                                  kv_cache=cache, device=device))
@@ -171,7 +178,8 @@ def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transf
             else:
                 forward, batch = _ours(paths[n], device,
                                        "triton" if "triton" in row else None,
-                                       "inductor" if "inductor" in row else None)
+                                       "inductor" if "inductor" in row else None,
+                                       in_place="in place" in row)
             if "inductor" not in row:  # a compiled forward dispatches its graph, not ops
                 counts["dispatcher"].append(sum(dispatched(forward, batch,
                                                            "triton" in row).values()))
@@ -184,7 +192,8 @@ def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transf
     return out
 
 
-ROWS = ("ours", "ours, triton fusions", "transformers", "ours, inductor")
+ROWS = ("ours", "ours, triton fusions", "ours, triton fusions, decode in place",
+        "transformers", "ours, inductor")
 
 
 def main(argv=None) -> int:

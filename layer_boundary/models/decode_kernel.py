@@ -4,8 +4,9 @@ copy (``attention._slot_attention`` gathers every row of every slot, ``max_len``
 
 Split-K (flash-decoding): a program per (row, kv head, split) walks its share of the row's
 keys in blocks with an online softmax in fp32, for the query heads that share the kv head
-(GQA: K/V read once per kv head); the splits' partial maxima, sums and outputs are then merged
-(and a sink logit per head, where the model has them, joins the merge). A sliding window reads
+(GQA: K/V read once per kv head); a second kernel merges the splits' partial maxima, sums and
+outputs (a sink logit per head, where the model has them, joining the merge) and rounds once
+to the output dtype. A sliding window reads
 the row's last ``window`` positions; a ring cache (``KVCache.window``) keeps position p in row
 p mod rows. A softcap is applied to each scaled score before the mask.
 
@@ -77,10 +78,38 @@ def _decode_split(q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc
              acc, mask=head_ok[:, None] & (vdims[None, :] < DV))
 
 
+@triton.jit
+def _merge_splits(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, part_row, part_head, acc_row,
+                  acc_head, acc_split, out_row, out_head, DV: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr, SINKS: tl.constexpr):
+    """A program per (row, head): the splits' partials merged by their maxima (an empty
+    split's is -inf and weighs nothing), a sink logit joining the denominator."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    vdims = tl.arange(0, BLOCK_DV)
+    m = tl.load(m_ptr + t * part_row + h * part_head + splits)
+    den = tl.load(l_ptr + t * part_row + h * part_head + splits)
+    top = tl.max(m, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        top = tl.maximum(top, sink)
+    weight = tl.exp(m - top)
+    total = tl.sum(den * weight, axis=0)
+    if SINKS:
+        total += tl.exp(sink - top)
+    acc = tl.load(acc_ptr + t * acc_row + h * acc_head + splits[:, None] * acc_split
+                  + vdims[None, :], mask=vdims[None, :] < DV, other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / total
+    tl.store(out_ptr + t * out_row + h * out_head + vdims,
+             out.to(out_ptr.dtype.element_ty), mask=vdims < DV)
+
+
 def launch(grid, *args, **meta) -> None:
     """One launch of the split kernel (what a count of a step's launches counts as one: on
     the CPU the interpreter copies its arguments in and out, which a GPU never does)."""
-    _decode_split[grid](*args, **meta)
+    kernel = _merge_splits if meta.pop("merge", False) else _decode_split
+    kernel[grid](*args, **meta)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -121,13 +150,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             BLOCK_G=triton.next_power_of_2(group), D=dim, BLOCK_D=triton.next_power_of_2(dim),
             DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_N=BLOCK_N, SPLITS=SPLITS,
             RING=ring, SOFTCAP=softcap is not None)
-    # the splits merged by their maxima (an empty split's is -inf and weighs nothing)
-    top = m.amax(dim=-1, keepdim=True)  # [T, H, 1]
-    if sinks is not None:
-        top = torch.maximum(top, sinks.float().view(1, heads, 1))
-    weight = torch.exp(m - top)  # [T, H, S]
-    total = (den * weight).sum(-1)
-    if sinks is not None:
-        total = total + torch.exp(sinks.float().view(1, heads) - top[..., 0])
-    out = (acc * weight[..., None]).sum(-2) / total[..., None]
-    return out.to(q.dtype)
+    out = q.new_empty((tokens, heads, dv))
+    if tokens:
+        launch((tokens, heads), m, den, acc, m if sinks is None else sinks, out,
+               m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+               out.stride(0), out.stride(1), DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
+               SPLITS=SPLITS, SINKS=sinks is not None, merge=True)
+    return out

@@ -115,7 +115,7 @@ def test_a_padded_decode_step_copies_no_cache(in_place, monkeypatch):
 
     monkeypatch.setattr(decode_kernel, "launch", counted)
     _step(in_place, watch=made)
-    assert len(launches) == in_place
+    assert len(launches) == 2 * in_place  # the splits, then their merge
     largest = max(made.sizes)
     if in_place:
         assert largest < slot, largest
@@ -142,3 +142,18 @@ def test_a_model_decodes_the_same_logits_in_place(tmp_path):
                                       [len(p) for p in prompts], kv_cache=cache)
             logits.append(model(step.padded(4, scratch_slot=3))[:3])
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_in_place_a_decode_layer_dispatches_fewer_ops(tmp_path):
+    """benchmarks/kernel_count.py's rows with the Triton provider: the decode attention in
+    place (two launches) takes fewer ops a layer than the gather and SDPA it replaces."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_count.py"
+    spec = importlib.util.spec_from_file_location("kernel_count", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = {r["row"]: r["dispatcher"] for r in module.per_layer(
+        "cpu", ("ours, triton fusions", "ours, triton fusions, decode in place"), tmp_path)}
+    assert rows["ours, triton fusions, decode in place"] < rows["ours, triton fusions"], rows
