@@ -61,7 +61,7 @@ def _triton_launches(mode: _Dispatched):
     from layer_boundary.models import decode_kernel
 
     originals = {(kernels, name): getattr(kernels, name)
-                 for name in ("add_rms_norm", "add_rms_norm_fp8")}
+                 for name in ("add_rms_norm", "add_rms_norm_fp8", "head_norm_rope")}
     originals[(decode_kernel, "launch")] = decode_kernel.launch
 
     def counted(name, call):

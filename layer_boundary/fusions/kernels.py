@@ -159,3 +159,46 @@ def add_rms_norm(value: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
                            ZERO_CENTERED=zero_centered, BF16=residual.dtype == torch.bfloat16,
                            BLOCK=triton.next_power_of_2(width))
     return normed, new_residual
+
+
+@triton.jit
+def _head_norm_rope(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, x_row, x_head, out_row,
+                    out_head, cs_row, eps, D: tl.constexpr, HALF: tl.constexpr,
+                    BF16: tl.constexpr):
+    """A program per (token, head): the head's RMSNorm (fp32, rounded, times the weight in
+    the dtype, rounded) then rotate-half RoPE (each product and the sum rounded), the ops of
+    ``RMSNorm`` and ``rope.rotate_half`` in their order, so the numbers are theirs."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    dims = tl.arange(0, D)
+    rot = (dims + HALF) % D  # rotate_half's source of each output dim
+    x = tl.load(x_ptr + t * x_row + h * x_head + dims).to(tl.float32)
+    x_rot = tl.load(x_ptr + t * x_row + h * x_head + rot).to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    out_ty = out_ptr.dtype.element_ty
+    w = tl.load(weight_ptr + dims).to(tl.float32)
+    w_rot = tl.load(weight_ptr + rot).to(tl.float32)
+    y = _rounded(w * _rounded(x * scale, out_ty, BF16).to(tl.float32), out_ty, BF16)
+    y_rot = _rounded(w_rot * _rounded(x_rot * scale, out_ty, BF16).to(tl.float32), out_ty, BF16)
+    y_rot = tl.where(dims < HALF, -y_rot.to(tl.float32), y_rot.to(tl.float32))
+    cos = tl.load(cos_ptr + t * cs_row + dims).to(tl.float32)
+    sin = tl.load(sin_ptr + t * cs_row + dims).to(tl.float32)
+    a = _rounded(y.to(tl.float32) * cos, out_ty, BF16).to(tl.float32)
+    b = _rounded(y_rot * sin, out_ty, BF16).to(tl.float32)
+    tl.store(out_ptr + t * out_row + h * out_head + dims, _rounded(a + b, out_ty, BF16))
+
+
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+    """``rotate_half(RMSNorm(x), cos, sin)`` per head in one launch: x [T, H, D] (rows may be
+    strided, each head's dims contiguous; D a power of two), weight [D], cos/sin [T, D] in
+    x's dtype. Returns a new [T, H, D]."""
+    tokens, heads, dim = x.shape
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if tokens and heads:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _head_norm_rope[(tokens, heads)](x, weight.contiguous(), cos, sin, out, x.stride(0),
+                                         x.stride(1), out.stride(0), out.stride(1),
+                                         cos.stride(0), eps, D=dim, HALF=dim // 2,
+                                         BF16=x.dtype == torch.bfloat16)
+    return out

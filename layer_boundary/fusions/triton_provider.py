@@ -157,6 +157,12 @@ class TritonFusions(ReferenceFusions):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(NOT_INTERPRETED)  # its kernels could run nowhere
         self.kernels = _kernels()
+        self.kernel_dtypes = self.kernels.KERNEL_DTYPES  # what ``head_norm_rope`` takes
+
+    def head_norm_rope(self, x, weight, eps: float, cos, sin):
+        """Model compute a module may take (``take_fusions``): a head's RMSNorm and
+        rotate-half RoPE in one launch (``kernels.head_norm_rope``)."""
+        return self.kernels.head_norm_rope(x, weight, eps, cos, sin)
 
     def _input(self, plan: InputPlan) -> list[FusedInput]:
         self._parallel = plan.parallel

@@ -199,6 +199,10 @@ class CausalLM(nn.Module):
         """
         install_fusion(self, provider)
         self.model.take_handoff_norm(provider)
+        for module in self.modules():  # the model compute a provider fuses (q/k norm + rope)
+            take = getattr(module, "take_fusions", None)
+            if take is not None:
+                take(provider)
         return self.model.handoff_norm
 
     def ties_head(self) -> bool:

@@ -101,6 +101,21 @@ class GqaAttention(nn.Module):
                                       requires_grad=False)
             self.sinks.weight_loader = self._sinks_loader
 
+    norm_rope = None  # a fusion provider's per-head norm + RoPE kernel (``take_fusions``)
+    norm_rope_dtypes: tuple = ()
+
+    def take_fusions(self, provider) -> None:
+        """Take ``provider``'s fused per-head RMSNorm + rotate-half RoPE (``head_norm_rope``,
+        the Triton provider's), where this attention computes exactly those: per-head
+        ``RMSNorm`` q/k norms and a whole-head, non-interleaved rotary over a power-of-two
+        head; else keep its own ops."""
+        kernel = getattr(provider, "head_norm_rope", None)
+        fits = (self.qk_norm and self.rotary and type(self.q_norm) is RMSNorm
+                and type(self.k_norm) is RMSNorm and self.rotary_dim == self.head_dim
+                and not self.interleaved and self.head_dim & (self.head_dim - 1) == 0)
+        self.norm_rope = kernel if fits else None
+        self.norm_rope_dtypes = getattr(provider, "kernel_dtypes", ()) if fits else ()
+
     def _sinks_loader(self, param, loaded: torch.Tensor) -> None:
         heads = self.qkv_proj.num_heads  # this rank's q heads, as qkv_proj takes them
         expect_shape(loaded, self.qkv_proj.total_heads)  # every head's sink
@@ -131,13 +146,18 @@ class GqaAttention(nn.Module):
         q = q.view(tokens, heads, self.head_dim)  # [T, H, D] (T may be 0: no -1 in views)
         k = k.view(tokens, kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(tokens, kv_heads, self.head_dim)
-        if self.qk_norm:
+        fused = self.norm_rope is not None and q.dtype in self.norm_rope_dtypes
+        if self.qk_norm and not fused:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
                                        q.dtype, None if cp is None else cp.share,
                                        full_width=not self.interleaved, scale=self.rope_scale)
-            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+            if fused:  # the provider's kernel: a head's norm and rope in one launch
+                q = self.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+                k = self.norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
+            else:
+                q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if cp is not None:  # every token of the DP rank as keys and values, in token order
             k, v = cp.gather(torch.cat((k, v), dim=-1)).split(self.head_dim, dim=-1)
         out = cached_attention(self.index, q, k, v, forward_batch, self.scaling,
