@@ -105,10 +105,9 @@ def _merge_splits(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, part_row, part_head
              out.to(out_ptr.dtype.element_ty), mask=vdims < DV)
 
 
-def launch(grid, *args, **meta) -> None:
-    """One launch of the split kernel (what a count of a step's launches counts as one: on
-    the CPU the interpreter copies its arguments in and out, which a GPU never does)."""
-    kernel = _merge_splits if meta.pop("merge", False) else _decode_split
+def launch(kernel, grid, *args, **meta) -> None:
+    """One launch of ``kernel`` (what a count of a step's launches counts as one: on the CPU
+    the interpreter copies its arguments in and out, which a GPU never does)."""
     kernel[grid](*args, **meta)
 
 
@@ -142,7 +141,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     den = torch.empty_like(m)
     acc = q.new_empty((tokens, heads, SPLITS, dv), dtype=torch.float32)
     if tokens:
-        launch((tokens, kv_heads, SPLITS),
+        launch(_decode_split, (tokens, kv_heads, SPLITS),
             q, k_cache, v_cache, slots, lengths, m, den, acc,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
@@ -152,8 +151,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             RING=ring, SOFTCAP=softcap is not None)
     out = q.new_empty((tokens, heads, dv))
     if tokens:
-        launch((tokens, heads), m, den, acc, m if sinks is None else sinks, out,
+        launch(_merge_splits, (tokens, heads), m, den, acc, m if sinks is None else sinks, out,
                m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
                out.stride(0), out.stride(1), DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
-               SPLITS=SPLITS, SINKS=sinks is not None, merge=True)
+               SPLITS=SPLITS, SINKS=sinks is not None)
     return out

@@ -24,6 +24,18 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def head_split(heads: int, tp: int, what: str) -> tuple[int, int]:
+    """(heads each rank holds, ranks each head is replicated on) of ``heads`` attention heads
+    over ``tp`` ranks: split evenly, or, where there are no more heads than ranks, each head
+    on ``tp // heads`` consecutive ranks. ``what`` names them in the error."""
+    if tp >= heads:
+        if tp % heads:
+            raise ValueError(f"{what} ({heads}) does not divide the tensor-parallel size {tp}: "
+                             "a head cannot be replicated on whole ranks")
+        return 1, tp // heads
+    return _divide(heads, tp, what), 1
+
+
 def expect_shape(loaded: torch.Tensor, *shape: int) -> None:
     """A checkpoint tensor has the full (unsharded) shape its layer implies, before any shard
     is taken from it: a larger tensor would otherwise load a slice of the wrong values."""
@@ -93,12 +105,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  group: Group, bias: bool = False, dtype=torch.float32):
         tp = group.size
         self.num_heads = _divide(num_heads, tp, "num_attention_heads")
-        if tp >= num_kv_heads:
-            _divide(tp, num_kv_heads, "num_key_value_heads replication: tp")
-            self.num_kv_heads, self.kv_replicas = 1, tp // num_kv_heads
-        else:
-            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
-            self.kv_replicas = 1
+        self.num_kv_heads, self.kv_replicas = head_split(num_kv_heads, tp, "num_key_value_heads")
         self.head_dim, self.total_heads, self.total_kv_heads = head_dim, num_heads, num_kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim

@@ -9,8 +9,8 @@ import copy
 import torch
 from torch import nn
 
-from ...runtime.linear import (ColumnParallelLinear, RowParallelLinear, _divide,
-                               expect_shape)
+from ...runtime.linear import (ColumnParallelLinear, RowParallelLinear, expect_shape,
+                               head_split)
 from ...runtime.shards import take
 from .config import (COLWISE, COLWISE_GATHER, MOE_EXPERTS, REPLICATED, ROWWISE,
                      ROWWISE_SPLIT, refuse)
@@ -24,16 +24,9 @@ class HeadColumnLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, unit: int, group, *, bias: bool,
                  dtype, name: str) -> None:
-        heads = out_features // unit
-        if group.size > heads:
-            if group.size % heads:
-                raise ValueError(f"{name}'s {heads} heads neither divide nor are divisible by "
-                                 f"the tensor-parallel size {group.size}")
-            self.replicas, per_rank = group.size // heads, unit
-        else:
-            self.replicas, per_rank = 1, _divide(heads, group.size, f"{name} heads") * unit
+        local, self.replicas = head_split(out_features // unit, group.size, f"{name} heads")
         self.full = out_features
-        super().__init__(in_features, per_rank * group.size, group, bias=bias, dtype=dtype,
+        super().__init__(in_features, local * unit * group.size, group, bias=bias, dtype=dtype,
                          name=name)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -109,7 +102,8 @@ def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
     moe_blocks = set()  # the stage modules (``mlp``) holding stacked experts
     for name, module in list(layer.named_modules()):
         full = f"{prefix}.{name}"
-        if name and cfg.style(full) == MOE_EXPERTS:
+        style = cfg.style(full) if name else None
+        if style == MOE_EXPERTS:
             from .moe import make_experts_ours
 
             make_experts_ours(module, full, cfg, runtime, dtype)
@@ -118,7 +112,7 @@ def make_ours(layer: nn.Module, prefix: str, cfg, runtime, dtype) -> None:
         if type(module) is not nn.Linear:  # a subclass (a router) keeps its own forward
             continue
         try:
-            ours = parallel_linear(module, cfg.style(full), full,
+            ours = parallel_linear(module, style, full,
                                    attention=name.split(".")[0] == "self_attn", runtime=runtime,
                                    cfg=cfg, dtype=dtype)
         except ValueError as exc:

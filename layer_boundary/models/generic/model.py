@@ -138,10 +138,10 @@ class GenericCausalLM(CausalLM):
             attn_tp = 1
         self._kv_heads = kv // attn_tp if kv % attn_tp == 0 else 1
         if cfg.embed_scale is not None and self.stage.first:
-            scale = cfg.embed_scale
             # transformers' scaled embedding: the lookup times embed_scale in the weight dtype
+            scale = torch.tensor(cfg.embed_scale, dtype=dtype)
             self.model.embed_tokens.register_forward_hook(
-                lambda module, args, out: out * torch.tensor(scale, dtype=out.dtype))
+                lambda module, args, out: out * scale)
 
     def forward(self, forward_batch, pp_input=None, return_hidden: bool = False):
         out = super().forward(forward_batch, pp_input, return_hidden)
