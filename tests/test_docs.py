@@ -55,7 +55,9 @@ def test_every_relative_link_reaches_a_file_of_the_repository(page):
 def test_the_readme_is_a_front_page():
     text = (ROOT / "README.md").read_text()
     assert "../" not in text  # nothing outside the repository
-    assert len(text.splitlines()) < 200
+    # the generated module list (folded, tests/test_readme.py) is not what a reader pages past
+    prose = re.sub(r"<!-- generated: modules -->.*?<!-- end generated -->", "", text, flags=re.S)
+    assert len(prose.splitlines()) < 200
     for page in ("concepts", "features", "models", "adding-a-model", "engine-integration",
                  "api", "cli", "benchmarks"):
         assert f"(docs/{page}.md)" in text
