@@ -93,7 +93,8 @@ def cli_reference() -> str:
 def combinations_reference() -> str:
     """The table of which features combine (``layer_boundary.capabilities``): the pair matrix,
     each refused pair with why, and what each feature needs of the model and the layout."""
-    from layer_boundary.capabilities import LAYOUT_RULES, MODEL_RULES, PAIRS, Feature, pair_rule
+    from layer_boundary.capabilities import (GRAPH_RULES, LAYOUT_RULES, MODEL_RULES, PAIRS,
+                                             Feature, pair_rule)
 
     features = list(Feature)
     number = {rule: i + 1 for i, rule in enumerate(PAIRS)}
@@ -113,6 +114,9 @@ def combinations_reference() -> str:
             "pairs):", ""]
     out += [f"- {'every run' if r.feature is None else f'**{r.feature.short}**'}: {r.needs}"
             for r in MODEL_RULES + LAYOUT_RULES]
+    out += ["", "Where decode steps run eagerly rather than from CUDA graphs on `--device cuda` "
+            "(not a refusal: the report says why; `engine.graphs.decide_graphs`):", ""]
+    out += [f"- **{r.feature.short}**: {r.why}" for r in GRAPH_RULES]
     return "\n".join(out) + "\n"
 
 

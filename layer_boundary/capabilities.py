@@ -7,11 +7,13 @@ public names at the place the command line, the engine, models and adapters impo
 
 from __future__ import annotations
 
-from .runtime.capabilities import (LAYOUT_RULES, MODEL_RULES, PAIRS, CapabilityError, Feature,
-                                   PairRule, Rule, Setup, check, check_invariant, check_model,
-                                   check_runtime, mode_features, pair_rule, refusals,
+from .runtime.capabilities import (GRAPH_RULES, LAYOUT_RULES, MODEL_RULES, PAIRS,
+                                   CapabilityError, Feature, GraphRule, PairRule, Rule, Setup,
+                                   check, check_invariant, check_model, check_runtime,
+                                   graph_blocker, mode_features, pair_rule, refusals,
                                    runtime_features)
 
-__all__ = ["CapabilityError", "Feature", "LAYOUT_RULES", "MODEL_RULES", "PAIRS", "PairRule",
-           "Rule", "Setup", "check", "check_invariant", "check_model", "check_runtime",
-           "mode_features", "pair_rule", "refusals", "runtime_features"]
+__all__ = ["CapabilityError", "Feature", "GRAPH_RULES", "GraphRule", "LAYOUT_RULES",
+           "MODEL_RULES", "PAIRS", "PairRule", "Rule", "Setup", "check", "check_invariant",
+           "check_model", "check_runtime", "graph_blocker", "mode_features", "pair_rule",
+           "refusals", "runtime_features"]

@@ -48,38 +48,70 @@ def test_without_the_mode_a_batch_changes_the_bits(qwen3_dir, monkeypatch):
     assert not check["ok"] and check["differences"]
 
 
-def test_the_invariant_linear_is_each_rows_own_product():
+def test_in_the_mode_a_product_is_each_rows_own():
+    """Whoever calls it (F.linear, @, addmm, an einsum's bmm), a matrix product in the mode
+    gives each row the bits of its one-row product; off the mode, the one call."""
     gen = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(9, 64, generator=gen), torch.randn(48, 64, generator=gen),
                torch.randn(48, generator=gen))
-    out = invariant.linear(x, w, b)
-    for i in range(9):
-        assert torch.equal(out[i:i + 1], torch.nn.functional.linear(x[i:i + 1], w, b))
-    assert torch.equal(invariant.linear(x[2:5], w, b), out[2:5])
+    heads = torch.randn(9, 4, 64, generator=gen)
+    per_head = torch.randn(4, 64, 24, generator=gen)
+    with invariant.batch_invariant():
+        out, plain = torch.nn.functional.linear(x, w, b), x @ w.T
+        mixed = torch.einsum("thn,hnr->thr", heads, per_head)
+        for i in range(9):
+            assert torch.equal(out[i:i + 1], torch.nn.functional.linear(x[i:i + 1], w, b))
+            assert torch.equal(plain[i:i + 1], x[i:i + 1] @ w.T)
+            assert torch.equal(mixed[i:i + 1],
+                               torch.einsum("thn,hnr->thr", heads[i:i + 1], per_head))
+        assert torch.equal(torch.nn.functional.linear(x[2:5], w, b), out[2:5])
+        with invariant.batch_invariant(False):  # nested off: the ops pass through
+            assert torch.equal(x @ w.T, torch.mm(x, w.T))
+    assert torch.equal(torch.nn.functional.linear(x, w, b), torch.addmm(b, x, w.T))
 
 
-def test_the_invariant_activation_is_each_rows_own():
+def test_in_the_mode_an_activation_is_each_rows_own():
     """An elementwise activation over a contiguous batch runs as one flat loop, vectorized
     but for a scalar tail: a row of width 40 sits in the tail alone and in the vectorized
-    body in a batch. ``rowwise`` gives each row the bits it gets alone, in the mode."""
+    body in a batch. In the mode each row gets the bits it gets alone."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(15, 40, generator=gen)
+    silu = torch.nn.functional.silu
     with invariant.batch_invariant():
-        out = invariant.rowwise(torch.nn.functional.silu, x)
-        alone = invariant.rowwise(torch.nn.functional.silu, x[:5].clone())
-        assert torch.equal(out[:5], alone)
+        out = silu(x)
+        assert torch.equal(out[:5], silu(x[:5].clone()))
         for i in range(15):
-            assert torch.equal(out[i:i + 1], torch.nn.functional.silu(x[i:i + 1]))
-        assert torch.equal(invariant.rowwise(torch.nn.functional.silu, x.view(3, 5, 40)),
-                           out.view(3, 5, 40))
-    # off the mode: the one call
-    assert torch.equal(invariant.rowwise(torch.nn.functional.silu, x),
-                       torch.nn.functional.silu(x))
+            assert torch.equal(out[i:i + 1], silu(x[i:i + 1]))
+        assert torch.equal(silu(x.view(3, 5, 40)), out.view(3, 5, 40))
+        assert torch.sigmoid(x[:0]).shape == (0, 40)  # an empty DP rank
+    # the comparison means something: off the mode some row takes other bits in the batch
+    batched = silu(x)
+    assert any(not torch.equal(batched[i:i + 1], silu(x[i:i + 1])) for i in range(15))
+
+
+def test_in_the_mode_a_router_is_each_rows_own():
+    """A router's product, sigmoid, top-k and last-dimension sums a row at a time in the
+    mode, each output of its own shape; a sum over the tokens themselves stays whole."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 64, generator=gen), torch.randn(8, 64, generator=gen)
+
+    def router(rows):
+        scores = torch.nn.functional.linear(rows, w).sigmoid()
+        weights, ids = torch.topk(scores, 2, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), ids, scores.softmax(-1)
+
+    with invariant.batch_invariant():
+        batched = router(x)
+        for i in range(7):
+            for got, alone in zip(batched, router(x[i:i + 1])):
+                assert torch.equal(got[i:i + 1], alone)
+        assert router(x[:0])[0].shape == (0, 2)
+        assert torch.equal(x.sum(0), torch.ops.aten.sum.dim_IntList(x, [0]))
 
 
 # the gated MLP's activation followed the batch wherever the intermediate width a rank holds
 # is not a multiple of the CPU loop's step (32 floats on AVX-512): tp 2 of the tests' Qwen3
-# (96 / 2 = 48), or 40 at world 1; models/layers.py GatedMLP takes it through rowwise
+# (96 / 2 = 48), or 40 at world 1; the mode runs it a row at a time
 def test_an_intermediate_width_off_the_vector_step_stays_invariant(tmp_path):
     model = hf_qwen3(tmp_path / "qwen3", intermediate_size=40)
     spec = RunSpec(str(model), prompts=((5, 9, 2, 7, 1), (3, 8), (6, 4, 4)),
@@ -87,25 +119,6 @@ def test_an_intermediate_width_off_the_vector_step_stays_invariant(tmp_path):
     result = run_rank(spec)
     check = invariance_check(merge([result]), [result])
     assert check["ok"], check["differences"]
-
-
-def test_per_row_gives_each_row_its_own_call():
-    """A router's product, sigmoid and top-k a row a call in the mode (tuple outputs
-    concatenated per output); no rows pass through; off the mode, the one call."""
-    gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(7, 64, generator=gen), torch.randn(8, 64, generator=gen)
-
-    def router(rows):
-        return torch.topk(torch.nn.functional.linear(rows, w).sigmoid(), 2, dim=-1)
-
-    with invariant.batch_invariant():
-        weights, ids = invariant.per_row(router, x)
-        for i in range(7):
-            alone = router(x[i:i + 1])
-            assert torch.equal(weights[i:i + 1], alone[0]) and torch.equal(ids[i:i + 1], alone[1])
-        assert invariant.per_row(router, x[:0])[0].shape == (0, 2)
-        assert invariant.rowwise(torch.sigmoid, x[:0]).shape == (0, 64)  # an empty DP rank
-    assert torch.equal(invariant.per_row(router, x)[0], router(x)[0])
 
 
 @pytest.fixture(scope="module")
@@ -336,10 +349,12 @@ def test_a_parallel_block_under_attention_dp_is_refused_by_name(tmp_path, capsys
 
 
 def test_the_library_refuses_what_the_command_line_refuses(qwen3_dir):
-    """In the mode: a compiled forward, a two-batch forward and speculative decoding, each
-    with the table's pair message (the command line's)."""
+    """In the mode: a compiled forward, a two-batch forward (a model's, or an outside model's
+    ``split_batch``) and speculative decoding, each with the table's pair message (the
+    command line's)."""
     from types import SimpleNamespace
 
+    from layer_boundary import split_batch
     from layer_boundary.engine.compiled import compile_forward
     from layer_boundary.engine.runner import runtime_of, with_checkpoints
     from layer_boundary.engine.speculative import speculative_generate
@@ -351,9 +366,12 @@ def test_the_library_refuses_what_the_command_line_refuses(qwen3_dir):
                                      runtime_of(spec, virtual_parallel(spec.dims())))
     calls = {Feature.COMPILE: lambda: compile_forward(model, "eager", padded=False),
              Feature.TBO: lambda: model(SimpleNamespace(tbo=True)),
+             # an outside model's way into two microbatches, before it reads the batch
+             "split_batch": lambda: split_batch(SimpleNamespace()),
              Feature.SPECULATIVE: lambda: speculative_generate(model, model, [[1]], 1, 1,
                                                                parallel=None)}
     for feature, call in calls.items():
+        feature = Feature.TBO if feature == "split_batch" else feature
         message = pair_rule(feature, Feature.BATCH_INVARIANT).message()
         with invariant.batch_invariant(), pytest.raises(CapabilityError) as refused:
             call()

@@ -80,6 +80,9 @@ def test_graphs_are_decided_from_the_device_the_flag_the_backend_and_the_batches
             (replace(spec, tbo=runner.TboPolicy.ALWAYS), True),
         "the all-to-all MoE sizes its dispatch on the host":
             (replace(spec, moe_a2a_backend="all_to_all"), True),
+        "batch-invariant attention runs a request a call, which a padded step does not":
+            (replace(spec, batch_invariant=True), True),
+        "tracing the residual stream runs Python each forward": (replace(spec, trace=True), True),
     }
     for why, (case, pads) in off.items():
         assert decide_graphs(case, world1, pads) == GraphDecision(Graphs.OFF, why)

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from ..capabilities import Feature, check_model
-from ..runtime import invariant
 from ..runtime.context import NO_ADAPTERS, adapter_rows
 from ..runtime.hf_names import renamed
 from ..runtime.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -84,11 +83,9 @@ class LoraWeights(nn.Module):
 
 
 def _delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``x @ a.T @ b.T``: one adapter's delta on its rows; batch-invariant, a row at a time
-    (``runtime.invariant.linear``), since the products' kernels follow how many rows share
-    the adapter."""
-    if invariant.BATCH_INVARIANT.on:
-        return invariant.linear(invariant.linear(x, a), b)
+    """``x @ a.T @ b.T``: one adapter's delta on its rows (in the batch-invariant mode each
+    product a row at a time, ``runtime.invariant``: their kernels follow how many rows share
+    the adapter)."""
     return x @ a.T @ b.T
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..residual.stream import ForwardState, ResidualStream
 from ..runtime.arguments import flag
+from ..runtime.capabilities import Feature, check_invariant
 from ..runtime.context import open_exit_scopes
 from ..runtime.forward_batch import TwoBatch
 
@@ -54,6 +55,9 @@ def split_batch(forward_batch, dp_rank: int = 0, overlap: bool = True) -> list:
             a baseline for benchmarks).
     """
     flag("split_batch", "overlap", overlap)
+    # the way into two microbatches, an outside model's too: refused in the batch-invariant
+    # mode by the combination table's pair rule
+    check_invariant(None, (Feature.TBO,))
     fb = forward_batch
     lens = fb.dp_request_lens
     if lens is None:

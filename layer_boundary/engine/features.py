@@ -30,7 +30,8 @@ def features_of(spec) -> frozenset:
           Feature.COMPILE: spec.compile is not None,
           Feature.SPECULATIVE: spec.speculative,
           Feature.LORA: bool(spec.lora),
-          Feature.FP8: bool(getattr(spec.checkpoint.config, "fp8_block", None)),
+          Feature.FP8: bool(getattr(getattr(spec.checkpoint, "config", None), "fp8_block",
+                                    None)),
           Feature.FUSIONS: spec.fusions is not None,
           Feature.BATCH_INVARIANT: spec.batch_invariant}
     return frozenset(f for f, yes in on.items() if yes)

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..adapters.tbo import TboPolicy
+from ..capabilities import graph_blocker
 from ..runtime.forward_batch import ForwardMode
 from ..runtime.ledger import LEDGER
+from .features import features_of
 
 log = logging.getLogger("layer_boundary")
 
@@ -83,21 +84,15 @@ def decide_graphs(spec, parallel, pads: bool) -> GraphDecision:
 
 
 def _mode_refusal(spec, pads: bool) -> str | None:
-    """Why ``spec``'s forwards cannot be one static batch shape per bucket, or None."""
+    """Why ``spec``'s forwards cannot be one static batch shape per bucket, or None: the
+    combination table's graph rules (``capabilities.GRAPH_RULES``), then what is not a
+    feature."""
     if not pads:
         return "the model's cache cannot serve padded batches (a graph is one batch shape)"
-    reasons = ((spec.speculative, "speculative verification builds its own batches"),
-               (spec.tbo is not TboPolicy.OFF, "two-batch overlap splits each forward by "
-                                               "its requests"),
-               (spec.pp > 1, "a pipeline stage's input arrives between forwards"),
-               (spec.cp > 1, "a CP batch splits by its requests' lengths"),
-               (bool(spec.lora), "LoRA adapters pick each token's adapter per batch"),
-               (spec.moe_a2a_backend != "none", "the all-to-all MoE sizes its dispatch on the "
-                                                "host"),
-               (spec.trace, "tracing the residual stream runs Python each forward"),
-               (spec.batch_invariant, "batch-invariant attention runs a request a call, "
-                                      "which a padded step does not"))
-    return next((why for refused, why in reasons if refused), None)
+    blocker = graph_blocker(features_of(spec))
+    if blocker is None and spec.trace:
+        blocker = "tracing the residual stream runs Python each forward"
+    return blocker
 
 
 @dataclass

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ProducerReduction, cp_view, declare_attn, declare_ffn
-from ..runtime import invariant
 from ..runtime.args import BoundaryRuntime
 from ..runtime.context import get_forward
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
@@ -213,7 +212,7 @@ class ReplicatedLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant.product(x, self.weight, self.bias)  # a row at a time in the mode
+        return F.linear(x, self.weight, self.bias)
 
 
 class DeepseekV3Attention(nn.Module):
@@ -298,7 +297,7 @@ class DeepseekV3Attention(nn.Module):
         # [local heads * (nope + v), rank] -> [local heads, nope + v, rank]
         w = self.kv_b_proj.weight.view(self.num_heads, -1, cfg.kv_lora_rank)
         w_k, w_v = w.split((cfg.qk_nope_head_dim, cfg.v_head_dim), dim=1)
-        q_nope = invariant.per_row(lambda r: torch.einsum("thn,hnr->thr", r, w_k), q_nope)
+        q_nope = torch.einsum("thn,hnr->thr", q_nope, w_k)  # [T, h, kv_lora_rank]
         # the forward's tables (a CP share's for the queries), computed by its first layer
         cos, sin = forward_cos_sin(forward_batch, self.rope_key, positions, self.inv_freq,
                                    latent.dtype, None if cp is None else cp.share,
@@ -312,7 +311,7 @@ class DeepseekV3Attention(nn.Module):
         k = torch.cat((c, k_rot), dim=-1)
         out = cached_attention(self.layer_id, q, k, c, forward_batch, self.scaling,
                                queries=None if cp is None else cp.queries)
-        out = invariant.per_row(lambda r: torch.einsum("thr,hvr->thv", r, w_v), out)  # [T,h,v]
+        out = torch.einsum("thr,hvr->thv", out, w_v)  # [T, h, v]
         return self.o_proj(out.flatten(1))  # [T, H*Dv] -> [T, hidden] partial over attn_tp
 
 
@@ -382,7 +381,7 @@ class DeepseekV3MoE(nn.Module):
         over the TP group when the boundary owns the sum, a handoff under
         ``defer_moe_finalize``, otherwise the complete output. Sharded shared experts ride
         on the routed experts' reduction (one sum for both)."""
-        topk_weights, topk_ids = invariant.per_row(self.gate, x)  # batch-invariant: a row a call
+        topk_weights, topk_ids = self.gate(x)
         if self.fp8_group is not None:
             x = fake_quantize(x, self.fp8_group)
         shared = self.shared_experts(x)

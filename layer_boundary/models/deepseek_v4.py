@@ -45,7 +45,6 @@ from .. import declare_attn, declare_ffn
 from ..residual.mhc import MHC_UPDATE, HyperConnection, HyperHead, MhcFinalNorm, mhc_stage
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import MLP_ROUTER, Rename, StackExperts
-from ..runtime.invariant import per_row, rowwise
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear, expect_shape
 from ..runtime.norm import RMSNorm, unweighted_rms
 from .base import CausalLM
@@ -135,8 +134,7 @@ class DeepseekV4Attention(nn.Module):
         out = rope_tail(out, cos, -sin)
         out = out.reshape(tokens, self.groups, -1)  # [T, G, heads/G * head_dim]
         w = self.o_a_proj.weight.view(self.groups, cfg.o_lora_rank, -1)  # [G, o_lora, in]
-        # batch-invariant: the grouped product a row a call (its blocking follows T)
-        out = per_row(lambda r: torch.einsum("tgi,goi->tgo", r, w), out).flatten(1)  # [T, G*o]
+        out = torch.einsum("tgi,goi->tgo", out, w).flatten(1)  # [T, G * o_lora]
         return self.o_b_proj(out)  # [T, hidden], partial over attn_tp
 
 
@@ -154,7 +152,7 @@ class DeepseekV4MLP(DeepseekV3MLP):
     def forward(self, x):
         gate = self.gate_proj(x).clamp(max=self.limit)
         up = self.up_proj(x).clamp(-self.limit, self.limit)
-        return self.down_proj(rowwise(F.silu, gate) * up)  # batch-invariant: as GatedMLP
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DeepseekV4Router(nn.Module):
@@ -179,8 +177,7 @@ class DeepseekV4Router(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None):
         """x: [T, H], token_ids: [T] (hash layers) -> (weights [T, k] fp32, ids [T, k])."""
-        # batch-invariant: the product and the scoring a row a call (runtime.invariant.per_row)
-        scores = per_row(lambda rows: self.score(F.linear(rows.float(), self.weight)), x)
+        scores = self.score(F.linear(x.float(), self.weight))  # [T, E]
         if self.hashed:
             topk_ids = self.tid2eid[token_ids]
         else:

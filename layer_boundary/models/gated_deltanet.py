@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear
-from ..runtime.invariant import BATCH_INVARIANT, rowwise
+from ..runtime.invariant import BATCH_INVARIANT
 from ..runtime.norm import rms_fp32
 from .attention import slot_index
 from .mamba2 import (DepthwiseConv, ShardedLinear, _param, conv_decode, conv_per_request,
@@ -119,7 +119,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = self.weight * rms_fp32(x.float(), self.eps).to(dtype)
-        return (h * rowwise(F.silu, z.float())).to(dtype)  # batch-invariant: a row a call
+        return (h * F.silu(z.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -198,11 +198,10 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(hidden_states)
         state = forward_batch.kv_cache
         conv_state, recurrent = state.conv[self.index], state.ssm[self.index]
-        # batch-invariant: the sigmoid and the softplus a row a call ([T, Hv]: off the step)
-        beta = rowwise(torch.sigmoid, b)
+        beta = torch.sigmoid(b)
         # [T, Hv], <= 0
-        g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias)
-        # batch-invariant: each request its own conv, exp and state update (as Mamba2's)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        # batch-invariant: each request its own conv and state update (as Mamba2's)
         if decode_step(forward_batch) and not BATCH_INVARIANT.on:
             out = self._decode(qkv, g, beta, conv_state, recurrent, forward_batch)
         else:

@@ -31,7 +31,6 @@ from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.fused import load_per_head, use_loader
 from ..runtime.hf_names import Rename
-from ..runtime.invariant import rowwise
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import LayerNorm
 from .base import CausalLM
@@ -129,8 +128,7 @@ class GPTNeoXMLP(nn.Module):
         self.approximate = cfg.approximate
 
     def forward(self, x):
-        # batch-invariant: the activation a row a call (runtime.invariant.rowwise)
-        h = rowwise(F.gelu, self.dense_h_to_4h(x), approximate=self.approximate)
+        h = F.gelu(self.dense_h_to_4h(x), approximate=self.approximate)
         return self.dense_4h_to_h(h)
 
 

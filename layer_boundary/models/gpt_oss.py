@@ -27,7 +27,6 @@ from torch import nn
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import NotLinear
-from ..runtime.invariant import per_row
 from ..runtime.norm import Fp32ScaleRMSNorm
 from .config import (BOOL, DECODER, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
                      SLIDING_FIELDS, CheckedConfig, CheckpointError, check_divisible,
@@ -201,9 +200,7 @@ class GptOssMoE(nn.Module):
                                 dispatch=runtime.dispatches_moe)
 
     def forward(self, x):
-        # batch-invariant: the router a row a call (runtime.invariant.per_row): a decode
-        # batch's product is a GEMM where a lone request's one row is a matrix-vector product
-        weights, ids = per_row(self.router, x)
+        weights, ids = self.router(x)
         return self.experts(x, ids, weights)
 
 

@@ -29,7 +29,6 @@ from .. import declare_attn, declare_ffn
 from ..residual.scaled import scaled_update
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import NotLinear, Rename
-from ..runtime.invariant import per_row
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take
 from .config import CheckpointError, integer
@@ -118,7 +117,7 @@ class GraniteMoeBlock(nn.Module):
                                          dispatch=runtime.dispatches_moe)
 
     def forward(self, x):
-        weights, ids = per_row(self.router, x)  # batch-invariant: the router a row a call
+        weights, ids = self.router(x)
         return self.experts(x, ids, weights)
 
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.args import BoundaryRuntime
-from ..runtime.invariant import per_row
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take
 from .layers import GatedMLP
@@ -140,11 +139,6 @@ class InklingMoE(nn.Module):
             cfg, UNSHARDED if dispatch else runtime.parallel.tp_group, dtype)
 
     def forward(self, x: torch.Tensor):
-        def route(rows):  # the router, then the shared experts its gammas weight
-            weights, ids, gammas = self.gate(rows)
-            return weights, ids, self.shared_experts(rows, gammas)
-
-        # batch-invariant: a row a call (runtime.invariant.per_row): the router's product
-        # and sigmoid, and the shared experts' bmm, whose blocking follows the rows
-        weights, ids, shared = per_row(route, x)
+        weights, ids, gammas = self.gate(x)
+        shared = self.shared_experts(x, gammas)  # the shared experts the router's gammas weight
         return self.experts(x, ids, weights.to(x.dtype), shared_output=shared)

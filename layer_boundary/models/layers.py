@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import PostNormAdd, append_stages, cp_view, declare_attn, declare_ffn
-from ..runtime import invariant
 from ..runtime.args import BoundaryRuntime
 from ..runtime.context import sequence_parallel_scope
 from ..runtime.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -184,8 +183,7 @@ class GatedMLP(nn.Module):
                                            name="down_proj")
 
     def forward(self, x):
-        # batch-invariant: the activation a row at a time (runtime.invariant.rowwise)
-        return self.down_proj(invariant.rowwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

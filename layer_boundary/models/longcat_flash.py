@@ -45,7 +45,6 @@ from .. import (append_stages, branch_input, branch_output, declare_attn, declar
                 merge_branch)
 from ..runtime import BoundaryRuntime, RMSNorm
 from ..runtime.hf_names import StackExperts
-from ..runtime.invariant import per_row
 from .base import CausalLM
 from .deepseek_v3 import (DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_kv_cache,
                           mla_rope)
@@ -243,7 +242,7 @@ class LongcatFlashMoE(nn.Module):
     def forward(self, x: torch.Tensor):
         """x: [T, H] (every DP rank's rows): a partial over TP, a finalize handoff or the
         complete output, as the exit's flags ask (identity experts included once)."""
-        topk_weights, topk_ids = per_row(self.router, x)  # batch-invariant: a row a call
+        topk_weights, topk_ids = self.router(x)
         return self.experts(x, topk_ids, topk_weights)
 
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import RowParallelLinear, all_reduce_rows
-from ..runtime import invariant
 from ..runtime.invariant import BATCH_INVARIANT
 from ..runtime.linear import expect_shape
 from ..runtime.ledger import statistics_site
@@ -69,9 +68,7 @@ class ShardedLinear(nn.Module):
         self.bias = _param((out,), dtype, ranges, full) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # batch-invariant: each row's one-row product, whatever the batch (runtime.invariant)
-        product = invariant.linear if BATCH_INVARIANT.on else F.linear
-        return product(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class DepthwiseConv(nn.Module):
@@ -107,8 +104,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = y.dtype
-        # batch-invariant: silu a row a call, its bits not following the row's place
-        h = y.float() * invariant.rowwise(F.silu, gate.float())  # [T, C]
+        h = y.float() * F.silu(gate.float())  # [T, C]
         if self.ranks_per_group == 1:  # whole groups here: as transformers
             # [T, C] -> [T, local groups, group_size] (no -1: T may be 0)
             grouped = h.view(h.shape[0], h.shape[1] // self.group_size, self.group_size)
@@ -119,7 +115,7 @@ class GatedRMSNorm(nn.Module):
             sums[:, self.first_group] = h.pow(2).sum(-1)
             sums = all_reduce_rows(sums, self.group, site=statistics_site())  # not an output's
             variance = sums[:, self.first_group:self.first_group + 1] / self.group_size
-            h = h * invariant.rowwise(torch.rsqrt, variance + self.eps)  # [T, 1]: as silu
+            h = h * torch.rsqrt(variance + self.eps)  # [T, 1]
         return self.weight * h.to(dtype)
 
 
@@ -292,10 +288,9 @@ class Mamba2Mixer(nn.Module):
         state: MambaState = forward_batch.kv_cache
         conv_state, ssm_state = state.conv[self.index], state.ssm[self.index]
         A = -torch.exp(self.A_log.float())
-        # batch-invariant: softplus (an exp and a log) a row a call, as silu above
-        dt = invariant.rowwise(F.softplus, dt + self.dt_bias.to(dt.dtype))  # [T, h_local]
-        # batch-invariant: each request its own conv and state update (the batched decode
-        # step's conv, exp and matmul run over all requests' rows at once)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))  # [T, h_local]
+        # batch-invariant: each request its own conv and state update, an algorithm of its own
+        # (the batched decode step convolves and updates every request's state in one call)
         if decode_step(forward_batch) and not BATCH_INVARIANT.on:
             y = self._decode(xbc, dt, A, conv_state, ssm_state, forward_batch)
         else:

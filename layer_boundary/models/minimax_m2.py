@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.args import BoundaryRuntime
-from ..runtime.invariant import per_row
 from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, STRING,
                      CheckpointError, check_unquantized_silu, require)
 from .layers import GqaAttention
@@ -135,8 +134,7 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
                                 runtime.parallel, dtype, dispatch=runtime.dispatches_moe)
 
     def forward(self, x):
-        # batch-invariant: the router a row a call (runtime.invariant.per_row)
-        weights, ids = per_row(self.gate, x, self.e_score_correction_bias)
+        weights, ids = self.gate(x, self.e_score_correction_bias)
         return self.experts(x, ids, weights)  # reduced, partial, or a finalize handoff
 
 

@@ -24,8 +24,6 @@ from torch import nn
 
 from .. import HandoffOutput
 from ..runtime import Parallel, all_reduce_rows, all_to_all_rows, exchange_counts, get_forward
-from ..runtime.invariant import BATCH_INVARIANT, rowwise
-from ..runtime.invariant import linear as invariant_linear
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take, take_columns
 from ..runtime.parallel import Group
@@ -306,23 +304,18 @@ class FusedMoE(nn.Module):
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Local expert ``e`` on rows x: [n, H] -> [n, H] (this rank's moe_tp partial)."""
         bias = None if self.w13_bias is None else self.w13_bias[e]
-        # batch-invariant: each token's product is a one-row product, however many tokens
-        # this expert got (runtime.invariant)
-        product = invariant_linear if BATCH_INVARIANT.on else F.linear
-        h = product(x, self.w13[e], bias)  # [n, 2 * shard] gated, [n, shard] ungated
+        h = F.linear(x, self.w13[e], bias)  # [n, 2 * shard] gated, [n, shard] ungated
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             if self.limit is not None:
                 gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-            # batch-invariant: the activation a row a call (runtime.invariant.rowwise): its
-            # exp's last bit follows the row's place in the flat loop over the expert's rows
             if self.alpha is not None:  # GPT-OSS's clamped SwiGLU
-                h = (up + 1) * (gate * rowwise(torch.sigmoid, gate * self.alpha))
+                h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
             else:
-                h = rowwise(self.act, gate) * up
+                h = self.act(gate) * up
         else:
-            h = rowwise(self.act, h)
-        return product(h, self.w2[e], self.w2_bias[e] if self.adds_down_bias else None)
+            h = self.act(h)
+        return F.linear(h, self.w2[e], self.w2_bias[e] if self.adds_down_bias else None)
 
     def _dense_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """[T, k, H] expert outputs without data-dependent shapes (what a compiled graph can

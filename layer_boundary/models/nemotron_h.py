@@ -29,7 +29,6 @@ from .. import ProducerReduction, append_stages, declare_attn, declare_ffn
 from ..runtime import (BoundaryRuntime, ColumnParallelLinear, RMSNorm,
                        RowParallelLinear)
 from ..runtime.hf_names import NotLinear, Rename, StackExperts
-from ..runtime.invariant import per_row
 from .base import CausalLM
 from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
                      check_grouped_router, integer, number, require)
@@ -262,9 +261,7 @@ class NemotronHMoE(nn.Module):
     def forward(self, x, forward_batch=None):
         """x: [T, H] (every DP rank's rows): a partial over TP, a finalize handoff or the
         complete output, as the exit's flags ask; the shared expert shares the one sum."""
-        # batch-invariant: the router (a small product, sigmoid over [T, E] as one flat loop,
-        # top-k) a row a call (runtime.invariant.per_row)
-        topk_weights, topk_ids = per_row(self.gate, x)
+        topk_weights, topk_ids = self.gate(x)
         shared = self.shared_experts(x)
         return self.experts(x, topk_ids, topk_weights, shared_output=shared)
 

@@ -11,7 +11,6 @@ from torch import nn
 from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
-from ..runtime.invariant import per_row
 from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, integer, quantized_read, require
 from .registry import NO_QKV_LATENT, register_model
 from ..runtime.quant import fake_quantize
@@ -92,7 +91,7 @@ class Qwen3MoeSparseBlock(nn.Module):
                                 runtime.parallel, dtype, dispatch=runtime.dispatches_moe)
 
     def forward(self, x):
-        weights, ids = per_row(self.gate, x)  # batch-invariant: the router a row a call
+        weights, ids = self.gate(x)
         if self.fp8_group is not None:
             x = fake_quantize(x, self.fp8_group)
         return self.experts(x, ids, weights)  # reduced, partial, or a finalize handoff

@@ -34,7 +34,6 @@ from .. import ProducerReduction, declare_attn, declare_ffn
 from ..runtime import GemmaRMSNorm, QKVParallelLinear, RowParallelLinear
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
-from ..runtime.invariant import per_row
 from .base import CausalLM
 from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
                      CheckpointError, check_unquantized_silu, integer, number, require, theta_of)
@@ -287,9 +286,8 @@ class Qwen3NextSparseMoe(nn.Module):
         """x: [T, H]: a partial over TP, a finalize handoff or the complete output, as the
         exit's flags ask; the gated shared expert (a partial, since the gate is per row)
         shares the one sum."""
-        weights, ids = per_row(self.gate, x)  # batch-invariant: the router a row a call
-        # batch-invariant: the gate's product and sigmoid a row a call, as the router's
-        gate = per_row(lambda r: torch.sigmoid(self.shared_expert_gate(r)), x)
+        weights, ids = self.gate(x)
+        gate = torch.sigmoid(self.shared_expert_gate(x))
         shared = gate * self.shared_expert(x)
         return self.experts(x, ids, weights, shared_output=shared)
 

@@ -76,9 +76,10 @@ def register_model(model_type: str, config_class: type, *, architectures: tuple 
             ``declare_ffn(dispatches=)``, shared experts replicated), or why not
             (``--moe-a2a-backend``).
         batch_invariant: True where, in the batch-invariant mode (``runtime.invariant``), a
-            request's logits are the same bits alone as in any batch (every op of its own
-            whose kernel follows the batch runs a row, or a request, a call: ``rowwise``,
-            ``per_row``, ``product``), or why it cannot (``--batch-invariant`` is refused).
+            request's logits are the same bits alone as in any batch (the mode runs the ops
+            whose kernels follow the batch a row at a time, whoever calls them; a model's own
+            algorithm that follows the batch switches on ``BATCH_INVARIANT.on``), or why it
+            cannot (``--batch-invariant`` is refused).
     """
     _check_capabilities(model_type, capabilities)
 

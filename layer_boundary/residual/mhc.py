@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.invariant import per_row
 from ..runtime.norm import unweighted_rms
 
 NEEDS_COEFFICIENTS = ("the MHC update needs the post/comb coefficients its stage's read left "
@@ -53,11 +52,7 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.empty(3), requires_grad=False)
 
     def coefficients(self, streams: torch.Tensor):
-        """streams [T, N, D] -> pre [T, N], post [T, N], comb [T, N, N], all fp32 (a row a
-        call in the batch-invariant mode: its product and sigmoids follow the rows)."""
-        return per_row(self._coefficients, streams)
-
-    def _coefficients(self, streams: torch.Tensor):
+        """streams [T, N, D] -> pre [T, N], post [T, N], comb [T, N, N], all fp32."""
         n = self.hc_mult
         flat = unweighted_rms(streams.flatten(1).float(), self.norm_eps)  # [T, N * D]
         mixes = F.linear(flat, self.fn.float())  # [T, (2 + N) * N]
@@ -94,7 +89,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [T, N, D] -> [T, D]."""
-        return collapse(streams, per_row(self._pre, streams))  # batch-invariant: a row a call
+        return collapse(streams, self._pre(streams))
 
     def _pre(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms(streams.flatten(1).float(), self.norm_eps)

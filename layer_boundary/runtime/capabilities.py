@@ -156,6 +156,36 @@ del F
 
 
 @dataclass(frozen=True)
+class GraphRule:
+    """A feature under which a run's forwards cannot be one static batch shape per token
+    bucket, so its decode steps run eagerly rather than from CUDA graphs (not a refusal: the
+    run goes on, and its report says ``why``)."""
+
+    feature: Feature
+    why: str
+
+
+F = Feature
+GRAPH_RULES: tuple[GraphRule, ...] = (
+    GraphRule(F.SPECULATIVE, "speculative verification builds its own batches"),
+    GraphRule(F.TBO, "two-batch overlap splits each forward by its requests"),
+    GraphRule(F.PIPELINE, "a pipeline stage's input arrives between forwards"),
+    GraphRule(F.CP, "a CP batch splits by its requests' lengths"),
+    GraphRule(F.LORA, "LoRA adapters pick each token's adapter per batch"),
+    GraphRule(F.MOE_A2A, "the all-to-all MoE sizes its dispatch on the host"),
+    GraphRule(F.BATCH_INVARIANT, "batch-invariant attention runs a request a call, which a "
+                                 "padded step does not"),
+)
+del F
+
+
+def graph_blocker(features) -> str | None:
+    """Why a run with ``features`` on runs its decode steps eagerly rather than from CUDA
+    graphs (the first of ``GRAPH_RULES`` that applies), or None."""
+    return next((rule.why for rule in GRAPH_RULES if rule.feature in features), None)
+
+
+@dataclass(frozen=True)
 class Setup:
     """The facts a verdict reads: what is on and, where known, the model and the layout.
 
@@ -434,6 +464,7 @@ def check_model(model_cls, config, runtime, features=()) -> None:
                 runtime.boundary_reduction))
 
 
-__all__ = ["CapabilityError", "Feature", "LAYOUT_RULES", "MODEL_RULES", "PAIRS", "PairRule",
-           "Rule", "Setup", "check", "check_invariant", "check_model", "check_runtime",
-           "mode_features", "pair_rule", "refusals", "runtime_features"]
+__all__ = ["CapabilityError", "Feature", "GRAPH_RULES", "GraphRule", "LAYOUT_RULES",
+           "MODEL_RULES", "PAIRS", "PairRule", "Rule", "Setup", "check", "check_invariant",
+           "check_model", "check_runtime", "graph_blocker", "mode_features", "pair_rule",
+           "refusals", "runtime_features"]

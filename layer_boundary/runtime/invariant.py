@@ -3,31 +3,30 @@ batch, at a given layout (``run --batch-invariant``).
 
 A batch changes a request's bits wherever a result depends on how many rows run together: a
 matrix product whose kernel (a matrix-vector product for one row, blocked GEMM for several, a
-packed copy) and reduction order follow the row count; attention that runs a batch's
-requests as one call, their shapes its blocking; a sum over ranks whose order follows the
-tensor's size (gloo's ring all-reduce chunks by bytes). In this mode:
+packed copy) and reduction order follow the row count; an elementwise function whose CPU
+kernel runs a contiguous tensor as one flat loop, vectorized but for a scalar tail whose
+``exp`` (``silu``'s) rounds otherwise, so an element's last bit follows where its row sits in
+the batch; attention that runs a batch's requests as one call; a sum over ranks whose order
+follows the tensor's size (gloo's ring all-reduce chunks by bytes).
 
-- every linear layer of the runtime, and the MoE's experts, compute row by row on the plain
-  weight (``linear``): each row's product is the one-row product whatever the batch;
-- attention runs one request a call (``models.attention``);
-- an elementwise activation passed through ``rowwise`` runs one row a call: torch's CPU
-  kernels run an elementwise op over a contiguous tensor as one flat loop, vectorized
-  but for a scalar tail whose ``exp`` (``silu``'s) rounds otherwise, so which path an element
-  takes, and its last bit, follows where its row sits in the batch whenever the row width is
-  not a multiple of the loop's step (an intermediate shard of 48 on AVX-512, say);
-- a model's own row-independent blocks whose kernels still see the whole batch (a router's
-  small product, sigmoid and top-k; a Mamba2 decode step's batched conv and state update) run
-  one row, or one request, a call (``per_row``; ``models.mamba2``);
+The mode is scoped and works at the level of the ops, as vLLM's and SGLang's do, so model code
+stays plain: inside ``batch_invariant()`` a ``TorchDispatchMode`` runs each op of
+``INVARIANT_OPS`` (the matrix products, the transcendental elementwise functions, the
+last-dimension reductions, softmax and top-k) one row at a time, whoever calls it: each row's
+result is the one-row result whatever rows run beside it. Besides the ops:
+
+- attention runs one request a call (``models.attention``), and a Mamba2 or Gated DeltaNet
+  decode step updates each request's state alone: true algorithm switches, which read
+  ``BATCH_INVARIANT.on``;
 - every synchronous sum over ranks is gathered and added here in group rank order, whatever
   its size (``collectives``), and reduce-scatters exchange their blocks and add them the same
   way: on each element the same additions in the same order, on every layout's row mode;
-- the run's policy is fixed (``auto`` is resolved once, never per batch) and two-batch
-  overlap, whose split and asynchronous sums follow the batch, is refused.
+- the run's policy is fixed (``auto`` is resolved once, never per batch); what does not
+  combine with the mode (two-batch overlap, a compiled graph, speculative verification) is
+  refused by the combination table (``capabilities``, ``Feature.BATCH_INVARIANT``).
 
-Row-by-row products cost what one-row products cost, a call a row: see docs/benchmarks.md.
-A model's own compute beyond these is its own to keep per request or per row (Mamba2 scans
-and convolves each request alone in the mode); ``run --batch-invariant`` checks the whole
-model and says where it fails.
+Row-by-row ops cost what one-row ops cost, a call a row: see docs/benchmarks.md. ``run
+--batch-invariant`` checks the whole model and says where it fails.
 """
 
 from __future__ import annotations
@@ -36,8 +35,11 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import flag
+
+aten = torch.ops.aten
 
 
 class _Mode:
@@ -56,7 +58,8 @@ def batch_invariant(on: bool = True):
     Args:
         on: True or False (a string such as ``"no"`` is refused here, where it was truthy).
 
-    A model built in the mode is checked against it (its ``register_model`` declaration
+    Inside it the ops of ``INVARIANT_OPS`` run a row at a time, whoever calls them. A model
+    built in the mode is checked against it (its ``register_model`` declaration
     ``batch_invariant``, an adapter, a compiled forward: ``capabilities.check_model``), and
     so is each forward and generation run in it (``capabilities.check_invariant``).
     """
@@ -68,49 +71,124 @@ def _mode(on: bool):
     previous = BATCH_INVARIANT.on
     BATCH_INVARIANT.on = on
     try:
-        yield
+        # the ops are intercepted only where the mode is on; a nested ``batch_invariant(False)``
+        # leaves an outer interceptor in place, which then passes every op through
+        with _RowByRow() if on and not previous else contextlib.nullcontext():
+            yield
     finally:
         BATCH_INVARIANT.on = previous
 
 
+def _one_row_each(call, rows: torch.Tensor, *rest, **kwargs):
+    """``call(row, *rest, **kwargs)`` for each row of ``rows`` (first dimension), joined."""
+    outs = [call(rows[i:i + 1], *rest, **kwargs) for i in range(rows.shape[0])]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)
+    return tuple(torch.cat(parts) for parts in zip(*outs))
+
+
+def _mm(func, a, b, *args, **kwargs):
+    # [M, K] @ [K, N]: each of the M rows its own matrix-vector product
+    return _one_row_each(func, a, b, *args, **kwargs)
+
+
+def _addmm(func, bias, a, b, *args, **kwargs):
+    if bias.dim() < 2 or bias.shape[0] == 1:
+        return torch.cat([func(bias, a[i:i + 1], b, *args, **kwargs)
+                          for i in range(a.shape[0])])
+    return torch.cat([func(bias[i:i + 1], a[i:i + 1], b, *args, **kwargs)
+                      for i in range(a.shape[0])])
+
+
+def _bmm(func, a, b, *args, **kwargs):
+    # [B, M, K] @ [B, K, N]: each (batch, row) pair alone; either dimension may be the tokens
+    # (an einsum puts heads or tokens first as it likes)
+    return torch.stack([torch.cat([func(a[j:j + 1, i:i + 1], b[j:j + 1], *args, **kwargs)
+                                   for i in range(a.shape[1])], dim=1)[0]
+                        for j in range(a.shape[0])])
+
+
+def _dims(x: torch.Tensor, dim) -> set:
+    return {d % x.dim() for d in ([dim] if isinstance(dim, int) else list(dim or ()))}
+
+
+def _last_dim(x: torch.Tensor, dim) -> bool:
+    return _dims(x, dim) == {x.dim() - 1}
+
+
+def _elementwise(func, x, *args, **kwargs):
+    rows = x.reshape(-1, x.shape[-1])  # each row of the last dimension alone
+    return _one_row_each(func, rows, *args, **kwargs).view(x.shape)
+
+
+def _reduction(func, x, dim, keepdim=False, *args, **kwargs):
+    if _last_dim(x, dim):  # each row of the last dimension alone
+        rows = x.reshape(-1, x.shape[-1])
+        out = _one_row_each(func, rows, [-1], True, *args, **kwargs)  # [R, 1]
+        return out.view(*x.shape[:-1], *((1,) if keepdim else ()))
+    if x.dim() >= 2 and 0 not in _dims(x, dim):  # each token (first dimension) alone
+        return _one_row_each(func, x, dim, keepdim, *args, **kwargs)
+    return func(x, dim, keepdim, *args, **kwargs)  # over the tokens themselves: whole
+
+
+def _softmax(func, x, dim, *args):
+    if not _last_dim(x, dim):
+        return func(x, dim, *args)
+    return _one_row_each(func, x.reshape(-1, x.shape[-1]), -1, *args).view(x.shape)
+
+
+def _topk(func, x, k, dim=-1, *args):
+    if not _last_dim(x, dim):
+        return func(x, k, dim, *args)
+    values, ids = _one_row_each(func, x.reshape(-1, x.shape[-1]), k, -1, *args)
+    shape = (*x.shape[:-1], values.shape[-1])
+    return values.view(shape), ids.view(shape)
+
+
+# What the mode runs a row at a time: each op whose result for a row depends on the rows beside
+# it on some backend (its kernel, blocking or vector path chosen by the whole tensor), each with
+# how its rows are taken. Every other op passes through: elementwise arithmetic IEEE rounds the
+# same on any path, and a gather, copy or view moves bits unchanged.
+INVARIANT_OPS = {
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.bmm.default: _bmm,
+    **{op: _elementwise for op in (
+        aten.silu.default, aten.sigmoid.default, aten.softplus.default, aten.gelu.default,
+        aten.tanh.default, aten.exp.default, aten.expm1.default, aten.log.default,
+        aten.log1p.default, aten.rsqrt.default, aten.erf.default)},
+    aten.mean.dim: _reduction,
+    aten.sum.dim_IntList: _reduction,
+    aten._softmax.default: _softmax,
+    aten._log_softmax.default: _softmax,
+    aten.topk.default: _topk,
+}
+
+
+def _rows(func, args) -> int:
+    """How many rows ``func``'s operand has (one or none: nothing to split)."""
+    x = args[1] if func is aten.addmm.default else args[0]
+    if func is aten.bmm.default:
+        return x.shape[0] * x.shape[1]
+    return x.numel() // x.shape[-1] if x.dim() >= 2 and x.shape[-1] else 0
+
+
+class _RowByRow(TorchDispatchMode):
+    """Runs the ops of ``INVARIANT_OPS`` a row at a time while ``BATCH_INVARIANT.on``."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        split = INVARIANT_OPS.get(func)
+        if split is None or not BATCH_INVARIANT.on or _rows(func, args) <= 1:
+            return func(*args, **kwargs)
+        return split(func, *args, **kwargs)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``F.linear(x, weight, bias)`` computed one row at a time: the same bits for a row
-    whatever rows run beside it."""
+    whatever rows run beside it (what the mode does to every product; here outside it too)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= 1:
         return F.linear(x, weight, bias)
     out = torch.cat([F.linear(rows[i:i + 1], weight, bias) for i in range(rows.shape[0])])
     return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear``, or ``linear`` (a row at a time) while the mode is on: for a model's own
-    plain products (a replicated projection) that no parallel linear computes."""
-    return (linear if BATCH_INVARIANT.on else F.linear)(x, weight, bias)
-
-
-def rowwise(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """``fn(x, *args, **kwargs)`` for an elementwise ``fn`` (an activation such as ``F.silu``),
-    computed one row (last dimension) at a time while the mode is on: each row's elements take
-    the kernel's vectorized and scalar paths as that row alone does, whatever rows run beside
-    it. Off the mode, one call."""
-    if not BATCH_INVARIANT.on or x.dim() < 2:
-        return fn(x, *args, **kwargs)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= 1:  # one row, or none (an attention-DP rank without requests)
-        return fn(x, *args, **kwargs)
-    out = torch.cat([fn(rows[i:i + 1], *args, **kwargs) for i in range(rows.shape[0])])
-    return out.view(x.shape)
-
-
-def per_row(fn, x: torch.Tensor, *args, **kwargs):
-    """``fn(x, *args, **kwargs)`` for a ``fn`` whose rows (first dimension) are independent
-    (a router: [T, H] -> tensors of T rows), computed one row a call while the mode is on and
-    concatenated per output: each row takes the one-row kernels whatever the batch. Off the
-    mode, one call."""
-    if not BATCH_INVARIANT.on or x.shape[0] <= 1:
-        return fn(x, *args, **kwargs)
-    outs = [fn(x[i:i + 1], *args, **kwargs) for i in range(x.shape[0])]
-    if isinstance(outs[0], torch.Tensor):
-        return torch.cat(outs)
-    return tuple(torch.cat(parts) for parts in zip(*outs))

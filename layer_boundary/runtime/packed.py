@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import invariant
 from .invariant import BATCH_INVARIANT
 
 ROWS_HINT = 16  # the row count oneDNN lays the weight out for; any row count runs on it
@@ -164,8 +163,8 @@ def linear(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     weight = module.weight
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
-    if BATCH_INVARIANT.on:  # each row's one-row product, whatever the batch
-        return invariant.linear(x, weight, bias)
+    if BATCH_INVARIANT.on:  # the plain product, which the mode runs a row at a time
+        return F.linear(x, weight, bias)
     packed = module.packed
     if (packed is None or x.dtype != weight.dtype or x.requires_grad
             or packed.data_ptr != weight.data_ptr() or packed.version != weight._version):

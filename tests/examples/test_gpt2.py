@@ -15,6 +15,7 @@ import gpt2
 from layer_boundary.models.config import CheckpointError
 from layer_boundary.models.loader import iter_weights
 from layer_boundary.runtime.args import BoundaryRuntime
+from layer_boundary.runtime.invariant import batch_invariant
 from layer_boundary.runtime.parallel import ParallelDims, build_parallel
 
 TINY = gpt2.TINY
@@ -178,6 +179,41 @@ def test_tp2_matches_world1(gpt2_dir, dp, policy, mode):
             diff = (a - b).abs().max().item()
             assert diff <= 1e-5, f"request {j} step {step}: max abs diff {diff}"
         assert generated == ref["generated"][j]
+
+
+def _invariant_run(path: str, prompts, tp: int = 1, on: bool = True) -> dict:
+    with batch_invariant(on):
+        return gpt2.run_rank(path, prompts, STEPS, tp=tp)
+
+
+def _alone_and_batched(path: str, tp: int, on: bool = True) -> list[str]:
+    """Where each prompt's logits run alone differ in any bit from the same prompt's in the
+    batch (rank 0's view: every rank holds every request at dp 1)."""
+    if tp == 1:
+        batched = _invariant_run(path, PROMPTS, on=on)
+        alone = [_invariant_run(path, (p,), on=on) for p in PROMPTS]
+    else:
+        batched = get_pool(tp).run(_invariant_run, path, PROMPTS, tp, on)[0]
+        alone = [get_pool(tp).run(_invariant_run, path, (p,), tp, on)[0] for p in PROMPTS]
+    return [f"prompt {j} step {step}" for j, run in enumerate(alone)
+            for step, (a, b) in enumerate(zip(run["logits"][0], batched["logits"][j]))
+            if not torch.equal(a, b)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_example_is_batch_invariant_in_the_mode_unchanged(gpt2_dir, tp):
+    """An outside model with no word of the mode in it: inside ``batch_invariant()`` the
+    ops run a row at a time and its attention a request a call, so each prompt's logits are
+    the same bits alone as in the batch, at world 1 and over two gloo ranks."""
+    assert _alone_and_batched(str(gpt2_dir), tp) == []
+
+
+def test_the_example_off_the_mode_is_not(tmp_path):
+    # the check means something: at an MLP width off the CPU loop's vector step (40) the
+    # batch changes some prompt's last bits when the mode is off
+    path = str(hf_gpt2(tmp_path / "gpt2", n_inner=40))
+    assert _alone_and_batched(path, 1, on=False)
+    assert _alone_and_batched(path, 1) == []
 
 
 @pytest.mark.timeout(120)
