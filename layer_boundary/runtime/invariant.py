@@ -32,6 +32,7 @@ Row-by-row ops cost what one-row ops cost, a call a row: see docs/benchmarks.md.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +82,7 @@ def _mode(on: bool):
 
 def _one_row_each(call, rows: torch.Tensor, *rest, **kwargs):
     """``call(row, *rest, **kwargs)`` for each row of ``rows`` (first dimension), joined."""
-    outs = [call(rows[i:i + 1], *rest, **kwargs) for i in range(rows.shape[0])]
+    outs = [call(row, *rest, **kwargs) for row in rows.split(1)]
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs)
     return tuple(torch.cat(parts) for parts in zip(*outs))
@@ -121,7 +122,15 @@ def _elementwise(func, x, *args, **kwargs):
     return _one_row_each(func, rows, *args, **kwargs).view(x.shape)
 
 
+# torch's CPU reductions sum each output on one thread, in an order set by the reduced size
+# alone, until one output's sum reaches at::internal::GRAIN_SIZE elements: then a lone row's
+# sum is split over threads where a batch's rows are not
+_CPU_SERIAL_SUM = 32768
+
+
 def _reduction(func, x, dim, keepdim=False, *args, **kwargs):
+    if x.device.type == "cpu" and math.prod(x.shape[d] for d in _dims(x, dim)) < _CPU_SERIAL_SUM:
+        return func(x, dim, keepdim, *args, **kwargs)  # each output's own serial sum
     if _last_dim(x, dim):  # each row of the last dimension alone
         rows = x.reshape(-1, x.shape[-1])
         out = _one_row_each(func, rows, [-1], True, *args, **kwargs)  # [R, 1]
@@ -147,8 +156,8 @@ def _topk(func, x, k, dim=-1, *args):
 
 # What the mode runs a row at a time: each op whose result for a row depends on the rows beside
 # it on some backend (its kernel, blocking or vector path chosen by the whole tensor), each with
-# how its rows are taken. Every other op passes through: elementwise arithmetic IEEE rounds the
-# same on any path, and a gather, copy or view moves bits unchanged.
+# how its rows are taken. Every other op passes through: elementwise arithmetic (rsqrt and
+# sqrt too) IEEE rounds the same on any path, and a gather, copy or view moves bits unchanged.
 INVARIANT_OPS = {
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
@@ -156,7 +165,7 @@ INVARIANT_OPS = {
     **{op: _elementwise for op in (
         aten.silu.default, aten.sigmoid.default, aten.softplus.default, aten.gelu.default,
         aten.tanh.default, aten.exp.default, aten.expm1.default, aten.log.default,
-        aten.log1p.default, aten.rsqrt.default, aten.erf.default)},
+        aten.log1p.default, aten.erf.default)},
     aten.mean.dim: _reduction,
     aten.sum.dim_IntList: _reduction,
     aten._softmax.default: _softmax,
