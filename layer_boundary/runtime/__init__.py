@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; imported on first us
     from .ledger import (LEDGER, HOOK, Ledger, LedgerEntry, Observer, observing, summarize,
                          wire_total)
     from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from .modes import MODES, RunModes
     from .norm import GemmaRMSNorm, RMSNorm
     from .packed import pack_linears
     from .launch import RankError, init_distributed, launched_by_torchrun, spawn
@@ -70,6 +71,8 @@ _EXPORTS = {
     'summarize': '.ledger',
     'wire_total': '.ledger',
     'ColumnParallelLinear': '.linear',
+    'MODES': '.modes',
+    'RunModes': '.modes',
     'QKVParallelLinear': '.linear',
     'RowParallelLinear': '.linear',
     'RMSNorm': '.norm',
@@ -112,6 +115,8 @@ __all__ = [
     # observing a forward
     "LEDGER", "Ledger", "LedgerEntry", "Observer", "HOOK", "observing", "summarize",
     "wire_total",
+    # the run-wide modes (batch invariance, the agreement check, the observer), one object
+    "MODES", "RunModes",
 ]
 
 

@@ -31,7 +31,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-ENV = "LAYER_BOUNDARY_CHECK_AGREEMENT"
+from .modes import AGREEMENT_ENV, MODES, scoped
+
+ENV = AGREEMENT_ENV
 UNCHECKED = ("send", "recv")  # point to point: the two ends differ by design
 
 
@@ -52,17 +54,18 @@ class DisagreementError(RuntimeError):
 
 class Agreement:
     """The decisions this rank noted in its current forward, and where each group last agreed
-    on them."""
+    on them; ``on``: the run-wide mode (``modes.MODES.check_agreement``)."""
 
-    __slots__ = ("on", "notes", "agreed", "_window")
+    __slots__ = ("notes", "agreed", "_window")
 
     def __init__(self) -> None:
-        # made at import: a value other than 0 or 1 is the command line's to refuse
-        # (``checking_agreement``), not an import error
-        self.on = os.environ.get(ENV, "") == "1"
         self.notes: list[tuple[str, str, str]] = []
         self.agreed: dict[str, int] = {}  # group key -> notes it has compared
         self._window: list = []  # what the last fingerprint covered
+
+    @property
+    def on(self) -> bool:
+        return MODES.check_agreement
 
     def begin(self, site: str, decision: str, value) -> None:
         """A forward starts: notes kept from before are dropped (every rank starts its forward
@@ -145,8 +148,5 @@ AGREEMENT = Agreement()
 @contextlib.contextmanager
 def checking(on: bool):
     """The agreement check on or off in the enclosed block (then as it was)."""
-    previous, AGREEMENT.on = AGREEMENT.on, on
-    try:
+    with scoped(check_agreement=on):
         yield
-    finally:
-        AGREEMENT.on = previous

@@ -39,15 +39,19 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import flag
+from .modes import MODES, scoped
 
 aten = torch.ops.aten
 
 
 class _Mode:
-    __slots__ = ("on",)
+    """``BATCH_INVARIANT.on``: the run-wide mode (``modes.MODES.batch_invariant``)."""
 
-    def __init__(self) -> None:
-        self.on = False
+    __slots__ = ()
+
+    @property
+    def on(self) -> bool:
+        return MODES.batch_invariant
 
 
 BATCH_INVARIANT = _Mode()
@@ -69,15 +73,12 @@ def batch_invariant(on: bool = True):
 
 @contextlib.contextmanager
 def _mode(on: bool):
-    previous = BATCH_INVARIANT.on
-    BATCH_INVARIANT.on = on
-    try:
-        # the ops are intercepted only where the mode is on; a nested ``batch_invariant(False)``
-        # leaves an outer interceptor in place, which then passes every op through
-        with _RowByRow() if on and not previous else contextlib.nullcontext():
-            yield
-    finally:
-        BATCH_INVARIANT.on = previous
+    previous = MODES.batch_invariant
+    # the ops are intercepted only where the mode is on; a nested ``batch_invariant(False)``
+    # leaves an outer interceptor in place, which then passes every op through
+    with scoped(batch_invariant=on), _RowByRow() if on and not previous else (
+            contextlib.nullcontext()):
+        yield
 
 
 def _one_row_each(call, rows: torch.Tensor, *rest, **kwargs):
@@ -188,7 +189,7 @@ class _RowByRow(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         split = INVARIANT_OPS.get(func)
-        if split is None or not BATCH_INVARIANT.on or _rows(func, args) <= 1:
+        if split is None or not MODES.batch_invariant or _rows(func, args) <= 1:
             return func(*args, **kwargs)
         return split(func, *args, **kwargs)
 

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from .modes import MODES, scoped
+
 
 class Observer(Protocol):
     """What watches a forward's collectives (the ledger, traces): ``enter(site)`` as a
@@ -43,10 +45,11 @@ class _Hook:
     """The one observation point: ``HOOK.observer`` (None: nobody watches, and a forward
     does no work for observation), installed with ``observing(observer)``."""
 
-    __slots__ = ("observer",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self.observer: Observer | None = None
+    @property
+    def observer(self) -> Observer | None:
+        return MODES.observer  # the run-wide mode (``modes.MODES.observer``)
 
 
 HOOK = _Hook()
@@ -68,12 +71,8 @@ def active_observer() -> Observer | None:
 @contextlib.contextmanager
 def observing(observer: Observer):
     """Install ``observer`` for the enclosed block (the previous one comes back after)."""
-    previous = HOOK.observer
-    HOOK.observer = observer
-    try:
+    with scoped(observer=observer):
         yield observer
-    finally:
-        HOOK.observer = previous
 
 
 @dataclass(frozen=True)
