@@ -35,7 +35,6 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import flag
@@ -193,12 +192,3 @@ class _RowByRow(TorchDispatchMode):
             return func(*args, **kwargs)
         return split(func, *args, **kwargs)
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear(x, weight, bias)`` computed one row at a time: the same bits for a row
-    whatever rows run beside it (what the mode does to every product; here outside it too)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= 1:
-        return F.linear(x, weight, bias)
-    out = torch.cat([F.linear(rows[i:i + 1], weight, bias) for i in range(rows.shape[0])])
-    return out.view(*x.shape[:-1], out.shape[-1])
