@@ -3,8 +3,9 @@
 A Nemotron-H (Mamba2) and a Qwen3-Next (gated DeltaNet) of the tests' tiny sizes, world 1,
 one thread: after a prefill of 16 requests, one decode step of all 16, timed with each
 layer's conv and state update run once over the batch (what the mixers do) and with the
-per-request loop a prefill takes (``decode_step`` patched to say no), interleaved, minimum of
-30 each. Prints one JSON line per model: both times (ms) and ``loop_vs_batched``.
+per-request loop a prefill takes (``ForwardBatch.decode_step`` patched to say no),
+interleaved, minimum of 30 each. Prints one JSON line per model: both times (ms) and
+``loop_vs_batched``.
 """
 
 import json
@@ -21,14 +22,14 @@ from checkpoints.nh import hf_nemotron_h  # noqa: E402
 from checkpoints.qwen3_next import hf_qwen3_next  # noqa: E402
 from oracle import world1  # noqa: E402
 
-from layer_boundary.models import gated_deltanet, load_model, mamba2  # noqa: E402
+from layer_boundary.models import load_model  # noqa: E402
 from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 
 REQUESTS, REPEATS = 16, 30
 
 
-def _set_decode_step(fn) -> None:
-    mamba2.decode_step = gated_deltanet.decode_step = fn
+def _set_decode_step(prop: property) -> None:
+    ForwardBatch.decode_step = prop
 
 
 def measure(model) -> dict:
@@ -46,12 +47,12 @@ def measure(model) -> dict:
             model(batch)
         return time.perf_counter() - start
 
-    batched = mamba2.decode_step
+    batched = ForwardBatch.decode_step  # the property itself
     times = {"batched": [], "loop": []}
     try:
         for _ in range(REPEATS):
-            for kind, fn in (("batched", batched), ("loop", lambda fb: False)):
-                _set_decode_step(fn)
+            for kind, prop in (("batched", batched), ("loop", property(lambda fb: False))):
+                _set_decode_step(prop)
                 times[kind].append(step())
     finally:
         _set_decode_step(batched)

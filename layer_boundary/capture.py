@@ -9,6 +9,7 @@ or captured.
 
 from __future__ import annotations
 
+from .residual import apply_update
 from .residual import batch as residual_batch
 from .residual.access import complete_onto
 from .residual.stream import NOT_OURS, OwedOutput
@@ -68,10 +69,11 @@ def prepare_capturing(stage, hidden_states, forward_batch, capture_output,
         if capture_output is not None and extra is not None:
             # output plus residual, before the extra addition, back on local rows
             base = entry.residual(stream, facts)
-            value = base.clone() if c is None else c.update.apply(base, c.value)
+            value = base.clone() if c is None else apply_update(c.update, base, c.value,
+                                                                forward_batch)
             capture_output(entry.capture_move.move(facts, value), owned=True)
             captured = True
-    compute_input = entry.enter(stream, hidden_states, facts, extra=extra,
+    compute_input = entry.enter(stream, hidden_states, facts, forward_batch, extra=extra,
                                 fused=capture_output is None)
     if capture_output is not None and not captured:
         # the updated residual, back on the producer's (local) rows

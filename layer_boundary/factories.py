@@ -16,7 +16,7 @@ from .construction import UnsupportedBoundary
 from .contracts import ProducerReduction, StageKind
 from .output import OutputTransform, TransformedUpdate
 from .residual import (LayerResidual, StageRead, StageUpdate, default_layer_residual, is_plain,
-                       is_portable)
+                       is_portable, update_refusal)
 from .runtime.arguments import flag, optional_flag
 from .stage import StageBoundary, stage_boundaries
 
@@ -164,6 +164,9 @@ def _check_arguments(who: str, reduction, update, read, previous, prepared_from,
     if update is not None and not callable(getattr(update, "apply", None)):
         raise TypeError(f"{who}(update={update!r}): update must be a StageUpdate (with "
                         "apply(residual, contribution)) or None")
+    refusal = None if update is None else update_refusal(update)
+    if refusal is not None:
+        raise TypeError(f"{who}(update={update!r}): {refusal}")
     if read is not None and not callable(getattr(read, "update_and_read", None)):
         raise TypeError(f"{who}(read={read!r}): read must be a StageRead or None")
     for name, value in (("previous", previous), ("prepared_from", prepared_from)):

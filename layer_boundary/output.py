@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .residual import is_portable
+from .residual import apply_update, is_portable, reads_batch
 from .runtime.arguments import flag
 
 
@@ -123,8 +123,14 @@ class TransformedUpdate:
         # identical only where the transform says a copy computes the same function
         return self.transform.portable and is_portable(self.update)
 
-    def apply(self, residual, contribution):
-        return self.update.apply(residual, self.transform(contribution))
+    @property
+    def reads_batch(self) -> bool:
+        # declared on this class: the wrapped update's own declaration
+        return reads_batch(self.update)
+
+    def apply(self, residual, contribution, forward=None):
+        """``forward``: handed where the wrapped update reads its batch."""
+        return apply_update(self.update, residual, self.transform(contribution), forward)
 
     def _facts(self) -> tuple:
         return self.transform.before_reduce_scatter, self.transform.portable

@@ -17,7 +17,7 @@ from .fusions import Arrival
 from .layout import Layout
 from .ops import Movement
 from .primitives import SLICE_DP
-from .residual import ReadKind, is_plain, read_kind
+from .residual import ReadKind, in_forward, is_plain, read_kind
 from .residual.add_norm import PLAIN_ADD, Fp32Norm, accumulate_dtype
 from .residual.stream import ArrivalKey, Turn
 from .runtime.agreement import AGREEMENT
@@ -114,7 +114,7 @@ class EntryPath:
             raise RuntimeError(MISDECLARED_UPDATE.format(stage=self.stage))
         return path
 
-    def enter(self, stream, hidden, facts, *, extra=None, fused: bool = True):
+    def enter(self, stream, hidden, facts, forward, *, extra=None, fused: bool = True):
         """This stage's compute input; the stream holds the updated residual afterwards and
         the turn is the stage's (``Turn.PREPARED``).
 
@@ -122,6 +122,7 @@ class EntryPath:
             stream: the forward's residual stream, its handle checked by the caller.
             hidden: what the model passed (the stack's input at stack entry).
             facts: the forward's row facts.
+            forward: the forward batch, handed to an update that reads it (``reads_batch``).
             extra: a tensor on local rows added to the residual with the update (plain
                 updates only, checked by the caller).
             fused: a fusion candidate or the add-before-sum all-reduce may stand in for
@@ -135,8 +136,9 @@ class EntryPath:
         path = self.arrivals.get(c.key)
         if path is None or (self.assumes_plain and c.update is not PLAIN_ADD):
             path = self.arrival(c)  # places it, or names what does not match
+        update = c.update if c.update is PLAIN_ADD else in_forward(c.update, forward)
         if path.chooses and fused and extra is None:
-            chosen = self._chosen(path, stream, c, facts)
+            chosen = self._chosen(path, stream, c, update, facts)
             if chosen is not None:
                 x, residual = chosen
                 stream.write(residual, PREPARED, self.update_rows)
@@ -150,7 +152,7 @@ class EntryPath:
         if extra is not None:
             acc = accumulate_dtype(value.dtype)
             value = value.to(acc) + self.local_to_update.move(facts, extra).to(acc)
-        x, residual = self.read.update_and_read(c.update, residual, value, self.norm)
+        x, residual = self.read.update_and_read(update, residual, value, self.norm)
         stream.write(residual, PREPARED, self.update_rows)
         return x if self.direct else self._to_compute(facts, x, self.input_move)
 
@@ -190,11 +192,12 @@ class EntryPath:
         stream.write(residual, PREPARED, self.update_rows)
         return x
 
-    def _chosen(self, path: ArrivalPath, stream, c, facts):
+    def _chosen(self, path: ArrivalPath, stream, c, update, facts):
         """What stands in for the completion: the first fusion candidate that accepts the
-        arrival, or the add before the sum; None where nothing does."""
+        arrival (``update``: the contribution's, in its forward), or the add before the sum;
+        None where nothing does."""
         if path.candidates:
-            arrival = Arrival(c.value, c.owed, c.rows, c.update, stream.residual,
+            arrival = Arrival(c.value, c.owed, c.rows, update, stream.residual,
                               stream.residual_rows, self.norm, facts)
             for i, candidate in enumerate(path.candidates):
                 out = candidate.run(arrival)

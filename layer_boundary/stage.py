@@ -194,7 +194,7 @@ class StageBoundary:
         observer = active_observer() if HOOK.observer is not None else None
         if observer is not None:
             observer.enter(self.sites.prepare)
-        x = step.entry.enter(stream, hidden_states, facts)
+        x = step.entry.enter(stream, hidden_states, facts, forward_batch)
         stream.begin(self, step, x)
         if observer is not None:
             observer.boundary(self.sites.prepare, stream, facts)
@@ -266,7 +266,7 @@ class StageBoundary:
             with self.exit(forward_batch) as output:
                 out = compute(*leading, x, forward_batch)
             return output.finish(out)
-        x = step.entry.enter(stream, hidden_states, facts)
+        x = step.entry.enter(stream, hidden_states, facts, forward_batch)
         stream.begin(self, step, x)
         # the step's prebuilt scope: no exit object, the same two calls
         previous = open_scope(scope)

@@ -141,7 +141,7 @@ class StageStep:
             handle = stream.leave(value, leaves.owed, self.update, leaves.rows, False,
                                   leaves.declared, decision.key)
         if self.folds:
-            handle = fold_stream(stream, facts)
+            handle = fold_stream(stream, facts, forward_batch)
         elif self.issues_early and not forward_batch.boundary.plain and forward_batch.overlap:
             c = stream.contribution
             if c.owed is not None or c.handoff:

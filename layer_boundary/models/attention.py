@@ -61,23 +61,19 @@ def _group(rows: int, slots: tuple, prefixes: tuple, firsts: tuple) -> _Group:
 def _groups(forward_batch) -> list[_Group]:
     # a list, not a dict keyed by row count: under automatic dynamic shapes the counts may
     # be symbolic, and comparing them is what dynamo can guard
-    by_rows: list[tuple[int, list[int]]] = []
-    firsts, start = [], 0
+    by_rows: list[tuple[int, list]] = []
     alone = BATCH_INVARIANT.on  # a request a call: its shapes never depend on the batch
-    for i, n in enumerate(forward_batch.extend_lens):
-        firsts.append(start)
-        start += n
-        if n == 0:
+    for r in forward_batch.requests():
+        if r.extend == 0:
             continue
         for rows, reqs in by_rows:
-            if rows == n and not alone:
-                reqs.append(i)
+            if rows == r.extend and not alone:
+                reqs.append(r)
                 break
         else:
-            by_rows.append((n, [i]))
-    prefixes = forward_batch.prefix_lens
-    return [_group(n, tuple(forward_batch.req_slots[i] for i in reqs),
-                   tuple(prefixes[i] for i in reqs), tuple(firsts[i] for i in reqs))
+            by_rows.append((r.extend, [r]))
+    return [_group(n, tuple(r.slot for r in reqs), tuple(r.prefix for r in reqs),
+                   tuple(r.start for r in reqs))
             for n, reqs in by_rows]
 
 
@@ -328,17 +324,14 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling,
                              scores, False, cache.window)[:, 0]
     out = q.new_empty((*q.shape[:2], v.shape[-1]))
-    start = 0
-    for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
-                               forward_batch.extend_lens):
-        end = start + n
-        first, keys, values = _window_keys(cache, layer, slot, prefix, k[start:end],
+    for r in forward_batch.requests():
+        start, end, prefix = r.start, r.end, r.prefix
+        first, keys, values = _window_keys(cache, layer, r.slot, prefix, k[start:end],
                                            v[start:end])
-        query_pos = torch.arange(prefix, prefix + n, device=q.device)[None]
+        query_pos = torch.arange(prefix, prefix + r.extend, device=q.device)[None]
         key_pos = torch.arange(first, first + keys.shape[1], device=q.device)
         out[start:end] = _attend(q[None, start:end], keys[None], values[None], query_pos,
                                  key_pos, scaling, scores, window=cache.window)[0]
-        start = end
     return out
 
 
@@ -367,10 +360,9 @@ def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, 
     at scattered positions of their requests, attend a request at a time."""
     out = q.new_empty((*q.shape[:2], v.shape[-1]))
     queries = queries.to(q.device)
-    start = 0
-    for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
-                               forward_batch.extend_lens):
-        end, total = start + n, prefix + n
+    for r in forward_batch.requests():
+        slot, prefix, start, end = r.slot, r.prefix, r.start, r.end
+        total = prefix + r.extend
         cache.k[layer][slot, :, prefix:total] = k[start:end].transpose(0, 1)  # [KVH, n, D]
         if not cache.shared_kv:
             cache.v[layer][slot, :, prefix:total] = v[start:end].transpose(0, 1)
@@ -383,5 +375,4 @@ def _share_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, 
             out[lo:hi] = _attend(q[None, lo:hi], keys, values, query_pos,
                                  torch.arange(total, device=q.device), scaling, scores,
                                  window=window)[0]
-        start = end
     return out

@@ -31,8 +31,7 @@ from ..runtime import RowParallelLinear
 from ..runtime.invariant import BATCH_INVARIANT
 from ..runtime.norm import rms_fp32
 from .attention import slot_index
-from .mamba2 import (DepthwiseConv, ShardedLinear, _param, conv_decode, conv_per_request,
-                     decode_step)
+from .mamba2 import DepthwiseConv, ShardedLinear, _param, conv_decode, conv_per_request
 
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule default
 
@@ -202,7 +201,7 @@ class GatedDeltaNet(nn.Module):
         # [T, Hv], <= 0
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         # batch-invariant: each request its own conv and state update (as Mamba2's)
-        if decode_step(forward_batch) and not BATCH_INVARIANT.on:
+        if forward_batch.decode_step and not BATCH_INVARIANT.on:
             out = self._decode(qkv, g, beta, conv_state, recurrent, forward_batch)
         else:
             out = self._per_request(qkv, g, beta, conv_state, recurrent, forward_batch)

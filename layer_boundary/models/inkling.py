@@ -47,8 +47,7 @@ import torch
 from torch import nn
 
 from .. import declare_attn, declare_ffn
-from ..residual import batch as residual_batch
-from ..residual.short_conv import ShortConv, ShortConvState, ShortConvUpdate, running, state_of
+from ..residual.short_conv import ShortConv, ShortConvState, ShortConvUpdate, state_of
 from ..runtime import (BoundaryRuntime, ColumnParallelLinear, QKVParallelLinear, RMSNorm,
                        RowParallelLinear)
 from ..runtime.embedding import VocabParallelEmbedding
@@ -62,7 +61,6 @@ from .head import ScaledLMHead, rebuilt_as
 from .inkling_moe import InklingMLP, InklingMoE
 from .kv_cache import KVCache
 from .layers import DecoderLayer
-from .pipeline import PipelineStage
 from .qwen3 import check_heads
 from .registry import NO_QKV_LATENT, register_model
 
@@ -277,17 +275,15 @@ class InklingAttention(nn.Module):
         v = v.view(tokens, kv_heads, self.head_dim)
         rel = self.r_proj(x).view(tokens, heads, -1)  # [T, H, d_rel]
         out = torch.empty_like(q)
-        cache, start = forward_batch.kv_cache, 0
-        for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
-                                   forward_batch.extend_lens):
-            end = start + n
+        cache = forward_batch.kv_cache
+        for r in forward_batch.requests():
+            slot, prefix, n, start, end = r.slot, r.prefix, r.extend, r.start, r.end
             if prefix + n > cache.max_len:
                 raise ValueError(f"request in slot {slot} needs {prefix + n} cache rows; the "
                                  f"cache holds {cache.max_len}")
             cache.k[self.index][slot, :, prefix:prefix + n] = k[start:end].transpose(0, 1)
             cache.v[self.index][slot, :, prefix:prefix + n] = v[start:end].transpose(0, 1)
             out[start:end] = self._request(q[start:end], rel[start:end], slot, prefix, cache)
-            start = end
         return self.o_proj(out.flatten(1))  # [T, H*D] -> [T, hidden]
 
     def _request(self, q, rel, slot: int, prefix: int, cache) -> torch.Tensor:
@@ -317,8 +313,8 @@ class InklingAttention(nn.Module):
 
 class InklingDecoderLayer(DecoderLayer):
     """Attention, then the dense MLP or the MoE, each producer's output through its short
-    convolution into the residual. The layer runs in its forward batch's scope
-    (``short_conv.running``); the last layer of a pipeline stage folds its MLP's update in."""
+    convolution into the residual (each update is handed the forward batch it runs in; the
+    library folds the last layer's in where the stack or a pipeline stage leaves)."""
 
     def __init__(self, cfg: InklingConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
@@ -327,8 +323,6 @@ class InklingDecoderLayer(DecoderLayer):
         self.mlp = (InklingMoE if cfg.sparse[layer_id] else InklingMLP)(cfg, runtime, dtype)
         self.attn_sconv = ShortConv(cfg.hidden_size, cfg.conv_kernel_size)
         self.mlp_sconv = ShortConv(cfg.hidden_size, cfg.conv_kernel_size)
-        stage = PipelineStage.of(runtime, cfg.num_hidden_layers)
-        self.folds = layer_id == stage.layers.stop - 1
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
 
     @classmethod
@@ -342,13 +336,6 @@ class InklingDecoderLayer(DecoderLayer):
                             next_sparse=(cfg.sparse[following]
                                          if following < cfg.num_hidden_layers else None),
                             update=ShortConvUpdate.of(layer, "mlp_sconv", index)))
-
-    def forward(self, positions, hidden_states, forward_batch):
-        with running(forward_batch):
-            hidden_states = super().forward(positions, hidden_states, forward_batch)
-            if self.folds:  # the stack leaves after this layer, in this batch's scope
-                hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        return hidden_states
 
 
 class NormedEmbedding(VocabParallelEmbedding):

@@ -208,25 +208,16 @@ def conv_per_request(conv1d, conv_state, x, forward_batch):
     its cached window in ``conv_state`` [slots, kernel - 1, C] (zeros for a fresh prompt)
     and leaving its last ``kernel - 1`` inputs there. Yields (slot, prefix length, start,
     end, conv output [end - start, C]) per request, in row order."""
-    keep, start = conv1d.kernel - 1, 0
-    for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
-                               forward_batch.extend_lens):
-        end = start + n
-        past = conv_state[slot] if prefix else conv_state.new_zeros(conv_state.shape[1:])
-        window = torch.cat([past, x[start:end]])  # [kernel - 1 + n, C]
-        conv_state[slot] = window[window.shape[0] - keep:]
-        yield slot, prefix, start, end, conv1d(window)
-        start = end
-    if start != x.shape[0]:
-        raise ValueError(f"the batch's extend_lens cover {start} rows; the mixer got "
+    keep, covered = conv1d.kernel - 1, 0
+    for r in forward_batch.requests():
+        past = conv_state[r.slot] if r.prefix else conv_state.new_zeros(conv_state.shape[1:])
+        window = torch.cat([past, x[r.start:r.end]])  # [kernel - 1 + n, C]
+        conv_state[r.slot] = window[window.shape[0] - keep:]
+        yield r.slot, r.prefix, r.start, r.end, conv1d(window)
+        covered = r.end
+    if covered != x.shape[0]:
+        raise ValueError(f"the batch's extend_lens cover {covered} rows; the mixer got "
                          f"{x.shape[0]}")
-
-
-def decode_step(forward_batch) -> bool:
-    """Whether every request of the batch adds one token to a cached prefix (a decode step):
-    the mixers then run each layer's conv and recurrent update once over all requests."""
-    return bool(forward_batch.extend_lens) and all(
-        n == 1 and p > 0 for n, p in zip(forward_batch.extend_lens, forward_batch.prefix_lens))
 
 
 def conv_decode(conv1d, conv_state, x, rows):
@@ -291,7 +282,7 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))  # [T, h_local]
         # batch-invariant: each request its own conv and state update, an algorithm of its own
         # (the batched decode step convolves and updates every request's state in one call)
-        if decode_step(forward_batch) and not BATCH_INVARIANT.on:
+        if forward_batch.decode_step and not BATCH_INVARIANT.on:
             y = self._decode(xbc, dt, A, conv_state, ssm_state, forward_batch)
         else:
             y = self._per_request(xbc, dt, A, conv_state, ssm_state, forward_batch)

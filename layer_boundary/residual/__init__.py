@@ -9,6 +9,7 @@ declares that it may.
 from __future__ import annotations
 
 import enum
+import inspect
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -19,9 +20,10 @@ import torch
 class StageUpdate(Protocol):
     """How a producer's contribution changes the residual: ``apply(residual, contribution)``
     (the plain add, ``PlainAdd``, by default; mHC's hyper-connection update, a transform after
-    the sum). Declared on the producer (``declare_attn``/``declare_ffn(update=)``), it travels
-    with the contribution to the next input, which applies it, fused with its read where the
-    update declares ``plain``."""
+    the sum), or ``apply(residual, contribution, forward)`` where it declares ``reads_batch``
+    (a short convolution along each request's tokens). Declared on the producer
+    (``declare_attn``/``declare_ffn(update=)``), it travels with the contribution to the next
+    input, which applies it, fused with its read where the update declares ``plain``."""
 
     # Capabilities (``plain``, ``portable``) count only where the update's own class (or the
     # object itself) declares them: a subclass that changes ``apply`` does not inherit a fast
@@ -43,6 +45,12 @@ class StageUpdate(Protocol):
     # ``apply_fp32(residual, contribution)``,
     # the updated residual in fp32, unrounded; the add+norm read then rounds it once for the
     # residual and normalises the fp32 sum, as for the plain add (``ScaledAdd``).
+    # ``reads_batch = True``: ``apply`` takes a third argument, ``forward``, the ForwardBatch
+    # the update is applied in (its requests, its cache), handed by whoever applies it: a
+    # consumer's input, ``residual.batch``'s fold, final norm and ``to_pp``. Never inherited:
+    # a subclass that keeps the three-argument ``apply`` declares it again. An update that
+    # reads its batch is neither plain nor reads as one (``apply_fp32``): a fused kernel
+    # standing in for its ``apply`` would hand it nothing; both are refused at declaration.
 
 
 @runtime_checkable
@@ -89,6 +97,76 @@ def is_plain(update) -> bool:
 def is_portable(update) -> bool:
     """Whether ``update`` declares that a copy of it on another process applies it identically."""
     return declared(update, "portable", False) is True
+
+
+def reads_batch(update) -> bool:
+    """Whether ``update`` declares that its ``apply`` takes the forward batch
+    (``reads_batch = True``)."""
+    return declared(update, "reads_batch", False) is True
+
+
+def apply_update(update, residual: torch.Tensor | None, contribution: torch.Tensor,
+                 forward) -> torch.Tensor:
+    """``update`` applied to ``residual`` and ``contribution`` in the forward batch
+    ``forward``, which it is handed where it declares ``reads_batch``."""
+    if reads_batch(update):
+        return update.apply(residual, contribution, forward)
+    return update.apply(residual, contribution)
+
+
+def update_refusal(update) -> str | None:
+    """Why ``update`` cannot be declared as it says it applies (None: it can): an update
+    that reads its batch and also says it is plain or reads as one (``apply_fp32``), or an
+    ``apply`` that cannot take the arguments it will be handed: ``(residual, contribution,
+    forward)`` where it declares ``reads_batch``, ``(residual, contribution)`` otherwise (a
+    subclass that keeps a three-argument ``apply`` without declaring it again)."""
+    reads = reads_batch(update)
+    fused = "plain" if is_plain(update) else (
+        "apply_fp32" if declared(update, "apply_fp32") is not None else None)
+    if reads and fused is not None:
+        return (f"it declares reads_batch and {fused}: a fused add+norm standing in for its "
+                "apply would hand it no forward")
+    try:
+        signature = inspect.signature(update.apply)
+    except (TypeError, ValueError):  # a builtin without one: nothing to check
+        return None
+    try:
+        signature.bind(*(None,) * (3 if reads else 2))
+    except TypeError:
+        if reads:
+            return (f"it declares reads_batch, so its apply is handed (residual, contribution, "
+                    f"forward); its apply takes {signature}")
+        return (f"its apply{signature} takes more than (residual, contribution); an update "
+                "that reads its batch declares reads_batch = True on its own class")
+    return None
+
+
+def in_forward(update, forward):
+    """What a read's ``update_and_read`` receives for ``update`` applied in ``forward``: the
+    update itself, or, where it reads its batch, the update with its forward
+    (``UpdateInForward``), so a read calls ``apply(residual, contribution)`` alike for
+    every update."""
+    return UpdateInForward(update, forward) if reads_batch(update) else update
+
+
+class UpdateInForward:
+    """An update that reads its batch (``reads_batch``), with the forward batch it is
+    applied in: ``apply(residual, contribution)`` hands it that forward. Made per
+    application (``in_forward``), never stored: no module holds a forward."""
+
+    __slots__ = ("update", "forward")
+    plain = False  # refused beside reads_batch at declaration
+    portable = False
+    at_producer = False
+
+    def __init__(self, update, forward) -> None:
+        self.update, self.forward = update, forward
+
+    def apply(self, residual: torch.Tensor | None, contribution: torch.Tensor) -> torch.Tensor:
+        return self.update.apply(residual, contribution, self.forward)
+
+    def __repr__(self) -> str:
+        return repr(self.update)
 
 
 class ReadKind(str, enum.Enum):

@@ -15,7 +15,7 @@ import torch
 from ..layout import SumGroup
 from ..runtime.agreement import AGREEMENT
 from ..runtime.ledger import active_observer
-from . import is_plain, is_portable
+from . import apply_update, declared, in_forward, is_plain, is_portable
 from .access import complete_onto, completed, local_rows, residual_on
 from .add_norm import ADD_NORM_READ, PLAIN_ADD
 from .stream import START_FIRST, ResidualStream, release, stream_of  # noqa: F401 - error text
@@ -93,14 +93,24 @@ def complete_output(hidden_states, forward_batch: ForwardBatch):
     return complete_onto(stream, facts, local_rows(facts)).value
 
 
-def fold_stream(stream: ResidualStream, facts) -> torch.Tensor:
-    """Complete the pending contribution and apply its update on local rows; the stream is
-    written with that residual, which is also its handle."""
+def fold_stream(stream: ResidualStream, facts, forward_batch: ForwardBatch) -> torch.Tensor:
+    """Complete the pending contribution and apply its update on local rows, in
+    ``forward_batch``; the stream is written with that residual, which is also its handle."""
     local = local_rows(facts)
     c = complete_onto(stream, facts, local)
-    residual = c.update.apply(residual_on(stream, facts, local), c.value)
+    residual = apply_update(c.update, residual_on(stream, facts, local), c.value, forward_batch)
     stream.write(residual, residual, local)
     return residual
+
+
+def _fold_token_rows(stream: ResidualStream, facts, forward_batch: ForwardBatch) -> None:
+    """Where the stack leaves (the final norm, ``to_pp``), a pending update that needs each DP
+    rank's own token rows (``token_rows``: a short convolution) folds in on them first, as a
+    consumer's input applies it: the exit applies an update on the residual's rows, which
+    ``to_pp`` scatters under rs/rsv. Whatever layer ends the stack or a pipeline stage."""
+    c = stream.contribution
+    if c is not None and declared(c.update, "token_rows", False):
+        fold_stream(stream, facts, forward_batch)
 
 
 def fold(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -116,7 +126,7 @@ def fold(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
     stream = _checked(hidden_states, forward_batch)
     if stream.contribution is None:
         return hidden_states
-    return fold_stream(stream, forward_batch.row_facts)
+    return fold_stream(stream, forward_batch.row_facts, forward_batch)
 
 
 def written(hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -177,7 +187,8 @@ def to_pp(hidden_states, forward_batch: ForwardBatch) -> dict:
         forward_batch: the batch whose stream leaves.
 
     Work the producer's exit decided per batch (a deferred all-reduce, a reduce-scatter, a
-    finalize) is completed and its update applied before transport: ``{"residual"}``. A
+    finalize) is completed and its update applied before transport (in this forward batch;
+    on the DP rank's own rows where the update needs them, ``token_rows``): ``{"residual"}``. A
     statically declared partial sum (a PARTIAL attention's) crosses unreduced, for the
     receiver's contract to complete: ``{"residual", "partial"}``; its update must be portable
     (the receiver applies its own copy). The residual goes on the rows the receiver's
@@ -196,6 +207,9 @@ def to_pp(hidden_states, forward_batch: ForwardBatch) -> dict:
     observer = active_observer()
     if observer is not None:
         observer.enter("to_pp")
+    if c is not None and not (c.declared and c.owed is not None):
+        _fold_token_rows(stream, facts, forward_batch)
+        c = stream.contribution
     target = facts.layouts.residual(facts.mode)
     if c is None:
         out = {"residual": residual_on(stream, facts, target)}
@@ -204,7 +218,8 @@ def to_pp(hidden_states, forward_batch: ForwardBatch) -> dict:
         out = {"residual": residual_on(stream, facts, target), "partial": c.value}
     else:
         previous = None if stream.residual is None else residual_on(stream, facts, target)
-        out = {"residual": c.update.apply(previous, completed(c, facts, target))}
+        out = {"residual": apply_update(c.update, previous, completed(c, facts, target),
+                                        forward_batch)}
     release(forward_batch)
     return out
 
@@ -228,7 +243,7 @@ def snapshot(hidden_states, forward_batch: ForwardBatch) -> torch.Tensor:
         raise RuntimeError(SNAPSHOT_NOT_PLAIN)
     local = local_rows(facts)
     value = completed(c, facts, local, value=c.value.clone())
-    return c.update.apply(residual_on(stream, facts, local), value)
+    return apply_update(c.update, residual_on(stream, facts, local), value, forward_batch)
 
 
 def add_to_output(hidden_states, forward_batch: ForwardBatch, extra: torch.Tensor):
@@ -296,6 +311,7 @@ def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty:
     if observer is not None:
         observer.enter("final_norm")
     facts = forward_batch.row_facts
+    _fold_token_rows(stream, facts, forward_batch)
     local = local_rows(facts)
     target = stream.residual_rows or local
     c = stream.contribution
@@ -314,10 +330,10 @@ def norm(hidden_states, forward_batch: ForwardBatch, norm_module, *, skip_empty:
             value = completed(c, facts, target)
             previous = None if stream.residual is None else residual_on(stream, facts, target)
             if not hasattr(norm_module, "normalize_fp32") or (skip_empty and value.shape[0] == 0):
-                residual = c.update.apply(previous, value)
+                residual = apply_update(c.update, previous, value, forward_batch)
             else:
-                out, residual = ADD_NORM_READ.update_and_read(c.update, previous, value,
-                                                              norm_module)
+                out, residual = ADD_NORM_READ.update_and_read(
+                    in_forward(c.update, forward_batch), previous, value, norm_module)
     if out is None:
         # an empty batch skips the norm kernel, unless the norm changes the residual's shape
         # (mHC's head collapses [T, N, D] streams): its peers gather [T, D] rows

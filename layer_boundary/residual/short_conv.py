@@ -20,19 +20,16 @@ nowhere inherited:
   ``SHORT_CONV_ROWS``;
 - its decode state (each request's last ``kernel - 1`` outputs) lives in the model's cache,
   ``forward_batch.kv_cache.short_conv`` (a ``ShortConvState``), keyed by the update's name;
-- it reads the forward's requests, so it applies only inside ``running(forward_batch)``: a
-  model runs each layer in that scope, and the last layer of a pipeline stage folds its own
-  update in before it returns (``residual.batch.fold``), since what leaves the stack runs
-  outside the layers (a two-batch-overlap microbatch's final norm runs after the other
-  microbatch's last layer);
+- it reads the forward's requests, and declares so (``reads_batch``): whoever applies it hands
+  it the forward batch it runs in (a consumer's input; ``residual.batch``'s fold, final norm
+  and ``to_pp``, which fold it in on the DP rank's own rows where the stack or a pipeline
+  stage leaves, whichever layer is last);
 - an empty DP rank has no rows and no requests: nothing to convolve;
 - a snapshot refuses it (``snapshot requires a plain residual update``); a capture sees the
   residual it leaves.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -41,29 +38,8 @@ from ..runtime.arguments import positive_int
 from .add_norm import accumulate_dtype
 
 SHORT_CONV_ROWS = "short convolution needs its original token rows"
-UNBOUND = ("a short-convolution update applies inside its layer's call: run the layer under "
-           "short_conv.running(forward_batch), and fold the pending update in (residual.batch"
-           ".fold) before the last layer of a pipeline stage returns")
-
-
-class _Bound:
-    """The forward batch whose layer runs now (``running``)."""
-
-    batch = None
-
-
-_BOUND = _Bound()
-
-
-@contextlib.contextmanager
-def running(forward_batch):
-    """The scope of one layer's call on ``forward_batch``: the short-convolution updates
-    applied in it read this batch's requests and cache."""
-    previous, _BOUND.batch = _BOUND.batch, forward_batch
-    try:
-        yield forward_batch
-    finally:
-        _BOUND.batch = previous
+NO_FORWARD = ("a short-convolution update is applied in a forward batch, and none was handed: "
+              "apply it with residual.apply_update(update, residual, contribution, forward)")
 
 
 class ShortConvState:
@@ -119,12 +95,6 @@ def state_of(forward_batch, key: str) -> torch.Tensor:
     return store[key]
 
 
-def decode_step(forward_batch) -> bool:
-    """Every request adds one token to a cached prefix: one call convolves them all."""
-    return bool(forward_batch.extend_lens) and all(
-        n == 1 and p > 0 for n, p in zip(forward_batch.extend_lens, forward_batch.prefix_lens))
-
-
 class ShortConv(nn.Module):
     """``x + conv(x)``: the causal depthwise convolution of ``channels`` channels over each
     request's tokens, in fp32 (``conv1d.weight`` [channels, 1, kernel], fp32 whatever the
@@ -155,11 +125,11 @@ class ShortConv(nn.Module):
             raise ValueError(f"a short convolution got {x.shape[0]} rows; the batch holds "
                              f"{forward_batch.num_tokens} tokens ({SHORT_CONV_ROWS})")
         x32 = x.float()
-        if decode_step(forward_batch):
+        if forward_batch.decode_step:  # one call convolves every request's one token
             conv = self._decode(x32, window, forward_batch)
         else:
-            conv = torch.cat([self._request(x32[start:end], window, slot, prefix)
-                              for slot, prefix, start, end in _requests(forward_batch)])
+            conv = torch.cat([self._request(x32[r.start:r.end], window, r.slot, r.prefix)
+                              for r in forward_batch.requests()])
         return (x32 + conv).to(dtype=x.dtype)
 
     def _check(self, x, window, forward_batch) -> None:
@@ -207,15 +177,6 @@ def _shape(t) -> str:
     return f"{dtype}{list(t.shape)}"
 
 
-def _requests(forward_batch):
-    """(slot, prefix length, first row, end row) of each request, in row order."""
-    start = 0
-    for slot, prefix, n in zip(forward_batch.req_slots, forward_batch.prefix_lens,
-                               forward_batch.extend_lens):
-        yield slot, prefix, start, start + n
-        start += n
-
-
 class ShortConvUpdate:
     """``residual + conv(output)`` with the producer's ``ShortConv`` (``conv`` includes the
     output itself: ``y + conv(y)``).
@@ -230,6 +191,7 @@ class ShortConvUpdate:
     plain = False
     portable = False  # it holds its layer's weights and its requests' windows
     at_producer = False
+    reads_batch = True  # apply is handed the forward batch: its requests and their windows
     # the consumer applies it on each DP rank's own token rows, in order, in every row mode
     # and batch variant (its consumer's path is built to complete the output onto them)
     token_rows = True
@@ -250,14 +212,16 @@ class ShortConvUpdate:
         name = f"layer{index}.{attr}"
         return cls(getattr(layer, attr) if layer is not None else None, name=name)
 
-    def apply(self, residual: torch.Tensor | None, contribution: torch.Tensor) -> torch.Tensor:
+    def apply(self, residual: torch.Tensor | None, contribution: torch.Tensor,
+              forward) -> torch.Tensor:
+        """``residual + conv(contribution)`` over ``forward``'s requests (the ForwardBatch it
+        runs in: its row order, prefixes and cache), the convolution's windows moved on."""
         if self.conv is None:
             raise RuntimeError(f"{self.name} holds another rank's weights: this short-"
                                "convolution update only describes a neighbour's stage")
-        forward_batch = _BOUND.batch
-        if forward_batch is None:
-            raise RuntimeError(f"{self.name}: {UNBOUND}")
-        out = self.conv(contribution, state_of(forward_batch, self.name), forward_batch)
+        if forward is None:
+            raise RuntimeError(f"{self.name}: {NO_FORWARD}")
+        out = self.conv(contribution, state_of(forward, self.name), forward)
         if residual is None:
             return out
         acc = accumulate_dtype(residual.dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +46,17 @@ class TwoBatch(enum.Enum):
     def splits(self) -> bool:
         """The stack runs this batch as two interleaved microbatches."""
         return self is TwoBatch.OVERLAPPED or self is TwoBatch.SYNCHRONOUS
+
+
+class BatchRequest(NamedTuple):
+    """One request of a forward as its rows hold it (``ForwardBatch.requests()``)."""
+
+    index: int  # its place in the batch's request order
+    slot: int  # its KV-cache slot (``req_slots``)
+    prefix: int  # its tokens cached before this forward (``prefix_lens``)
+    extend: int  # its tokens in this forward (``extend_lens``): rows [start, end)
+    start: int  # its first row of this forward's tokens
+    end: int  # one past its last row
 
 
 @runtime_checkable
@@ -188,6 +199,23 @@ class ForwardBatch:
     @property
     def prefix_lens(self) -> tuple[int, ...]:
         return tuple(s - e for s, e in zip(self.seq_lens, self.extend_lens))
+
+    def requests(self) -> tuple[BatchRequest, ...]:
+        """Each request with its rows, in row order (its slot, cached prefix, and its rows
+        [start, end) of this forward's tokens): what a per-request loop walks. A padded
+        batch's padding rows come after the last request's ``end``."""
+        out, start, slots = [], 0, self.req_slots
+        for i, (seq, n) in enumerate(zip(self.seq_lens, self.extend_lens)):
+            out.append(BatchRequest(i, slots[i], seq - n, n, start, start + n))
+            start += n
+        return tuple(out)
+
+    @property
+    def decode_step(self) -> bool:
+        """Every request adds one token to a cached prefix (a decode step): a recurrent
+        mixer or a short convolution then moves every request's state on in one call."""
+        return bool(self.extend_lens) and all(
+            n == 1 and p > 0 for n, p in zip(self.extend_lens, self.prefix_lens))
 
     def padded(self, tokens: int, scratch_slot: int) -> ForwardBatch:
         """This batch with ``tokens`` rows on every attention-DP rank (a compiled forward's

@@ -6,7 +6,7 @@ in plain torch (``h = h + y + conv(y)`` per request, ``y = compute(norm(h))``), 
 of several requests and a decode step that continues each request's cached window; under
 ``ar`` with attention TP and attention DP (a DP rank with no tokens too) every rank equals
 world 1. A runtime that would scatter the residual over attention TP is refused at
-construction, by name; so is an update applied outside its layer's scope.
+construction, by name; so is an update applied without the forward it runs in.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from layer_boundary.layout import RowMode
 from layer_boundary.ops import UnsupportedBoundary
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.batch import SNAPSHOT_NOT_PLAIN
-from layer_boundary.residual.short_conv import (SHORT_CONV_ROWS, UNBOUND, ShortConv,
-                                                ShortConvState, ShortConvUpdate, running)
+from layer_boundary.residual.short_conv import (NO_FORWARD, SHORT_CONV_ROWS, ShortConv,
+                                                ShortConvState, ShortConvUpdate)
 from layer_boundary.runtime import (BatchVariant, BoundaryRuntime, ForwardBatch, ForwardMode,
                                     ParallelDims)
 from layer_boundary.runtime.parallel import virtual_parallel
@@ -68,12 +68,11 @@ class ConvLayer(nn.Module):
                                             name=f"layer{i}")
 
     def forward(self, h, fb):
-        with running(fb):
-            h = self.attn.finish(self.attn_c(self.attn.prepare(h, fb)), fb)
-            h = self.ffn.prepare(h, fb)
-            with self.ffn.exit(fb) as out:
-                y = self.ffn_c(h)
-            return out.finish(y)
+        h = self.attn.finish(self.attn_c(self.attn.prepare(h, fb)), fb)
+        h = self.ffn.prepare(h, fb)
+        with self.ffn.exit(fb) as out:
+            y = self.ffn_c(h)
+        return out.finish(y)
 
 
 def build(rt):
@@ -109,8 +108,7 @@ def forward(rt, layers, final, fb, x):
     h = x
     for layer in layers:
         h = layer(h, fb)
-    with running(fb):  # the last layer's update is applied by the final norm
-        out = residual_batch.norm(h, fb, final)
+    out = residual_batch.norm(h, fb, final)  # which applies the last layer's update
     return out, fb.row_facts.mode.value, fb.residual_stream is None
 
 
@@ -266,15 +264,17 @@ def test_sizes_and_a_state_of_another_kernel_or_width_are_refused_by_name():
     assert torch.equal(one(x, state["k"], fb), x + 0.5 * x)
 
 
-def test_outside_its_layers_scope_and_on_a_neighbour_it_never_runs():
+def test_without_its_forward_and_on_a_neighbour_it_never_runs():
     update = ShortConvUpdate.of(None, "mlp_sconv", 4)
     assert repr(update) == "ShortConvUpdate(layer4.mlp_sconv)"
     assert not update.plain and not update.portable and not update.at_producer
+    assert update.reads_batch
+    fb = ForwardBatch.build(ForwardMode.EXTEND, [[0] * 2], [0], kv_cache=cache(1))
     with pytest.raises(RuntimeError, match="layer4.mlp_sconv holds another rank's weights"):
-        update.apply(torch.zeros(2, HIDDEN), torch.zeros(2, HIDDEN))
+        update.apply(torch.zeros(2, HIDDEN), torch.zeros(2, HIDDEN), fb)
     mine = ShortConvUpdate(conv(1), name="layer0.attn_sconv")
-    with pytest.raises(RuntimeError, match="^layer0.attn_sconv: " + UNBOUND[:40]):
-        mine.apply(torch.zeros(2, HIDDEN), torch.zeros(2, HIDDEN))
+    with pytest.raises(RuntimeError, match="^layer0.attn_sconv: " + NO_FORWARD[:40]):
+        mine.apply(torch.zeros(2, HIDDEN), torch.zeros(2, HIDDEN), None)
 
 
 def test_a_snapshot_refuses_it_and_bf16_rounds_once():
@@ -287,8 +287,7 @@ def test_a_snapshot_refuses_it_and_bf16_rounds_once():
         residual_batch.snapshot(h, fb)
     residual, out = seeded((4, HIDDEN), 1).bfloat16(), seeded((4, HIDDEN), 2).bfloat16()
     update = ShortConvUpdate(layers[0].attn_sconv, name="layer0.attn_sconv")
-    with running(fb):
-        got = update.apply(residual, out)
+    got = update.apply(residual, out, fb)
     conv_out = layers[0].attn_sconv(out, fb.kv_cache.short_conv["layer0.attn_sconv"], fb)
     assert got.dtype is torch.bfloat16 and conv_out.dtype is torch.bfloat16
     assert torch.equal(got, (residual.float() + conv_out.float()).bfloat16())
