@@ -537,9 +537,9 @@ def test_bad_pipeline_options_are_one_line_errors(args, message, capsys, restore
 def test_a_failed_stage_ends_the_whole_job(qwen3_dir, tmp_path, capsys, restore_logger):
     """Stage 1 cannot load its layer (a tensor of the wrong shape); stage 0 loads, runs and
     sends to it. The job ends with the failing stage's error instead of waiting on the dead
-    peer."""
+    peer: the collective timeout is beyond this test's own, so only the job's handling of the
+    failure can end it in time (a wait on the peer is a hang)."""
     import shutil
-    import time
 
     from safetensors.torch import load_file, save_file
 
@@ -549,10 +549,9 @@ def test_a_failed_stage_ends_the_whole_job(qwen3_dir, tmp_path, capsys, restore_
     name = "model.layers.2.mlp.down_proj.weight"  # the last of 3 layers: stage 1's only
     tensors[name] = tensors[name][:, :-1].contiguous()
     save_file(tensors, broken / "model.safetensors")
-    start = time.monotonic()
     code = main(["run", "--model", str(broken), "--pp", "2", "--tp", "1", "--dp", "1",
-                 "--max-new-tokens", "2"])
-    assert code == 2 and time.monotonic() - start < 90
+                 "--max-new-tokens", "2", "--collective-timeout", "3600"])
+    assert code == 2
     assert name in _one_line_error(capsys.readouterr().err)
 
 

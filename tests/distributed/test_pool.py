@@ -90,12 +90,13 @@ def test_pool_and_workers_are_reused():
 def test_rank_exception_becomes_rank_failure_and_pool_recovers():
     pool = get_pool(2)
     before = pool.run(_pid)
-    start = time.monotonic()
     with pytest.raises(RankFailure) as info:
         pool.run(_raise_on_rank_1)
-    # well under the 60 s gloo timeout rank 0 is stuck in
-    assert time.monotonic() - start < 30
     message = str(info.value)
+    # the pool's grace after the first failure ended the wait: rank 0, stuck in a collective
+    # that gloo fails only after its 60 s timeout, was killed unheard (waited for, it would
+    # have reported that timeout instead)
+    assert "rank(s) [0] did not report (killed)" in message, message
     assert "boom on rank 1" in message
     assert "rank 1" in message
     assert "ValueError" in message
@@ -122,10 +123,10 @@ def test_timeout_raises_quickly_and_pool_recovers():
     pool = get_pool(2)
     before = pool.run(_pid)
     start = time.monotonic()
-    with pytest.raises(RankTimeout) as info:
+    with pytest.raises(RankTimeout) as info:  # a timeout not kept: rank 1 returns, no raise
         pool.run(_sleep_on_rank_1, 60, timeout=3)
-    elapsed = time.monotonic() - start
-    assert 3 <= elapsed < 15
+    assert time.monotonic() - start >= 3  # it did wait that long (a busy machine waits more)
+    assert "did not answer within 3 s" in str(info.value)
     assert "[1]" in str(info.value)
     assert "[0]" not in str(info.value)
     assert set(pool.run(_pid)).isdisjoint(before)
@@ -135,10 +136,8 @@ def test_timeout_raises_quickly_and_pool_recovers():
 @pytest.mark.timeout(120)
 def test_dead_rank_becomes_rank_failure_and_pool_recovers():
     pool = get_pool(2)
-    start = time.monotonic()
-    with pytest.raises(RankFailure) as info:
-        pool.run(_exit_on_rank_0)
-    assert time.monotonic() - start < 30
+    with pytest.raises(RankFailure) as info:  # a death not seen: RankTimeout at the guard
+        pool.run(_exit_on_rank_0, timeout=60)
     assert "rank 0" in str(info.value)
     assert "exit code 3" in str(info.value)
     _check_all_reduce(2)

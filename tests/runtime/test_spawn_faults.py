@@ -63,10 +63,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_dies_ends_the_job_naming_it():
-    start = time.monotonic()
+    # rank 0's barrier waits beyond this test's timeout: only the spawner's watch ends the job
     with pytest.raises(RankError, match="^rank 1 exited with code 3 before reporting"):
-        spawn(_dies_on_rank_1, 2)
-    assert time.monotonic() - start < 60
+        spawn(_dies_on_rank_1, 2, collective_timeout_s=3600)
 
 
 @pytest.mark.timeout(120)
@@ -232,13 +231,12 @@ def test_a_rank_that_does_not_start_in_time_is_named(late_start):
 
 @pytest.mark.timeout(120)
 def test_a_rank_stopped_while_starting_ends_the_job(late_start):
-    """Stopped before its first heartbeat: the OS says so, well inside the start window."""
+    """Stopped before its first heartbeat: the OS says so, well inside the start window (the
+    start timeout, beyond this test's, would name it "did not start")."""
     late_start(0, stop=True)
-    start = time.monotonic()
     with pytest.raises(RankError, match="^rank 0 stopped responding \\(its process is "
                                         "stopped, state T\\)"):
         spawn(_rank, 2)
-    assert time.monotonic() - start < 60
 
 
 @pytest.mark.timeout(300)
