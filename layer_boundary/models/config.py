@@ -104,8 +104,8 @@ SHARED = {
     **dict.fromkeys(NORM_EPSILONS, POSITIVE_NUMBER),
     "rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": FRACTION,
     "rope_parameters": OBJECT, "rope_scaling": OBJECT, "quantization_config": OBJECT,
-    "tie_word_embeddings": BOOL,
-    **dict.fromkeys(("hidden_act", "hidden_activation", "scoring_func"), STRING),
+    "tie_word_embeddings": BOOL, "rope_interleave": BOOL,
+    **dict.fromkeys(("hidden_act", "hidden_activation", "scoring_func", "topk_method"), STRING),
 }
 # what a rope dict (rope_parameters / rope_scaling, or one of them per layer type) may say
 ROPE_FIELDS = {"rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": FRACTION,
@@ -249,8 +249,9 @@ def require(cfg: dict, field: str, kind=int):
     if kind is int and (not _is_int(value) or value < 1):
         raise CheckpointError(f"config.json field {field} must be a positive integer, got "
                               f"{value!r}")
-    if kind is float and not _is_number(value):
-        raise CheckpointError(f"config.json field {field} must be a number, got {value!r}")
+    if kind is float and not (_is_number(value) and math.isfinite(value)):
+        raise CheckpointError(f"config.json field {field} must be a finite number, got "
+                              f"{value!r}")
     return value
 
 
