@@ -24,13 +24,13 @@ from .. import declare_attn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from .config import (BOOL, DECODER, EXPERTS, NON_NEGATIVE_INT, CheckedConfig, CheckpointError,
-                     check_grouped_router, check_unquantized_silu, integer, number, require,
-                     required)
+                     check_grouped_router, check_heads, check_unquantized_silu, integer, number,
+                     require, required)
 from .deepseek_v3 import DeepseekV3MoE, ffn_declaration
 from .deepseek_v3 import check_parallel as check_experts
 from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .llama import LlamaForCausalLM
 from .moe import expert_stacked_params
-from .qwen3 import Qwen3ForCausalLM, check_heads
 from .qwen3_next import rope_fields
 from .registry import NO_QKV_LATENT, register_model
 from .rope import inverse_frequencies
@@ -154,8 +154,8 @@ class Glm4MoeDecoderLayer(DecoderLayer):
                 positional_cache=True, context_parallel=True, sequence_parallel=True,
                 attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
                 batch_invariant=True)
-class Glm4MoeForCausalLM(Qwen3ForCausalLM):
-    """Qwen3's skeleton (stacked q/k/v, a KV cache of head_dim) with GLM-4.5's layers; the
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    """Llama's model (stacked q/k/v, a KV cache of head_dim) with GLM-4.5's layers; the
     experts' weights load stacked after q/k/v."""
 
     layer_cls = Glm4MoeDecoderLayer

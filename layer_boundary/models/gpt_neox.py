@@ -36,10 +36,8 @@ from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import LayerNorm
 from .base import CausalLM
 from .config import (BOOL, DECODER, FRACTION, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
-                     default_rope, number, require, required)
-from .kv_cache import KVCache
+                     check_tp, default_rope, number, require, required)
 from .layers import DecoderLayer, GqaAttention
-from .qwen3 import check_tp
 from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, PARALLEL_BLOCK_DP, register_model
 from .rope import inverse_frequencies
 
@@ -205,8 +203,3 @@ class GPTNeoXForCausalLM(CausalLM):
 
     def load_weights(self, weights) -> None:
         super().load_weights(_head_as_transformers_reads_it(weights))
-
-    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        attn = self.model.layers[0].self_attn
-        return KVCache(self.stage.layers, slots, max_len, attn.qkv_proj.num_kv_heads,
-                       attn.head_dim, self.dtype, device=self.device)

@@ -31,11 +31,11 @@ from ..runtime.invariant import per_row
 from ..runtime.norm import Fp32ScaleRMSNorm
 from .config import (BOOL, DECODER, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
                      SLIDING_FIELDS, CheckedConfig, CheckpointError, check_divisible,
-                     layer_windows, number, require, required)
+                     check_heads, layer_windows, number, require, required)
 from .layers import DecoderLayer, GqaAttention
+from .llama import LlamaForCausalLM
 from .llama import read_rope as llama_rope
 from .moe import FusedMoE, fused_expert_params
-from .qwen3 import Qwen3ForCausalLM, check_heads
 from .registry import NO_QKV_LATENT, register_model
 from .rope import YarnRope, inverse_frequencies
 
@@ -91,7 +91,7 @@ def read_rope(cfg: dict) -> tuple[float, YarnRope | None]:
     # Llama's reader checks the theta and partial_rotary_factor (at GPT-OSS's default theta)
     plain = {**rope, "rope_type": "default",
              "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", DEFAULT_THETA))}
-    theta, _ = llama_rope({**cfg, "rope_parameters": plain, "rope_scaling": None})
+    theta, _ = llama_rope(cfg, rope=plain)
     return theta, read_yarn(rope, cfg) if rope_type == "yarn" else None
 
 
@@ -239,8 +239,8 @@ class GptOssDecoderLayer(DecoderLayer):
                 positional_cache=True, context_parallel=True, sequence_parallel=True,
                 attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
                 batch_invariant=True)
-class GptOssForCausalLM(Qwen3ForCausalLM):
-    """Qwen3's skeleton (q/k/v stacked, a positional cache: the sliding layers mask their own
+class GptOssForCausalLM(LlamaForCausalLM):
+    """Llama's model (q/k/v stacked, a positional cache: the sliding layers mask their own
     window) with GPT-OSS's layers and final norm; the experts load from the fused per-layer
     tensors."""
 
