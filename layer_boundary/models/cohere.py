@@ -24,11 +24,11 @@ from ..runtime.args import BoundaryRuntime
 from ..runtime.embedding import ParallelLMHead
 from ..runtime.norm import LayerNorm
 from .base import CausalLM, vocab_embedding
-from .config import (BOOL, POSITIVE_NUMBER, CheckpointError, check_dense,
-                     check_unquantized_silu, default_rope, theta_of)
+from .config import (BOOL, POSITIVE_NUMBER, CheckpointError, check_unquantized_silu,
+                     default_rope, theta_of)
 from .head import ScaledLMHead
 from .layers import QKV_PARAMS, DecoderLayer, GatedMLP, GqaAttention
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, PARALLEL_BLOCK_DP, register_model
+from .registry import PARALLEL_BLOCK_DP, dense, register_model
 from .rope import inverse_frequencies
 from .settings import PER_HEAD, DecoderConfig, Null, setting
 
@@ -81,9 +81,8 @@ class CohereDecoderLayer(DecoderLayer):
                                          dtype=dtype)
         inv_freq = (inverse_frequencies(cfg.rope_theta, cfg.head_dim)
                     if cfg.layer_rope(layer_id) else None)
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, bias=cfg.attention_bias, inv_freq=inv_freq,
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, inv_freq=inv_freq,
             interleaved=True, window=cfg.layer_window(layer_id))
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
@@ -97,10 +96,7 @@ class CohereDecoderLayer(DecoderLayer):
 
 
 @register_model("cohere", CohereConfig, architectures=("CohereForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+                **dense(sequence_parallel=NO_SP))
 class CohereForCausalLM(CausalLM):
     """Command-R: parallel blocks, LayerNorms without bias, interleaved rotary, a scaled and
     (by default) tied head; q/k/v load stacked."""

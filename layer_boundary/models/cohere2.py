@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cohere import NO_SP, CohereConfig, CohereForCausalLM
-from .config import FULL, SLIDING, SLIDING_FIELDS, Check, check_dense, layer_windows
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .config import FULL, SLIDING, SLIDING_FIELDS, Check, layer_windows
+from .registry import dense, register_model
 
 PATTERN = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 "a positive integer")
@@ -50,10 +50,7 @@ class Cohere2Config(CohereConfig):
 
 
 @register_model("cohere2", Cohere2Config, architectures=("Cohere2ForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+                **dense(sequence_parallel=NO_SP))
 class Cohere2ForCausalLM(CohereForCausalLM):
     """Cohere2: Cohere's parallel blocks, sliding layers roped and full ones unroped, on a
     positional cache."""

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import RMSNorm
-from .config import (FULL, SLIDING, SLIDING_FIELDS, Check, CheckpointError, check_dense,
-                     layer_windows)
+from .config import FULL, SLIDING, SLIDING_FIELDS, Check, CheckpointError, layer_windows
 from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
 from .llama import LlamaConfig, LlamaForCausalLM
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .settings import setting
 
 # transformers' Exaone4Config defaults, for what a config.json leaves out
@@ -75,9 +74,8 @@ class Exaone4DecoderLayer(PostNormDecoderLayer):
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = GqaAttention(
-            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
-            dtype, qk_norm_eps=eps, window=cfg.windows[layer_id],
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, qk_norm_eps=eps, window=cfg.windows[layer_id],
             inv_freq=cfg.inverse_frequencies() if cfg.ropes[layer_id] else None)
         self.mlp = GatedMLP(h, cfg.intermediate_size, runtime, dtype)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype)
@@ -85,11 +83,7 @@ class Exaone4DecoderLayer(PostNormDecoderLayer):
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
 
 
-@register_model("exaone4", Exaone4Config, architectures=("Exaone4ForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("exaone4", Exaone4Config, architectures=("Exaone4ForCausalLM",), **dense())
 class Exaone4ForCausalLM(LlamaForCausalLM):
     """EXAONE-4: post norms as residual updates, per-head q/k norms, sliding and full
     (unroped) layers on a positional cache; Llama's final norm, head and loading."""

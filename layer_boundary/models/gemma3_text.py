@@ -32,10 +32,10 @@ from ..runtime.norm import GemmaRMSNorm
 from .base import vocab_embedding
 from .head import ScaledEmbedding, ScaledLMHead, embedding_scale
 from .config import (BOOL, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING, SLIDING_FIELDS,
-                     CheckpointError, check_dense, layer_windows)
+                     CheckpointError, layer_windows)
 from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
 from .llama import LlamaConfig, LlamaForCausalLM
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import inverse_frequencies
 from .settings import PER_HEAD, setting
 
@@ -155,10 +155,9 @@ class Gemma3DecoderLayer(PostNormDecoderLayer):
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = GqaAttention(
-            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
-            dtype, bias=cfg.attention_bias, qk_norm_eps=eps, qk_norm_cls=GemmaRMSNorm,
-            scaling=cfg.query_pre_attn_scalar ** -0.5,
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, qk_norm_eps=eps,
+            qk_norm_cls=GemmaRMSNorm, scaling=cfg.query_pre_attn_scalar ** -0.5,
             inv_freq=cfg.layer_frequencies(layer_id), window=cfg.windows[layer_id])
         self.mlp = GeluGatedMLP(h, cfg.intermediate_size, runtime, dtype,
                                 approximate=cfg.approximate)
@@ -172,11 +171,7 @@ class Gemma3DecoderLayer(PostNormDecoderLayer):
         return self.input_layernorm, self.pre_feedforward_layernorm
 
 
-@register_model("gemma3_text", Gemma3TextConfig, architectures=("Gemma3ForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("gemma3_text", Gemma3TextConfig, architectures=("Gemma3ForCausalLM",), **dense())
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma-3 (text): sandwich norms (post norms as residual updates), zero-centered norms,
     a scaled embedding, sliding and full layers on a positional cache."""

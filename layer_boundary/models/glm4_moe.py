@@ -32,7 +32,7 @@ from .layers import DecoderLayer, GatedMLP, GqaAttention
 from .llama import LlamaForCausalLM
 from .moe import expert_stacked_params
 from .qwen3_next import rope_fields
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import inverse_frequencies
 
 
@@ -129,9 +129,8 @@ class Glm4MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Glm4MoeConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, bias=cfg.attention_bias, o_bias=False,
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, o_bias=False,
             qk_norm_eps=cfg.rms_norm_eps if cfg.use_qk_norm else None,
             inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
             rotary_dim=cfg.rotary_dim)
@@ -150,10 +149,7 @@ class Glm4MoeDecoderLayer(DecoderLayer):
 
 
 @register_model("glm4_moe", Glm4MoeConfig, architectures=("Glm4MoeForCausalLM",),
-                check_parallel=check_parallel, boundary_reduction="rs+rsv",
-                positional_cache=True, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
+                **dense(check_parallel=check_parallel, moe_a2a=True))
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     """Llama's model (stacked q/k/v, a KV cache of head_dim) with GLM-4.5's layers; the
     experts' weights load stacked after q/k/v."""

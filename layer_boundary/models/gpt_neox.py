@@ -38,7 +38,7 @@ from .base import CausalLM
 from .config import (BOOL, DECODER, FRACTION, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
                      check_tp, default_rope, number, require, required)
 from .layers import DecoderLayer, GqaAttention
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, PARALLEL_BLOCK_DP, register_model
+from .registry import PARALLEL_BLOCK_DP, dense, register_model
 from .rope import inverse_frequencies
 
 # hidden_act -> F.gelu's approximation (transformers' gelu is exact; gelu_new the tanh form)
@@ -171,10 +171,7 @@ def _head_as_transformers_reads_it(weights):
 
 
 @register_model("gpt_neox", GPTNeoXConfig, architectures=("GPTNeoXForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+                **dense(check_parallel=check_parallel, sequence_parallel=NO_SP))
 class GPTNeoXForCausalLM(CausalLM):
     """Pythia: parallel blocks with two LayerNorms, partial rotary, biases, fused per-head
     q/k/v, an untied head."""

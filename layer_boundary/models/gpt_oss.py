@@ -36,7 +36,7 @@ from .layers import DecoderLayer, GqaAttention
 from .llama import LlamaForCausalLM
 from .llama import read_rope as llama_rope
 from .moe import FusedMoE, fused_expert_params
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import YarnRope, inverse_frequencies
 
 ROPE_TYPES = ("yarn", "default")
@@ -218,9 +218,8 @@ class GptOssDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                          dtype=dtype)
         inv_freq, scale = cfg.rotary()
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, bias=cfg.attention_bias, inv_freq=inv_freq,
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, inv_freq=inv_freq,
             rope_scale=scale, window=cfg.windows[layer_id], sinks=True)
         self.mlp = GptOssMoE(cfg, runtime, dtype)
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
@@ -235,10 +234,7 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 @register_model("gpt_oss", GptOssConfig, architectures=("GptOssForCausalLM",),
-                check_parallel=check_parallel, boundary_reduction="rs+rsv",
-                positional_cache=True, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
+                **dense(check_parallel=check_parallel, moe_a2a=True))
 class GptOssForCausalLM(LlamaForCausalLM):
     """Llama's model (q/k/v stacked, a positional cache: the sliding layers mask their own
     window) with GPT-OSS's layers and final norm; the experts load from the fused per-layer

@@ -27,11 +27,11 @@ from ..residual.scaled import scaled_update
 from ..runtime.args import BoundaryRuntime
 from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from .base import CausalLM, vocab_embedding
-from .config import POSITIVE_NUMBER, check_dense
+from .config import POSITIVE_NUMBER
 from .head import ScaledEmbedding, ScaledLMHead
 from .layers import QKV_PARAMS, DecoderLayer, GatedMLP, GqaAttention
 from .llama import LlamaConfig
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .settings import setting
 
 
@@ -51,9 +51,8 @@ class GraniteConfig(LlamaConfig):
 def granite_attention(cfg: GraniteConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
     """GQA whose softmax scale is ``attention_multiplier`` (PARTIAL: ``o_proj`` never
     reduces, the boundary owns the attention-TP sum)."""
-    return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                        cfg.head_dim, layer_id, runtime, dtype, bias=cfg.attention_bias,
-                        inv_freq=cfg.inverse_frequencies(), scaling=cfg.attention_multiplier)
+    return GqaAttention.of(cfg, layer_id, runtime, dtype, bias=cfg.attention_bias,
+                           inv_freq=cfg.inverse_frequencies(), scaling=cfg.attention_multiplier)
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -76,11 +75,7 @@ class GraniteDecoderLayer(DecoderLayer):
                 declare_ffn(sequence_parallel=True, update=update))
 
 
-@register_model("granite", GraniteConfig, architectures=("GraniteForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("granite", GraniteConfig, architectures=("GraniteForCausalLM",), **dense())
 class GraniteForCausalLM(CausalLM):
     """Granite's layers on a positional cache, its embedding scaled by
     ``embedding_multiplier`` and its logits divided by ``logits_scaling``; q/k/v load

@@ -37,7 +37,7 @@ from .granite import GraniteConfig, GraniteForCausalLM, granite_attention
 from .layers import DecoderLayer
 from .mixtral import check_moe_parallel
 from .moe import FusedMoE
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .settings import setting
 
 
@@ -147,10 +147,7 @@ class GraniteMoeDecoderLayer(DecoderLayer):
 
 
 @register_model("granitemoe", GraniteMoeConfig, architectures=("GraniteMoeForCausalLM",),
-                check_parallel=check_moe_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
+                **dense(check_parallel=check_moe_parallel, moe_a2a=True))
 class GraniteMoeForCausalLM(GraniteForCausalLM):
     """Granite's model (scaled embedding and logits, stacked q/k/v) with MoE layers; each
     layer's fused expert tensors load into its experts' ``w13``/``w2``."""

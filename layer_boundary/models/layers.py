@@ -107,6 +107,14 @@ class GqaAttention(nn.Module):
                                       requires_grad=False)
             self.sinks.weight_loader = self._sinks_loader
 
+    @classmethod
+    def of(cls, cfg, index: int, runtime: BoundaryRuntime, dtype, **options) -> GqaAttention:
+        """The attention of layer ``index`` of a config with a dense decoder's sizes
+        (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``);
+        ``options``: the rest of the arguments."""
+        return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                   cfg.head_dim, index, runtime, dtype, **options)
+
     norm_rope = None  # a fusion provider's per-head norm + RoPE kernel (``take_fusions``)
     norm_rope_dtypes: tuple = ()
 

@@ -19,10 +19,9 @@ from torch import nn
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from .base import CausalLM
-from .config import (BOOL, POSITIVE_INT, POSITIVE_NUMBER, CheckpointError, check_dense,
-                     check_unquantized_silu)
+from .config import BOOL, POSITIVE_INT, POSITIVE_NUMBER, CheckpointError, check_unquantized_silu
 from .layers import QKV_PARAMS, DecoderLayer, GatedMLP, GqaAttention
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import inverse_frequencies
 from .settings import DecoderConfig, setting
 
@@ -152,22 +151,24 @@ class LlamaConfig(DecoderConfig):
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    """GQA with rotary embedding (PARTIAL: ``o_proj`` never reduces, the boundary owns the
-    attention-TP sum; a per-head RMSNorm on q and k where ``qk_norm``: Qwen3's), then the
-    FFN (``make_mlp``: the gated MLP over TP)."""
+    """GQA with rotary embedding (``make_attention``; PARTIAL: ``o_proj`` never reduces, the
+    boundary owns the attention-TP sum; a per-head RMSNorm on q and k where ``qk_norm``:
+    Qwen3's), then the FFN (``make_mlp``: the gated MLP over TP)."""
 
     qk_norm = False
 
     def __init__(self, cfg: LlamaConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, bias=cfg.attention_bias,
-            qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
-            inv_freq=cfg.inverse_frequencies())
+        self.self_attn = self.make_attention(cfg, layer_id, runtime, dtype)
         self.mlp = self.make_mlp(cfg, layer_id, runtime, dtype)
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    def make_attention(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
+        """Layer ``layer_id``'s attention: GQA with the config's rotary embedding."""
+        return GqaAttention.of(cfg, layer_id, runtime, dtype, bias=cfg.attention_bias,
+                               qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
+                               inv_freq=cfg.inverse_frequencies())
 
     def make_mlp(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
         """Layer ``layer_id``'s FFN: the gated MLP (Qwen3-MoE's experts where it is sparse)."""
@@ -180,11 +181,7 @@ class LlamaDecoderLayer(DecoderLayer):
         return declare_attn(sequence_parallel=True), declare_ffn(sequence_parallel=True)
 
 
-@register_model("llama", LlamaConfig, architectures=("LlamaForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("llama", LlamaConfig, architectures=("LlamaForCausalLM",), **dense())
 class LlamaForCausalLM(CausalLM):
     """Llama: ``CausalLM``'s skeleton with Llama's layers; q/k/v load stacked."""
 

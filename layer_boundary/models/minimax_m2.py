@@ -27,7 +27,7 @@ from .llama import LlamaConfig
 from .mixtral import (EXPERT_NAMES, MixtralDecoderLayer, MixtralForCausalLM,
                       check_moe_parallel)
 from .moe import FusedMoE
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import inverse_frequencies
 from .settings import Null, setting
 
@@ -147,10 +147,9 @@ class MiniMaxM2DecoderLayer(MixtralDecoderLayer):
 
     @staticmethod
     def make_attention(cfg: MiniMaxM2Config, layer_id: int, runtime: BoundaryRuntime, dtype):
-        return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                            cfg.head_dim, layer_id, runtime, dtype, qk_norm_eps=cfg.rms_norm_eps,
-                            qk_norm_width="hf", rotary_dim=cfg.rotary_dim,
-                            inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim))
+        return GqaAttention.of(cfg, layer_id, runtime, dtype, qk_norm_eps=cfg.rms_norm_eps,
+                               qk_norm_width="hf", rotary_dim=cfg.rotary_dim,
+                               inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim))
 
     @staticmethod
     def make_moe(cfg: MiniMaxM2Config, runtime: BoundaryRuntime, dtype):
@@ -158,10 +157,7 @@ class MiniMaxM2DecoderLayer(MixtralDecoderLayer):
 
 
 @register_model("minimax_m2", MiniMaxM2Config, architectures=("MiniMaxM2ForCausalLM",),
-                check_parallel=check_moe_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
+                **dense(check_parallel=check_moe_parallel, moe_a2a=True))
 class MiniMaxM2ForCausalLM(MixtralForCausalLM):
     """Mixtral's skeleton and checkpoint layout with MiniMax-M2's layers."""
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import check_dense
 from .kv_cache import CacheLayout
 from .llama import LlamaConfig, LlamaForCausalLM
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .settings import setting
 
 
@@ -27,14 +26,13 @@ class MistralConfig(LlamaConfig):
     model_type: str = "mistral"
 
 
+NO_CP = "its sliding window across a CP cut is not built"
+
+
 # a draft may not be a Mistral: with a sliding window its cache is a ring that overwrites
 # older positions (the class cannot tell per checkpoint, so it says no for all)
 @register_model("mistral", MistralConfig, architectures=("MistralForCausalLM",),
-                check_parallel=check_dense,
-                boundary_reduction="rs+rsv", positional_cache=False, sequence_parallel=True,
-                context_parallel="its sliding window across a CP cut is not built",
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+                **dense(positional_cache=False, context_parallel=NO_CP))
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama's model with the checkpoint's ``sliding_window`` kept by the KV cache."""
 

@@ -26,7 +26,7 @@ from .layers import QKV_PARAMS, DecoderLayer, GqaAttention
 from .mistral import MistralConfig
 from .moe import expert_stacked_params
 from .qwen3_moe import Qwen3MoeSparseBlock
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .settings import setting
 
 # the routed experts: transformers writes ``num_local_experts`` (``num_experts`` is its alias)
@@ -83,9 +83,8 @@ class MixtralDecoderLayer(DecoderLayer):
 
     @staticmethod
     def make_attention(cfg: MixtralConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
-        return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                            cfg.head_dim, layer_id, runtime, dtype,
-                            inv_freq=cfg.inverse_frequencies(), window=cfg.sliding_window)
+        return GqaAttention.of(cfg, layer_id, runtime, dtype,
+                               inv_freq=cfg.inverse_frequencies(), window=cfg.sliding_window)
 
     @staticmethod
     def make_moe(cfg: MixtralConfig, runtime: BoundaryRuntime, dtype):
@@ -113,10 +112,7 @@ def block_sparse_moe_name(name: str) -> str:
 
 
 @register_model("mixtral", MixtralConfig, architectures=("MixtralForCausalLM",),
-                check_parallel=check_moe_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
+                **dense(check_parallel=check_moe_parallel, moe_a2a=True))
 class MixtralForCausalLM(CausalLM):
     """Mixtral's layers on a positional cache; q/k/v and the experts load stacked."""
 

@@ -21,10 +21,9 @@ import torch
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import Fp32ScaleRMSNorm
 from .base import CausalLM
-from .config import check_dense
 from .layers import QKV_PARAMS, GatedMLP, GqaAttention, PostNormDecoderLayer
 from .llama import LlamaConfig, read_rope
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 
 
 @dataclass(frozen=True)
@@ -61,10 +60,10 @@ class Olmo2DecoderLayer(PostNormDecoderLayer):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         inv_freq, rope_scale = cfg.layer_rotary(layer_id)
-        self.self_attn = GqaAttention(
-            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
-            dtype, bias=cfg.attention_bias, qk_norm_eps=eps, qk_norm_width="fp32",
-            inv_freq=inv_freq, rope_scale=rope_scale, window=cfg.window(layer_id))
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, qk_norm_eps=eps,
+            qk_norm_width="fp32", inv_freq=inv_freq, rope_scale=rope_scale,
+            window=cfg.window(layer_id))
         self.mlp = GatedMLP(h, cfg.intermediate_size, runtime, dtype)
         self.post_attention_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
         self.post_feedforward_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
@@ -81,10 +80,7 @@ AUTO = "rs+rsv"
 
 
 @register_model("olmo2", Olmo2Config, architectures=("Olmo2ForCausalLM",),
-                boundary_reduction=AUTO, positional_cache=True,
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+                **dense(boundary_reduction=AUTO))
 class Olmo2ForCausalLM(CausalLM):
     """OLMo-2: post norms as residual updates, q/k norms over every head, the final norm
     as the post norms compute (fp32 scale), a positional cache (OLMo-3's sliding layers

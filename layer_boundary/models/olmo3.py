@@ -17,10 +17,9 @@ import torch
 
 from .config import (BOOL, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING, SLIDING_FIELDS,
                      CheckpointError, layer_windows)
-from .config import check_dense
 from .llama import LlamaConfig, read_rope
 from .olmo2 import AUTO, Olmo2Config, Olmo2ForCausalLM
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import YarnRope, inverse_frequencies
 
 
@@ -155,9 +154,6 @@ class Olmo3Config(Olmo2Config):
 
 
 @register_model("olmo3", Olmo3Config, architectures=("Olmo3ForCausalLM",),
-                boundary_reduction=AUTO, positional_cache=True,  # AUTO: measured in olmo2.py
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+                **dense(boundary_reduction=AUTO))  # AUTO: measured in olmo2.py
 class Olmo3ForCausalLM(Olmo2ForCausalLM):
     """OLMo-3: OLMo-2's model, its layers sliding or full by ``layer_types``."""

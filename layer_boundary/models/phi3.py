@@ -26,14 +26,13 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.fused import load_fused_blocks, use_loader
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
-from .config import POSITIVE_NUMBER, CheckpointError, check_dense
-from .layers import DecoderLayer, GqaAttention
-from .llama import LlamaConfig, LlamaForCausalLM
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .config import POSITIVE_NUMBER, CheckpointError
+from .layers import GqaAttention
+from .llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
+from .registry import dense, register_model
 from .rope import inverse_frequencies
 from .settings import setting
 
@@ -103,37 +102,26 @@ class Phi3MLP(nn.Module):
         return self.down_proj(up * F.silu(gate))
 
 
-class Phi3DecoderLayer(DecoderLayer):
-    """GQA (fused q/k/v, partial rotary, the sliding window; PARTIAL: ``o_proj`` never
-    reduces, the boundary owns the attention-TP sum), then the fused gated MLP over TP."""
+class Phi3DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with Phi-3's compute: GQA with fused q/k/v, partial rotary and the
+    sliding window, then the fused gated MLP over TP."""
 
-    def __init__(self, cfg: Phi3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
-                 fusions=None):
-        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, window=cfg.sliding_window,
-            inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
-            rotary_dim=cfg.rotary_dim)
-        qkv = self.self_attn.qkv_proj
+    def make_attention(self, cfg: Phi3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        attn = GqaAttention.of(cfg, layer_id, runtime, dtype, window=cfg.sliding_window,
+                               inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
+                               rotary_dim=cfg.rotary_dim)
+        qkv = attn.qkv_proj
         q_rows = cfg.num_attention_heads * cfg.head_dim
         kv_rows = cfg.num_key_value_heads * cfg.head_dim
         use_loader(qkv, load_fused_blocks(qkv, (q_rows, kv_rows, kv_rows), ("q", "k", "v"),
                                           name="self_attn.qkv_proj"))
-        self.mlp = Phi3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
-        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+        return attn
 
-    @classmethod
-    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
-        # the attention's and the MLP's linears move the rows in a sequence-parallel batch
-        return declare_attn(sequence_parallel=True), declare_ffn(sequence_parallel=True)
+    def make_mlp(self, cfg: Phi3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        return Phi3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
 
 
-@register_model("phi3", Phi3Config, architectures=("Phi3ForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_dense, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("phi3", Phi3Config, architectures=("Phi3ForCausalLM",), **dense())
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama's model with the fused checkpoint tensors loaded as they are (nothing
     stacked at load), the window on a positional cache."""

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
-from .config import (CheckpointError, check_dense, check_unquantized_silu, fp8_quantization,
+from .config import (CheckpointError, check_unquantized_silu, fp8_quantization,
                      quantized_read)
 from .llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
                            read=quantized_read(cfg, layer_id, ("mlp.gate_proj", "mlp.up_proj")))
 
 
-@register_model("qwen3", Qwen3Config, architectures=("Qwen3ForCausalLM",),
-                check_parallel=check_dense, boundary_reduction="rs+rsv",
-                positional_cache=True, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("qwen3", Qwen3Config, architectures=("Qwen3ForCausalLM",), **dense())
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense): Llama's model with the per-head q/k norms; q/k/v load stacked."""
 

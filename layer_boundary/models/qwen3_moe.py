@@ -13,7 +13,7 @@ from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from ..runtime.invariant import per_row
 from .config import EXPERTS, INT_LIST, POSITIVE_INT, check_tp, quantized_read
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from ..runtime.quant import fake_quantize
 from .layers import QKV_PARAMS
 from .llama import LlamaForCausalLM
@@ -116,10 +116,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
 
 @register_model("qwen3_moe", Qwen3MoeConfig, architectures=("Qwen3MoeForCausalLM",),
-                check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
+                **dense(check_parallel=check_parallel, moe_a2a=True))
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3's attention before MoE FFNs (a gated MLP where the layer is dense); the experts'
     weights load stacked after q/k/v."""
