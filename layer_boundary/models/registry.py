@@ -16,6 +16,9 @@ A model declares itself in its own file, on its class, with ``@register_model``:
     class LlamaForCausalLM(CausalLM):
         layer_cls = LlamaDecoderLayer
 
+(those are a dense decoder's: ``llama.py`` says them as ``**dense()``, ``DENSE``, and a model
+built like it names what differs, ``**dense(moe_a2a=True, ...)``).
+
 The command line, the runner, the loader and the draft checks read these facts here; none
 of them names an architecture. The registry fills itself by importing every module of this
 package once, on first use, so a new model file is found without being listed anywhere.
