@@ -3,7 +3,6 @@ sliding window (``attention.cached_attention`` reads and writes it)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -114,11 +113,11 @@ class CacheLayout:
 
     def build(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         """The cache of ``slots`` requests of up to ``max_len`` positions."""
-        how = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}
         return KVCache(list(self.layers), slots, max_len,
                        {i: heads for i, (heads, _) in self.layers.items()},
                        {i: dim for i, (_, dim) in self.layers.items()}, dtype, device=device,
-                       **how)
+                       window=self.window, shared_kv=self.shared_kv,
+                       values_from_keys=self.values_from_keys)
 
 
 # the attention that reads this cache, where it was first defined (model files import it from

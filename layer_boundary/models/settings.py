@@ -65,27 +65,33 @@ class Setting:
         names = self.names or (name,)
         given = next((n for n in names if n in cfg), names[-1])
         check = self.check or SHARED.get(given)
-        value, required = cfg.get(given), self.required
-        if value is None:
-            null = given in cfg and (self.null or (
-                Null.DERIVE if self.derive else Null.DEFAULT
-                if check in (BOOL, INT_LIST) or self.default is None else Null.REFUSE))
-            if self.derive and null in (False, Null.DERIVE) and (required or null):
-                return self.derive.of(before)
-            if not required and null in (False, Null.DEFAULT):
+        value = cfg.get(given)
+        if value is not None:
+            if check is BOOL:
+                return bool(value)
+            if check is INT_LIST:
+                return tuple(value)
+            if check in (POSITIVE_NUMBER, FRACTION):
+                return float(value)
+            return require(cfg, given) if self.required and check is POSITIVE_INT else value
+        if given not in cfg:  # left out
+            if not self.required:
                 return self.default
-            if required and not self.derive:
-                raise CheckpointError(f"config.json has no {given}")
-            what = self.derive.what if self.derive else f"the default {self.default}"
-            raise CheckpointError(f"config.json field {given} is null: give a number, or leave "
-                                  f"it out for {what}")
-        if check is BOOL:
-            return bool(value)
-        if check is INT_LIST:
-            return tuple(value)
-        if check in (POSITIVE_NUMBER, FRACTION):
-            return float(value)
-        return require(cfg, given) if required and check is POSITIVE_INT else value
+            if self.derive is not None:
+                return self.derive.of(before)
+            raise CheckpointError(f"config.json has no {given}")
+        null = self.null or (Null.DERIVE if self.derive else Null.DEFAULT
+                             if check in (BOOL, INT_LIST) or self.default is None
+                             else Null.REFUSE)
+        if null is Null.DERIVE:
+            return self.derive.of(before)
+        if null is Null.DEFAULT and not self.required:
+            return self.default
+        if self.required and self.derive is None:
+            raise CheckpointError(f"config.json has no {given}")
+        what = self.derive.what if self.derive else f"the default {self.default}"
+        raise CheckpointError(f"config.json field {given} is null: give a number, or leave it "
+                              f"out for {what}")
 
 
 def setting(default=dataclasses.MISSING, check: Check | None = None, *,
