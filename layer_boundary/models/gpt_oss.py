@@ -29,15 +29,16 @@ from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import NotLinear
 from ..runtime.invariant import per_row
 from ..runtime.norm import Fp32ScaleRMSNorm
-from .config import (BOOL, DECODER, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
-                     SLIDING_FIELDS, CheckedConfig, CheckpointError, check_divisible,
-                     check_heads, layer_windows, number, require, required)
+from .config import (BOOL, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
+                     SLIDING_FIELDS, CheckpointError, check_divisible,
+                     check_heads, layer_windows)
 from .layers import DecoderLayer, GqaAttention
 from .llama import LlamaForCausalLM
 from .llama import read_rope as llama_rope
 from .moe import FusedMoE, fused_expert_params
 from .registry import dense, register_model
 from .rope import YarnRope, inverse_frequencies
+from .settings import PER_HEAD, DecoderConfig, setting
 
 ROPE_TYPES = ("yarn", "default")
 # transformers' GptOssConfig defaults for what a config.json may leave out
@@ -96,32 +97,33 @@ def read_rope(cfg: dict) -> tuple[float, YarnRope | None]:
 
 
 @dataclass(frozen=True)
-class GptOssConfig(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # each expert's
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_experts: int  # config.json's num_local_experts
-    num_experts_per_tok: int
-    windows: tuple  # each layer's sliding window (None: full attention)
-    rope_theta: float
-    rope: YarnRope | None
-    rms_norm_eps: float = 1e-5
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    attention_bias: bool = True
-    tie_word_embeddings: bool = False
+class GptOssConfig(DecoderConfig):
+    """The dense decoder's sizes (``intermediate_size``: each expert's) with transformers'
+    GptOssConfig defaults for what config.json leaves out, the experts, each layer's window,
+    the rope (YaRN's, or the default one) and the experts' clamped SwiGLU."""
+
+    num_attention_heads: int = setting(64)
+    num_key_value_heads: int = setting(8)
+    head_dim: int = setting(64, derive=PER_HEAD)
+    num_experts: int = setting(128, names=("num_local_experts", "num_experts"))
+    num_experts_per_tok: int = setting(4)
+    windows: tuple = ()  # each layer's sliding window (None: full attention)
+    rope_theta: float = DEFAULT_THETA
+    rope: YarnRope | None = None
+    rms_norm_eps: float = setting(1e-5)
+    swiglu_alpha: float = setting(1.702, POSITIVE_NUMBER)
+    swiglu_limit: float = setting(7.0, POSITIVE_NUMBER)
+    attention_bias: bool = setting(True, BOOL)
+    tie_word_embeddings: bool = setting(False)
     model_type: str = "gpt_oss"
 
-    fields = {**DECODER, **EXPERTS, **SLIDING_FIELDS, "swiglu_alpha": POSITIVE_NUMBER,
-              "swiglu_limit": POSITIVE_NUMBER, "original_max_position_embeddings": POSITIVE_INT}
+    checks = {**EXPERTS, **SLIDING_FIELDS, "original_max_position_embeddings": POSITIVE_INT}
     expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> GptOssConfig:
+    def read(cls, cfg: dict) -> dict:
+        """A quantized checkpoint and an activation other than silu refused by name, then the
+        declared settings, the rope and each layer's window (128 positions by default)."""
         if cfg.get("quantization_config"):  # the released MXFP4 experts, for one
             raise CheckpointError("config.json quantization_config is not supported "
                                   "(unquantized checkpoints only)")
@@ -130,28 +132,11 @@ class GptOssConfig(CheckedConfig):
             raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu "
                                   "only: the experts' clamped SwiGLU)")
         theta, rope = read_rope(cfg)
-        # transformers' defaults for what is absent (a null head_dim: hidden / heads)
-        defaults = {"num_local_experts": cfg.get("num_experts", 128), "num_experts_per_tok": 4,
-                    "num_attention_heads": 64, "num_key_value_heads": 8}
-        sized = {k: require({k: cfg.get(k, v)}, k) for k, v in defaults.items()}
-        sized["num_experts"] = sized.pop("num_local_experts")
-        if cfg.get("num_key_value_heads", 8) is None:
-            sized["num_key_value_heads"] = sized["num_attention_heads"]
-        head_dim = cfg.get("head_dim", 64)
-        if head_dim is None:
-            head_dim = require(cfg, "hidden_size") // sized["num_attention_heads"]
-        layers = require(cfg, "num_hidden_layers")
+        values = super().read(cfg)
         window = {"sliding_window": cfg.get("sliding_window", 128)}
-        return cls(
-            **required(cfg, "vocab_size", "hidden_size", "intermediate_size"),
-            num_hidden_layers=layers, head_dim=head_dim, **sized,
-            windows=layer_windows({**cfg, **window}, layers, default_layer_types),
-            rope_theta=theta, rope=rope,
-            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-5),
-            swiglu_alpha=number(cfg, "swiglu_alpha", 1.702),
-            swiglu_limit=number(cfg, "swiglu_limit", 7.0),
-            attention_bias=bool(cfg.get("attention_bias", True)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        windows = layer_windows({**cfg, **window}, values["num_hidden_layers"],
+                                default_layer_types)
+        return dict(values, windows=windows, rope_theta=theta, rope=rope)
 
     def rotary(self) -> tuple[torch.Tensor, float]:
         """The [head_dim / 2] inverse frequencies and the cos/sin scale (YaRN's attention
