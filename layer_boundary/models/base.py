@@ -21,6 +21,7 @@ from ..runtime.hf_names import transformers_tensors
 from ..runtime.linear import RowParallelLinear
 from ..runtime.norm import RMSNorm
 from ..runtime.packed import refresh_packed
+from .kv_cache import CacheLayout, KVCache
 from .loader import load_weights
 from .moe import FusedMoE
 from .pipeline import PipelineStage, pipeline_stack, run_stack
@@ -33,16 +34,17 @@ class DecoderModel(nn.Module):
     (global indices, ``stage.layers``), the final norm on the last."""
 
     def __init__(self, cfg, runtime, dtype, fusions, layer_cls, num_layers=None,
-                 final_norm=None):
+                 final_norm=None, embedding=None):
         """``final_norm(cfg, dtype)``: the model's final norm, built on the last stage
-        (``CausalLM.final_norm``; None: an RMSNorm of ``rms_norm_eps``)."""
+        (``CausalLM.final_norm``; None: an RMSNorm of ``rms_norm_eps``);
+        ``embedding(cfg, runtime, dtype)``: its token embedding, built on the first
+        (``CausalLM.make_embedding``; None: a ``VocabParallelEmbedding``)."""
         super().__init__()
         num_layers = cfg.num_hidden_layers if num_layers is None else num_layers
         self.stage = PipelineStage.of(runtime, num_layers)
         self.dp_rank = runtime.parallel.attn_dp_rank
         if self.stage.first:
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                       runtime.parallel.attn_tp_group, dtype=dtype)
+            self.embed_tokens = (embedding or vocab_embedding)(cfg, runtime, dtype)
         # this pipeline rank's part of the stack, knowing its neighbours on the other ranks
         with pipeline_stack(self.stage, runtime,
                             lambda i: layer_cls.declarations(cfg, i, runtime)) as self.stack:
@@ -74,6 +76,14 @@ class DecoderModel(nn.Module):
             leave=lambda h, mb: residual_batch.norm(h, mb, self.norm, skip_empty=True,
                                                     handoff_norm=self.handoff_norm),
             pp_input=pp_input, dp_rank=self.dp_rank)
+
+
+def vocab_embedding(cfg, runtime, dtype, cls: type = VocabParallelEmbedding, **attrs):
+    """``cls`` (a ``VocabParallelEmbedding``, or the ``ParallelLMHead`` that shares its
+    layout) of ``vocab_size`` x ``hidden_size`` over attention TP, with ``attrs`` (a scale, a
+    softcap) passed to it."""
+    return cls(cfg.vocab_size, cfg.hidden_size, runtime.parallel.attn_tp_group, dtype=dtype,
+               **attrs)
 
 
 def last_rows(hidden: torch.Tensor, forward_batch) -> torch.Tensor:
@@ -117,8 +127,18 @@ def check_stage_producers(layers, prefix: str) -> None:
 
 
 class CausalLM(nn.Module):
-    """A decoder-only model. Subclasses set ``layer_cls`` and provide ``make_kv_cache``;
-    ``decoder_layers`` counts the ``layer_cls`` modules (``num_hidden_layers`` by default).
+    """A decoder-only model. Subclasses set ``layer_cls``; ``decoder_layers`` counts the
+    ``layer_cls`` modules (``num_hidden_layers`` by default).
+
+    What a model varies, it declares in hooks the skeleton calls (each has a default):
+
+    - ``make_embedding(cfg, runtime, dtype)``, ``final_norm(cfg, dtype)`` and
+      ``make_head(cfg, runtime, dtype)``: the stack's two ends, built once (a scaled
+      embedding, a LayerNorm, a softcapped head);
+    - ``cache_layout()`` and ``cache_state(kv, slots, max_len)``: what ``make_kv_cache``
+      keeps (which layers, their heads and widths, a ring; a hybrid's recurrent states);
+    - ``stacked_params()``, ``skipped_params()``, ``checkpoint_name(name)``, ``ties_head()``:
+      how the checkpoint loads.
 
     What the rest of the package reads about a model, it reads here (each model declares it
     on its class; ``@register_model`` makes it serve its ``model_type``):
@@ -179,13 +199,44 @@ class CausalLM(nn.Module):
         self.config, self.dtype = cfg, dtype
         self._dims = runtime.parallel.dims  # what each forward in the batch-invariant mode asks
         self.model = DecoderModel(cfg, runtime, dtype, fusions, self.layer_cls,
-                                  self.decoder_layers(cfg), self.final_norm)
+                                  self.decoder_layers(cfg), self.final_norm,
+                                  self.make_embedding)
         self.stage = self.model.stage
         if self.stage.last:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
-                                          runtime.parallel.attn_tp_group, dtype=dtype)
+            self.lm_head = self.make_head(cfg, runtime, dtype)
             if self.ties_head() and self.stage.first:
                 self.lm_head.tie(self.model.embed_tokens)
+
+    def make_embedding(self, cfg, runtime, dtype) -> VocabParallelEmbedding:
+        """The token embedding, built on the first pipeline stage (a
+        ``VocabParallelEmbedding``; a model whose embedding scales or normalises its rows
+        returns that one: ``head.ScaledEmbedding``)."""
+        return vocab_embedding(cfg, runtime, dtype)
+
+    def make_head(self, cfg, runtime, dtype) -> ParallelLMHead:
+        """The LM head, built on the last pipeline stage (a ``ParallelLMHead``, tied to the
+        embedding where ``ties_head()``; a model whose logits scale or softcap returns that
+        one: ``head.ScaledLMHead``)."""
+        return vocab_embedding(cfg, runtime, dtype, ParallelLMHead)
+
+    def cache_layout(self) -> CacheLayout:
+        """What the KV cache keeps on this stage (``make_kv_cache``): by default every
+        layer's ``self_attn``'s keys and values (its kv heads on this rank, its head dim) at
+        every position. A model declares what differs: the layers (a hybrid's attention
+        ones), their shapes (MLA's latent), a ring (``window``: Mistral)."""
+        return CacheLayout.of(layer.self_attn for layer in self.model.layers)
+
+    def cache_state(self, kv: KVCache, slots: int, max_len: int) -> KVCache:
+        """The cache ``make_kv_cache`` returns around ``kv``: where a model keeps more per
+        request than keys and values (a hybrid's recurrent states, Inkling's convolution
+        windows), the cache holding both; ``kv`` itself by default."""
+        return kv
+
+    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
+        """The cache of ``slots`` requests of up to ``max_len`` positions on this stage, as
+        ``cache_layout`` and ``cache_state`` declare it."""
+        kv = self.cache_layout().build(slots, max_len, self.dtype, self.device)
+        return self.cache_state(kv, slots, max_len)
 
     def install_fusion(self, provider):
         """Install a fusion provider on this built model (``install_fusion``: every

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cohere import NO_SP, CohereConfig, CohereForCausalLM
-from .config import FULL, SLIDING, SLIDING_FIELDS, Check, CheckpointError, layer_windows
-from .llama import check_parallel
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .config import FULL, SLIDING, SLIDING_FIELDS, Check, layer_windows
+from .registry import dense, register_model
 
 PATTERN = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 "a positive integer")
@@ -26,17 +25,13 @@ class Cohere2Config(CohereConfig):
     windows: tuple = ()  # each layer's sliding window (None: full, and unroped)
     model_type: str = "cohere2"
 
-    fields = {**CohereConfig.fields, **SLIDING_FIELDS, "sliding_window_pattern": PATTERN}
+    checks = {**CohereConfig.checks, **SLIDING_FIELDS, "sliding_window_pattern": PATTERN}
 
     @classmethod
     def read(cls, cfg: dict) -> dict:
         cfg = {"sliding_window": 4096, **cfg}  # transformers' default window
-        if "head_dim" in cfg and cfg["head_dim"] is None:
-            # transformers derives head_dim, then sets config.json's null over it and fails
-            raise CheckpointError("config.json field head_dim is null: give a positive integer, "
-                                  "or leave it out for hidden_size // num_attention_heads")
         # config.json's head_dim, where given, sets the heads' width (transformers sets it
-        # over its derived one), as Cohere's reader reads it
+        # over its derived one), as Cohere's reader reads it; a null one is refused there
         dense = super().read(cfg)
         pattern = cfg.get("sliding_window_pattern", 4)
 
@@ -55,10 +50,7 @@ class Cohere2Config(CohereConfig):
 
 
 @register_model("cohere2", Cohere2Config, architectures=("Cohere2ForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+                **dense(sequence_parallel=NO_SP))
 class Cohere2ForCausalLM(CohereForCausalLM):
     """Cohere2: Cohere's parallel blocks, sliding layers roped and full ones unroped, on a
     positional cache."""

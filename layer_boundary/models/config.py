@@ -14,6 +14,7 @@ whatever the reader would have made of it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -195,16 +196,40 @@ def validate(cfg: dict, fields: dict, *, experts: tuple = EXPERT_COUNTS,
                               f"{count} experts")
 
 
+# the dataclass field metadata key of a declared setting (``settings.setting``)
+SETTING = "setting"
+
+
+class _DeclaredChecks:
+    """``CheckedConfig.fields`` where a class does not set it: the checks of its declared
+    settings (``setting(check=...)``, under each config.json name; a shared field's check is
+    ``SHARED``'s) and of ``checks`` (fields its own reader reads)."""
+
+    def __get__(self, instance, owner) -> dict:
+        declared = {}
+        for f in dataclasses.fields(owner) if dataclasses.is_dataclass(owner) else ():
+            spec = f.metadata.get(SETTING)
+            if spec is not None and spec.check is not None:
+                declared.update(dict.fromkeys(spec.names or (f.name,), spec.check))
+        return {**{k: c for k, c in declared.items() if k not in SHARED}, **owner.checks}
+
+
 class CheckedConfig:
     """What a model's config class declares about config.json: the fields it reads beyond
-    the shared ones and the check of each (``fields``), a shared field it means differently
+    the shared ones and the check of each (``fields``: its settings' checks and ``checks``,
+    unless it sets ``fields`` itself), a shared field it means differently
     (``shared_overrides``), fields whose null its transformers config refuses where another
     architecture's reads it as "none" (``not_null``: a null kv-head count or head_dim read
     as derived, a null flag as its default, would run a config transformers does not load),
     and the names its experts and experts per token go by (for the check that one fits the
-    other)."""
+    other).
 
-    fields: ClassVar[dict] = {}
+    A field declared with ``setting()`` is read by ``read`` (``from_dict``) as it says: its
+    check, its default, the names config.json gives it, what a null means, said once. A
+    reader extends ``read`` for what a setting cannot say (a rope dict, per-layer windows)."""
+
+    fields = _DeclaredChecks()
+    checks: ClassVar[dict] = {}
     shared_overrides: ClassVar[dict] = {}
     not_null: ClassVar[frozenset] = frozenset()
     expert_fields: ClassVar[tuple] = EXPERT_COUNTS
@@ -216,6 +241,26 @@ class CheckedConfig:
         validate(raw, cls.fields, experts=cls.expert_fields, top_k=cls.top_k_fields,
                  extra_experts=cls.extra_expert_field, overrides=cls.shared_overrides,
                  not_null=cls.not_null)
+
+    @classmethod
+    def from_dict(cls, cfg: dict):
+        """The config of a config.json that ``validate`` passed."""
+        return cls(**cls.read(cfg))
+
+    @classmethod
+    def read(cls, cfg: dict) -> dict:
+        """The dataclass fields of a config.json: each declared setting, in field order (a
+        field derived from others reads those before it)."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            if SETTING in f.metadata:
+                values[f.name] = f.metadata[SETTING].read(cfg, f.name, values)
+        return values
+
+    @classmethod
+    def default_of(cls, name: str):
+        """Field ``name``'s dataclass default (what a reader falls back on)."""
+        return cls.__dataclass_fields__[name].default
 
 
 def number(cfg: dict, field: str, default: float, where: str = "field ") -> float:
@@ -258,6 +303,7 @@ def require(cfg: dict, field: str, kind=int):
 def required(cfg: dict, *fields: str) -> dict:
     """{field: value} of fields the architecture cannot do without (positive integers)."""
     return {field: require(cfg, field) for field in fields}
+
 
 
 def fp8_quantization(cfg: dict) -> tuple[tuple[int, int] | None, tuple[str, ...]]:
@@ -318,9 +364,10 @@ def default_rope(cfg: dict) -> dict:
     return rope
 
 
-def check_unquantized_silu(cfg: dict) -> None:
-    """Reject a quantized config.json or one whose ``hidden_act`` is not silu."""
-    if cfg.get("quantization_config"):
+def check_unquantized_silu(cfg: dict, fp8: bool = False) -> None:
+    """Reject a quantized config.json (but an FP8 one where ``fp8``: ``fp8_quantization``
+    reads it) or one whose ``hidden_act`` is not silu."""
+    if cfg.get("quantization_config") and not fp8:
         raise CheckpointError("config.json quantization_config is not supported (unquantized "
                               "checkpoints only)")
     act = cfg.get("hidden_act", "silu")
@@ -332,6 +379,31 @@ def check_divisible(field: str, value: int, degree: str, size: int, why: str = "
     """A config field that must split evenly over a parallel degree (``check_parallel``)."""
     if value % size:
         raise ValueError(f"{field}={value} is not divisible by {degree}={size}{why}")
+
+
+def check_heads(heads: int, kv_heads: int, attn_tp: int,
+                names: tuple = ("num_attention_heads", "num_key_value_heads")) -> None:
+    """Query heads split over attention TP; kv heads split, or replicated over whole ranks
+    (``names``: the config fields that count them)."""
+    if heads % attn_tp:
+        raise ValueError(f"{names[0]}={heads} is not divisible by attention tp={attn_tp}")
+    if (kv_heads % attn_tp) if kv_heads >= attn_tp else (attn_tp % kv_heads):
+        raise ValueError(f"{names[1]}={kv_heads} and attention tp={attn_tp}: one must divide "
+                         "the other")
+
+
+def check_tp(cfg, attn_tp: int, tp: int) -> None:
+    """A dense decoder's heads over attention TP (``check_heads``) and its
+    ``intermediate_size`` over TP, naming the config field."""
+    check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, attn_tp)
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
+
+
+def check_dense(cfg, dims) -> None:
+    """``check_parallel`` of a dense decoder: query and kv heads over attention TP,
+    ``intermediate_size`` over TP."""
+    check_tp(cfg, dims.attn_tp, dims.tp)
 
 
 def check_grouped_router(experts: int, n_group: int, topk_group: int, top_k: int,

@@ -34,7 +34,7 @@ from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import RMSNorm
 from .base import CausalLM
 from .attention import cached_attention
-from .kv_cache import KVCache
+from .kv_cache import CacheLayout
 from .layers import DecoderLayer, GatedMLP
 from .rope import apply_rope, forward_cos_sin, inverse_frequencies, rope_key
 from .config import (DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, CheckedConfig, CheckpointError,
@@ -282,7 +282,7 @@ class DeepseekV3Attention(nn.Module):
         Attention runs on the latent, as engines run MLA (``kv_b_proj`` absorbed): each head's
         query takes the key projection in (q_nope W_k: [T, heads, kv_lora_rank]) and attends
         over one shared head of keys [latent | rotated key] and values (the latent), which is
-        what the cache holds (``mla_kv_cache``: kv_lora_rank + qk_rope_head_dim values a
+        what the cache holds (``mla_layout``: kv_lora_rank + qk_rope_head_dim values a
         token, where expanded keys and values take heads x (qk_head_dim + v_head_dim)); the
         value projection then maps each head's latent output to v_head_dim. The scores and
         outputs are those of the expanded form."""
@@ -438,12 +438,11 @@ def _is_moe(cfg: DeepseekV3Config, layer: int) -> bool:
     return cfg.is_moe(layer)
 
 
-def mla_kv_cache(model, layers, slots: int, max_len: int):
+def mla_layout(cfg, layers) -> CacheLayout:
     """The latent cache of MLA layers ``layers``: one head a token, keys [normalized latent |
     rotated key], values the keys' latent (stored once); the same on every attention-TP rank."""
-    cfg = model.config
-    return KVCache(layers, slots, max_len, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                   model.dtype, device=model.device, values_from_keys=cfg.kv_lora_rank)
+    return CacheLayout(dict.fromkeys(layers, (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)),
+                       values_from_keys=cfg.kv_lora_rank)
 
 
 def ffn_declaration(cfg: DeepseekV3Config, layer: int, runtime: BoundaryRuntime):
@@ -482,8 +481,8 @@ class DeepseekV3ForCausalLM(CausalLM):
     def nextn_layers(cfg: DeepseekV3Config) -> int:
         return cfg.num_nextn_predict_layers
 
-    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        return mla_kv_cache(self, self.stage.layers, slots, max_len)
+    def cache_layout(self) -> CacheLayout:
+        return mla_layout(self.config, self.stage.layers)
 
     def stacked_params(self) -> list:
         cfg = self.config

@@ -52,7 +52,7 @@ from .config import CheckpointError
 from .deepseek_v3 import DeepseekV3MLP, ReplicatedLinear
 from .deepseek_v4_config import SCORING, DeepseekV4Config, check_parallel  # noqa: F401
 from .attention import cached_attention
-from .kv_cache import KVCache
+from .kv_cache import CacheLayout
 from .layers import DecoderLayer
 from .registry import NO_QKV_LATENT, register_model
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params
@@ -309,19 +309,16 @@ class DeepseekV4ForCausalLM(CausalLM):
     layer_cls = DeepseekV4DecoderLayer
     transformers_names = TRANSFORMERS_NAMES
 
-    def __init__(self, cfg: DeepseekV4Config, runtime: BoundaryRuntime, dtype=torch.float32,
-                 fusions=None):
-        super().__init__(cfg, runtime, dtype, fusions)
-        if self.stage.last:
-            # the stack leaves through the HyperHead's collapse of the streams, then the norm
-            head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
-            self.model.norm = MhcFinalNorm(head, self.model.norm)
+    @staticmethod
+    def final_norm(cfg: DeepseekV4Config, dtype) -> MhcFinalNorm:
+        # the stack leaves through the HyperHead's collapse of the streams, then the norm
+        return MhcFinalNorm(HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps),
+                            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype))
 
-    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        cfg = self.config
-        return KVCache(self.stage.layers, slots, max_len, 1, cfg.head_dim, self.dtype,
-                       device=self.device, window=cfg.sliding_window,
-                       shared_kv=True)
+    def cache_layout(self) -> CacheLayout:
+        # one head a token, read as both keys and values, in a ring of the window
+        return CacheLayout(dict.fromkeys(self.stage.layers, (1, self.config.head_dim)),
+                           window=self.config.sliding_window, shared_kv=True)
 
     def stacked_params(self) -> list:
         return expert_stacked_params(self.config.n_routed_experts)

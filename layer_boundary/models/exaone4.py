@@ -21,30 +21,32 @@ from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import RMSNorm
 from .config import FULL, SLIDING, SLIDING_FIELDS, Check, CheckpointError, layer_windows
 from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
-from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .llama import LlamaConfig, LlamaForCausalLM
+from .registry import dense, register_model
+from .settings import setting
 
 # transformers' Exaone4Config defaults, for what a config.json leaves out
-DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 4096, "sliding_window_pattern": 4}
+DEFAULTS = {"sliding_window": 4096, "sliding_window_pattern": 4}
 PATTERN = Check(lambda v: isinstance(v, (int, str)) and not isinstance(v, bool),
                 "an integer or a string")
 
 
 @dataclass(frozen=True)
 class Exaone4Config(LlamaConfig):
+    rms_norm_eps: float = setting(1e-5)
+    # transformers' EXAONE-4 has no biases: it reads neither attention_bias nor mlp_bias
+    attention_bias: bool = False
+    mlp_bias: bool = False
     windows: tuple = ()  # each layer's sliding window (None: full)
     ropes: tuple = ()  # each layer: whether it applies the rotary embedding
     model_type: str = "exaone4"
 
-    # transformers' EXAONE-4 has no biases: it reads neither attention_bias nor mlp_bias
-    fields = {**{f: c for f, c in LlamaConfig.fields.items()
-                 if f not in ("attention_bias", "mlp_bias")},
-              **SLIDING_FIELDS, "sliding_window_pattern": PATTERN}
+    checks = {**LlamaConfig.checks, **SLIDING_FIELDS, "sliding_window_pattern": PATTERN}
 
     @classmethod
     def read(cls, cfg: dict) -> dict:
         cfg = {**DEFAULTS, **cfg}
-        dense = dict(super().read(cfg), attention_bias=False, mlp_bias=False)
+        dense = super().read(cfg)
         window, pattern = cfg.get("sliding_window"), cfg.get("sliding_window_pattern")
 
         def default_types(n: int) -> list:
@@ -72,9 +74,8 @@ class Exaone4DecoderLayer(PostNormDecoderLayer):
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = GqaAttention(
-            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
-            dtype, qk_norm_eps=eps, window=cfg.windows[layer_id],
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, qk_norm_eps=eps, window=cfg.windows[layer_id],
             inv_freq=cfg.inverse_frequencies() if cfg.ropes[layer_id] else None)
         self.mlp = GatedMLP(h, cfg.intermediate_size, runtime, dtype)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype)
@@ -82,13 +83,9 @@ class Exaone4DecoderLayer(PostNormDecoderLayer):
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
 
 
-@register_model("exaone4", Exaone4Config, architectures=("Exaone4ForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("exaone4", Exaone4Config, architectures=("Exaone4ForCausalLM",), **dense())
 class Exaone4ForCausalLM(LlamaForCausalLM):
     """EXAONE-4: post norms as residual updates, per-head q/k norms, sliding and full
-    (unroped) layers on a positional cache; Llama's final norm and head."""
+    (unroped) layers on a positional cache; Llama's final norm, head and loading."""
 
     layer_cls = Exaone4DecoderLayer

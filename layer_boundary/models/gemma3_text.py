@@ -26,23 +26,24 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.args import BoundaryRuntime
+from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..runtime.norm import GemmaRMSNorm
-from .head import ScaledEmbedding, ScaledLMHead, embedding_scale, rebuilt_as
-from .config import (BOOL, DECODER, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING, SLIDING_FIELDS,
-                     CheckpointError, layer_windows, number)
+from .base import vocab_embedding
+from .head import ScaledEmbedding, ScaledLMHead, embedding_scale
+from .config import (BOOL, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING, SLIDING_FIELDS,
+                     CheckpointError, layer_windows)
 from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
-from .llama import LlamaForCausalLM, check_parallel
-from .qwen3 import Qwen3Config
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .llama import LlamaConfig, LlamaForCausalLM
+from .registry import dense, register_model
 from .rope import inverse_frequencies
+from .settings import PER_HEAD, setting
 
 # hidden_activation -> F.gelu's approximate
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 ROPE_TYPES = ("default", "linear")
-# transformers' Gemma3TextConfig defaults, for what a config.json leaves out
-DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-            "query_pre_attn_scalar": 256, "sliding_window": 4096,
-            "hidden_activation": "gelu_pytorch_tanh"}
+# transformers' Gemma3TextConfig defaults, for what a config.json leaves out (beside the
+# fields' own)
+DEFAULTS = {"sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
 DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 
 
@@ -77,50 +78,51 @@ def read_ropes(cfg: dict) -> dict:
 
 
 @dataclass(frozen=True)
-class Gemma3TextConfig(Qwen3Config):
+class Gemma3TextConfig(LlamaConfig):
+    head_dim: int = setting(256, derive=PER_HEAD)
+    tie_word_embeddings: bool = setting(True)
+    mlp_bias: bool = False  # transformers' Gemma-3 has none (config.json's is not read)
     windows: tuple = ()  # each layer's sliding window (None: full)
     ropes: tuple = ()  # each layer's (rope_theta, linear factor)
-    query_pre_attn_scalar: float = 256.0
-    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float = setting(256.0, POSITIVE_NUMBER)
+    final_logit_softcapping: float | None = setting(None, POSITIVE_NUMBER)
     approximate: str = "tanh"  # the MLP's gelu (F.gelu's approximate)
     model_type: str = "gemma3_text"
 
-    fields = {**DECODER, **SLIDING_FIELDS, "query_pre_attn_scalar": POSITIVE_NUMBER,
-              "final_logit_softcapping": POSITIVE_NUMBER,
-              "attn_logit_softcapping": POSITIVE_NUMBER, "use_bidirectional_attention": BOOL,
-              "rope_local_base_freq": POSITIVE_NUMBER,
+    checks = {**SLIDING_FIELDS, "attn_logit_softcapping": POSITIVE_NUMBER,
+              "use_bidirectional_attention": BOOL, "rope_local_base_freq": POSITIVE_NUMBER,
               "sliding_window_pattern": POSITIVE_INT}
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> Gemma3TextConfig:
-        cfg = {**DEFAULTS, **cfg}
+    def refuse(cls, cfg: dict) -> None:
         if cfg.get("quantization_config"):
             raise CheckpointError("config.json quantization_config is not supported "
                                   "(unquantized checkpoints only)")
         for field in ("attn_logit_softcapping", "use_bidirectional_attention"):
             if cfg.get(field):
                 raise CheckpointError(f"config.json {field}={cfg[field]!r} is not supported")
-        act = cfg["hidden_activation"]
+        act = cfg.get("hidden_activation", DEFAULTS["hidden_activation"])
         if act not in ACTIVATIONS:
             raise CheckpointError(f"config.json hidden_activation {act!r} is not supported "
                                   f"({', '.join(ACTIVATIONS)} only)")
-        # the ropes are read per layer type below; Qwen3's reader sees none
-        dense = Qwen3Config.from_dict({k: v for k, v in cfg.items() if k not in (
-            "rope_parameters", "rope_scaling", "rope_theta")}).__dict__
-        dense.pop("model_type")
+
+    @classmethod
+    def read(cls, cfg: dict) -> dict:
+        cfg = {**DEFAULTS, **cfg}
+        return dict(super().read(cfg), approximate=ACTIVATIONS[cfg["hidden_activation"]])
+
+    @classmethod
+    def read_rope_fields(cls, cfg: dict, values: dict) -> dict:
+        """Each layer's window and rope (its type's: ``read_ropes``)."""
         pattern = cfg.get("sliding_window_pattern") or 6  # transformers' legacy schedule
 
         def default_types(n: int) -> list:
             return [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
 
-        windows = layer_windows(cfg, dense["num_hidden_layers"], default_types)
+        windows = layer_windows(cfg, values["num_hidden_layers"], default_types)
         ropes = read_ropes(cfg)
-        return cls(**dense, windows=windows,
-                   ropes=tuple(ropes[SLIDING if w is not None else FULL] for w in windows),
-                   query_pre_attn_scalar=number(cfg, "query_pre_attn_scalar",
-                                                DEFAULTS["query_pre_attn_scalar"]),
-                   final_logit_softcapping=cfg.get("final_logit_softcapping"),
-                   approximate=ACTIVATIONS[act])
+        return {"windows": windows,
+                "ropes": tuple(ropes[SLIDING if w is not None else FULL] for w in windows)}
 
     def layer_frequencies(self, index: int) -> torch.Tensor:
         """Layer ``index``'s rotary inverse frequencies (its type's theta, linear factor)."""
@@ -151,10 +153,9 @@ class Gemma3DecoderLayer(PostNormDecoderLayer):
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = GqaAttention(
-            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
-            dtype, bias=cfg.attention_bias, qk_norm_eps=eps, qk_norm_cls=GemmaRMSNorm,
-            scaling=cfg.query_pre_attn_scalar ** -0.5,
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, qk_norm_eps=eps,
+            qk_norm_cls=GemmaRMSNorm, scaling=cfg.query_pre_attn_scalar ** -0.5,
             inv_freq=cfg.layer_frequencies(layer_id), window=cfg.windows[layer_id])
         self.mlp = GeluGatedMLP(h, cfg.intermediate_size, runtime, dtype,
                                 approximate=cfg.approximate)
@@ -168,11 +169,7 @@ class Gemma3DecoderLayer(PostNormDecoderLayer):
         return self.input_layernorm, self.pre_feedforward_layernorm
 
 
-@register_model("gemma3_text", Gemma3TextConfig, architectures=("Gemma3ForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("gemma3_text", Gemma3TextConfig, architectures=("Gemma3ForCausalLM",), **dense())
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma-3 (text): sandwich norms (post norms as residual updates), zero-centered norms,
     a scaled embedding, sliding and full layers on a positional cache."""
@@ -183,12 +180,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def final_norm(cfg, dtype) -> torch.nn.Module:
         return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def __init__(self, cfg: Gemma3TextConfig, runtime, dtype=torch.float32, fusions=None):
-        super().__init__(cfg, runtime, dtype, fusions)
-        if self.stage.first:
-            self.model.embed_tokens = rebuilt_as(
-                self.model.embed_tokens, ScaledEmbedding,
-                scale=embedding_scale(cfg.hidden_size, self.dtype))
-        if self.stage.last and cfg.final_logit_softcapping is not None:
-            self.lm_head = rebuilt_as(self.lm_head, ScaledLMHead,
-                                      cap=float(cfg.final_logit_softcapping))
+    def make_embedding(self, cfg, runtime, dtype) -> VocabParallelEmbedding:
+        return vocab_embedding(cfg, runtime, dtype, ScaledEmbedding,
+                               scale=embedding_scale(cfg.hidden_size, dtype))
+
+    def make_head(self, cfg, runtime, dtype) -> ParallelLMHead:
+        if cfg.final_logit_softcapping is None:
+            return super().make_head(cfg, runtime, dtype)
+        return vocab_embedding(cfg, runtime, dtype, ScaledLMHead,
+                               cap=float(cfg.final_logit_softcapping))

@@ -23,55 +23,49 @@ from dataclasses import dataclass
 from .. import declare_attn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
-from .config import (BOOL, DECODER, EXPERTS, NON_NEGATIVE_INT, CheckedConfig, CheckpointError,
-                     check_grouped_router, check_unquantized_silu, integer, number, require,
-                     required)
+from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_NUMBER, check_grouped_router,
+                     check_heads, check_unquantized_silu)
 from .deepseek_v3 import DeepseekV3MoE, ffn_declaration
 from .deepseek_v3 import check_parallel as check_experts
 from .layers import DecoderLayer, GatedMLP, GqaAttention
+from .llama import LlamaForCausalLM
 from .moe import expert_stacked_params
-from .qwen3 import Qwen3ForCausalLM, check_heads
 from .qwen3_next import rope_fields
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import inverse_frequencies
+from .settings import DecoderConfig, Null, setting
 
 
 @dataclass(frozen=True)
-class Glm4MoeConfig(CheckedConfig):
-    # the attention (GQA, partial rotary)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rotary_dim: int
-    # the decoder
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int  # the dense first layers' MLP
-    # the MoE (DeepSeek-V3's block)
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int = 1
-    first_k_dense_replace: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    use_qk_norm: bool = False
-    attention_bias: bool = False
-    rms_norm_eps: float = 1e-5
+class Glm4MoeConfig(DecoderConfig):
+    """The dense decoder's sizes (``intermediate_size``: the dense first layers' MLP), the
+    attention's (GQA, partial rotary: ``rotary_dim``, with ``rope_theta`` read by
+    ``qwen3_next.rope_fields``) and DeepSeek-V3's MoE block's."""
+
+    rotary_dim: int = 0
     rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    num_nextn_predict_layers: int = 0  # MTP layers stored after the stack; not loaded
+    moe_intermediate_size: int = setting()
+    # transformers writes num_local_experts beside n_routed_experts (an attribute map)
+    n_routed_experts: int = setting(names=("n_routed_experts", "num_local_experts"))
+    num_experts_per_tok: int = setting()
+    n_shared_experts: int = setting(1)
+    first_k_dense_replace: int = setting(1, NON_NEGATIVE_INT, null=Null.DEFAULT)
+    n_group: int = setting(1)
+    topk_group: int = setting(1)
+    norm_topk_prob: bool = setting(True, BOOL)
+    routed_scaling_factor: float = setting(1.0, POSITIVE_NUMBER)
+    use_qk_norm: bool = setting(False, BOOL)
+    attention_bias: bool = setting(False, BOOL)
+    rms_norm_eps: float = setting(1e-5)
+    tie_word_embeddings: bool = setting(False)
+    # MTP layers stored after the stack; not loaded
+    num_nextn_predict_layers: int = setting(0, NON_NEGATIVE_INT, null=Null.DEFAULT,
+                                            names=("num_nextn_predict_layers", "num_mtp_layers"))
     # Engine option, never read from config.json (DeepSeek-V3's): the shared experts unsharded
     # on every rank, added after the routed experts' sum (a LOCAL_TAIL FFN stage)
     shared_experts_tp1: bool = False
     model_type: str = "glm4_moe"
 
-    fields = {**DECODER, **EXPERTS, "use_qk_norm": BOOL,
-              "first_k_dense_replace": NON_NEGATIVE_INT,
-              "num_nextn_predict_layers": NON_NEGATIVE_INT}
     expert_fields = ("n_routed_experts", "num_local_experts")
     top_k_fields = ("num_experts_per_tok",)
 
@@ -79,40 +73,14 @@ class Glm4MoeConfig(CheckedConfig):
         return self.first_k_dense_replace <= layer < self.num_hidden_layers
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> Glm4MoeConfig:
+    def read(cls, cfg: dict) -> dict:
+        """The declared settings, the rope (transformers' partial_rotary_factor for GLM-4.5
+        is 0.5 by default) and the grouped router's check."""
         check_unquantized_silu(cfg)
-        heads = require(cfg, "num_attention_heads")
-        head_dim = cfg.get("head_dim") or require(cfg, "hidden_size") // heads
-        # transformers' default partial_rotary_factor for GLM-4.5 is 0.5
-        rope = rope_fields(cfg, head_dim, default_factor=0.5)
-        # transformers writes num_local_experts beside n_routed_experts (an attribute map)
-        experts = require(cfg, "n_routed_experts" if "n_routed_experts" in cfg
-                          else "num_local_experts")
-        top_k = require(cfg, "num_experts_per_tok")
-        n_group, topk_group = integer(cfg, "n_group", 1), integer(cfg, "topk_group", 1)
-        check_grouped_router(experts, n_group, topk_group, top_k)
-        mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
-        if mtp is not None and not NON_NEGATIVE_INT.ok(mtp):
-            raise CheckpointError(f"config.json field num_mtp_layers must be "
-                                  f"{NON_NEGATIVE_INT.what}, got {mtp!r}")
-        return cls(
-            **required(cfg, "vocab_size", "hidden_size", "intermediate_size",
-                       "moe_intermediate_size", "num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            n_routed_experts=experts, num_experts_per_tok=top_k,
-            n_shared_experts=integer(cfg, "n_shared_experts", 1),
-            first_k_dense_replace=cfg.get("first_k_dense_replace", 1) or 0,
-            n_group=n_group, topk_group=topk_group,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            routed_scaling_factor=number(cfg, "routed_scaling_factor", 1.0),
-            use_qk_norm=bool(cfg.get("use_qk_norm", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-5),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            num_nextn_predict_layers=mtp or 0,
-            **rope)
+        values = super().read(cfg)
+        check_grouped_router(values["n_routed_experts"], values["n_group"],
+                             values["topk_group"], values["num_experts_per_tok"])
+        return dict(values, **rope_fields(cfg, values["head_dim"], default_factor=0.5))
 
 
 def check_parallel(cfg: Glm4MoeConfig, dims) -> None:
@@ -129,9 +97,8 @@ class Glm4MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Glm4MoeConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, bias=cfg.attention_bias, o_bias=False,
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, o_bias=False,
             qk_norm_eps=cfg.rms_norm_eps if cfg.use_qk_norm else None,
             inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
             rotary_dim=cfg.rotary_dim)
@@ -150,12 +117,9 @@ class Glm4MoeDecoderLayer(DecoderLayer):
 
 
 @register_model("glm4_moe", Glm4MoeConfig, architectures=("Glm4MoeForCausalLM",),
-                check_parallel=check_parallel, boundary_reduction="rs+rsv",
-                positional_cache=True, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
-class Glm4MoeForCausalLM(Qwen3ForCausalLM):
-    """Qwen3's skeleton (stacked q/k/v, a KV cache of head_dim) with GLM-4.5's layers; the
+                **dense(check_parallel=check_parallel, moe_a2a=True))
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    """Llama's model (stacked q/k/v, a KV cache of head_dim) with GLM-4.5's layers; the
     experts' weights load stacked after q/k/v."""
 
     layer_cls = Glm4MoeDecoderLayer

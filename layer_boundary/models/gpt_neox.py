@@ -35,11 +35,9 @@ from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import LayerNorm
 from .base import CausalLM
 from .config import (BOOL, DECODER, FRACTION, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
-                     default_rope, number, require, required)
-from .kv_cache import KVCache
+                     check_tp, default_rope, number, require, required)
 from .layers import DecoderLayer, GqaAttention
-from .qwen3 import check_tp
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, PARALLEL_BLOCK_DP, register_model
+from .registry import PARALLEL_BLOCK_DP, dense, register_model
 from .rope import inverse_frequencies
 
 # hidden_act -> F.gelu's approximation (transformers' gelu is exact; gelu_new the tanh form)
@@ -171,10 +169,7 @@ def _head_as_transformers_reads_it(weights):
 
 
 @register_model("gpt_neox", GPTNeoXConfig, architectures=("GPTNeoXForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=NO_SP,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+                **dense(check_parallel=check_parallel, sequence_parallel=NO_SP))
 class GPTNeoXForCausalLM(CausalLM):
     """Pythia: parallel blocks with two LayerNorms, partial rotary, biases, fused per-head
     q/k/v, an untied head."""
@@ -203,8 +198,3 @@ class GPTNeoXForCausalLM(CausalLM):
 
     def load_weights(self, weights) -> None:
         super().load_weights(_head_as_transformers_reads_it(weights))
-
-    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        attn = self.model.layers[0].self_attn
-        return KVCache(self.stage.layers, slots, max_len, attn.qkv_proj.num_kv_heads,
-                       attn.head_dim, self.dtype, device=self.device)

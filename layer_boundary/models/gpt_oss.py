@@ -28,15 +28,16 @@ from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import NotLinear
 from ..runtime.norm import Fp32ScaleRMSNorm
-from .config import (BOOL, DECODER, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
-                     SLIDING_FIELDS, CheckedConfig, CheckpointError, check_divisible,
-                     layer_windows, number, require, required)
+from .config import (BOOL, EXPERTS, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING,
+                     SLIDING_FIELDS, CheckpointError, check_divisible,
+                     check_heads, layer_windows)
 from .layers import DecoderLayer, GqaAttention
+from .llama import LlamaForCausalLM
 from .llama import read_rope as llama_rope
 from .moe import FusedMoE, fused_expert_params
-from .qwen3 import Qwen3ForCausalLM, check_heads
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import YarnRope, inverse_frequencies
+from .settings import PER_HEAD, DecoderConfig, setting
 
 ROPE_TYPES = ("yarn", "default")
 # transformers' GptOssConfig defaults for what a config.json may leave out
@@ -90,37 +91,38 @@ def read_rope(cfg: dict) -> tuple[float, YarnRope | None]:
     # Llama's reader checks the theta and partial_rotary_factor (at GPT-OSS's default theta)
     plain = {**rope, "rope_type": "default",
              "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", DEFAULT_THETA))}
-    theta, _ = llama_rope({**cfg, "rope_parameters": plain, "rope_scaling": None})
+    theta, _ = llama_rope(cfg, rope=plain)
     return theta, read_yarn(rope, cfg) if rope_type == "yarn" else None
 
 
 @dataclass(frozen=True)
-class GptOssConfig(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # each expert's
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_experts: int  # config.json's num_local_experts
-    num_experts_per_tok: int
-    windows: tuple  # each layer's sliding window (None: full attention)
-    rope_theta: float
-    rope: YarnRope | None
-    rms_norm_eps: float = 1e-5
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    attention_bias: bool = True
-    tie_word_embeddings: bool = False
+class GptOssConfig(DecoderConfig):
+    """The dense decoder's sizes (``intermediate_size``: each expert's) with transformers'
+    GptOssConfig defaults for what config.json leaves out, the experts, each layer's window,
+    the rope (YaRN's, or the default one) and the experts' clamped SwiGLU."""
+
+    num_attention_heads: int = setting(64)
+    num_key_value_heads: int = setting(8)
+    head_dim: int = setting(64, derive=PER_HEAD)
+    num_experts: int = setting(128, names=("num_local_experts", "num_experts"))
+    num_experts_per_tok: int = setting(4)
+    windows: tuple = ()  # each layer's sliding window (None: full attention)
+    rope_theta: float = DEFAULT_THETA
+    rope: YarnRope | None = None
+    rms_norm_eps: float = setting(1e-5)
+    swiglu_alpha: float = setting(1.702, POSITIVE_NUMBER)
+    swiglu_limit: float = setting(7.0, POSITIVE_NUMBER)
+    attention_bias: bool = setting(True, BOOL)
+    tie_word_embeddings: bool = setting(False)
     model_type: str = "gpt_oss"
 
-    fields = {**DECODER, **EXPERTS, **SLIDING_FIELDS, "swiglu_alpha": POSITIVE_NUMBER,
-              "swiglu_limit": POSITIVE_NUMBER, "original_max_position_embeddings": POSITIVE_INT}
+    checks = {**EXPERTS, **SLIDING_FIELDS, "original_max_position_embeddings": POSITIVE_INT}
     expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> GptOssConfig:
+    def read(cls, cfg: dict) -> dict:
+        """A quantized checkpoint and an activation other than silu refused by name, then the
+        declared settings, the rope and each layer's window (128 positions by default)."""
         if cfg.get("quantization_config"):  # the released MXFP4 experts, for one
             raise CheckpointError("config.json quantization_config is not supported "
                                   "(unquantized checkpoints only)")
@@ -129,28 +131,11 @@ class GptOssConfig(CheckedConfig):
             raise CheckpointError(f"config.json hidden_act {act!r} is not supported (silu "
                                   "only: the experts' clamped SwiGLU)")
         theta, rope = read_rope(cfg)
-        # transformers' defaults for what is absent (a null head_dim: hidden / heads)
-        defaults = {"num_local_experts": cfg.get("num_experts", 128), "num_experts_per_tok": 4,
-                    "num_attention_heads": 64, "num_key_value_heads": 8}
-        sized = {k: require({k: cfg.get(k, v)}, k) for k, v in defaults.items()}
-        sized["num_experts"] = sized.pop("num_local_experts")
-        if cfg.get("num_key_value_heads", 8) is None:
-            sized["num_key_value_heads"] = sized["num_attention_heads"]
-        head_dim = cfg.get("head_dim", 64)
-        if head_dim is None:
-            head_dim = require(cfg, "hidden_size") // sized["num_attention_heads"]
-        layers = require(cfg, "num_hidden_layers")
+        values = super().read(cfg)
         window = {"sliding_window": cfg.get("sliding_window", 128)}
-        return cls(
-            **required(cfg, "vocab_size", "hidden_size", "intermediate_size"),
-            num_hidden_layers=layers, head_dim=head_dim, **sized,
-            windows=layer_windows({**cfg, **window}, layers, default_layer_types),
-            rope_theta=theta, rope=rope,
-            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-5),
-            swiglu_alpha=number(cfg, "swiglu_alpha", 1.702),
-            swiglu_limit=number(cfg, "swiglu_limit", 7.0),
-            attention_bias=bool(cfg.get("attention_bias", True)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        windows = layer_windows({**cfg, **window}, values["num_hidden_layers"],
+                                default_layer_types)
+        return dict(values, windows=windows, rope_theta=theta, rope=rope)
 
     def rotary(self) -> tuple[torch.Tensor, float]:
         """The [head_dim / 2] inverse frequencies and the cos/sin scale (YaRN's attention
@@ -215,9 +200,8 @@ class GptOssDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                          dtype=dtype)
         inv_freq, scale = cfg.rotary()
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, bias=cfg.attention_bias, inv_freq=inv_freq,
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, inv_freq=inv_freq,
             rope_scale=scale, window=cfg.windows[layer_id], sinks=True)
         self.mlp = GptOssMoE(cfg, runtime, dtype)
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
@@ -232,12 +216,9 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 @register_model("gpt_oss", GptOssConfig, architectures=("GptOssForCausalLM",),
-                check_parallel=check_parallel, boundary_reduction="rs+rsv",
-                positional_cache=True, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
-class GptOssForCausalLM(Qwen3ForCausalLM):
-    """Qwen3's skeleton (q/k/v stacked, a positional cache: the sliding layers mask their own
+                **dense(check_parallel=check_parallel, moe_a2a=True))
+class GptOssForCausalLM(LlamaForCausalLM):
+    """Llama's model (q/k/v stacked, a positional cache: the sliding layers mask their own
     window) with GPT-OSS's layers and final norm; the experts load from the fused per-layer
     tensors."""
 

@@ -22,46 +22,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .. import declare_attn, declare_ffn
 from ..residual.scaled import scaled_update
 from ..runtime.args import BoundaryRuntime
-from .config import POSITIVE_NUMBER, number
-from .head import ScaledEmbedding, ScaledLMHead, rebuilt_as
-from .layers import DecoderLayer, GatedMLP, GqaAttention
-from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from ..runtime.embedding import ParallelLMHead, VocabParallelEmbedding
+from .base import CausalLM, vocab_embedding
+from .config import POSITIVE_NUMBER
+from .head import ScaledEmbedding, ScaledLMHead
+from .layers import QKV_PARAMS, DecoderLayer, GatedMLP, GqaAttention
+from .llama import LlamaConfig
+from .registry import dense, register_model
+from .settings import setting
 
-# transformers' GraniteConfig fields beyond Llama's, each defaulting to 1
-MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
-               "logits_scaling")
 
 
 @dataclass(frozen=True)
 class GraniteConfig(LlamaConfig):
-    """Llama's fields (``mlp_bias``, the llama3 rope) and Granite's four multipliers."""
+    """Llama's fields (``mlp_bias``, the llama3 rope) and Granite's four multipliers (each
+    defaulting to 1, as transformers' ``GraniteConfig``)."""
 
-    embedding_multiplier: float = 1.0
-    attention_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
-    logits_scaling: float = 1.0
+    embedding_multiplier: float = setting(1.0, POSITIVE_NUMBER)
+    attention_multiplier: float = setting(1.0, POSITIVE_NUMBER)
+    residual_multiplier: float = setting(1.0, POSITIVE_NUMBER)
+    logits_scaling: float = setting(1.0, POSITIVE_NUMBER)
     model_type: str = "granite"
-
-    fields = {**LlamaConfig.fields, **dict.fromkeys(MULTIPLIERS, POSITIVE_NUMBER)}
-
-    @classmethod
-    def read(cls, cfg: dict) -> dict:
-        multipliers = {f: number(cfg, f, 1.0) for f in MULTIPLIERS}
-        return dict(super().read(cfg), **multipliers)
 
 
 def granite_attention(cfg: GraniteConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
     """GQA whose softmax scale is ``attention_multiplier`` (PARTIAL: ``o_proj`` never
     reduces, the boundary owns the attention-TP sum)."""
-    return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                        cfg.head_dim, layer_id, runtime, dtype, bias=cfg.attention_bias,
-                        inv_freq=cfg.inverse_frequencies(), scaling=cfg.attention_multiplier)
+    return GqaAttention.of(cfg, layer_id, runtime, dtype, bias=cfg.attention_bias,
+                           inv_freq=cfg.inverse_frequencies(), scaling=cfg.attention_multiplier)
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -84,23 +75,20 @@ class GraniteDecoderLayer(DecoderLayer):
                 declare_ffn(sequence_parallel=True, update=update))
 
 
-@register_model("granite", GraniteConfig, architectures=("GraniteForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
-class GraniteForCausalLM(LlamaForCausalLM):
-    """Llama's skeleton (stacked q/k/v, a positional cache) with Granite's layers, its
-    embedding scaled by ``embedding_multiplier`` and its logits divided by
-    ``logits_scaling``."""
+@register_model("granite", GraniteConfig, architectures=("GraniteForCausalLM",), **dense())
+class GraniteForCausalLM(CausalLM):
+    """Granite's layers on a positional cache, its embedding scaled by
+    ``embedding_multiplier`` and its logits divided by ``logits_scaling``; q/k/v load
+    stacked."""
 
     layer_cls = GraniteDecoderLayer
 
-    def __init__(self, cfg: GraniteConfig, runtime, dtype=torch.float32, fusions=None):
-        super().__init__(cfg, runtime, dtype, fusions)
-        # rebuilt around the very weights, so a tied head stays tied
-        if self.stage.first:
-            self.model.embed_tokens = rebuilt_as(self.model.embed_tokens, ScaledEmbedding,
-                                                 scale=cfg.embedding_multiplier)
-        if self.stage.last:
-            self.lm_head = rebuilt_as(self.lm_head, ScaledLMHead, divisor=cfg.logits_scaling)
+    def make_embedding(self, cfg, runtime, dtype) -> VocabParallelEmbedding:
+        return vocab_embedding(cfg, runtime, dtype, ScaledEmbedding,
+                               scale=cfg.embedding_multiplier)
+
+    def make_head(self, cfg, runtime, dtype) -> ParallelLMHead:
+        return vocab_embedding(cfg, runtime, dtype, ScaledLMHead, divisor=cfg.logits_scaling)
+
+    def stacked_params(self) -> list:
+        return list(QKV_PARAMS)

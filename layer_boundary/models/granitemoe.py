@@ -31,39 +31,36 @@ from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import NotLinear, Rename
 from ..runtime.linear import expect_shape
 from ..runtime.shards import take
-from .config import CheckpointError, integer
+from .config import CheckpointError
 from .granite import GraniteConfig, GraniteForCausalLM, granite_attention
 from .layers import DecoderLayer
 from .mixtral import check_moe_parallel
 from .moe import FusedMoE
-from .registry import NO_QKV_LATENT, register_model
-
-# transformers' GraniteMoeConfig defaults, for what a config.json leaves out
-DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2}
+from .registry import dense, register_model
+from .settings import setting
 
 
 @dataclass(frozen=True)
 class GraniteMoeConfig(GraniteConfig):
-    """Granite's fields (no ``mlp_bias``), and the experts: ``num_experts``
-    (``num_local_experts``) of ``intermediate_size`` each, ``num_experts_per_tok`` chosen per
-    token."""
+    """Granite's fields (no ``mlp_bias``), and the experts (transformers' GraniteMoeConfig
+    defaults): ``num_experts`` (``num_local_experts``) of ``intermediate_size`` each,
+    ``num_experts_per_tok`` chosen per token."""
 
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
+    mlp_bias: bool = False
+    num_experts: int = setting(8, names=("num_local_experts",))
+    num_experts_per_tok: int = setting(2)
     model_type: str = "granitemoe"
 
-    fields = {f: c for f, c in GraniteConfig.fields.items() if f != "mlp_bias"}
     expert_fields, top_k_fields = ("num_local_experts",), ("num_experts_per_tok",)
 
     @classmethod
     def read(cls, cfg: dict) -> dict:
-        experts, k = (integer(cfg, field, default) for field, default in DEFAULTS.items())
-        cfg = {**cfg, "num_local_experts": experts, "num_experts_per_tok": k}
+        values = super().read(cfg)
+        experts, k = values["num_experts"], values["num_experts_per_tok"]
         if k > experts:  # validate() checks it where config.json names both
             raise CheckpointError(f"config.json field num_experts_per_tok={k} exceeds the "
                                   f"{experts} experts")
-        return dict(super().read(cfg), mlp_bias=False, num_experts=experts,
-                    num_experts_per_tok=k)
+        return values
 
 
 class GraniteMoeRouter(nn.Module):
@@ -149,12 +146,9 @@ class GraniteMoeDecoderLayer(DecoderLayer):
 
 
 @register_model("granitemoe", GraniteMoeConfig, architectures=("GraniteMoeForCausalLM",),
-                check_parallel=check_moe_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
+                **dense(check_parallel=check_moe_parallel, moe_a2a=True))
 class GraniteMoeForCausalLM(GraniteForCausalLM):
-    """Granite's skeleton (scaled embedding and logits, stacked q/k/v) with MoE layers; each
+    """Granite's model (scaled embedding and logits, stacked q/k/v) with MoE layers; each
     layer's fused expert tensors load into its experts' ``w13``/``w2``."""
 
     layer_cls = GraniteMoeDecoderLayer

@@ -53,15 +53,14 @@ from ..runtime import (BoundaryRuntime, ColumnParallelLinear, QKVParallelLinear,
 from ..runtime.embedding import VocabParallelEmbedding
 from ..runtime.hf_names import MLP_ROUTER
 from ..runtime.linear import expect_shape
-from .base import CausalLM
+from .base import CausalLM, vocab_embedding
 from .config import (BOOL, DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT,
                      POSITIVE_NUMBER, STRING_LIST, CheckedConfig, CheckpointError, check_divisible,
-                     check_unquantized_silu, require, required)
-from .head import ScaledLMHead, rebuilt_as
+                     check_heads, check_unquantized_silu, require, required)
+from .head import ScaledLMHead
 from .inkling_moe import InklingMLP, InklingMoE
 from .kv_cache import KVCache
-from .layers import DecoderLayer
-from .qwen3 import check_heads
+from .layers import QKV_PARAMS, DecoderLayer
 from .registry import NO_QKV_LATENT, register_model
 
 SLIDING, FULL = "hybrid_sliding", "hybrid"
@@ -339,7 +338,11 @@ class InklingDecoderLayer(DecoderLayer):
 
 
 class NormedEmbedding(VocabParallelEmbedding):
-    """The token embedding, then its RMSNorm (``embed_norm``)."""
+    """The token embedding, then its RMSNorm (``embed_norm``, of epsilon ``eps``)."""
+
+    def __init__(self, *args, eps: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.embed_norm = RMSNorm(self.weight.shape[1], eps, dtype=self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_norm(super().forward(input_ids))
@@ -351,14 +354,11 @@ class InklingCache(KVCache):
     layer keeps every position too, its mask hides the older ones), and every short
     convolution's windows (``short_conv``: the k/v convolutions' and the residual's)."""
 
-    def __init__(self, attention, slots: int, max_len: int, dtype, kernel: int, hidden: int,
+    def __init__(self, kv: KVCache, attention, slots: int, kernel: int, hidden: int,
                  device) -> None:
-        self.max_len = max_len
-        self.k, self.v, channels = {}, {}, {}
+        self.k, self.v, self.max_len = kv.k, kv.v, kv.max_len
+        channels = {}
         for a in attention:
-            shape = (slots, a.qkv_proj.num_kv_heads, max_len, a.head_dim)
-            self.k[a.index] = torch.zeros(shape, dtype=dtype, device=device)
-            self.v[a.index] = torch.zeros(shape, dtype=dtype, device=device)
             channels.update({f"layer{a.index}.k_sconv": a.qkv_proj.kv_size,
                              f"layer{a.index}.v_sconv": a.qkv_proj.kv_size,
                              f"layer{a.index}.attn_sconv": hidden,
@@ -401,27 +401,25 @@ class InklingForCausalLM(CausalLM):
     layer_cls = InklingDecoderLayer
     transformers_names = (MLP_ROUTER,)  # its router is no nn.Linear
 
-    def __init__(self, cfg: InklingConfig, runtime, dtype=torch.float32, fusions=None):
-        super().__init__(cfg, runtime, dtype, fusions)
-        if self.stage.first:
-            self.model.embed_tokens = rebuilt_as(
-                self.model.embed_tokens, NormedEmbedding,
-                embed_norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype))
-        if self.stage.last:
-            self.lm_head = rebuilt_as(self.lm_head, ScaledLMHead,
-                                      divisor=float(cfg.logits_mup_width_multiplier))
+    def make_embedding(self, cfg, runtime, dtype) -> NormedEmbedding:
+        return vocab_embedding(cfg, runtime, dtype, NormedEmbedding, eps=cfg.rms_norm_eps)
+
+    def make_head(self, cfg, runtime, dtype) -> ScaledLMHead:
+        return vocab_embedding(cfg, runtime, dtype, ScaledLMHead,
+                               divisor=float(cfg.logits_mup_width_multiplier))
 
     def ties_head(self) -> bool:
         return False  # embed and unembed are separate tensors in every checkpoint
 
-    def make_kv_cache(self, slots: int, max_len: int) -> InklingCache:
+    def cache_state(self, kv: KVCache, slots: int, max_len: int) -> InklingCache:
+        """Every short convolution's windows beside the k/v (each layer's own head counts
+        and dim: full or sliding; a sliding layer keeps every position too)."""
         cfg = self.config
-        return InklingCache([layer.self_attn for layer in self.model.layers], slots, max_len,
-                            self.dtype, cfg.conv_kernel_size, cfg.hidden_size, self.device)
+        return InklingCache(kv, [layer.self_attn for layer in self.model.layers], slots,
+                            cfg.conv_kernel_size, cfg.hidden_size, self.device)
 
     def stacked_params(self) -> list:
-        out = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
-               ("qkv_proj", "v_proj", "v")]
+        out = list(QKV_PARAMS)
         if any(self.config.sparse):
             out += [("experts.w13", "experts.gate_up_proj", "gate_up"),
                     ("experts.w2", "experts.down_proj", "down")]

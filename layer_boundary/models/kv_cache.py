@@ -3,6 +3,8 @@ sliding window (``attention.cached_attention`` reads and writes it)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -30,23 +32,27 @@ class KVCache:
     # a GPU run (scripts/gpu_check.py, "decode in place") before it becomes CUDA's default
     decode_in_place: bool = False
 
-    def __init__(self, layers, slots: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device="cpu", v_head_dim: int | None = None,
-                 window: int | None = None, shared_kv: bool = False,
-                 values_from_keys: int | None = None) -> None:
+    def __init__(self, layers, slots: int, max_len: int, kv_heads: int | dict,
+                 head_dim: int | dict, dtype: torch.dtype, device="cpu",
+                 v_head_dim: int | None = None, window: int | None = None,
+                 shared_kv: bool = False, values_from_keys: int | None = None) -> None:
+        """``kv_heads`` and ``head_dim``: every layer's, or {layer: its own} (Inkling's full
+        and sliding layers differ)."""
         if window is not None and window < 1:
             raise ValueError(f"sliding window must be positive, got {window}")
         rows = max_len if window is None else min(max_len, window)
-        k_shape = (slots, kv_heads, rows, head_dim)
-        v_shape = (slots, kv_heads, rows, v_head_dim or head_dim)
         layers = range(layers) if isinstance(layers, int) else layers
-        self.k = {i: torch.zeros(k_shape, dtype=dtype, device=device) for i in layers}
+        heads = kv_heads if isinstance(kv_heads, dict) else dict.fromkeys(layers, kv_heads)
+        dims = head_dim if isinstance(head_dim, dict) else dict.fromkeys(layers, head_dim)
+        self.k = {i: torch.zeros((slots, heads[i], rows, dims[i]), dtype=dtype, device=device)
+                  for i in layers}
         if shared_kv:
             self.v = self.k
         elif values_from_keys is not None:  # views: a value written is its key's first dims
             self.v = {i: k[..., :values_from_keys] for i, k in self.k.items()}
         else:
-            self.v = {i: torch.zeros(v_shape, dtype=dtype, device=device) for i in layers}
+            self.v = {i: torch.zeros((slots, heads[i], rows, v_head_dim or dims[i]),
+                                     dtype=dtype, device=device) for i in layers}
         self.max_len, self.window, self.rows, self.shared_kv = max_len, window, rows, shared_kv
         if torch.device(device).type == "cuda":
             # a compiled forward's graph writes these in place: marked static, inductor keeps
@@ -85,6 +91,33 @@ class KVCache:
             self.k[i].copy_(t)
         for i, t in (v or {}).items():
             self.v[i].copy_(t)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a model's KV cache keeps on this pipeline stage (``CausalLM.cache_layout``):
+    ``layers`` {cache index: (this rank's kv heads, head dim)} of the attention layers whose
+    keys and values it keeps, and how (``KVCache``'s ``window``, ``shared_kv``,
+    ``values_from_keys``)."""
+
+    layers: dict
+    window: int | None = None
+    shared_kv: bool = False
+    values_from_keys: int | None = None
+
+    @classmethod
+    def of(cls, attention, **how) -> CacheLayout:
+        """The layout of attention modules ``attention`` (each with its cache ``index``, its
+        ``qkv_proj``'s kv heads on this rank and its ``head_dim``)."""
+        return cls({a.index: (a.qkv_proj.num_kv_heads, a.head_dim) for a in attention}, **how)
+
+    def build(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        """The cache of ``slots`` requests of up to ``max_len`` positions."""
+        return KVCache(list(self.layers), slots, max_len,
+                       {i: heads for i, (heads, _) in self.layers.items()},
+                       {i: dim for i, (_, dim) in self.layers.items()}, dtype, device=device,
+                       window=self.window, shared_kv=self.shared_kv,
+                       values_from_keys=self.values_from_keys)
 
 
 # the attention that reads this cache, where it was first defined (model files import it from

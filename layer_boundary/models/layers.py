@@ -26,6 +26,12 @@ from .attention import cached_attention
 from .rope import apply_rope, forward_cos_sin, rope_key, rotate_half
 
 
+# a checkpoint's q, k and v projections, loaded stacked into ``GqaAttention.qkv_proj``
+# (``CausalLM.stacked_params``)
+QKV_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+              ("qkv_proj", "v_proj", "v"))
+
+
 class GqaAttention(nn.Module):
     """Grouped-query attention with q/k/v projected together (``qkv_proj``, heads over
     attention TP; kv heads split, or replicated over whole ranks) and ``o_proj``.
@@ -99,6 +105,14 @@ class GqaAttention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(self.qkv_proj.num_heads, dtype=torch.float32),
                                       requires_grad=False)
             self.sinks.weight_loader = self._sinks_loader
+
+    @classmethod
+    def of(cls, cfg, index: int, runtime: BoundaryRuntime, dtype, **options) -> GqaAttention:
+        """The attention of layer ``index`` of a config with a dense decoder's sizes
+        (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``);
+        ``options``: the rest of the arguments."""
+        return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                   cfg.head_dim, index, runtime, dtype, **options)
 
     norm_rope = None  # a fusion provider's per-head norm + RoPE kernel (``take_fusions``)
     norm_rope_dtypes: tuple = ()
@@ -250,13 +264,21 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, hidden_states, forward_batch):
         return self.mlp(hidden_states)
 
-    def forward(self, positions, hidden_states, forward_batch):
-        # each stage whole (``run``: prepare, compute inside the exit scope, finish): in a
-        # sequence-parallel batch the attention's scope lets its linears gather the
-        # scattered input and reduce-scatter the output
-        hidden_states = self.attn_boundary.run(hidden_states, forward_batch, self.attend,
-                                               positions)
-        return self.ffn_boundary.run(hidden_states, forward_batch, self.feed_forward)
+    def forward(self, positions, h, forward_batch):
+        """The layer's two residual steps, each one ``run`` of its stage's boundary::
+
+            h = h + self_attn(input_layernorm(h))
+            h = h + mlp(post_attention_layernorm(h))
+
+        ``run`` reads the residual through the stage's norm (``read_norms``), computes inside
+        the stage's exit scope (in a sequence-parallel batch the scope lets the linears
+        gather the scattered input and reduce-scatter the output) and adds the output by the
+        stage's declared update: ``+`` is the plain add, a post norm's ``h + norm(out)``
+        (OLMo-2) or a scaled ``h + m * out`` (Granite); a parallel block's FFN reads the
+        residual its attention read (Cohere). ``h`` is what the stage before left: the
+        residual, or an output whose sum is still owed (``OwedOutput``)."""
+        h = self.attn_boundary.run(h, forward_batch, self.attend, positions)  # h + attn(norm h)
+        return self.ffn_boundary.run(h, forward_batch, self.feed_forward)  # h + mlp(norm h)
 
 
 class PostNormDecoderLayer(DecoderLayer):

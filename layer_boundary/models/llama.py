@@ -1,27 +1,29 @@
-"""Llama with layer boundaries: Qwen3's dense decoder without the per-head q/k norm, with
-Llama's rotary variants (``default`` and Llama 3's ``llama3`` frequency scaling) and optional
-attention and MLP biases. Parameter names follow the Hugging Face checkpoint (q/k/v are
-stacked into ``qkv_proj`` at load time, as Qwen3's are).
+"""Llama with layer boundaries: the dense decoder the other dense models build on. GQA with
+rotary embedding (``default``, or Llama 3's ``llama3`` frequency scaling), a gated MLP,
+pre-norm RMSNorms, optional attention and MLP biases. Parameter names follow the Hugging
+Face checkpoint (q/k/v are stacked into ``qkv_proj`` at load time).
 
-Mistral (``mistral.py``) is this model with a sliding attention window.
+Qwen3 (``qwen3.py``) is this model with a per-head q/k norm; Mistral (``mistral.py``) with a
+sliding attention window.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+from torch import nn
 
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
-from .config import (BOOL, DECODER, POSITIVE_INT, POSITIVE_NUMBER, CheckpointError,
-                     check_unquantized_silu)
-from .kv_cache import KVCache
-from .layers import DecoderLayer, GatedMLP, GqaAttention
-from .qwen3 import Qwen3Config, Qwen3ForCausalLM, check_tp
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .base import CausalLM
+from .config import BOOL, POSITIVE_INT, POSITIVE_NUMBER, CheckpointError, check_unquantized_silu
+from .layers import QKV_PARAMS, DecoderLayer, GatedMLP, GqaAttention
+from .registry import dense, register_model
 from .rope import inverse_frequencies
+from .settings import DecoderConfig, setting
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -81,20 +83,23 @@ class Llama3Rope:
         return torch.where(between, smoothed, scaled)
 
 
-def read_rope(cfg: dict) -> tuple[float, Llama3Rope | None]:
-    """(rope_theta, the llama3 scaling or None) of a config.json; other rope types refused
-    by name."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+def read_rope(cfg: dict, types: tuple = ROPE_TYPES, default: float = 10000.0,
+              rope: dict | None = None) -> tuple[float, Llama3Rope | None]:
+    """(rope_theta, the llama3 scaling or None) of a config.json: of ``rope`` (None: its
+    ``rope_parameters``, else its legacy ``rope_scaling``), its theta else the top-level one
+    else ``default``; a rope type outside ``types`` and a partial rotary refused by name."""
+    if rope is None:
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in types:
         raise CheckpointError(f"config.json rope_type {rope_type!r} is not supported "
-                              f"({', '.join(ROPE_TYPES)} only)")
+                              f"({', '.join(types)} only)")
     for where in (cfg, rope):
         partial = where.get("partial_rotary_factor")
         if partial is not None and partial != 1:
             raise CheckpointError(f"config.json partial_rotary_factor={partial!r} is not "
                                   "supported (the whole head rotates)")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", default))
     if not POSITIVE_NUMBER.ok(theta):
         raise CheckpointError(f"config.json rope_theta must be {POSITIVE_NUMBER.what}, got "
                               f"{theta!r}")
@@ -102,30 +107,42 @@ def read_rope(cfg: dict) -> tuple[float, Llama3Rope | None]:
 
 
 @dataclass(frozen=True)
-class LlamaConfig(Qwen3Config):
-    """The dense decoder fields Qwen3 reads (Qwen3's reader reads them here too), and Llama's
-    own: ``mlp_bias`` and the llama3 rope scaling (``rope``)."""
+class LlamaConfig(DecoderConfig):
+    """The dense decoder's sizes (``DecoderConfig``) and Llama's fields: the norms' epsilon,
+    a tied head, biases on the attention and the MLP, the rope (its theta and Llama 3's
+    scaling, ``rope``: ``read_rope``)."""
 
-    mlp_bias: bool = False
+    rms_norm_eps: float = setting(1e-6)
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = setting(False)
+    attention_bias: bool = setting(False, BOOL)
+    mlp_bias: bool = setting(False, BOOL)
     rope: Llama3Rope | None = None
     model_type: str = "llama"
 
-    fields = {**DECODER, "mlp_bias": BOOL, "original_max_position_embeddings": POSITIVE_INT}
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> LlamaConfig:
-        return cls(**cls.read(cfg))
+    checks = {"original_max_position_embeddings": POSITIVE_INT}  # llama3's, read by its rope
+    rope_types: ClassVar[tuple] = ROPE_TYPES  # the rope types it computes
 
     @classmethod
     def read(cls, cfg: dict) -> dict:
-        """The dataclass fields of a config.json (what a subclass extends)."""
+        """What the model does not compute refused (``refuse``), then the declared settings
+        and the rope (``read_rope_fields``)."""
+        cls.refuse(cfg)
+        values = super().read(cfg)
+        return dict(values, **cls.read_rope_fields(cfg, values))
+
+    @classmethod
+    def refuse(cls, cfg: dict) -> None:
+        """Refuse by name what the model does not compute, before anything is read: a
+        quantized checkpoint, an activation other than silu."""
         check_unquantized_silu(cfg)
-        theta, rope = read_rope(cfg)
-        # the rope is read above; Qwen3's reader sees its plain form
-        dense = Qwen3Config.from_dict({**cfg, "rope_parameters": {"rope_theta": theta},
-                                       "rope_scaling": None}).__dict__
-        dense.pop("model_type")
-        return dict(dense, mlp_bias=bool(cfg.get("mlp_bias", False)), rope=rope)
+
+    @classmethod
+    def read_rope_fields(cls, cfg: dict, values: dict) -> dict:
+        """The rope's fields of a config.json (``values``: the settings read), as a model
+        whose rope reads otherwise (per layer type, a partial rotary) replaces them."""
+        theta, rope = read_rope(cfg, cls.rope_types, cls.default_of("rope_theta"))
+        return {"rope_theta": theta, "rope": rope}
 
     def inverse_frequencies(self) -> torch.Tensor:
         """The [head_dim / 2] rotary inverse frequencies, scaled for llama3."""
@@ -133,25 +150,30 @@ class LlamaConfig(Qwen3Config):
         return inv_freq if self.rope is None else self.rope.scale(inv_freq)
 
 
-def check_parallel(cfg: LlamaConfig, dims) -> None:
-    """Query and kv heads over attention TP, ``intermediate_size`` over TP."""
-    check_tp(cfg, dims.attn_tp, dims.tp)
-
-
 class LlamaDecoderLayer(DecoderLayer):
-    """GQA with rotary embedding and no q/k norm (PARTIAL: ``o_proj`` never reduces, the
-    boundary owns the attention-TP sum), then the gated MLP over TP."""
+    """GQA with rotary embedding (``make_attention``; PARTIAL: ``o_proj`` never reduces, the
+    boundary owns the attention-TP sum; a per-head RMSNorm on q and k where ``qk_norm``:
+    Qwen3's), then the FFN (``make_mlp``: the gated MLP over TP)."""
+
+    qk_norm = False
 
     def __init__(self, cfg: LlamaConfig, layer_id: int, runtime: BoundaryRuntime, dtype,
                  fusions=None):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, bias=cfg.attention_bias,
-            inv_freq=cfg.inverse_frequencies())
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype,
-                            bias=cfg.mlp_bias)
+        self.self_attn = self.make_attention(cfg, layer_id, runtime, dtype)
+        self.mlp = self.make_mlp(cfg, layer_id, runtime, dtype)
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+
+    def make_attention(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
+        """Layer ``layer_id``'s attention: GQA with the config's rotary embedding."""
+        return GqaAttention.of(cfg, layer_id, runtime, dtype, bias=cfg.attention_bias,
+                               qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
+                               inv_freq=cfg.inverse_frequencies())
+
+    def make_mlp(self, cfg, layer_id: int, runtime: BoundaryRuntime, dtype) -> nn.Module:
+        """Layer ``layer_id``'s FFN: the gated MLP (Qwen3-MoE's experts where it is sparse)."""
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype,
+                        bias=cfg.mlp_bias)
 
     @classmethod
     def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
@@ -159,21 +181,11 @@ class LlamaDecoderLayer(DecoderLayer):
         return declare_attn(sequence_parallel=True), declare_ffn(sequence_parallel=True)
 
 
-@register_model("llama", LlamaConfig, architectures=("LlamaForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
-class LlamaForCausalLM(Qwen3ForCausalLM):
-    """Qwen3's skeleton (stacked q/k/v) with Llama's layers; ``kv_window`` is the attention
-    window the cache keeps (None: every position)."""
+@register_model("llama", LlamaConfig, architectures=("LlamaForCausalLM",), **dense())
+class LlamaForCausalLM(CausalLM):
+    """Llama: ``CausalLM``'s skeleton with Llama's layers; q/k/v load stacked."""
 
     layer_cls = LlamaDecoderLayer
 
-    def kv_window(self) -> int | None:
-        return None
-
-    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        attn = self.model.layers[0].self_attn
-        return KVCache(self.stage.layers, slots, max_len, attn.qkv_proj.num_kv_heads,
-                       attn.head_dim, self.dtype, device=self.device, window=self.kv_window())
+    def stacked_params(self) -> list:
+        return list(QKV_PARAMS)

@@ -46,9 +46,9 @@ from .. import (append_stages, branch_input, branch_output, declare_attn, declar
 from ..runtime import BoundaryRuntime, RMSNorm
 from ..runtime.hf_names import StackExperts
 from .base import CausalLM
-from .deepseek_v3 import (DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_kv_cache,
+from .deepseek_v3 import (DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_layout,
                           mla_rope)
-from .kv_cache import KVCache
+from .kv_cache import CacheLayout
 from .config import (BOOL, DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
                      CheckpointError, check_divisible, number, require, theta_of)
 from .registry import register_model
@@ -353,10 +353,9 @@ class LongcatFlashForCausalLM(CausalLM):
                      count=("n_routed_experts", "zero_expert_num")),
         StackExperts(("down_proj",), "down_proj", count=("n_routed_experts",)))
 
-    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
+    def cache_layout(self) -> CacheLayout:
         # attention 2 i + k of decoder layer i owns KV-cache layer 2 i + k
-        layers = [2 * i + k for i in self.stage.layers for k in range(2)]
-        return mla_kv_cache(self, layers, slots, max_len)
+        return mla_layout(self.config, [2 * i + k for i in self.stage.layers for k in range(2)])
 
     @staticmethod
     def decoder_layers(cfg: LongcatFlashConfig) -> int:

@@ -20,17 +20,15 @@ from torch import nn
 
 from ..runtime.args import BoundaryRuntime
 from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, STRING,
-                     CheckpointError, check_unquantized_silu, require)
+                     CheckpointError, default_rope, theta_of)
 from .layers import GqaAttention
-from .mixtral import (MixtralDecoderLayer, MixtralForCausalLM, check_moe_parallel,
-                      experts_count, with_defaults)
+from .llama import LlamaConfig
+from .mixtral import (EXPERT_NAMES, MixtralDecoderLayer, MixtralForCausalLM,
+                      check_moe_parallel)
 from .moe import FusedMoE
-from .qwen3 import Qwen3Config
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
 from .rope import inverse_frequencies
-
-# transformers' defaults where config.json leaves a field out
-MINIMAX_DEFAULTS = {"rope_theta": 5e6, "head_dim": 128}
+from .settings import Null, setting
 
 
 def rotary_dims(cfg: dict, head_dim: int) -> int:
@@ -70,32 +68,35 @@ def refuse_contrary(cfg: dict) -> None:
 
 
 @dataclass(frozen=True)
-class MiniMaxM2Config(Qwen3Config):
-    """The dense decoder fields Qwen3 reads (no biases), the rotary dims of a head, and the
-    experts: ``num_experts`` (``num_local_experts``) of ``intermediate_size`` each,
-    ``num_experts_per_tok`` chosen per token."""
+class MiniMaxM2Config(LlamaConfig):
+    """Llama's dense fields (no biases, the default rope, transformers' MiniMax-M2 defaults),
+    the rotary dims of a head, and the experts: ``num_experts`` (``num_local_experts``) of
+    ``intermediate_size`` each, ``num_experts_per_tok`` chosen per token."""
 
+    head_dim: int = setting(128, null=Null.DEFAULT)
+    rope_theta: float = 5e6
+    # transformers' MiniMax-M2 has no biases: it reads neither attention_bias nor mlp_bias
+    attention_bias: bool = False
+    mlp_bias: bool = False
     rotary_dim: int = 0
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
+    num_experts: int = setting(names=EXPERT_NAMES)
+    num_experts_per_tok: int = setting()
     model_type: str = "minimax_m2"
 
-    fields = {"rotary_dim": POSITIVE_INT, "use_qk_norm": BOOL, "use_routing_bias": BOOL,
-              "qk_norm_type": STRING,
-              "shared_intermediate_size": NON_NEGATIVE_INT}
-    expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
+    checks = {"rotary_dim": POSITIVE_INT, "use_qk_norm": BOOL, "use_routing_bias": BOOL,
+              "qk_norm_type": STRING, "shared_intermediate_size": NON_NEGATIVE_INT}
+    expert_fields, top_k_fields = EXPERT_NAMES, ("num_experts_per_tok",)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> MiniMaxM2Config:
-        check_unquantized_silu(cfg)
+    def refuse(cls, cfg: dict) -> None:
+        super().refuse(cfg)
         refuse_contrary(cfg)
-        cfg = with_defaults(cfg, MINIMAX_DEFAULTS)
-        # transformers' MiniMax-M2 has no attention biases: it reads no attention_bias
-        dense = Qwen3Config.from_dict({**cfg, "attention_bias": False}).__dict__
-        dense.pop("model_type")
-        return cls(**dense, rotary_dim=rotary_dims(cfg, dense["head_dim"]),
-                   num_experts=experts_count(cfg),
-                   num_experts_per_tok=require(cfg, "num_experts_per_tok"))
+
+    @classmethod
+    def read_rope_fields(cls, cfg: dict, values: dict) -> dict:
+        """The default rope's theta, and the rotary dims of a head (a partial rotary)."""
+        theta = theta_of(default_rope(cfg), cfg, cls.default_of("rope_theta"))
+        return {"rope_theta": theta, "rotary_dim": rotary_dims(cfg, values["head_dim"])}
 
     def is_sparse(self, layer_id: int) -> bool:
         """Every layer's FFN is the MoE."""
@@ -144,10 +145,9 @@ class MiniMaxM2DecoderLayer(MixtralDecoderLayer):
 
     @staticmethod
     def make_attention(cfg: MiniMaxM2Config, layer_id: int, runtime: BoundaryRuntime, dtype):
-        return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                            cfg.head_dim, layer_id, runtime, dtype, qk_norm_eps=cfg.rms_norm_eps,
-                            qk_norm_width="hf", rotary_dim=cfg.rotary_dim,
-                            inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim))
+        return GqaAttention.of(cfg, layer_id, runtime, dtype, qk_norm_eps=cfg.rms_norm_eps,
+                               qk_norm_width="hf", rotary_dim=cfg.rotary_dim,
+                               inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim))
 
     @staticmethod
     def make_moe(cfg: MiniMaxM2Config, runtime: BoundaryRuntime, dtype):
@@ -155,10 +155,7 @@ class MiniMaxM2DecoderLayer(MixtralDecoderLayer):
 
 
 @register_model("minimax_m2", MiniMaxM2Config, architectures=("MiniMaxM2ForCausalLM",),
-                check_parallel=check_moe_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
+                **dense(check_parallel=check_moe_parallel, moe_a2a=True))
 class MiniMaxM2ForCausalLM(MixtralForCausalLM):
     """Mixtral's skeleton and checkpoint layout with MiniMax-M2's layers."""
 

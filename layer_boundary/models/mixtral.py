@@ -20,48 +20,32 @@ from dataclasses import dataclass
 from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import MLP_ROUTER, Rename, StackExperts
-from .config import check_divisible, require
-from .layers import DecoderLayer, GqaAttention
+from .base import CausalLM
+from .config import check_divisible, check_heads
+from .layers import QKV_PARAMS, DecoderLayer, GqaAttention
 from .mistral import MistralConfig
-from .llama import LlamaForCausalLM
 from .moe import expert_stacked_params
-from .qwen3 import check_heads
 from .qwen3_moe import Qwen3MoeSparseBlock
-from .registry import NO_QKV_LATENT, register_model
+from .registry import dense, register_model
+from .settings import setting
 
-# transformers' defaults where config.json leaves a field out
-MIXTRAL_DEFAULTS = {"rope_theta": 1e6, "rms_norm_eps": 1e-5}
-
-
-def with_defaults(cfg: dict, defaults: dict) -> dict:
-    """config.json with ``defaults`` filled in where a field is absent or null (a rope theta
-    in ``rope_parameters`` still wins over the top-level one)."""
-    return {**cfg, **{k: v for k, v in defaults.items() if cfg.get(k) is None}}
-
-
-def experts_count(cfg: dict) -> int:
-    """The routed experts: transformers writes ``num_local_experts`` (``num_experts`` is its
-    alias)."""
-    return require(cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts")
+# the routed experts: transformers writes ``num_local_experts`` (``num_experts`` is its alias)
+EXPERT_NAMES = ("num_local_experts", "num_experts")
 
 
 @dataclass(frozen=True)
 class MixtralConfig(MistralConfig):
-    """Mistral's fields, and the experts: ``num_experts`` (``num_local_experts``) of
-    ``intermediate_size`` each, ``num_experts_per_tok`` chosen per token."""
+    """Mistral's fields (with transformers' Mixtral defaults), and the experts:
+    ``num_experts`` (``num_local_experts``) of ``intermediate_size`` each,
+    ``num_experts_per_tok`` chosen per token."""
 
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
+    rms_norm_eps: float = setting(1e-5)
+    rope_theta: float = 1e6
+    num_experts: int = setting(names=EXPERT_NAMES)
+    num_experts_per_tok: int = setting()
     model_type: str = "mixtral"
 
-    fields = MistralConfig.fields
-    expert_fields, top_k_fields = ("num_local_experts", "num_experts"), ("num_experts_per_tok",)
-
-    @classmethod
-    def read(cls, cfg: dict) -> dict:
-        cfg = with_defaults(cfg, MIXTRAL_DEFAULTS)
-        return dict(super().read(cfg), num_experts=experts_count(cfg),
-                    num_experts_per_tok=require(cfg, "num_experts_per_tok"))
+    expert_fields, top_k_fields = EXPERT_NAMES, ("num_experts_per_tok",)
 
     # what the shared MoE block (qwen3_moe.Qwen3MoeSparseBlock) reads: each expert is
     # intermediate_size wide, and the top-k weights are always renormalised
@@ -99,9 +83,8 @@ class MixtralDecoderLayer(DecoderLayer):
 
     @staticmethod
     def make_attention(cfg: MixtralConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
-        return GqaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                            cfg.head_dim, layer_id, runtime, dtype,
-                            inv_freq=cfg.inverse_frequencies(), window=cfg.sliding_window)
+        return GqaAttention.of(cfg, layer_id, runtime, dtype,
+                               inv_freq=cfg.inverse_frequencies(), window=cfg.sliding_window)
 
     @staticmethod
     def make_moe(cfg: MixtralConfig, runtime: BoundaryRuntime, dtype):
@@ -129,13 +112,9 @@ def block_sparse_moe_name(name: str) -> str:
 
 
 @register_model("mixtral", MixtralConfig, architectures=("MixtralForCausalLM",),
-                check_parallel=check_moe_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
-class MixtralForCausalLM(LlamaForCausalLM):
-    """Llama's skeleton (stacked q/k/v, a positional cache) with Mixtral's layers; the
-    experts load stacked after q/k/v."""
+                **dense(check_parallel=check_moe_parallel, moe_a2a=True))
+class MixtralForCausalLM(CausalLM):
+    """Mixtral's layers on a positional cache; q/k/v and the experts load stacked."""
 
     layer_cls = MixtralDecoderLayer
     # transformers' mixtral conversion: block_sparse_moe is mlp, each expert's w1 (gate) and
@@ -145,7 +124,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
                           StackExperts(("w2",), "down_proj"), MLP_ROUTER)
 
     def stacked_params(self) -> list:
-        return super().stacked_params() + expert_stacked_params(self.config.num_experts)
+        return [*QKV_PARAMS, *expert_stacked_params(self.config.num_experts)]
 
     def checkpoint_name(self, name: str) -> str | None:
         return block_sparse_moe_name(name)

@@ -31,13 +31,12 @@ from ..runtime import (BoundaryRuntime, ColumnParallelLinear, RMSNorm,
 from ..runtime.hf_names import NotLinear, Rename, StackExperts
 from .base import CausalLM
 from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
-                     check_grouped_router, integer, number, require)
+                     check_grouped_router, check_heads, integer, number, require)
 from .deepseek_v3 import DeepseekV3Router
-from .kv_cache import KVCache
-from .layers import GqaAttention
+from .kv_cache import CacheLayout, KVCache
+from .layers import QKV_PARAMS, GqaAttention
 from .mamba2 import Mamba2Mixer, MambaState, group_split
 from .moe import ACTIVATIONS, UNSHARDED, FusedMoE, expert_stacked_params
-from .qwen3 import check_heads
 from .registry import NO_QKV_LATENT, register_model
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -369,27 +368,26 @@ class NemotronHForCausalLM(CausalLM):
         # head only where the checkpoint has none)
         return False
 
-    def make_kv_cache(self, slots: int, max_len: int) -> HybridCache:
-        """This stage's attention layers' k/v and Mamba layers' states, by their index among
-        the blocks of their kind."""
-        cfg, device = self.config, self.device
-        attn = [layer.mixer for layer in self.model.layers if layer.kind == ATTENTION]
+    def cache_layout(self) -> CacheLayout:
+        """The attention blocks' k/v, by their index among the blocks of their kind."""
+        return CacheLayout.of(b.mixer for b in self.model.layers if b.kind == ATTENTION)
+
+    def cache_state(self, kv: KVCache, slots: int, max_len: int) -> HybridCache:
+        """The Mamba blocks' states beside the k/v, by their index among the blocks of their
+        kind."""
+        cfg = self.config
         mamba = [layer.mixer for layer in self.model.layers if layer.kind == MAMBA]
-        kv_heads = attn[0].qkv_proj.num_kv_heads if attn else 1
-        kv = KVCache([a.index for a in attn], slots, max_len, kv_heads, cfg.head_dim,
-                     self.dtype, device=device)
         m = mamba[0] if mamba else None
         state = MambaState([x.index for x in mamba], slots, m.conv_channels if m else 0,
                            cfg.conv_kernel, m.heads if m else 0, cfg.mamba_head_dim,
-                           cfg.ssm_state_size, self.dtype, device=device)
+                           cfg.ssm_state_size, self.dtype, device=self.device)
         return HybridCache(kv, state)
 
     def stacked_params(self) -> list:
         cfg = self.config
         out = []
         if cfg.has(ATTENTION):
-            out += [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
-                    ("qkv_proj", "v_proj", "v")]
+            out += QKV_PARAMS
         if cfg.has(MOE):
             out += expert_stacked_params(cfg.n_routed_experts, gated=False)
         return out

@@ -25,7 +25,7 @@ from .. import layer_stack
 from ..residual import batch as residual_batch
 from ..runtime.norm import RMSNorm
 from .base import check_stage_producers
-from .deepseek_v3 import DeepseekV3DecoderLayer, ReplicatedLinear, mla_kv_cache
+from .deepseek_v3 import DeepseekV3DecoderLayer, ReplicatedLinear, mla_layout
 from .kv_cache import KVCache
 from .loader import CheckpointError, dequantized, iter_weights, load_weights, read_config
 from .moe import expert_stacked_params
@@ -69,7 +69,8 @@ class DeepseekV3NextN(nn.Module):
         return target.lm_head(h), h
 
     def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        return mla_kv_cache(self, [self.index], slots, max_len)
+        return mla_layout(self.config, [self.index]).build(slots, max_len, self.dtype,
+                                                           self.device)
 
     def load_weights(self, weights) -> None:
         prefix = re.compile(rf"^model\.layers\.{self.index}\.(.+)$")

@@ -20,26 +20,26 @@ import torch
 
 from ..runtime.args import BoundaryRuntime
 from ..runtime.norm import Fp32ScaleRMSNorm
-from .layers import GatedMLP, GqaAttention, PostNormDecoderLayer
-from .llama import LlamaConfig, LlamaForCausalLM, check_parallel
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .base import CausalLM
+from .layers import QKV_PARAMS, GatedMLP, GqaAttention, PostNormDecoderLayer
+from .llama import LlamaConfig, read_rope
+from .registry import dense, register_model
 
 
 @dataclass(frozen=True)
 class Olmo2Config(LlamaConfig):
+    # transformers' OLMo-2 has no MLP bias (attention_bias covers q/k/v/o)
+    mlp_bias: bool = False
     model_type: str = "olmo2"
 
-    # transformers' OLMo-2 has no MLP bias (attention_bias covers q/k/v/o)
-    fields = {f: c for f, c in LlamaConfig.fields.items() if f != "mlp_bias"}
-
     @classmethod
-    def read(cls, cfg: dict) -> dict:
+    def read_rope_fields(cls, cfg: dict, values: dict) -> dict:
         # transformers' reading (``convert_rope_params_to_dict``): a legacy rope_scaling, where
         # given, replaces rope_parameters whole, so its type wins and its theta comes from it
         # or the top-level rope_theta, never from rope_parameters
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        return dict(super().read({**cfg, "rope_parameters": rope, "rope_scaling": None}),
-                    mlp_bias=False)
+        theta, scaling = read_rope(cfg, cls.rope_types, cls.default_of("rope_theta"), rope)
+        return {"rope_theta": theta, "rope": scaling}
 
     def window(self, index: int) -> int | None:
         """Layer ``index``'s sliding window (None: every position)."""
@@ -60,27 +60,14 @@ class Olmo2DecoderLayer(PostNormDecoderLayer):
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         inv_freq, rope_scale = cfg.layer_rotary(layer_id)
-        self.self_attn = GqaAttention(
-            h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_id, runtime,
-            dtype, bias=cfg.attention_bias, qk_norm_eps=eps, qk_norm_width="fp32",
-            inv_freq=inv_freq, rope_scale=rope_scale, window=cfg.window(layer_id))
+        self.self_attn = GqaAttention.of(
+            cfg, layer_id, runtime, dtype, bias=cfg.attention_bias, qk_norm_eps=eps,
+            qk_norm_width="fp32", inv_freq=inv_freq, rope_scale=rope_scale,
+            window=cfg.window(layer_id))
         self.mlp = GatedMLP(h, cfg.intermediate_size, runtime, dtype)
         self.post_attention_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
         self.post_feedforward_layernorm = Fp32ScaleRMSNorm(h, eps, dtype=dtype)
         self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
-
-
-class PostNormCausalLM(LlamaForCausalLM):
-    """Llama's skeleton (stacked q/k/v, a positional cache) with the final norm as the
-    post norms compute (fp32 scale)."""
-
-
-    @staticmethod
-    def final_norm(cfg, dtype) -> torch.nn.Module:
-        return Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-
-    def kv_window(self) -> int | None:
-        return None  # positional: sliding layers (OLMo-3) mask their own window
 
 
 # What ``auto`` resolves to for OLMo-2 and OLMo-3 (the same layers), chosen by measurement:
@@ -93,11 +80,17 @@ AUTO = "rs+rsv"
 
 
 @register_model("olmo2", Olmo2Config, architectures=("Olmo2ForCausalLM",),
-                boundary_reduction=AUTO, positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
-class Olmo2ForCausalLM(PostNormCausalLM):
-    """OLMo-2: post norms as residual updates, q/k norms over every head."""
+                **dense(boundary_reduction=AUTO))
+class Olmo2ForCausalLM(CausalLM):
+    """OLMo-2: post norms as residual updates, q/k norms over every head, the final norm
+    as the post norms compute (fp32 scale), a positional cache (OLMo-3's sliding layers
+    mask their own window); q/k/v load stacked."""
 
     layer_cls = Olmo2DecoderLayer
+
+    @staticmethod
+    def final_norm(cfg, dtype) -> torch.nn.Module:
+        return Fp32ScaleRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def stacked_params(self) -> list:
+        return list(QKV_PARAMS)

@@ -17,9 +17,9 @@ import torch
 
 from .config import (BOOL, FULL, POSITIVE_INT, POSITIVE_NUMBER, SLIDING, SLIDING_FIELDS,
                      CheckpointError, layer_windows)
-from .llama import check_parallel, read_rope
-from .olmo2 import AUTO, Olmo2Config, Olmo2DecoderLayer, PostNormCausalLM
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .llama import LlamaConfig, read_rope
+from .olmo2 import AUTO, Olmo2Config, Olmo2ForCausalLM
+from .registry import dense, register_model
 from .rope import YarnRope, inverse_frequencies
 
 
@@ -114,7 +114,7 @@ def read_layer_rope(rope: dict, cfg: dict, truncate: bool) -> tuple:
     # reading never looks at a top-level original_max_position_embeddings)
     base = {k: v for k, v in cfg.items() if k != "original_max_position_embeddings"}
     plain = {**rope, "rope_type": "default"} if rope_type == "yarn" else rope
-    theta, scaling = read_rope({**base, "rope_parameters": plain, "rope_scaling": None})
+    theta, scaling = read_rope(base, rope=plain)
     return theta, read_yarn(rope, cfg, truncate) if rope_type == "yarn" else scaling
 
 
@@ -124,12 +124,13 @@ class Olmo3Config(Olmo2Config):
     ropes: tuple = ()  # each layer's (rope_theta, llama3 or yarn scaling or None)
     model_type: str = "olmo3"
 
-    fields = {**Olmo2Config.fields, **SLIDING_FIELDS}
+    checks = {**LlamaConfig.checks, **SLIDING_FIELDS}
 
     @classmethod
-    def read(cls, cfg: dict) -> dict:
-        layers = cfg.get("num_hidden_layers")
-        windows = layer_windows(cfg, layers, default_layer_types)
+    def read_rope_fields(cls, cfg: dict, values: dict) -> dict:
+        """Each layer's window and rope (``windows``, ``ropes``); ``rope_theta``: the last
+        layer's."""
+        windows = layer_windows(cfg, values["num_hidden_layers"], default_layer_types)
         kinds = [SLIDING if w is not None else FULL for w in windows]
         per_type = layer_type_ropes(cfg, set(kinds))
         # transformers' yarn reads ``truncate`` from rope_parameters' top level only
@@ -138,11 +139,8 @@ class Olmo3Config(Olmo2Config):
             raise CheckpointError(f"config.json rope_parameters.truncate must be {BOOL.what}, "
                                   f"got {truncate!r}")
         ropes = {kind: read_layer_rope(rope, cfg, truncate) for kind, rope in per_type.items()}
-        # the dense fields read with a plain rope: each layer's own is in ``ropes``
-        plain = {**cfg, "rope_parameters": {"rope_theta": ropes[kinds[-1]][0]},
-                 "rope_scaling": None}
-        return dict(super().read(plain), windows=windows,
-                    ropes=tuple(ropes[kind] for kind in kinds))
+        return {"rope_theta": ropes[kinds[-1]][0], "windows": windows,
+                "ropes": tuple(ropes[kind] for kind in kinds)}
 
     def window(self, index: int) -> int | None:
         return self.windows[index]
@@ -156,11 +154,6 @@ class Olmo3Config(Olmo2Config):
 
 
 @register_model("olmo3", Olmo3Config, architectures=("Olmo3ForCausalLM",),
-                boundary_reduction=AUTO, positional_cache=True,  # AUTO: measured in olmo2.py
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
-class Olmo3ForCausalLM(PostNormCausalLM):
-    """OLMo-3: OLMo-2's layers, sliding or full by ``layer_types``."""
-
-    layer_cls = Olmo2DecoderLayer
+                **dense(boundary_reduction=AUTO))  # AUTO: measured in olmo2.py
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo-3: OLMo-2's model, its layers sliding or full by ``layer_types``."""

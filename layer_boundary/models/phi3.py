@@ -26,20 +26,15 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from .. import declare_attn, declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.fused import load_fused_blocks, use_loader
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
-from .config import (POSITIVE_INT, POSITIVE_NUMBER, CheckpointError,
-                     check_unquantized_silu)
-from .layers import DecoderLayer, GqaAttention
-from .llama import LlamaForCausalLM, check_parallel
-from .qwen3 import Qwen3Config
-from .registry import NO_MOE_LAYERS, NO_QKV_LATENT, register_model
+from .config import POSITIVE_NUMBER, CheckpointError
+from .layers import GqaAttention
+from .llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
+from .registry import dense, register_model
 from .rope import inverse_frequencies
-
-# transformers' Phi3Config defaults, for what a config.json leaves out
-DEFAULTS = {"rms_norm_eps": 1e-5}
+from .settings import setting
 
 
 def read_rope(cfg: dict) -> tuple[float, float]:
@@ -60,34 +55,29 @@ def read_rope(cfg: dict) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
-class Phi3Config(Qwen3Config):
-    """Qwen3's dense fields (no biases, no q/k norm), the rotary's width and the window."""
+class Phi3Config(LlamaConfig):
+    """Llama's dense fields (no biases, the default rope; transformers' Phi-3 defaults), the
+    rotary's width and the window."""
 
+    rms_norm_eps: float = setting(1e-5)
+    # transformers' Phi-3 has no biases: it reads neither attention_bias nor mlp_bias
+    attention_bias: bool = False
+    mlp_bias: bool = False
     rotary_dim: int = 0  # the leading dims of each head that rotate
-    sliding_window: int | None = None
+    sliding_window: int | None = setting(None)
     model_type: str = "phi3"
 
-    # transformers' Phi-3 has no biases: it reads no attention_bias
-    fields = {"original_max_position_embeddings": POSITIVE_INT}
-
     @classmethod
-    def from_dict(cls, cfg: dict) -> Phi3Config:
-        check_unquantized_silu(cfg)
-        # defaults where config.json leaves a field out; a null stays null, for the readers
-        # to refuse by name where transformers would (rms_norm_eps: null ran with 1e-5)
-        cfg = {**DEFAULTS, **cfg}
+    def read_rope_fields(cls, cfg: dict, values: dict) -> dict:
+        """The theta and the rotary dims of a head (Phi-3's rope dict, partial rotary)."""
         theta, partial = read_rope(cfg)
-        # the rope is read above; Qwen3's reader sees its plain form
-        dense = Qwen3Config.from_dict({**cfg, "rope_parameters": {"rope_theta": theta},
-                                       "rope_scaling": None, "attention_bias": False}).__dict__
-        dense.pop("model_type")
-        head_dim = dense["head_dim"]
+        head_dim = values["head_dim"]
         rotary_dim = int(head_dim * partial)  # transformers' int(), so the same dims rotate
         if partial > 1 or rotary_dim < 2 or rotary_dim % 2:
             raise CheckpointError(f"config.json partial_rotary_factor={partial!r} rotates "
                                   f"{rotary_dim} of head_dim={head_dim} dims; an even count "
                                   "from 2 to head_dim is supported")
-        return cls(**dense, rotary_dim=rotary_dim, sliding_window=cfg.get("sliding_window"))
+        return {"rope_theta": theta, "rotary_dim": rotary_dim}
 
 
 class Phi3MLP(nn.Module):
@@ -112,40 +102,29 @@ class Phi3MLP(nn.Module):
         return self.down_proj(up * F.silu(gate))
 
 
-class Phi3DecoderLayer(DecoderLayer):
-    """GQA (fused q/k/v, partial rotary, the sliding window; PARTIAL: ``o_proj`` never
-    reduces, the boundary owns the attention-TP sum), then the fused gated MLP over TP."""
+class Phi3DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with Phi-3's compute: GQA with fused q/k/v, partial rotary and the
+    sliding window, then the fused gated MLP over TP."""
 
-    def __init__(self, cfg: Phi3Config, layer_id: int, runtime: BoundaryRuntime, dtype,
-                 fusions=None):
-        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = GqaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            layer_id, runtime, dtype, window=cfg.sliding_window,
-            inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
-            rotary_dim=cfg.rotary_dim)
-        qkv = self.self_attn.qkv_proj
+    def make_attention(self, cfg: Phi3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        attn = GqaAttention.of(cfg, layer_id, runtime, dtype, window=cfg.sliding_window,
+                               inv_freq=inverse_frequencies(cfg.rope_theta, cfg.rotary_dim),
+                               rotary_dim=cfg.rotary_dim)
+        qkv = attn.qkv_proj
         q_rows = cfg.num_attention_heads * cfg.head_dim
         kv_rows = cfg.num_key_value_heads * cfg.head_dim
         use_loader(qkv, load_fused_blocks(qkv, (q_rows, kv_rows, kv_rows), ("q", "k", "v"),
                                           name="self_attn.qkv_proj"))
-        self.mlp = Phi3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
-        self.connect(cfg, layer_id, runtime, fusions=fusions, name=f"layer{layer_id}")
+        return attn
 
-    @classmethod
-    def declarations(cls, cfg, index: int, runtime: BoundaryRuntime, layer=None) -> tuple:
-        # the attention's and the MLP's linears move the rows in a sequence-parallel batch
-        return declare_attn(sequence_parallel=True), declare_ffn(sequence_parallel=True)
+    def make_mlp(self, cfg: Phi3Config, layer_id: int, runtime: BoundaryRuntime, dtype):
+        return Phi3MLP(cfg.hidden_size, cfg.intermediate_size, runtime, dtype)
 
 
-@register_model("phi3", Phi3Config, architectures=("Phi3ForCausalLM",),
-                boundary_reduction="rs+rsv", positional_cache=True,
-                check_parallel=check_parallel, context_parallel=True, sequence_parallel=True,
-                attn_input_scattered=NO_QKV_LATENT, moe_a2a=NO_MOE_LAYERS,
-                batch_invariant=True)
+@register_model("phi3", Phi3Config, architectures=("Phi3ForCausalLM",), **dense())
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3: Llama's skeleton and head with the fused checkpoint tensors loaded as they are
-    (nothing stacked at load), the window on a positional cache."""
+    """Phi-3: Llama's model with the fused checkpoint tensors loaded as they are (nothing
+    stacked at load), the window on a positional cache."""
 
     layer_cls = Phi3DecoderLayer
 

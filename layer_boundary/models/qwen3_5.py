@@ -93,7 +93,7 @@ class Qwen3_5ForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
 
 @register_model("qwen3_5_text", Qwen3_5Config, architectures=("Qwen3_5ForCausalLM",),
                 **CAPABILITIES)
-class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):
-    """Qwen3.5 as transformers' text-only class saves it."""
+class Qwen3_5TextForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
+    """Qwen3.5's language model as transformers' text-only class saves it."""
 
     transformers_names = TEXT_NAMES

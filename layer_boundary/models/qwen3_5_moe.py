@@ -37,7 +37,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
 
 @register_model("qwen3_5_moe_text", Qwen3_5MoeConfig,
                 architectures=("Qwen3_5MoeForCausalLM",), **MOE_CAPABILITIES)
-class Qwen3_5MoeTextForCausalLM(Qwen3_5MoeForCausalLM):
-    """Qwen3.5-MoE as transformers' text-only class saves it."""
+class Qwen3_5MoeTextForCausalLM(Qwen3_5Names, Qwen3NextForCausalLM):
+    """Qwen3.5-MoE's language model as transformers' text-only class saves it."""
 
     transformers_names = TEXT_NAMES

@@ -11,40 +11,33 @@ from torch import nn
 from .. import declare_ffn
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
-from .config import DECODER, EXPERTS, INT_LIST, POSITIVE_INT, integer, quantized_read, require
-from .registry import NO_QKV_LATENT, register_model
+from .config import EXPERTS, INT_LIST, POSITIVE_INT, check_tp, quantized_read
+from .registry import dense, register_model
 from ..runtime.quant import fake_quantize
+from .layers import QKV_PARAMS
+from .llama import LlamaForCausalLM
 from .moe import FusedMoE, expert_stacked_params, experts_fp8_group
-from .qwen3 import Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, check_tp
+from .qwen3 import Qwen3Config, Qwen3DecoderLayer
+from .settings import setting
 
 
 @dataclass(frozen=True)
 class Qwen3MoeConfig(Qwen3Config):
-    moe_intermediate_size: int = 0
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple = ()
+    """Qwen3's fields and the experts: ``num_experts`` of ``moe_intermediate_size`` each,
+    ``num_experts_per_tok`` chosen per token, on every ``decoder_sparse_step``-th layer but
+    ``mlp_only_layers``."""
+
+    moe_intermediate_size: int = setting()
+    # transformers writes num_local_experts; released checkpoints num_experts
+    num_experts: int = setting(names=("num_experts", "num_local_experts"))
+    num_experts_per_tok: int = setting()
+    norm_topk_prob: bool = setting(False, EXPERTS["norm_topk_prob"])
+    decoder_sparse_step: int = setting(1, POSITIVE_INT)
+    mlp_only_layers: tuple = setting((), INT_LIST)
     model_type: str = "qwen3_moe"
 
-    fields = {**DECODER, **EXPERTS, "decoder_sparse_step": POSITIVE_INT,
-              "mlp_only_layers": INT_LIST}
+    checks = {"routed_scaling_factor": EXPERTS["routed_scaling_factor"]}
     expert_fields, top_k_fields = ("num_experts", "num_local_experts"), ("num_experts_per_tok",)
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> Qwen3MoeConfig:
-        base = Qwen3Config.from_dict(cfg).__dict__
-        base.pop("model_type")
-        return cls(**base,
-                   moe_intermediate_size=require(cfg, "moe_intermediate_size"),
-                   # transformers writes num_local_experts; released checkpoints num_experts
-                   num_experts=require(cfg, "num_experts" if "num_experts" in cfg
-                                       else "num_local_experts"),
-                   num_experts_per_tok=require(cfg, "num_experts_per_tok"),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                   decoder_sparse_step=integer(cfg, "decoder_sparse_step", 1),
-                   mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
     def is_sparse(self, layer_id: int) -> bool:
         return (0 <= layer_id < self.num_hidden_layers and layer_id not in self.mlp_only_layers
@@ -98,11 +91,13 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    """Qwen3's layer with the experts' block on its sparse layers."""
+
     def make_mlp(self, cfg: Qwen3MoeConfig, layer_id: int, runtime: BoundaryRuntime, dtype):
         if cfg.is_sparse(layer_id):
             return Qwen3MoeSparseBlock(cfg, runtime, dtype,
                                        experts_fp8_group(cfg, layer_id, cfg.num_experts))
-        return Qwen3MLP(cfg, runtime, dtype)
+        return super().make_mlp(cfg, layer_id, runtime, dtype)
 
     @staticmethod
     def ffn_declaration(cfg: Qwen3MoeConfig, layer_id: int, runtime: BoundaryRuntime):
@@ -120,11 +115,8 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
 
 @register_model("qwen3_moe", Qwen3MoeConfig, architectures=("Qwen3MoeForCausalLM",),
-                check_parallel=check_parallel,
-                boundary_reduction="rs+rsv", positional_cache=True, context_parallel=True,
-                sequence_parallel=True, attn_input_scattered=NO_QKV_LATENT, moe_a2a=True,
-                batch_invariant=True)
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+                **dense(check_parallel=check_parallel, moe_a2a=True))
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3's attention before MoE FFNs (a gated MLP where the layer is dense); the experts'
     weights load stacked after q/k/v."""
 
@@ -134,4 +126,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     transformers_names = (*GATE_UP_EXPERTS, MLP_ROUTER)
 
     def stacked_params(self) -> list:
-        return super().stacked_params() + expert_stacked_params(self.config.num_experts)
+        return [*QKV_PARAMS, *expert_stacked_params(self.config.num_experts)]

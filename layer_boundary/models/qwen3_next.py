@@ -36,15 +36,15 @@ from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from .base import CausalLM
 from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
-                     CheckpointError, check_unquantized_silu, integer, number, require, theta_of)
+                     CheckpointError, check_heads, check_unquantized_silu, integer, number,
+                     require, theta_of)
 from .gated_deltanet import GatedDeltaNet, check_heads as check_linear_heads
 from .attention import cached_attention
-from .kv_cache import KVCache
-from .layers import DecoderLayer, GatedMLP
+from .kv_cache import CacheLayout, KVCache
+from .layers import QKV_PARAMS, DecoderLayer, GatedMLP
 from .mamba2 import MambaState
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params
 from .nemotron_h import HybridCache
-from .qwen3 import check_heads
 from .qwen3_moe import Qwen3MoeRouter
 from .registry import NO_QKV_LATENT, register_model
 from .rope import apply_rope, forward_cos_sin, inverse_frequencies, rope_key
@@ -359,28 +359,28 @@ class Qwen3NextForCausalLM(CausalLM):
     def final_norm(cfg, dtype) -> torch.nn.Module:
         return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)  # zero-centered
 
-    def make_kv_cache(self, slots: int, max_len: int) -> HybridCache:
-        """This stage's attention layers' k/v and DeltaNet layers' conv windows and recurrent
-        states, by their index among the layers of their kind."""
-        cfg, device = self.config, self.device
-        attn = [layer.self_attn for layer in self.model.layers if layer.kind == FULL]
+    def cache_layout(self) -> CacheLayout:
+        """The attention layers' k/v, by their index among the layers of their kind."""
+        return CacheLayout.of(layer.self_attn for layer in self.model.layers
+                              if layer.kind == FULL)
+
+    def cache_state(self, kv: KVCache, slots: int, max_len: int) -> HybridCache:
+        """The DeltaNet layers' conv windows and recurrent states beside the k/v, by their
+        index among the layers of their kind."""
+        cfg = self.config
         linear = [layer.linear_attn for layer in self.model.layers if layer.kind == LINEAR]
-        kv_heads = attn[0].qkv_proj.num_kv_heads if attn else 1
-        kv = KVCache([a.index for a in attn], slots, max_len, kv_heads, cfg.head_dim,
-                     self.dtype, device=device)
         m = linear[0] if linear else None
         # MambaState's shapes: the [heads, head_dim, state_size] state is [v heads, dk, dv]
         state = MambaState([x.index for x in linear], slots, m.conv_channels if m else 0,
                            cfg.linear_conv_kernel_dim, m.v_heads if m else 0,
                            cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype,
-                           device=device)
+                           device=self.device)
         return HybridCache(kv, state)
 
     def stacked_params(self) -> list:
         out = []
         if self.config.has(FULL):
-            out += [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
-                    ("qkv_proj", "v_proj", "v")]
+            out += QKV_PARAMS
         if self.config.num_experts:
             out += expert_stacked_params(self.config.num_experts)
         return out

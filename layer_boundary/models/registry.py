@@ -16,6 +16,9 @@ A model declares itself in its own file, on its class, with ``@register_model``:
     class LlamaForCausalLM(CausalLM):
         layer_cls = LlamaDecoderLayer
 
+(those are a dense decoder's: ``llama.py`` says them as ``**dense()``, ``DENSE``, and a model
+built like it names what differs, ``**dense(moe_a2a=True, ...)``).
+
 The command line, the runner, the loader and the draft checks read these facts here; none
 of them names an architecture. The registry fills itself by importing every module of this
 package once, on first use, so a new model file is found without being listed anywhere.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .config import CheckpointError
+from .config import CheckpointError, check_dense
 
 _MODELS: dict[str, type] = {}
 # the Hugging Face ``architectures`` entries a model declares, each naming the class whose
@@ -44,6 +47,27 @@ SUPPORT = ("context_parallel", "sequence_parallel", "attn_input_scattered", "moe
 # reasons several models give, stated once
 NO_QKV_LATENT = "its attention has no qkv latent to run before the gather (MLA only)"
 NO_MOE_LAYERS = "it has no MoE layers to dispatch"
+# What a dense decoder built on the shared layers (GQA and a gated MLP: Llama's) declares:
+# ``auto`` picks rs or rsv per batch, its cache is positional (a draft may use it), its
+# attention runs on a CP share, its linears move a sequence-parallel batch's rows, it splits
+# heads and ``intermediate_size`` (``config.check_dense``); it has no qkv latent and no MoE
+# layers. A model built so registers with ``**dense(...)``, naming what differs.
+DENSE = {"boundary_reduction": "rs+rsv", "positional_cache": True, "check_parallel": check_dense,
+         "context_parallel": True, "sequence_parallel": True,
+         "attn_input_scattered": NO_QKV_LATENT, "moe_a2a": NO_MOE_LAYERS,
+         "batch_invariant": True}
+
+
+def dense(**differs) -> dict:
+    """The capabilities ``register_model`` takes, as a dense decoder declares them
+    (``DENSE``), with what this model declares otherwise (``differs``: capability -> its
+    value, e.g. ``moe_a2a=True`` and its own ``check_parallel`` for a MoE)."""
+    unknown = sorted(set(differs) - set(CAPABILITIES))
+    if unknown:
+        raise TypeError(f"dense(): unknown capabilities {unknown}")
+    return {**DENSE, **differs}
+
+
 # batch invariance under attention DP (CausalLM.batch_invariant_dp)
 PARALLEL_BLOCK_DP = ("its parallel block adds each DP rank's attention output into that rank's "
                      "rows of the FFN's sum over TP, so where a request's attention output "

@@ -12,7 +12,7 @@ from torch import nn
 from ... import PostNormAdd, declare_attn, declare_ffn
 from ...capabilities import Feature
 from ..base import CausalLM
-from ..kv_cache import KVCache
+from ..kv_cache import CacheLayout
 from ..layers import DecoderLayer
 from ..registry import NO_QKV_LATENT, declare_capabilities
 from .attention import position_embeddings, takes_layer_type
@@ -158,6 +158,6 @@ class GenericCausalLM(CausalLM):
     def load_weights(self, weights) -> None:
         super().load_weights(checkpoint_weights(weights, self))
 
-    def make_kv_cache(self, slots: int, max_len: int) -> KVCache:
-        return KVCache(self.stage.layers, slots, max_len, self._kv_heads, self.config.head_dim,
-                       self.dtype, device=self.device)
+    def cache_layout(self) -> CacheLayout:
+        shape = (self._kv_heads, self.config.head_dim)  # every head where k_proj is replicated
+        return CacheLayout(dict.fromkeys(self.stage.layers, shape))
