@@ -20,6 +20,7 @@ decode of the same requests).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import sys
 import tempfile
@@ -60,8 +61,11 @@ def _triton_launches(mode: _Dispatched):
     from layer_boundary.fusions import kernels
     from layer_boundary.models import decode_kernel
 
-    originals = {(kernels, name): getattr(kernels, name)
-                 for name in ("add_rms_norm", "add_rms_norm_fp8", "head_norm_rope")}
+    # every public function of the kernels module launches one kernel (a new one counts
+    # without being listed here)
+    originals = {(kernels, name): fn for name, fn in vars(kernels).items()
+                 if inspect.isfunction(fn) and fn.__module__ == kernels.__name__
+                 and not name.startswith("_")}
     originals[(decode_kernel, "launch")] = decode_kernel.launch
 
     def counted(name, call):

@@ -185,6 +185,7 @@ def kernel_cases(device: str) -> list:
                           (value, residual, weight - 1, 1e-6, True)))
             cases.append((f"add_rms_norm_fp8 {tag}", "add_rms_norm_fp8",
                           (value, residual, weight, 1e-6, 16, False)))
+            cases.append((f"silu_mul {tag}", "silu_mul", (value, residual)))
     return cases
 
 
@@ -288,7 +289,8 @@ def kernel_bandwidth() -> None:
              4 * value.numel() * 2),
             ("add_rms_norm_fp8", lambda: kernels.add_rms_norm_fp8(value, residual, weight,
                                                                   1e-6, 128),
-             3 * value.numel() * 2 + value.numel())):
+             3 * value.numel() * 2 + value.numel()),
+            ("silu_mul", lambda: kernels.silu_mul(value, residual), 3 * value.numel() * 2)):
         bw = moved / _timed(fn)
         row(f"bandwidth {name} bf16 {rows}x{width}", bw >= 0.5 * copy_bw,
             f"{bw / 1e9:.0f} GB/s against copy {copy_bw / 1e9:.0f} GB/s ({bw / copy_bw:.2f})")

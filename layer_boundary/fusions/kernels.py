@@ -202,3 +202,35 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
                                          cos.stride(0), eps, D=dim, HALF=dim // 2,
                                          BF16=x.dtype == torch.bfloat16)
     return out
+
+
+@triton.jit
+def _silu_mul(gate_ptr, up_ptr, out_ptr, gate_row, up_row, out_row, n_cols,
+              BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """A program per token row: ``silu(gate) * up`` as torch computes the two ops, silu in
+    fp32 rounded to the dtype, then the product rounded; a row's numbers never depend on the
+    rows beside it."""
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    out_ty = out_ptr.dtype.element_ty
+    g = tl.load(gate_ptr + t * gate_row + cols, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + t * up_row + cols, mask=inside, other=0.0).to(tl.float32)
+    act = _rounded(g / (1.0 + tl.exp(-g)), out_ty, BF16).to(tl.float32)
+    tl.store(out_ptr + t * out_row + cols, _rounded(act * u, out_ty, BF16), mask=inside)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` in one launch: gate and up [T, I] of one dtype (rows may be
+    strided, each row contiguous). Returns a new [T, I]."""
+    tokens, width = gate.shape
+    out = torch.empty((tokens, width), dtype=gate.dtype, device=gate.device)
+    if tokens and width:
+        if gate.stride(-1) != 1:
+            gate = gate.contiguous()
+        if up.stride(-1) != 1:
+            up = up.contiguous()
+        _silu_mul[(tokens,)](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), width,
+                             BLOCK=triton.next_power_of_2(width),
+                             BF16=gate.dtype == torch.bfloat16)
+    return out

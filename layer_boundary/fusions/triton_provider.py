@@ -157,12 +157,17 @@ class TritonFusions(ReferenceFusions):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(NOT_INTERPRETED)  # its kernels could run nowhere
         self.kernels = _kernels()
-        self.kernel_dtypes = self.kernels.KERNEL_DTYPES  # what ``head_norm_rope`` takes
+        self.kernel_dtypes = self.kernels.KERNEL_DTYPES  # what its model kernels take
 
     def head_norm_rope(self, x, weight, eps: float, cos, sin):
         """Model compute a module may take (``take_fusions``): a head's RMSNorm and
         rotate-half RoPE in one launch (``kernels.head_norm_rope``)."""
         return self.kernels.head_norm_rope(x, weight, eps, cos, sin)
+
+    def silu_mul(self, gate, up):
+        """Model compute a module may take (``take_fusions``): a gated MLP's ``silu(gate) *
+        up`` in one launch (``kernels.silu_mul``)."""
+        return self.kernels.silu_mul(gate, up)
 
     def _input(self, plan: InputPlan) -> list[FusedInput]:
         self._parallel = plan.parallel

@@ -196,8 +196,20 @@ class GatedMLP(nn.Module):
                                            reduce_results=reduce_results, dtype=dtype,
                                            name="down_proj")
 
+        self.silu_mul, self.silu_mul_dtypes = None, ()
+
+    def take_fusions(self, provider) -> None:
+        """Take ``provider``'s fused ``silu(gate) * up`` (``silu_mul``, the Triton
+        provider's), one launch for the two ops; a provider without it leaves them as they
+        are."""
+        self.silu_mul = getattr(provider, "silu_mul", None)
+        self.silu_mul_dtypes = getattr(provider, "kernel_dtypes", ()) if self.silu_mul else ()
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.silu_mul is not None and gate.dtype in self.silu_mul_dtypes and gate.dim() == 2:
+            return self.down_proj(self.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
