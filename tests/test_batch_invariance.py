@@ -83,6 +83,9 @@ def test_in_the_mode_an_activation_is_each_rows_own():
         for i in range(15):
             assert torch.equal(out[i:i + 1], silu(x[i:i + 1]))
         assert torch.equal(silu(x.view(3, 5, 40)), out.view(3, 5, 40))
+        in_place = x.clone()
+        silu(in_place, inplace=True)  # an in-place op too, its rows written back
+        assert torch.equal(in_place, out)
         assert torch.sigmoid(x[:0]).shape == (0, 40)  # an empty DP rank
     # the comparison means something: off the mode some row takes other bits in the batch
     batched = silu(x)

@@ -158,14 +158,25 @@ def _topk(func, x, k, dim=-1, *args):
 # it on some backend (its kernel, blocking or vector path chosen by the whole tensor), each with
 # how its rows are taken. Every other op passes through: elementwise arithmetic (rsqrt and
 # sqrt too) IEEE rounds the same on any path, and a gather, copy or view moves bits unchanged.
+_ELEMENTWISE = ("silu", "sigmoid", "softplus", "gelu", "tanh", "exp", "expm1", "log", "log1p",
+                "erf")
+
+
+def _in_place(out_of_place):
+    """An in-place elementwise op (``x.exp_()``, ``F.silu(x, inplace=True)``): its
+    out-of-place op a row at a time, written back into ``x``."""
+    def split(func, x, *args, **kwargs):
+        return x.copy_(_elementwise(out_of_place, x, *args, **kwargs))
+    return split
+
+
 INVARIANT_OPS = {
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
     aten.bmm.default: _bmm,
-    **{op: _elementwise for op in (
-        aten.silu.default, aten.sigmoid.default, aten.softplus.default, aten.gelu.default,
-        aten.tanh.default, aten.exp.default, aten.expm1.default, aten.log.default,
-        aten.log1p.default, aten.erf.default)},
+    **{getattr(aten, name).default: _elementwise for name in _ELEMENTWISE},
+    **{getattr(aten, f"{name}_").default: _in_place(getattr(aten, name).default)
+       for name in _ELEMENTWISE if hasattr(aten, f"{name}_")},
     aten.mean.dim: _reduction,
     aten.sum.dim_IntList: _reduction,
     aten._softmax.default: _softmax,
