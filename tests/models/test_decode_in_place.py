@@ -28,24 +28,26 @@ VARIANTS = {
     "softcap": dict(softcap=2.5),
     "narrow values": dict(dv=8),
     "keys are values": dict(shared_kv=True),
+    # MLA's absorbed form (DeepSeek-V3): one latent head, each value its key's first dims
+    "latent": dict(kvh=1, dv=8, values_from_keys=8),
 }
 
 
 def _step(in_place: bool, *, layer_window=None, sinks=False, softcap=None, dv=D,
-          shared_kv=False, ring=None, padded=True, watch=None):
+          shared_kv=False, ring=None, padded=True, watch=None, kvh=KVH, values_from_keys=None):
     """A prefill of ``PROMPTS`` then one decode step (padded to 4 rows, the padding row in a
     scratch slot), on a fresh cache: the decode step's attention output (``watch``: a
     context around the decode step's attention alone)."""
     torch.manual_seed(0)
-    cache = KVCache(1, len(PROMPTS) + 1, MAX_LEN, KVH, D, torch.float32, v_head_dim=dv,
-                    window=ring, shared_kv=shared_kv)
+    cache = KVCache(1, len(PROMPTS) + 1, MAX_LEN, kvh, D, torch.float32, v_head_dim=dv,
+                    window=ring, shared_kv=shared_kv, values_from_keys=values_from_keys)
     cache.decode_in_place = in_place
     head_sinks = torch.randn(H) if sinks else None
     kwargs = dict(sinks=head_sinks, softcap=softcap, window=layer_window)
 
     def attend(batch, tokens):
-        q, k, v = torch.randn(tokens, H, D), torch.randn(tokens, KVH, D), torch.randn(tokens,
-                                                                                        KVH, dv)
+        q, k, v = torch.randn(tokens, H, D), torch.randn(tokens, kvh, D), torch.randn(tokens,
+                                                                                        kvh, dv)
         return cached_attention(0, q, k, v, batch, D ** -0.5, **kwargs)
 
     prefill = ForwardBatch.build(ForwardMode.EXTEND, [[1] * n for n in PROMPTS],
@@ -56,7 +58,7 @@ def _step(in_place: bool, *, layer_window=None, sinks=False, softcap=None, dv=D,
     rows = len(PROMPTS) + padded
     if padded:
         decode = decode.padded(rows, scratch_slot=len(PROMPTS))
-    q, k, v = torch.randn(rows, H, D), torch.randn(rows, KVH, D), torch.randn(rows, KVH, dv)
+    q, k, v = torch.randn(rows, H, D), torch.randn(rows, kvh, D), torch.randn(rows, kvh, dv)
     with watch or contextlib.nullcontext():
         out = cached_attention(0, q, k, v, decode, D ** -0.5, **kwargs)
     return out[:len(PROMPTS)]
