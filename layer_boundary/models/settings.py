@@ -42,7 +42,8 @@ class Setting:
 
     Args:
         check: what a value must be (None: ``SHARED``'s check of that name); ``validate``
-            runs it, and it says how a value reads: a flag as a bool, a number as a float, a
+            runs it, so does ``read`` (a config read unvalidated refuses it alike), and it
+            says how a value reads: a flag as a bool, a number as a float, a
             list of integers as a tuple, anything else as it is.
         default: the value where config.json leaves the field out (unless ``required``).
         required: no default: derived where ``derive`` says how, else refused by name
@@ -67,6 +68,9 @@ class Setting:
         check = self.check or SHARED.get(given)
         value = cfg.get(given)
         if value is not None:
+            if self.check is not None and not self.check.ok(value):  # as ``validate`` says
+                raise CheckpointError(f"config.json field {given} must be {self.check.what}, "
+                                      f"got {value!r}")
             if check is BOOL:
                 return bool(value)
             if check is INT_LIST:
