@@ -15,8 +15,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import (BOOL, FRACTION, INT_LIST, POSITIVE_INT, POSITIVE_NUMBER, SETTING, SHARED,
-                     Check, CheckedConfig, CheckpointError, require)
+from .config import (BOOL, FINITE_NUMBER, FRACTION, INT_LIST, POSITIVE_INT, POSITIVE_NUMBER,
+                     SETTING, SHARED, Check, CheckedConfig, CheckpointError, require)
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Setting:
                 return bool(value)
             if check is INT_LIST:
                 return tuple(value)
-            if check in (POSITIVE_NUMBER, FRACTION):
+            if check in (POSITIVE_NUMBER, FRACTION, FINITE_NUMBER):
                 return float(value)
             return require(cfg, given) if self.required and check is POSITIVE_INT else value
         if given not in cfg:  # left out
@@ -99,15 +99,18 @@ class Setting:
 
 
 def setting(default=dataclasses.MISSING, check: Check | None = None, *,
-            derive: Derived | None = None, names: tuple = (), null: Null | None = None):
+            derive: Derived | None = None, names: tuple = (), null: Null | None = None,
+            unread=dataclasses.MISSING):
     """A config dataclass field read from config.json as ``Setting`` says; its dataclass
     default is ``default`` (a field without one is keyword-only, so a required or derived
-    setting may follow defaulted ones)."""
+    setting may follow defaulted ones), or ``unread``: the value of a required setting a
+    reader leaves unread (``CheckedConfig.read``'s ``unread``: the heads of a hybrid model
+    without attention layers)."""
     required = default is dataclasses.MISSING
     spec = Setting(check, None if required else default, required, derive, names, null)
-    if required:
+    if required and unread is dataclasses.MISSING:
         return dataclasses.field(kw_only=True, metadata={SETTING: spec})
-    return dataclasses.field(default=default, metadata={SETTING: spec})
+    return dataclasses.field(default=unread if required else default, metadata={SETTING: spec})
 
 
 # the derivations transformers applies where config.json leaves a size out
