@@ -42,14 +42,10 @@ from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, Chec
                      check_unquantized_silu, fp8_quantization, quantized_read, theta_of)
 from .registry import register_model
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params, experts_fp8_group
-from .settings import Derived, Null, setting
+from .settings import NULL_IS_FALSE, Null, setting
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
-
-
-# a flag transformers tests for truth (``if config.rope_interleave``): a null reads as false
-NULL_IS_FALSE = Derived(lambda v: False, "false")
 
 
 def mla_rope(cfg: dict, fp8: bool = False) -> dict:

@@ -32,13 +32,13 @@ from ..runtime.hf_names import NotLinear, Rename, StackExperts
 from .base import CausalLM
 from .config import (BOOL, DECODER, FINITE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER, CheckedConfig,
                      CheckpointError, check_grouped_router, check_heads)
-from .deepseek_v3 import NULL_IS_FALSE, DeepseekV3Router
+from .deepseek_v3 import DeepseekV3Router
 from .kv_cache import CacheLayout, KVCache
 from .layers import QKV_PARAMS, GqaAttention
 from .mamba2 import Mamba2Mixer, MambaState, group_split
 from .moe import ACTIVATIONS, UNSHARDED, FusedMoE, expert_stacked_params
 from .registry import NO_QKV_LATENT, register_model
-from .settings import AS_MANY_AS_HEADS, PER_HEAD, Null, setting
+from .settings import AS_MANY_AS_HEADS, NULL_IS_FALSE, PER_HEAD, Null, setting
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 BLOCK_TYPES = (MAMBA, ATTENTION, MLP, MOE)

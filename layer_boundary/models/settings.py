@@ -117,6 +117,8 @@ def setting(default=dataclasses.MISSING, check: Check | None = None, *,
 PER_HEAD = Derived(lambda v: v["hidden_size"] // v["num_attention_heads"],
                    "hidden_size / num_attention_heads")
 AS_MANY_AS_HEADS = Derived(lambda v: v["num_attention_heads"], "num_attention_heads")
+# a flag transformers tests for truth (``if config.norm_topk_prob``): a null reads as false
+NULL_IS_FALSE = Derived(lambda v: False, "false")
 
 
 @dataclass(frozen=True)
