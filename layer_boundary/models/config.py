@@ -256,8 +256,14 @@ class CheckedConfig:
         values = {}
         for f in dataclasses.fields(cls):
             if SETTING in f.metadata and f.name not in unread:
-                values[f.name] = f.metadata[SETTING].read(cfg, f.name, values)
+                values[f.name] = cls.read_setting(cfg, f.name, values)
         return values
+
+    @classmethod
+    def read_setting(cls, cfg: dict, name: str, before: dict):
+        """Field ``name``'s declared setting read from ``cfg`` (``before``: the fields read
+        before it): a field ``read`` left unread, read where the reader finds it is used."""
+        return cls.__dataclass_fields__[name].metadata[SETTING].read(cfg, name, before)
 
     @classmethod
     def default_of(cls, name: str):
