@@ -76,6 +76,7 @@ NON_NEGATIVE_INT = Check(lambda v: _is_int(v) and v >= 0, "a non-negative intege
 POSITIVE_NUMBER = Check(lambda v: _is_number(v) and math.isfinite(v) and v > 0,
                         "a positive number")
 FRACTION = Check(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+FINITE_NUMBER = Check(lambda v: _is_number(v) and math.isfinite(v), "a finite number")
 BOOL = Check(lambda v: isinstance(v, bool), "true or false")
 INT_LIST = Check(lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
                  "a list of integers")
@@ -248,14 +249,21 @@ class CheckedConfig:
         return cls(**cls.read(cfg))
 
     @classmethod
-    def read(cls, cfg: dict) -> dict:
+    def read(cls, cfg: dict, unread: frozenset = frozenset()) -> dict:
         """The dataclass fields of a config.json: each declared setting, in field order (a
-        field derived from others reads those before it)."""
+        field derived from others reads those before it), but those in ``unread`` (a field
+        the model does not use, left at its dataclass default)."""
         values = {}
         for f in dataclasses.fields(cls):
-            if SETTING in f.metadata:
-                values[f.name] = f.metadata[SETTING].read(cfg, f.name, values)
+            if SETTING in f.metadata and f.name not in unread:
+                values[f.name] = cls.read_setting(cfg, f.name, values)
         return values
+
+    @classmethod
+    def read_setting(cls, cfg: dict, name: str, before: dict):
+        """Field ``name``'s declared setting read from ``cfg`` (``before``: the fields read
+        before it): a field ``read`` left unread, read where the reader finds it is used."""
+        return cls.__dataclass_fields__[name].metadata[SETTING].read(cfg, name, before)
 
     @classmethod
     def default_of(cls, name: str):

@@ -21,17 +21,18 @@ rope scaling, refused by name (``deepseek_v3.mla_rope``), as V3's.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import BOOL, CheckpointError, check_grouped_router, check_unquantized_silu, require
+from .config import (BOOL, POSITIVE_NUMBER, CheckpointError, check_grouped_router,
+                     check_unquantized_silu, require)
 from .deepseek_v3 import (NO_SP, DeepseekV3Config, DeepseekV3DecoderLayer, DeepseekV3ForCausalLM,
                           DeepseekV3MoE, check_parallel)
 from .registry import register_model
+from .settings import setting
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -42,14 +43,19 @@ class DeepseekV2Config(DeepseekV3Config):
     ``topk_group`` are read for group_limited_greedy only (1 under greedy)."""
 
     topk_method: str = "greedy"
-    norm_topk_prob: bool = False
-    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = setting(False, BOOL)  # refused where true
+    routed_scaling_factor: float = setting(1.0, POSITIVE_NUMBER)
+    rope_interleave: bool = True  # no such field: V2's rope is always interleaved
     model_type: str = "deepseek_v2"
 
-    fields = {**DeepseekV3Config.fields, "mlp_bias": BOOL}
+    checks = {"mlp_bias": BOOL}
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> DeepseekV2Config:
+    def read(cls, cfg: dict) -> dict:
+        """What V2 does not compute refused by name (a quantized checkpoint, an activation,
+        MLP biases, a router but softmax's, a top-k method, renormalized weights), the router's
+        groups (group_limited_greedy's), then V3's reader on the rest: V2 has no sigmoid
+        scores and no rope_interleave field (its rope is always interleaved)."""
         check_unquantized_silu(cfg)
         if cfg.get("mlp_bias"):
             raise CheckpointError("config.json mlp_bias=true is not supported (the MLPs and "
@@ -74,14 +80,8 @@ class DeepseekV2Config(DeepseekV3Config):
             # a group scored by its best expert: one expert a group is enough here (V3's
             # check asks for two, which V3's top-2 group scores need)
             check_grouped_router(experts, n_group, topk_group, top_k, min_group=1)
-        # V3's reader on the rest: V2 has no sigmoid scores, no rope_interleave field (its
-        # rope is always interleaved) and a routed_scaling_factor of 1 by default
-        base = super().from_dict({
-            **cfg, "scoring_func": "sigmoid", "n_group": 1, "topk_group": 1,
-            "rope_interleave": True, "norm_topk_prob": False,
-            "routed_scaling_factor": cfg.get("routed_scaling_factor", 1.0)})
-        return dataclasses.replace(base, topk_method=method, n_group=n_group,
-                                   topk_group=topk_group)
+        values = super().read({**cfg, "scoring_func": "sigmoid", "n_group": 1, "topk_group": 1})
+        return dict(values, topk_method=method, n_group=n_group, topk_group=topk_group)
 
 
 class DeepseekV2Router(nn.Module):

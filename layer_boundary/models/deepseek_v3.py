@@ -37,25 +37,15 @@ from .attention import cached_attention
 from .kv_cache import CacheLayout
 from .layers import DecoderLayer, GatedMLP
 from .rope import apply_rope, forward_cos_sin, inverse_frequencies, rope_key
-from .config import (DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, CheckedConfig, CheckpointError,
-                     check_divisible, check_grouped_router, check_unquantized_silu,
-                     fp8_quantization, number, quantized_read, require, required, theta_of)
+from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, CheckedConfig,
+                     CheckpointError, check_divisible, check_grouped_router,
+                     check_unquantized_silu, fp8_quantization, quantized_read, theta_of)
 from .registry import register_model
 from .moe import UNSHARDED, FusedMoE, expert_stacked_params, experts_fp8_group
+from .settings import NULL_IS_FALSE, Null, setting
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
-
-
-def _count(cfg: dict, field: str, default: int) -> int:
-    """A non-negative integer config field (``default`` when absent or null)."""
-    value = cfg.get(field)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CheckpointError(f"config.json field {field} must be a non-negative integer, "
-                              f"got {value!r}")
-    return value
 
 
 def mla_rope(cfg: dict, fp8: bool = False) -> dict:
@@ -79,31 +69,36 @@ def mla_rope(cfg: dict, fp8: bool = False) -> dict:
 
 @dataclass(frozen=True)
 class DeepseekV3Config(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int
-    first_k_dense_replace: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    norm_topk_prob: bool = True
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 2.5
-    rms_norm_eps: float = 1e-6
+    """The decoder's sizes, the MoE's (routed and shared experts, the grouped router, the
+    dense first layers), the MLA's (``q_lora_rank`` None: no q LoRA), the rope's and the FP8
+    quantization's."""
+
+    vocab_size: int = setting()
+    hidden_size: int = setting()
+    intermediate_size: int = setting()
+    moe_intermediate_size: int = setting()
+    num_hidden_layers: int = setting()
+    num_attention_heads: int = setting()
+    n_routed_experts: int = setting()
+    num_experts_per_tok: int = setting()
+    n_shared_experts: int = setting()
+    first_k_dense_replace: int = setting(0, NON_NEGATIVE_INT, null=Null.DEFAULT)
+    q_lora_rank: int | None = setting(None, POSITIVE_INT)
+    kv_lora_rank: int = setting(check=POSITIVE_INT)
+    qk_rope_head_dim: int = setting(check=POSITIVE_INT)
+    qk_nope_head_dim: int = setting(check=POSITIVE_INT)
+    v_head_dim: int = setting(check=POSITIVE_INT)
+    norm_topk_prob: bool = setting(True, BOOL, null=Null.DERIVE, derive=NULL_IS_FALSE)
+    n_group: int = setting()
+    topk_group: int = setting()
+    routed_scaling_factor: float = setting(check=POSITIVE_NUMBER)
+    rms_norm_eps: float = setting(1e-6)
     rope_theta: float = 10000.0
-    rope_interleave: bool = True
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    num_nextn_predict_layers: int = 0  # MTP layers stored after the stack; not loaded
+    rope_interleave: bool = setting(True, null=Null.DERIVE, derive=NULL_IS_FALSE)
+    tie_word_embeddings: bool = setting(False)
+    attention_bias: bool = setting(False, BOOL)
+    # MTP layers stored after the stack; not loaded
+    num_nextn_predict_layers: int = setting(0, NON_NEGATIVE_INT, null=Null.DEFAULT)
     # Engine option, never read from config.json: run the shared experts unsharded on every
     # rank and add them after the routed experts' sum (a LOCAL_TAIL FFN stage).
     shared_experts_tp1: bool = False
@@ -113,9 +108,6 @@ class DeepseekV3Config(CheckedConfig):
     fp8_skip: tuple = ()
     model_type: str = "deepseek_v3"
 
-    fields = {**DECODER, **EXPERTS, **MLA,
-              "first_k_dense_replace": NON_NEGATIVE_INT,
-              "num_nextn_predict_layers": NON_NEGATIVE_INT}
     expert_fields, top_k_fields = ("n_routed_experts",), ("num_experts_per_tok",)
 
     @property
@@ -137,7 +129,11 @@ class DeepseekV3Config(CheckedConfig):
         return self.first_k_dense_replace <= layer < self.num_hidden_layers
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> DeepseekV3Config:
+    def read(cls, cfg: dict) -> dict:
+        """What the model does not compute refused by name (a rope type, a quantization but
+        block FP8, an activation, a router but sigmoid's, MoE layers but every one from
+        first_k_dense_replace on), then the declared settings, their agreement (as many kv
+        heads as heads, the rope's even width, the grouped router) and the rope's theta."""
         rope = mla_rope(cfg, fp8=True)
         block, skip = fp8_quantization(cfg)
         scoring = cfg.get("scoring_func", "sigmoid")
@@ -147,43 +143,19 @@ class DeepseekV3Config(CheckedConfig):
         if cfg.get("moe_layer_freq", 1) != 1:
             raise CheckpointError(f"config.json moe_layer_freq {cfg['moe_layer_freq']!r} is not "
                                   "supported (1 only: every layer from first_k_dense_replace on)")
-        heads = require(cfg, "num_attention_heads")
+        values = super().read(cfg)
+        heads = values["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads")
         if kv_heads is not None and kv_heads != heads:
             raise CheckpointError(f"config.json num_key_value_heads={kv_heads} must equal "
                                   f"num_attention_heads={heads} (MLA expands keys per head)")
-        q_lora = cfg.get("q_lora_rank")
-        if q_lora is not None:
-            q_lora = require(cfg, "q_lora_rank")
-        experts = require(cfg, "n_routed_experts")
-        top_k = require(cfg, "num_experts_per_tok")
-        n_group, topk_group = require(cfg, "n_group"), require(cfg, "topk_group")
-        rope_dim = require(cfg, "qk_rope_head_dim")
-        if rope_dim % 2:
-            raise CheckpointError(f"config.json qk_rope_head_dim={rope_dim} must be even")
-        check_grouped_router(experts, n_group, topk_group, top_k)
-        return cls(
-            fp8_block=block, fp8_skip=skip,
-            **required(cfg, "vocab_size", "hidden_size", "intermediate_size",
-                       "moe_intermediate_size", "num_hidden_layers", "n_shared_experts",
-                       "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"),
-            num_attention_heads=heads,
-            n_routed_experts=experts,
-            num_experts_per_tok=top_k,
-            first_k_dense_replace=_count(cfg, "first_k_dense_replace", 0),
-            q_lora_rank=q_lora,
-            qk_rope_head_dim=rope_dim,
-            n_group=n_group,
-            topk_group=topk_group,
-            routed_scaling_factor=float(require(cfg, "routed_scaling_factor", float)),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-6),
-            rope_theta=theta_of(rope, cfg, 10000.0),
-            rope_interleave=bool(cfg.get("rope_interleave", True)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            num_nextn_predict_layers=_count(cfg, "num_nextn_predict_layers", 0),
-        )
+        if values["qk_rope_head_dim"] % 2:
+            raise CheckpointError(f"config.json qk_rope_head_dim={values['qk_rope_head_dim']} "
+                                  "must be even")
+        check_grouped_router(*(values[f] for f in ("n_routed_experts", "n_group", "topk_group",
+                                                   "num_experts_per_tok")))
+        return dict(values, fp8_block=block, fp8_skip=skip,
+                    rope_theta=theta_of(rope, cfg, 10000.0))
 
 
 def check_parallel(cfg: DeepseekV3Config, dims) -> None:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
-                     check_divisible, check_unquantized_silu, require, required)
+from .config import (BOOL, DECODER, POSITIVE_INT, POSITIVE_NUMBER, CheckedConfig,
+                     CheckpointError, check_divisible, check_unquantized_silu)
+from .settings import setting
 
 SLIDING = "sliding_attention"
 LAYER_TYPES = (SLIDING, "compressed_sparse_attention", "heavily_compressed_attention")
@@ -19,16 +20,6 @@ MLP_TYPES = ("hash_moe", "moe")
 DEFAULT_ROPE_FACTOR = 64 / 512  # qk_rope_head_dim / head_dim
 DEFAULT_HASH_LAYERS = 3
 SCORING = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
-
-
-def _number(cfg: dict, field: str, default: float, positive: bool = True) -> float:
-    value = cfg.get(field, default)
-    if value is None:
-        value = default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or (positive and value <= 0):
-        raise CheckpointError(f"config.json field {field} must be a "
-                              f"{'positive ' if positive else ''}number, got {value!r}")
-    return float(value)
 
 
 def _layer_types(cfg: dict, layers: int) -> tuple[str, ...]:
@@ -98,35 +89,37 @@ def _main_rope(cfg: dict, head_dim: int) -> tuple[float, int]:
 
 @dataclass(frozen=True)
 class DeepseekV4Config(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    sliding_window: int
-    layer_types: tuple
-    mlp_layer_types: tuple
-    rope_head_dim: int
+    """The decoder's sizes, the attention's (grouped low-rank output, one shared K=V head,
+    the sliding window, the main rope), each layer's attention and MoE kind, the experts',
+    the hyper-connections' and the clamped SwiGLU's, with transformers' defaults."""
+
+    vocab_size: int = setting()
+    hidden_size: int = setting()
+    moe_intermediate_size: int = setting()
+    num_hidden_layers: int = setting()
+    num_attention_heads: int = setting()
+    head_dim: int = setting()
+    q_lora_rank: int = setting(check=POSITIVE_INT)
+    o_groups: int = setting(check=POSITIVE_INT)
+    o_lora_rank: int = setting(check=POSITIVE_INT)
+    n_routed_experts: int = setting()
+    num_experts_per_tok: int = setting()
+    sliding_window: int = setting()
+    layer_types: tuple = ()
+    mlp_layer_types: tuple = ()
+    rope_head_dim: int = 0
     rope_theta: float = 10000.0
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    swiglu_limit: float = 10.0
-    routed_scaling_factor: float = 1.5
-    scoring_func: str = "sqrtsoftplus"
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
+    hc_mult: int = setting(4, POSITIVE_INT)
+    hc_sinkhorn_iters: int = setting(20, POSITIVE_INT)
+    hc_eps: float = setting(1e-6, POSITIVE_NUMBER)
+    swiglu_limit: float = setting(10.0, POSITIVE_NUMBER)
+    routed_scaling_factor: float = setting(1.5, POSITIVE_NUMBER)
+    scoring_func: str = setting("sqrtsoftplus")
+    rms_norm_eps: float = setting(1e-6)
+    tie_word_embeddings: bool = setting(False)
     model_type: str = "deepseek_v4"
 
-    fields = {**DECODER, **EXPERTS, "mlp_bias": BOOL,
-              **{f: POSITIVE_INT for f in ("hc_mult", "hc_sinkhorn_iters", "o_groups",
-                                           "o_lora_rank", "q_lora_rank")}}
+    checks = {**DECODER, "norm_topk_prob": BOOL, "mlp_bias": BOOL}
     expert_fields, top_k_fields = ("n_routed_experts",), ("num_experts_per_tok",)
 
     @property
@@ -137,9 +130,13 @@ class DeepseekV4Config(CheckedConfig):
         return self.mlp_layer_types[layer] == "hash_moe"
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> DeepseekV4Config:
+    def read(cls, cfg: dict) -> dict:
+        """What the model does not compute refused by name (a quantized checkpoint, an
+        activation, a router's scoring, MLP biases, kv heads, shared experts), then the
+        declared settings, their agreement (the output groups, the experts a token picks),
+        the main rope and each layer's attention and MoE kind."""
         check_unquantized_silu(cfg)
-        scoring = cfg.get("scoring_func", "sqrtsoftplus")
+        scoring = cfg.get("scoring_func", cls.default_of("scoring_func"))
         if scoring not in SCORING:
             raise CheckpointError(f"config.json scoring_func {scoring!r} is not supported "
                                   f"(supported: {', '.join(SCORING)})")
@@ -155,40 +152,20 @@ class DeepseekV4Config(CheckedConfig):
             # transformers builds one shared expert of moe_intermediate_size whatever this says
             raise CheckpointError(f"config.json n_shared_experts={shared} is not supported "
                                   "(one shared expert)")
-        layers = require(cfg, "num_hidden_layers")
-        heads, head_dim = require(cfg, "num_attention_heads"), require(cfg, "head_dim")
-        o_groups = require(cfg, "o_groups")
+        values = super().read(cfg)
+        heads, o_groups = values["num_attention_heads"], values["o_groups"]
         if heads % o_groups:
             raise CheckpointError(f"config.json o_groups={o_groups} does not divide "
                                   f"num_attention_heads={heads}")
-        experts, top_k = require(cfg, "n_routed_experts"), require(cfg, "num_experts_per_tok")
+        experts, top_k = values["n_routed_experts"], values["num_experts_per_tok"]
         if top_k > experts:
             raise CheckpointError(f"config.json num_experts_per_tok={top_k} exceeds "
                                   f"n_routed_experts={experts}")
-        theta, rope_dim = _main_rope(cfg, head_dim)
-        return cls(
-            **required(cfg, "vocab_size", "hidden_size", "moe_intermediate_size",
-                       "q_lora_rank", "o_lora_rank", "sliding_window"),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            head_dim=head_dim,
-            o_groups=o_groups,
-            n_routed_experts=experts,
-            num_experts_per_tok=top_k,
-            layer_types=_layer_types(cfg, layers),
-            mlp_layer_types=_mlp_types(cfg, layers),
-            rope_head_dim=rope_dim,
-            rope_theta=theta,
-            hc_mult=require(cfg, "hc_mult") if "hc_mult" in cfg else 4,
-            hc_sinkhorn_iters=(require(cfg, "hc_sinkhorn_iters") if "hc_sinkhorn_iters" in cfg
-                               else 20),
-            hc_eps=_number(cfg, "hc_eps", 1e-6),
-            swiglu_limit=_number(cfg, "swiglu_limit", 10.0),
-            routed_scaling_factor=_number(cfg, "routed_scaling_factor", 1.5),
-            scoring_func=scoring,
-            rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
+        theta, rope_dim = _main_rope(cfg, values["head_dim"])
+        layers = values["num_hidden_layers"]
+        return dict(values, layer_types=_layer_types(cfg, layers),
+                    mlp_layer_types=_mlp_types(cfg, layers), rope_head_dim=rope_dim,
+                    rope_theta=theta)
 
 
 def check_parallel(cfg: DeepseekV4Config, dims) -> None:

@@ -34,11 +34,12 @@ from ..runtime.hf_names import Rename
 from ..runtime.linear import ColumnParallelLinear, RowParallelLinear
 from ..runtime.norm import LayerNorm
 from .base import CausalLM
-from .config import (BOOL, DECODER, FRACTION, POSITIVE_NUMBER, CheckedConfig, CheckpointError,
-                     check_tp, default_rope, number, require, required)
+from .config import (BOOL, FRACTION, POSITIVE_NUMBER, CheckpointError, check_tp, default_rope,
+                     require)
 from .layers import DecoderLayer, GqaAttention
 from .registry import PARALLEL_BLOCK_DP, dense, register_model
 from .rope import inverse_frequencies
+from .settings import DecoderConfig, setting
 
 # hidden_act -> F.gelu's approximation (transformers' gelu is exact; gelu_new the tanh form)
 GELUS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -52,29 +53,31 @@ NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.layers.", "mo
 
 
 @dataclass(frozen=True)
-class GPTNeoXConfig(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int  # as many as heads (multi-head attention)
-    head_dim: int
-    rotary_dim: int
-    layer_norm_eps: float = 1e-5
+class GPTNeoXConfig(DecoderConfig):
+    """The dense decoder's sizes (multi-head attention: as many kv heads as heads, each
+    ``hidden_size / num_attention_heads`` wide, config.json's head counts beyond those not
+    read), the partial rotary (``rotary_dim``, with its theta), the MLP's gelu and the
+    parallel block's flag."""
+
+    num_key_value_heads: int = 0  # as many as heads (set by read)
+    head_dim: int = 0  # hidden_size / num_attention_heads (set by read)
+    rotary_dim: int = 0
+    layer_norm_eps: float = setting(1e-5)
     rope_theta: float = 10000.0
     approximate: str = "none"
-    use_parallel_residual: bool = True
-    attention_bias: bool = True
-    tie_word_embeddings: bool = False
+    use_parallel_residual: bool = setting(True, BOOL)
+    attention_bias: bool = setting(True, BOOL)
+    tie_word_embeddings: bool = setting(False)
     model_type: str = "gpt_neox"
 
     # rotary_pct and rotary_emb_base: NeoX's own names for the rotary fraction and theta
-    fields = {**DECODER, "use_parallel_residual": BOOL, "rotary_pct": FRACTION,
-              "rotary_emb_base": POSITIVE_NUMBER}
+    checks = {"rotary_pct": FRACTION, "rotary_emb_base": POSITIVE_NUMBER}
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> GPTNeoXConfig:
+    def read(cls, cfg: dict) -> dict:
+        """A quantized checkpoint, an activation F.gelu does not compute and a rotary that
+        turns no even part of a head refused by name, then the declared settings and the
+        rotary."""
         if cfg.get("quantization_config"):
             raise CheckpointError("config.json quantization_config is not supported "
                                   "(unquantized checkpoints only)")
@@ -98,14 +101,8 @@ class GPTNeoXConfig(CheckedConfig):
                                   f"of {head_dim} head dims; an even number of at least 2 is "
                                   "needed")
         theta = rope.get("rope_theta", cfg.get("rotary_emb_base", 10000.0))
-        return cls(**required(cfg, "vocab_size", "intermediate_size", "num_hidden_layers"),
-                   hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
-                   head_dim=head_dim, rotary_dim=rotary,
-                   layer_norm_eps=number(cfg, "layer_norm_eps", 1e-5),
-                   rope_theta=float(theta), approximate=GELUS[act],
-                   use_parallel_residual=bool(cfg.get("use_parallel_residual", True)),
-                   attention_bias=bool(cfg.get("attention_bias", True)),
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        return dict(super().read(cfg), num_key_value_heads=heads, head_dim=head_dim,
+                    rotary_dim=rotary, rope_theta=float(theta), approximate=GELUS[act])
 
 
 def check_parallel(cfg: GPTNeoXConfig, dims) -> None:

@@ -56,69 +56,63 @@ from ..runtime.linear import expect_shape
 from .base import CausalLM, vocab_embedding
 from .config import (BOOL, DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT,
                      POSITIVE_NUMBER, STRING_LIST, CheckedConfig, CheckpointError, check_divisible,
-                     check_heads, check_unquantized_silu, require, required)
+                     check_heads, check_unquantized_silu, require)
 from .head import ScaledLMHead
 from .inkling_moe import InklingMLP, InklingMoE
 from .kv_cache import KVCache
 from .layers import QKV_PARAMS, DecoderLayer
 from .registry import NO_QKV_LATENT, register_model
+from .settings import setting
 
 SLIDING, FULL = "hybrid_sliding", "hybrid"
 HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim")
-# transformers' InklingTextConfig defaults, for what a config.json leaves out
-DEFAULTS = {"num_key_value_heads": 8, "head_dim": 128, "swa_num_attention_heads": 64,
-            "swa_num_key_value_heads": 16, "swa_head_dim": 128, "sliding_window_size": 512,
-            "d_rel": 16, "rel_extent": 1024, "log_scaling_alpha": 0.1, "rms_norm_eps": 1e-6,
-            "conv_kernel_size": 4, "intermediate_size": 24576, "moe_intermediate_size": 3072,
-            "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 2,
-            "route_scale": 8.0, "logits_mup_width_multiplier": 24.0}
+# transformers' InklingTextConfig defaults for the heads' fields a config.json leaves out
+HEAD_DEFAULTS = {"num_key_value_heads": 8, "head_dim": 128, "swa_num_attention_heads": 64,
+                 "swa_num_key_value_heads": 16, "swa_head_dim": 128}
 # the names transformers reads as its own fields (its ``attribute_map``): where config.json
-# sets both, the alias's value is the one read
+# sets both, the alias's value is the one read (each setting's names list the alias first)
 ALIASES = {"sliding_window": "sliding_window_size", "num_local_experts": "n_routed_experts",
            "sconv_kernel_size": "conv_kernel_size",
            "embedding_multiplier": "logits_mup_width_multiplier"}
-# the fields read as they are
-PLAIN = ("intermediate_size", "sliding_window_size", "d_rel", "rel_extent",
-         "log_scaling_n_floor", "log_scaling_alpha", "conv_kernel_size", "rms_norm_eps",
-         "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-         "route_scale", "logits_mup_width_multiplier")
 
 
 @dataclass(frozen=True)
 class InklingConfig(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    sliding: tuple  # per layer: a sliding-window layer
-    sparse: tuple  # per layer: a MoE
+    """The decoder's sizes, each layer's kind (sliding, sparse), both attention kinds' heads,
+    and the fields read as config.json gives them, with transformers' InklingTextConfig
+    defaults (a null reads as left out, but an aliased field's)."""
+
+    vocab_size: int = setting()
+    hidden_size: int = setting()
+    num_hidden_layers: int = setting()
+    sliding: tuple = ()  # per layer: a sliding-window layer
+    sparse: tuple = ()  # per layer: a MoE
     # full and sliding layers' attention: (heads, kv heads, head dim)
-    full_heads: tuple
-    sliding_heads: tuple
-    intermediate_size: int
-    sliding_window_size: int
-    d_rel: int
-    rel_extent: int
-    log_scaling_n_floor: int | None
-    log_scaling_alpha: float
-    conv_kernel_size: int
-    rms_norm_eps: float
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int
-    route_scale: float
-    logits_mup_width_multiplier: float
+    full_heads: tuple = ()
+    sliding_heads: tuple = ()
+    intermediate_size: int = setting(24576)
+    sliding_window_size: int = setting(512, POSITIVE_INT,
+                                       names=("sliding_window", "sliding_window_size"))
+    d_rel: int = setting(16, POSITIVE_INT)
+    rel_extent: int = setting(1024, POSITIVE_INT)
+    log_scaling_n_floor: int | None = setting(None, POSITIVE_INT)
+    log_scaling_alpha: float = setting(0.1, POSITIVE_NUMBER)
+    conv_kernel_size: int = setting(4, POSITIVE_INT,
+                                    names=("sconv_kernel_size", "conv_kernel_size"))
+    rms_norm_eps: float = setting(1e-6)
+    moe_intermediate_size: int = setting(3072)
+    n_routed_experts: int = setting(256, names=("num_local_experts", "n_routed_experts"))
+    num_experts_per_tok: int = setting(6)
+    n_shared_experts: int = setting(2)
+    route_scale: float = setting(8.0, POSITIVE_NUMBER)
+    logits_mup_width_multiplier: float = setting(
+        24.0, POSITIVE_NUMBER, names=("embedding_multiplier", "logits_mup_width_multiplier"))
     model_type: str = "inkling_text"
 
-    fields = {**DECODER, **EXPERTS,
+    checks = {**DECODER, **EXPERTS,
               **{f: POSITIVE_INT for f in ("swa_num_attention_heads", "swa_num_key_value_heads",
-                                           "swa_head_dim", "sliding_window_size", "d_rel",
-                                           "rel_extent", "log_scaling_n_floor",
-                                           "conv_kernel_size", "sconv_kernel_size",
-                                           "unpadded_vocab_size", "dense_intermediate_size")},
-              **{f: POSITIVE_NUMBER for f in ("log_scaling_alpha", "route_scale",
-                                              "logits_mup_width_multiplier",
-                                              "embedding_multiplier")},
+                                           "swa_head_dim", "unpadded_vocab_size",
+                                           "dense_intermediate_size")},
               "layer_types": STRING_LIST, "mlp_layer_types": STRING_LIST,
               "local_layer_ids": INT_LIST, "shared_expert_sink": BOOL,
               "dense_mlp_idx": NON_NEGATIVE_INT, "num_mtp_layers": NON_NEGATIVE_INT}
@@ -129,7 +123,12 @@ class InklingConfig(CheckedConfig):
         return self.sliding_heads if self.sliding[layer] else self.full_heads
 
     @classmethod
-    def from_dict(cls, raw: dict) -> InklingConfig:
+    def read(cls, raw: dict) -> dict:
+        """A quantized checkpoint and an activation other than silu refused by name, a null
+        dropped (transformers' default stands in) but an aliased field's (refused), the dense
+        MLP's own size taken where config.json gives it, then the declared settings, each
+        layer's kind and both attention kinds' heads; a padded head and an unsunk shared expert
+        refused by name."""
         check_unquantized_silu(raw)
         cfg = {k: v for k, v in raw.items() if v is not None}
         for alias, name in ALIASES.items():
@@ -137,26 +136,23 @@ class InklingConfig(CheckedConfig):
                 if key in raw and raw[key] is None:  # transformers: None, or its type check
                     raise CheckpointError(f"config.json field {key} is null: give a number, "
                                           f"or leave it out (it sets {name})")
-            if alias in cfg:  # transformers' attribute_map: the alias wins over the field
-                cfg[name] = cfg[alias]
         if "dense_intermediate_size" in cfg:  # as transformers' __post_init__: the experts'
             cfg["moe_intermediate_size"] = cfg.get("intermediate_size",
-                                                   DEFAULTS["intermediate_size"])
+                                                   cls.default_of("intermediate_size"))
             cfg["intermediate_size"] = cfg["dense_intermediate_size"]
-        cfg = {**DEFAULTS, **cfg}
-        vocab, unpadded = require(cfg, "vocab_size"), cfg.get("unpadded_vocab_size")
+        values = super().read(cfg)
+        vocab, unpadded = values["vocab_size"], cfg.get("unpadded_vocab_size")
         if unpadded is not None and unpadded < vocab:
             raise CheckpointError(f"config.json unpadded_vocab_size={unpadded} below "
                                   f"vocab_size={vocab} is not supported (a padded head)")
         if cfg.get("shared_expert_sink") is False:
             raise CheckpointError("config.json shared_expert_sink=false is not supported "
                                   "(transformers scores the shared experts with the routed)")
-        layers = require(cfg, "num_hidden_layers")
-        return cls(**required(cfg, "vocab_size", "hidden_size", "num_hidden_layers"),
-                   sliding=_sliding(cfg, layers), sparse=_sparse(cfg, layers),
-                   full_heads=(require(cfg, HEAD_FIELDS[0]), *(cfg[f] for f in HEAD_FIELDS[1:])),
-                   sliding_heads=tuple(cfg[f"swa_{f}"] for f in HEAD_FIELDS),
-                   **{f: cfg.get(f) for f in PLAIN})
+        layers, heads = values["num_hidden_layers"], {**HEAD_DEFAULTS, **cfg}
+        return dict(values, sliding=_sliding(cfg, layers), sparse=_sparse(cfg, layers),
+                    full_heads=(require(cfg, HEAD_FIELDS[0]),
+                                *(heads[f] for f in HEAD_FIELDS[1:])),
+                    sliding_heads=tuple(heads[f"swa_{f}"] for f in HEAD_FIELDS))
 
 
 def _sliding(cfg: dict, layers: int) -> tuple:

@@ -49,48 +49,48 @@ from .base import CausalLM
 from .deepseek_v3 import (DeepseekV3Attention, DeepseekV3MLP, ReplicatedLinear, mla_layout,
                           mla_rope)
 from .kv_cache import CacheLayout
-from .config import (BOOL, DECODER, EXPERTS, MLA, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
-                     CheckpointError, check_divisible, number, require, theta_of)
+from .config import (BOOL, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, CheckedConfig,
+                     CheckpointError, check_divisible, require, theta_of)
 from .registry import register_model
 from .moe import FusedMoE, expert_stacked_params
+from .settings import Derived, Null, setting
 
 # transformers' defaults for fields a config.json may leave out (LongcatFlashConfig)
 DEFAULT_ROPE_THETA = 1e7
 DEFAULT_ZERO_EXPERTS = 256
 
 
-def _field(cfg: dict, name: str, alias: str):
-    """A required positive integer under its canonical name or transformers' alias."""
-    return require(cfg, name if name in cfg or alias not in cfg else alias)
-
-
 @dataclass(frozen=True)
 class LongcatFlashConfig(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    num_layers: int  # decoder layers; each holds two attentions
-    num_attention_heads: int
-    ffn_hidden_size: int
-    expert_ffn_hidden_size: int
-    n_routed_experts: int
-    zero_expert_num: int
-    moe_topk: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    routed_scaling_factor: float = 6.0
-    rms_norm_eps: float = 1e-5
+    """The decoder's sizes (each under its canonical name or transformers' alias), the dense
+    FFNs', the MoE's (its routed and zero experts), the MLA's and the rope's theta."""
+
+    vocab_size: int = setting()
+    hidden_size: int = setting()
+    num_layers: int = setting(check=POSITIVE_INT)  # decoder layers; each holds two attentions
+    num_attention_heads: int = setting()
+    ffn_hidden_size: int = setting(check=POSITIVE_INT,
+                                   names=("ffn_hidden_size", "intermediate_size"))
+    expert_ffn_hidden_size: int = setting(
+        check=POSITIVE_INT, names=("expert_ffn_hidden_size", "moe_intermediate_size"))
+    n_routed_experts: int = setting(names=("n_routed_experts", "num_local_experts"))
+    # transformers' default; a null (NOT_NULL: refused by validate) reads as none
+    zero_expert_num: int = setting(DEFAULT_ZERO_EXPERTS, NON_NEGATIVE_INT, null=Null.DERIVE,
+                                   derive=Derived(lambda v: 0, "no zero experts"))
+    moe_topk: int = setting(check=POSITIVE_INT, names=("moe_topk", "num_experts_per_tok"))
+    q_lora_rank: int = setting(check=POSITIVE_INT)
+    kv_lora_rank: int = setting(check=POSITIVE_INT)
+    qk_nope_head_dim: int = setting(check=POSITIVE_INT)
+    qk_rope_head_dim: int = setting(check=POSITIVE_INT)
+    v_head_dim: int = setting(check=POSITIVE_INT)
+    routed_scaling_factor: float = setting(6.0, POSITIVE_NUMBER)
+    rms_norm_eps: float = setting(1e-5)
     rope_theta: float = DEFAULT_ROPE_THETA
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    tie_word_embeddings: bool = setting(False)
+    attention_bias: bool = setting(False, BOOL)
     model_type: str = "longcat_flash"
 
-    fields = {**DECODER, **EXPERTS, **MLA, "zero_expert_num": NON_NEGATIVE_INT,
-              "router_bias": BOOL,
-              **{f: POSITIVE_INT for f in ("num_layers", "ffn_hidden_size",
-                                           "expert_ffn_hidden_size", "moe_topk")}}
+    checks = {"norm_topk_prob": BOOL, "router_bias": BOOL}
     expert_fields = ("n_routed_experts", "num_local_experts")
     top_k_fields, extra_expert_field = ("num_experts_per_tok",), "zero_expert_num"
     # what DeepseekV3Attention reads: LongCat's MLA always has q LoRA and interleaved rope
@@ -120,27 +120,32 @@ class LongcatFlashConfig(CheckedConfig):
         return self.qk_head_dim ** -0.5
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> LongcatFlashConfig:
+    def read(cls, cfg: dict) -> dict:
+        """What the model does not compute refused by name (a rope type, a quantized
+        checkpoint, an activation, the router's bias), the decoder layers (transformers'
+        ``num_hidden_layers`` halved where config.json gives only that), then the declared
+        settings, their agreement (the MLA's widths, the experts a token picks) and the
+        rope's theta."""
         rope = mla_rope(cfg)
         if cfg.get("router_bias"):
             raise CheckpointError(
                 "config.json router_bias true is not supported (transformers' LongCat-Flash "
                 "router allocates the classifier bias but never adds it)")
-        if "num_layers" in cfg or "num_hidden_layers" not in cfg:
-            layers = require(cfg, "num_layers")
-        else:  # transformers' setter: num_layers = num_hidden_layers // 2
+        layers = {}
+        if "num_hidden_layers" in cfg and "num_layers" not in cfg:
+            # transformers' setter: num_layers = num_hidden_layers // 2
             attn_layers = require(cfg, "num_hidden_layers")
             if attn_layers % 2:
                 raise CheckpointError(f"config.json num_hidden_layers={attn_layers} must be even "
                                       "(two attentions per decoder layer)")
-            layers = attn_layers // 2
-        heads = require(cfg, "num_attention_heads")
+            layers = {"num_layers": attn_layers // 2}
+        values = super().read({**cfg, **layers})
+        heads, hidden = values["num_attention_heads"], values["hidden_size"]
         kv_heads = cfg.get("num_key_value_heads")
         if kv_heads is not None and kv_heads != heads:
             raise CheckpointError(f"config.json num_key_value_heads={kv_heads} must equal "
                                   f"num_attention_heads={heads} (MLA expands keys per head)")
-        hidden = require(cfg, "hidden_size")
-        nope, rope_dim = require(cfg, "qk_nope_head_dim"), require(cfg, "qk_rope_head_dim")
+        nope, rope_dim = values["qk_nope_head_dim"], values["qk_rope_head_dim"]
         if rope_dim % 2:
             raise CheckpointError(f"config.json qk_rope_head_dim={rope_dim} must be even")
         qk_head_dim = cfg.get("qk_head_dim")
@@ -154,37 +159,12 @@ class LongcatFlashConfig(CheckedConfig):
             raise CheckpointError(f"config.json head_dim={head_dim} must equal "
                                   f"qk_rope_head_dim={rope_dim} (the rotary embedding is built "
                                   "with head_dim and applied to the rope channels)")
-        experts = _field(cfg, "n_routed_experts", "num_local_experts")
-        zero = cfg.get("zero_expert_num", DEFAULT_ZERO_EXPERTS) or 0
-        if not isinstance(zero, int) or isinstance(zero, bool) or zero < 0:
-            raise CheckpointError(f"config.json field zero_expert_num must be a non-negative "
-                                  f"integer, got {zero!r}")
-        top_k = _field(cfg, "moe_topk", "num_experts_per_tok")
+        experts, zero, top_k = (values[f] for f in ("n_routed_experts", "zero_expert_num",
+                                                    "moe_topk"))
         if top_k > experts + zero:
             raise CheckpointError(f"config.json moe_topk={top_k} exceeds n_routed_experts + "
                                   f"zero_expert_num = {experts + zero}")
-        return cls(
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=hidden,
-            num_layers=layers,
-            num_attention_heads=heads,
-            ffn_hidden_size=_field(cfg, "ffn_hidden_size", "intermediate_size"),
-            expert_ffn_hidden_size=_field(cfg, "expert_ffn_hidden_size", "moe_intermediate_size"),
-            n_routed_experts=experts,
-            zero_expert_num=zero,
-            moe_topk=top_k,
-            q_lora_rank=require(cfg, "q_lora_rank"),
-            kv_lora_rank=require(cfg, "kv_lora_rank"),
-            qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope_dim,
-            v_head_dim=require(cfg, "v_head_dim"),
-            routed_scaling_factor=float(require(cfg, "routed_scaling_factor", float)
-                                        if "routed_scaling_factor" in cfg else 6.0),
-            rms_norm_eps=number(cfg, "rms_norm_eps", 1e-5),
-            rope_theta=theta_of(rope, cfg, DEFAULT_ROPE_THETA),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-        )
+        return dict(values, rope_theta=theta_of(rope, cfg, DEFAULT_ROPE_THETA))
 
 
 def check_parallel(cfg: LongcatFlashConfig, dims) -> None:

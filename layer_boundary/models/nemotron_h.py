@@ -30,14 +30,15 @@ from ..runtime import (BoundaryRuntime, ColumnParallelLinear, RMSNorm,
                        RowParallelLinear)
 from ..runtime.hf_names import NotLinear, Rename, StackExperts
 from .base import CausalLM
-from .config import (BOOL, DECODER, EXPERTS, POSITIVE_INT, CheckedConfig, CheckpointError,
-                     check_grouped_router, check_heads, integer, number, require)
+from .config import (BOOL, DECODER, FINITE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER, CheckedConfig,
+                     CheckpointError, check_grouped_router, check_heads)
 from .deepseek_v3 import DeepseekV3Router
 from .kv_cache import CacheLayout, KVCache
 from .layers import QKV_PARAMS, GqaAttention
 from .mamba2 import Mamba2Mixer, MambaState, group_split
 from .moe import ACTIVATIONS, UNSHARDED, FusedMoE, expert_stacked_params
 from .registry import NO_QKV_LATENT, register_model
+from .settings import AS_MANY_AS_HEADS, NULL_IS_FALSE, PER_HEAD, Null, setting
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 BLOCK_TYPES = (MAMBA, ATTENTION, MLP, MOE)
@@ -72,40 +73,43 @@ def _block_types(cfg: dict) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class NemotronHConfig(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    layers_block_type: tuple[str, ...]
-    num_attention_heads: int = 1
-    num_key_value_heads: int = 1
-    head_dim: int = 1
-    intermediate_size: int = 1
-    mamba_num_heads: int = 1
-    mamba_head_dim: int = 1
-    n_groups: int = 1
-    ssm_state_size: int = 1
-    conv_kernel: int = 4
-    chunk_size: int = 128
-    time_step_min: float = 0.001  # transformers clamps prefill time steps at (min, inf)
-    use_conv_bias: bool = True
-    use_bias: bool = False  # Mamba in_proj / out_proj
-    mlp_bias: bool = False
+    """The decoder's sizes, each block's kind and the fields of each kind the config has
+    (``BLOCK_FIELDS``; a kind's fields where it has none are unread: their ``unread``
+    values), with transformers' defaults."""
+
+    vocab_size: int = setting()
+    hidden_size: int = setting()
+    layers_block_type: tuple[str, ...] = ()
+    num_attention_heads: int = setting(unread=1)
+    num_key_value_heads: int = setting(derive=AS_MANY_AS_HEADS, unread=1)
+    head_dim: int = setting(derive=PER_HEAD, unread=1)
+    intermediate_size: int = setting(unread=1)
+    mamba_num_heads: int = setting(check=POSITIVE_INT, unread=1)
+    mamba_head_dim: int = setting(check=POSITIVE_INT, unread=1)
+    n_groups: int = setting(check=POSITIVE_INT, unread=1)
+    ssm_state_size: int = setting(check=POSITIVE_INT, unread=1)
+    conv_kernel: int = setting(4, POSITIVE_INT)
+    chunk_size: int = setting(128, POSITIVE_INT)
+    # transformers clamps prefill time steps at (min, inf)
+    time_step_min: float = setting(0.001, FINITE_NUMBER)
+    # a null (only legacy mamba_conv_bias's: NOT_NULL) reads as transformers' Conv1d(bias=None)
+    use_conv_bias: bool = setting(True, BOOL, null=Null.DERIVE, derive=NULL_IS_FALSE)
+    use_bias: bool = setting(False, BOOL)  # Mamba in_proj / out_proj
+    mlp_bias: bool = setting(False, BOOL)
     mlp_hidden_act: str = "relu2"
-    n_routed_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    moe_shared_expert_intermediate_size: int = 0
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
-    layer_norm_epsilon: float = 1e-5
-    tie_word_embeddings: bool = False
+    n_routed_experts: int = setting(unread=0)
+    num_experts_per_tok: int = setting(unread=0)
+    moe_intermediate_size: int = setting(unread=0)
+    moe_shared_expert_intermediate_size: int = setting(check=POSITIVE_INT, unread=0)
+    n_group: int = setting(1)
+    topk_group: int = setting(1)
+    routed_scaling_factor: float = setting(1.0, POSITIVE_NUMBER)
+    norm_topk_prob: bool = setting(True, BOOL, null=Null.DERIVE, derive=NULL_IS_FALSE)
+    layer_norm_epsilon: float = setting(1e-5)
+    tie_word_embeddings: bool = setting(False)
     model_type: str = "nemotron_h"
 
-    fields = {**DECODER, **EXPERTS,
-              **{f: BOOL for f in ("mlp_bias", "use_bias", "use_conv_bias")},
-              **{f: POSITIVE_INT for f in ("mamba_num_heads", "mamba_head_dim", "n_groups",
-                                           "ssm_state_size", "conv_kernel", "chunk_size")}}
+    checks = DECODER
     expert_fields, top_k_fields = ("n_routed_experts",), ("num_experts_per_tok",)
 
     @property
@@ -120,7 +124,11 @@ class NemotronHConfig(CheckedConfig):
         return kind in self.layers_block_type
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> NemotronHConfig:
+    def read(cls, cfg: dict) -> dict:
+        """The legacy field names renamed, each block's kind, what the model does not compute
+        refused by name (latent experts, a quantized checkpoint, a window, an activation),
+        then the declared settings of the kinds the config has and their agreement (Mamba's
+        heads over its groups, the grouped router)."""
         cfg = dict(cfg)
         for old, new in LEGACY_FIELDS.items():
             if old in cfg:
@@ -141,50 +149,30 @@ class NemotronHConfig(CheckedConfig):
             if act not in supported:
                 raise CheckpointError(f"config.json {field} {act!r} is not supported "
                                       f"({', '.join(supported)} only)")
-        out = dict(vocab_size=require(cfg, "vocab_size"), hidden_size=require(cfg, "hidden_size"),
-                   layers_block_type=types,
-                   mlp_hidden_act=cfg.get("mlp_hidden_act", "relu2"),
-                   layer_norm_epsilon=number(cfg, "layer_norm_epsilon", 1e-5),
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-        if ATTENTION in types:
-            heads = require(cfg, "num_attention_heads")
-            out.update(num_attention_heads=heads,
-                       num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-                       head_dim=cfg.get("head_dim") or require(cfg, "hidden_size") // heads)
-        if MAMBA in types:
-            heads, groups = require(cfg, "mamba_num_heads"), require(cfg, "n_groups")
-            if heads % groups:
-                raise CheckpointError(f"config.json mamba_num_heads={heads} is not divisible by "
-                                      f"n_groups={groups}")
-            out.update(mamba_num_heads=heads, mamba_head_dim=require(cfg, "mamba_head_dim"),
-                       n_groups=groups, ssm_state_size=require(cfg, "ssm_state_size"),
-                       # transformers' defaults where a config leaves them out
-                       conv_kernel=require(cfg, "conv_kernel") if "conv_kernel" in cfg else 4,
-                       chunk_size=require(cfg, "chunk_size") if "chunk_size" in cfg else 128,
-                       time_step_min=float(require(cfg, "time_step_min", float)
-                                           if "time_step_min" in cfg else 0.001),
-                       use_conv_bias=bool(cfg.get("use_conv_bias", True)),
-                       use_bias=bool(cfg.get("use_bias", False)))
-        if MLP in types:
-            out.update(intermediate_size=require(cfg, "intermediate_size"))
+        unread = {f for kinds, fields in BLOCK_FIELDS.items() if not set(kinds) & set(types)
+                  for f in fields}
+        values = super().read(cfg, unread=frozenset(unread))
+        if MAMBA in types and values["mamba_num_heads"] % values["n_groups"]:
+            raise CheckpointError(f"config.json mamba_num_heads={values['mamba_num_heads']} is "
+                                  f"not divisible by n_groups={values['n_groups']}")
         if MOE in types:
-            out.update(_moe_fields(cfg))
-        if MLP in types or MOE in types:
-            out.update(mlp_bias=bool(cfg.get("mlp_bias", False)))
-        return cls(**out)
+            check_grouped_router(*(values[f] for f in ("n_routed_experts", "n_group",
+                                                       "topk_group", "num_experts_per_tok")))
+        return dict(values, layers_block_type=types,
+                    mlp_hidden_act=cfg.get("mlp_hidden_act", cls.default_of("mlp_hidden_act")))
 
 
-def _moe_fields(cfg: dict) -> dict:
-    experts, top_k = require(cfg, "n_routed_experts"), require(cfg, "num_experts_per_tok")
-    n_group, topk_group = integer(cfg, "n_group", 1), integer(cfg, "topk_group", 1)
-    check_grouped_router(experts, n_group, topk_group, top_k)
-    return dict(n_routed_experts=experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=require(cfg, "moe_intermediate_size"),
-                moe_shared_expert_intermediate_size=require(
-                    cfg, "moe_shared_expert_intermediate_size"),
-                n_group=n_group, topk_group=topk_group,
-                routed_scaling_factor=number(cfg, "routed_scaling_factor", 1.0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+# the fields read where the config has blocks of one of the kinds
+BLOCK_FIELDS = {
+    (ATTENTION,): ("num_attention_heads", "num_key_value_heads", "head_dim"),
+    (MAMBA,): ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel",
+               "chunk_size", "time_step_min", "use_conv_bias", "use_bias"),
+    (MLP,): ("intermediate_size",),
+    (MOE,): ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "moe_shared_expert_intermediate_size", "n_group", "topk_group",
+             "routed_scaling_factor", "norm_topk_prob"),
+    (MLP, MOE): ("mlp_bias",),
+}
 
 
 def check_parallel(cfg: NemotronHConfig, dims) -> None:

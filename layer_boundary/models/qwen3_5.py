@@ -55,8 +55,8 @@ class Qwen3_5Config(Qwen3NextConfig):
         super().validate(text_config(raw))
 
     @classmethod
-    def from_dict(cls, cfg: dict, **forced) -> Qwen3_5Config:
-        return super().from_dict(text_config(cfg), **cls.FIXED, **forced)
+    def read(cls, cfg: dict) -> dict:
+        return super().read(text_config(cfg))
 
 
 class Qwen3_5Names:

@@ -26,6 +26,7 @@ weights (``mtp.*``) and has no MTP module; they are not loaded here either.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -35,8 +36,8 @@ from ..runtime import GemmaRMSNorm, QKVParallelLinear, RowParallelLinear
 from ..runtime.args import BoundaryRuntime
 from ..runtime.hf_names import GATE_UP_EXPERTS, MLP_ROUTER
 from .base import CausalLM
-from .config import (DECODER, EXPERTS, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT, CheckedConfig,
-                     CheckpointError, check_heads, check_unquantized_silu, integer, number,
+from .config import (BOOL, INT_LIST, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER,
+                     CheckedConfig, CheckpointError, check_heads, check_unquantized_silu,
                      require, theta_of)
 from .gated_deltanet import GatedDeltaNet, check_heads as check_linear_heads
 from .attention import cached_attention
@@ -48,6 +49,7 @@ from .nemotron_h import HybridCache
 from .qwen3_moe import Qwen3MoeRouter
 from .registry import NO_QKV_LATENT, register_model
 from .rope import apply_rope, forward_cos_sin, inverse_frequencies, rope_key
+from .settings import AS_MANY_AS_HEADS, NULL_IS_FALSE, Null, setting
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -93,42 +95,43 @@ def rope_fields(cfg: dict, head_dim: int, default_factor: float = 0.25) -> dict:
 
 @dataclass(frozen=True)
 class Qwen3NextConfig(CheckedConfig):
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]
-    num_attention_heads: int = 1
-    num_key_value_heads: int = 1
-    head_dim: int = 1
+    """The decoder's sizes, each layer's mixer, the fields of each mixer the config has
+    (``MIXER_FIELDS``; the others unread), the MoE's where ``num_experts > 0`` and the dense
+    MLP's where a layer is dense, with transformers' defaults; ``FIXED``: the fields the
+    architecture fixes whatever config.json says (Qwen3.5)."""
+
+    vocab_size: int = setting()
+    hidden_size: int = setting()
+    layer_types: tuple[str, ...] = ()
+    num_attention_heads: int = setting(unread=1)
+    num_key_value_heads: int = setting(derive=AS_MANY_AS_HEADS, unread=1)
+    head_dim: int = setting(unread=1)
     rotary_dim: int = 2
     rope_theta: float = 10000.0
-    attention_bias: bool = False
-    linear_num_key_heads: int = 1
-    linear_num_value_heads: int = 1
-    linear_key_head_dim: int = 1
-    linear_value_head_dim: int = 1
-    linear_conv_kernel_dim: int = 4
-    intermediate_size: int = 0
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple = ()
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
+    attention_bias: bool = setting(False, BOOL)
+    linear_num_key_heads: int = setting(check=POSITIVE_INT, unread=1)
+    linear_num_value_heads: int = setting(check=POSITIVE_INT, unread=1)
+    linear_key_head_dim: int = setting(check=POSITIVE_INT, unread=1)
+    linear_value_head_dim: int = setting(check=POSITIVE_INT, unread=1)
+    linear_conv_kernel_dim: int = setting(4, POSITIVE_INT)
+    intermediate_size: int = setting(unread=0)  # a dense layer's
+    num_experts: int = setting(0, NON_NEGATIVE_INT, null=Null.DEFAULT)  # 0: all dense
+    num_experts_per_tok: int = setting(unread=0)
+    moe_intermediate_size: int = setting(unread=0)
+    shared_expert_intermediate_size: int = setting(check=POSITIVE_INT, unread=0)
+    norm_topk_prob: bool = setting(True, BOOL, null=Null.DERIVE, derive=NULL_IS_FALSE)
+    decoder_sparse_step: int = setting(1, POSITIVE_INT)
+    mlp_only_layers: tuple = setting((), INT_LIST)
+    rms_norm_eps: float = setting(1e-6)
+    tie_word_embeddings: bool = setting(False)
     # the DeltaNet's projections: Qwen3.5's in_proj_qkv/z/b/a, not Qwen3-Next's fused qkvz/ba
     split_projections: bool = False
     model_type: str = "qwen3_next"
 
-    fields = {**DECODER, **EXPERTS, "decoder_sparse_step": POSITIVE_INT,
-              "mlp_only_layers": INT_LIST, "full_attention_interval": POSITIVE_INT,
-              **{f: POSITIVE_INT for f in (
-                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                  "linear_value_head_dim", "linear_conv_kernel_dim",
-                  "shared_expert_intermediate_size")}}
+    checks = {"routed_scaling_factor": POSITIVE_NUMBER, "full_attention_interval": POSITIVE_INT}
     shared_overrides = {"num_experts": NON_NEGATIVE_INT}  # 0: every layer's FFN is dense
     expert_fields, top_k_fields = ("num_experts",), ("num_experts_per_tok",)
+    FIXED: ClassVar[dict] = {}
 
     @property
     def num_hidden_layers(self) -> int:
@@ -143,43 +146,42 @@ class Qwen3NextConfig(CheckedConfig):
                 and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
-    def from_dict(cls, cfg: dict, **forced) -> Qwen3NextConfig:
-        """``forced``: fields the architecture fixes whatever config.json says (Qwen3.5)."""
+    def read(cls, cfg: dict) -> dict:
+        """A quantized checkpoint and an activation other than silu refused by name, each
+        layer's mixer, then the declared settings of the mixers the config has, the rope
+        (full attention's) and the linear heads' grouping, the MoE's settings where there
+        are experts (``FIXED`` applied) and the dense MLP's where a layer is dense."""
         check_unquantized_silu(cfg)
         types = layer_types(cfg)
-        out = dict(vocab_size=require(cfg, "vocab_size"), hidden_size=require(cfg, "hidden_size"),
-                   layer_types=types, rms_norm_eps=number(cfg, "rms_norm_eps", 1e-6),
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        unread = {f for kind, fields in MIXER_FIELDS.items() if kind not in types
+                  for f in fields}
+        values = super().read(cfg, unread=frozenset(unread | set(MOE_FIELDS)
+                                                    | {"intermediate_size"}))
+        values.update(layer_types=types, **cls.FIXED)
         if FULL in types:
-            heads, head_dim = require(cfg, "num_attention_heads"), require(cfg, "head_dim")
-            out.update(num_attention_heads=heads, head_dim=head_dim,
-                       num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-                       attention_bias=bool(cfg.get("attention_bias", False)),
-                       **rope_fields(cfg, head_dim))
-        if LINEAR in types:
-            out.update({f: require(cfg, f) for f in (
-                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                "linear_value_head_dim")},
-                linear_conv_kernel_dim=integer(cfg, "linear_conv_kernel_dim", 4))
-            if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
-                raise CheckpointError(
-                    f"config.json linear_num_value_heads={out['linear_num_value_heads']} is not "
-                    f"divisible by linear_num_key_heads={out['linear_num_key_heads']}")
-        experts = forced.get("num_experts", cfg.get("num_experts") or 0)
-        if experts:
-            out.update(num_experts=experts, num_experts_per_tok=require(cfg, "num_experts_per_tok"),
-                       moe_intermediate_size=require(cfg, "moe_intermediate_size"),
-                       shared_expert_intermediate_size=require(
-                           cfg, "shared_expert_intermediate_size"),
-                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                       decoder_sparse_step=integer(cfg, "decoder_sparse_step", 1),
-                       mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
-        out.update(forced)
-        config = cls(**out)
+            values.update(rope_fields(cfg, values["head_dim"]))
+        if LINEAR in types and values["linear_num_value_heads"] % values["linear_num_key_heads"]:
+            raise CheckpointError(
+                f"config.json linear_num_value_heads={values['linear_num_value_heads']} is not "
+                f"divisible by linear_num_key_heads={values['linear_num_key_heads']}")
+        if values["num_experts"]:
+            for name in MOE_FIELDS:
+                values[name] = cls.read_setting(cfg, name, values)
+            values.update(cls.FIXED)
+        config = cls(**values)
         if not all(config.is_sparse(i) for i in range(config.num_hidden_layers)):
-            out["intermediate_size"] = require(cfg, "intermediate_size")  # a dense layer's
-            config = cls(**out)
-        return config
+            values["intermediate_size"] = cls.read_setting(cfg, "intermediate_size", values)
+        return values
+
+
+# the fields read where the config has layers of a mixer, and where it has experts
+MIXER_FIELDS = {
+    FULL: ("num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias"),
+    LINEAR: ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_kernel_dim"),
+}
+MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+              "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
 def check_parallel(cfg: Qwen3NextConfig, dims) -> None:

@@ -15,8 +15,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import (BOOL, FRACTION, INT_LIST, POSITIVE_INT, POSITIVE_NUMBER, SETTING, SHARED,
-                     Check, CheckedConfig, CheckpointError, require)
+from .config import (BOOL, FINITE_NUMBER, FRACTION, INT_LIST, POSITIVE_INT, POSITIVE_NUMBER,
+                     SETTING, SHARED, Check, CheckedConfig, CheckpointError, require)
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class Setting:
 
     Args:
         check: what a value must be (None: ``SHARED``'s check of that name); ``validate``
-            runs it, and it says how a value reads: a flag as a bool, a number as a float, a
+            runs it, so does ``read`` (a config read unvalidated refuses it alike), and it
+            says how a value reads: a flag as a bool, a number as a float, a
             list of integers as a tuple, anything else as it is.
         default: the value where config.json leaves the field out (unless ``required``).
         required: no default: derived where ``derive`` says how, else refused by name
@@ -67,11 +68,14 @@ class Setting:
         check = self.check or SHARED.get(given)
         value = cfg.get(given)
         if value is not None:
+            if self.check is not None and not self.check.ok(value):  # as ``validate`` says
+                raise CheckpointError(f"config.json field {given} must be {self.check.what}, "
+                                      f"got {value!r}")
             if check is BOOL:
                 return bool(value)
             if check is INT_LIST:
                 return tuple(value)
-            if check in (POSITIVE_NUMBER, FRACTION):
+            if check in (POSITIVE_NUMBER, FRACTION, FINITE_NUMBER):
                 return float(value)
             return require(cfg, given) if self.required and check is POSITIVE_INT else value
         if given not in cfg:  # left out
@@ -95,21 +99,26 @@ class Setting:
 
 
 def setting(default=dataclasses.MISSING, check: Check | None = None, *,
-            derive: Derived | None = None, names: tuple = (), null: Null | None = None):
+            derive: Derived | None = None, names: tuple = (), null: Null | None = None,
+            unread=dataclasses.MISSING):
     """A config dataclass field read from config.json as ``Setting`` says; its dataclass
     default is ``default`` (a field without one is keyword-only, so a required or derived
-    setting may follow defaulted ones)."""
+    setting may follow defaulted ones), or ``unread``: the value of a required setting a
+    reader leaves unread (``CheckedConfig.read``'s ``unread``: the heads of a hybrid model
+    without attention layers)."""
     required = default is dataclasses.MISSING
     spec = Setting(check, None if required else default, required, derive, names, null)
-    if required:
+    if required and unread is dataclasses.MISSING:
         return dataclasses.field(kw_only=True, metadata={SETTING: spec})
-    return dataclasses.field(default=default, metadata={SETTING: spec})
+    return dataclasses.field(default=unread if required else default, metadata={SETTING: spec})
 
 
 # the derivations transformers applies where config.json leaves a size out
 PER_HEAD = Derived(lambda v: v["hidden_size"] // v["num_attention_heads"],
                    "hidden_size / num_attention_heads")
 AS_MANY_AS_HEADS = Derived(lambda v: v["num_attention_heads"], "num_attention_heads")
+# a flag transformers tests for truth (``if config.norm_topk_prob``): a null reads as false
+NULL_IS_FALSE = Derived(lambda v: False, "false")
 
 
 @dataclass(frozen=True)

@@ -201,8 +201,6 @@ READ_AS_TRANSFORMERS_READS = {
 # refused (the walk fails when one is fixed and not struck off here, or when a new one appears)
 MISREAD = {
     ("cohere", "rope_parameters", "object"),  # {}: theta 1e4; transformers' Cohere: 5e5
-    ("deepseek_v4", "hc_eps", "nan"),  # deepseek_v4_config._number lets a nan through
-    ("deepseek_v4", "swiglu_limit", "nan"),
 }
 
 
