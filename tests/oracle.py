@@ -45,6 +45,18 @@ def prefill(model, prompts) -> torch.Tensor:
         return model(batch)
 
 
+def prefill_then_step(model, prompts) -> torch.Tensor:
+    """Our logits of one prefill of every prompt, then of one decode step of each (tokens 7,
+    8, ...), concatenated: [prompt tokens + requests, vocab]."""
+    cache = model.make_kv_cache(len(prompts), max(map(len, prompts)) + 1)
+    with torch.no_grad():
+        first = model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * len(prompts),
+                                         kv_cache=cache))
+        step = model(ForwardBatch.build(ForwardMode.DECODE, [[7 + i] for i in range(len(prompts))],
+                                        [len(p) for p in prompts], kv_cache=cache))
+    return torch.cat((first, step))
+
+
 def assert_prefill_matches(ours, ref, prompts, tol: float = TOL) -> None:
     """Every position of every prompt, the prompts in one batch."""
     logits, start = prefill(ours, prompts), 0

@@ -37,11 +37,10 @@ def test_the_kernel_is_the_norm_then_the_rope(dtype, head_dim):
 def test_qwen3_takes_it_and_gives_the_same_logits(tmp_path):
     from checkpoints import hf_qwen3
     from checkpoints.llama import hf_llama
-    from oracle import world1
+    from oracle import prefill_then_step, world1
 
     from layer_boundary.fusions.triton_provider import TritonFusions
     from layer_boundary.models import load_model
-    from layer_boundary.runtime.forward_batch import ForwardBatch, ForwardMode
 
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
     logits = []
@@ -51,13 +50,7 @@ def test_qwen3_takes_it_and_gives_the_same_logits(tmp_path):
             model.install_fusion(TritonFusions())
         taken = [layer.self_attn.norm_rope is not None for layer in model.model.layers]
         assert taken == [fused] * len(taken)
-        cache = model.make_kv_cache(len(prompts), 16)
-        with torch.no_grad():
-            prefill = model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * 3,
-                                               kv_cache=cache))
-            step = model(ForwardBatch.build(ForwardMode.DECODE, [[7], [8], [9]],
-                                            [len(p) for p in prompts], kv_cache=cache))
-        logits.append(torch.cat((prefill, step)))
+        logits.append(prefill_then_step(model, prompts))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
     llama = load_model(hf_llama(tmp_path / "llama"), world1())
     llama.install_fusion(TritonFusions())
