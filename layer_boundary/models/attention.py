@@ -277,16 +277,25 @@ def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
     is its own one-query request over its slot's cache rows. Nothing reads the per-request
     tuples, so the work and the graph depend on the row count alone."""
     slots, positions = forward_batch.token_slots, forward_batch.positions
+    if cache.decode_in_place:  # each row reads its own slot up to its length, no copy
+        _store_in_place(cache, layer, slots, positions, k, v)
+        return _in_place(cache, layer, q, slots, positions, scaling, scores, window)
     cache.k[layer][slots, :, positions] = k  # each (slot, position) pair takes [KVH, D]
     if not cache.shared_kv:
         cache.v[layer][slots, :, positions] = v
-    if cache.decode_in_place:  # each row reads its own slot up to its length, no copy
-        return _in_place(cache, layer, q, slots, positions, scaling, scores, window)
     keys = cache.k[layer][slots]  # [T, KVH, rows, D]
     values = keys if cache.shared_kv else cache.v[layer][slots]
     key_pos = torch.arange(cache.rows, device=q.device)
     return _attend_chunk(q[:, None], keys, values, positions[:, None], key_pos, scaling, scores,
                          False, window)[:, 0]
+
+
+def _store_in_place(cache, layer: int, slots, rows, k, v) -> None:
+    """Each row's new key and value written at (its slot, its cache row), one launch
+    (``decode_kernel.store_kv``)."""
+    from .decode_kernel import store_kv
+
+    store_kv(cache.k[layer], None if cache.shared_kv else cache.v[layer], slots, rows, k, v)
 
 
 def _in_place(cache, layer: int, q, slots, positions, scaling: float, scores, window,
@@ -311,12 +320,13 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         slots = torch.tensor(forward_batch.req_slots, dtype=torch.long, device=device)
         positions = forward_batch.positions  # [B], one per request
         ring = positions % rows
+        if cache.decode_in_place:
+            _store_in_place(cache, layer, slots, ring, k, v)
+            return _in_place(cache, layer, q, slots, positions, scaling, scores, cache.window,
+                             ring=True)
         cache.k[layer][slots, :, ring] = k  # each (slot, ring row) pair takes [KVH, D]
         if not cache.shared_kv:
             cache.v[layer][slots, :, ring] = v
-        if cache.decode_in_place:
-            return _in_place(cache, layer, q, slots, positions, scaling, scores, cache.window,
-                             ring=True)
         keys = cache.k[layer][slots]  # [B, KVH, rows, D]
         values = keys if cache.shared_kv else cache.v[layer][slots]
         r = torch.arange(rows, device=device)[None, :]

@@ -105,6 +105,29 @@ def _merge_splits(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, part_row, part_head
              out.to(out_ptr.dtype.element_ty), mask=vdims < DV)
 
 
+@triton.jit
+def _store_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, rows_ptr, k_tok, k_head,
+              v_tok, v_head, kc_slot, kc_head, kc_row, vc_slot, vc_head, vc_row,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DV: tl.constexpr, VALUES: tl.constexpr):
+    """A program per (row, kv head): the row's new key, then its value, copied to (its slot,
+    its cache row), bits unchanged (the key first: a value that is its key's first dims is
+    written over them, as two index writes in that order leave it)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + t)
+    row = tl.load(rows_ptr + t)
+    dims = tl.arange(0, BLOCK_D)
+    key = tl.load(k_ptr + t * k_tok + h * k_head + dims, mask=dims < D)
+    tl.store(k_cache_ptr + slot * kc_slot + h * kc_head + row * kc_row + dims, key,
+             mask=dims < D)
+    if VALUES:
+        vdims = tl.arange(0, BLOCK_DV)
+        value = tl.load(v_ptr + t * v_tok + h * v_head + vdims, mask=vdims < DV)
+        tl.store(v_cache_ptr + slot * vc_slot + h * vc_head + row * vc_row + vdims, value,
+                 mask=vdims < DV)
+
+
 def launch(kernel, grid, *args, **meta) -> None:
     """One launch of ``kernel`` (what a count of a step's launches counts as one: on the CPU
     the interpreter copies its arguments in and out, which a GPU never does)."""
@@ -137,9 +160,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tokens, heads, dim = q.shape
     kv_heads, rows, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = heads // kv_heads
-    m = q.new_empty((tokens, heads, SPLITS), dtype=torch.float32)
-    den = torch.empty_like(m)
-    acc = q.new_empty((tokens, heads, SPLITS, dv), dtype=torch.float32)
+    # the splits' partial maxima, sums and outputs: views of one fp32 workspace (one
+    # allocation), each laid out as the kernels index it
+    n = tokens * heads * SPLITS
+    work = q.new_empty(n * (2 + dv), dtype=torch.float32)
+    m, den = work[:n].view(tokens, heads, SPLITS), work[n:2 * n].view(tokens, heads, SPLITS)
+    acc = work[2 * n:].view(tokens, heads, SPLITS, dv)
     if tokens:
         launch(_decode_split, (tokens, kv_heads, SPLITS),
             q, k_cache, v_cache, slots, lengths, m, den, acc,
@@ -156,3 +182,30 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                out.stride(0), out.stride(1), DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
                SPLITS=SPLITS, SINKS=sinks is not None)
     return out
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, slots: torch.Tensor,
+             rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Each row's new key and value written to its slot's cache row, one launch (the two
+    index writes it replaces are two).
+
+    Args:
+        k_cache, v_cache: one layer's cache, [slots, KVH, rows, D] / [..., Dv] (v_cache None:
+            the keys are the values; a view of the keys' first dims: written after them).
+        slots, rows: [T] each row's slot and cache row (its position, or position mod the
+            ring's rows).
+        k, v: [T, KVH, D] / [T, KVH, Dv], each head's dims contiguous.
+    """
+    tokens, kv_heads, dim = k.shape
+    if not tokens:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    values = v_cache if v_cache is not None else k_cache
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    dv = values.shape[-1]
+    launch(_store_kv, (tokens, kv_heads), k, v, k_cache, values, slots, rows,
+           k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
+           *values.stride()[:3], D=dim, BLOCK_D=triton.next_power_of_2(dim), DV=dv,
+           BLOCK_DV=triton.next_power_of_2(dv), VALUES=v_cache is not None)

@@ -117,12 +117,39 @@ def test_a_padded_decode_step_copies_no_cache(in_place, monkeypatch):
 
     monkeypatch.setattr(decode_kernel, "launch", counted)
     _step(in_place, watch=made)
-    assert len(launches) == 2 * in_place  # the splits, then their merge
+    assert len(launches) == 3 * in_place  # the cache write, the splits, their merge
     largest = max(made.sizes)
     if in_place:
         assert largest < slot, largest
     else:
         assert largest >= (len(PROMPTS) + 1) * slot, largest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["own values", "keys are values", "latent"])
+def test_the_cache_write_is_the_two_index_writes(dtype, layout):
+    """``store_kv``'s one launch leaves the cache as ``k`` then ``v`` written by index (a
+    latent's values over its keys' first dims), bit for bit."""
+    from layer_boundary.models.decode_kernel import store_kv
+
+    kvh, dv = (1, 8) if layout == "latent" else (KVH, D)
+    caches = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        cache = KVCache(1, 4, 32, kvh, D, dtype, v_head_dim=dv,
+                        shared_kv=layout == "keys are values",
+                        values_from_keys=dv if layout == "latent" else None)
+        k, v = torch.randn(3, kvh, D).to(dtype), torch.randn(3, kvh, dv).to(dtype)
+        slots, rows = torch.tensor([2, 0, 3]), torch.tensor([5, 31, 0])
+        if fused:
+            store_kv(cache.k[0], None if cache.shared_kv else cache.v[0], slots, rows, k, v)
+        else:
+            cache.k[0][slots, :, rows] = k
+            if not cache.shared_kv:
+                cache.v[0][slots, :, rows] = v
+        caches.append((cache.k[0].clone(), cache.v[0].clone()))
+    for fused, indexed in zip(*caches):
+        assert torch.equal(fused, indexed) and fused.abs().sum() > 0
 
 
 def test_a_model_decodes_the_same_logits_in_place(tmp_path):
