@@ -42,7 +42,7 @@ class CohereConfig(DecoderConfig):
     # transformers keeps a null head_dim as None (and fails on it)
     head_dim: int = setting(derive=PER_HEAD, null=Null.REFUSE)
     layer_norm_eps: float = setting(1e-5)
-    rope_theta: float = 10000.0  # the default rope's (``default_rope``)
+    rope_theta: float = 500000.0  # the default rope's (``default_rope``): transformers' Cohere
     logit_scale: float = setting(0.0625, POSITIVE_NUMBER)
     tie_word_embeddings: bool = setting(True)
     attention_bias: bool = setting(False, BOOL)

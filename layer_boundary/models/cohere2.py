@@ -23,6 +23,7 @@ PATTERN = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >
 @dataclass(frozen=True)
 class Cohere2Config(CohereConfig):
     windows: tuple = ()  # each layer's sliding window (None: full, and unroped)
+    rope_theta: float = 10000.0  # transformers' Cohere2 keeps the base default, not Cohere's
     model_type: str = "cohere2"
 
     checks = {**CohereConfig.checks, **SLIDING_FIELDS, "sliding_window_pattern": PATTERN}

@@ -199,9 +199,23 @@ READ_AS_TRANSFORMERS_READS = {
 }
 # (architecture, field, odd value) a model reads and accepts otherwise: silent misreads not yet
 # refused (the walk fails when one is fixed and not struck off here, or when a new one appears)
-MISREAD = {
-    ("cohere", "rope_parameters", "object"),  # {}: theta 1e4; transformers' Cohere: 5e5
-}
+MISREAD: set = set()
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "cohere2"])
+def test_a_rope_left_out_reads_the_theta_transformers_reads(model_type):
+    """Cohere's default theta is 5e5 in transformers (its ``default_theta``), Cohere2's the
+    base 1e4: a config.json without a rope (or with an empty rope dict) reads the same here."""
+    import transformers
+
+    from layer_boundary.models.registry import model_class
+
+    hf = transformers.AutoConfig.for_model(model_type)
+    base = {k: v for k, v in hf.to_dict().items() if k not in ("rope_parameters", "rope_theta")}
+    config_class = model_class(model_type).config_class
+    for cfg in (base, {**base, "rope_parameters": {}}):
+        ours = config_class.from_dict(cfg)
+        assert ours.rope_theta == hf.rope_parameters["rope_theta"], (cfg, ours.rope_theta)
 
 
 def test_a_nan_time_step_floor_is_refused_by_name():
