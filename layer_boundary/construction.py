@@ -20,7 +20,7 @@ from .exit import ExitPath
 from .layout import Layouts, RowMode, SumGroup, TokenAxis, sum_group
 from .ops import Movement, RowFacts, UnsupportedBoundary, cp_share_sizes, movement_table
 from .prepare import EntryPath
-from .residual import declared
+from .residual import needs_token_rows
 from .row_modes import SCATTERED_VARIANTS, plan_variants, select_mode, supported_modes
 from .residual.stream import START_FIRST
 
@@ -390,7 +390,7 @@ def _check_token_rows(name: str, declaration, variants) -> None:
     (``token_rows``: a short convolution) where a batch gives a rank other rows than its DP
     rank's own: a CP or sequence-parallel batch (not built for it yet)."""
     update = declaration.residual.update
-    if not declared(update, "token_rows", False):
+    if not needs_token_rows(update):
         return
     others = [v.value for v in variants if v is not BatchVariant.ORDINARY]
     if others:
@@ -415,7 +415,7 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
             joined = dataclasses.replace(default, label=f"{default.label}, joined to the "
                                                         "parallel FFN's")
             exit_path = dataclasses.replace(exit_path, default=joined, issues_early=False)
-        if declared(declaration.residual.update, "token_rows", False):
+        if needs_token_rows(declaration.residual.update):
             # its consumer completes the sum onto each DP rank's token rows (a short
             # convolution): issued early, a two-batch-overlap microbatch's sum landed on the
             # residual's scattered rows under rs, which no entry takes
@@ -430,8 +430,8 @@ def _build_path(name, declaration, norm, following, runtime, variant, mode, tabl
         # an update that needs each request's tokens in order (a short convolution) runs on
         # this DP rank's own rows whatever the row mode: the producer's output is completed
         # onto them, and the residual stays there until a later entry moves it back
-        update_rows = (layouts.local if prev is not None and declared(
-            prev.residual.update, "token_rows", False) else residual)
+        update_rows = (layouts.local if prev is not None
+                       and needs_token_rows(prev.residual.update) else residual)
         edge = EdgeDecl(prev_output, stage_input,
                         layouts.local if prev is None else residual, update_rows)
         entry = bind_entry(name, edge, prev_exit, declaration, norm, mode, table,

@@ -99,6 +99,12 @@ def is_portable(update) -> bool:
     return declared(update, "portable", False) is True
 
 
+def needs_token_rows(update) -> bool:
+    """Whether ``update`` declares that it needs each DP rank's own token rows, in order
+    (``token_rows = True``: a short convolution)."""
+    return declared(update, "token_rows", False) is True
+
+
 def reads_batch(update) -> bool:
     """Whether ``update`` declares that its ``apply`` takes the forward batch
     (``reads_batch = True``)."""

@@ -15,7 +15,7 @@ import torch
 from ..layout import SumGroup
 from ..runtime.agreement import AGREEMENT
 from ..runtime.ledger import active_observer
-from . import apply_update, declared, in_forward, is_plain, is_portable
+from . import apply_update, in_forward, is_plain, is_portable, needs_token_rows
 from .access import complete_onto, completed, local_rows, residual_on
 from .add_norm import ADD_NORM_READ, PLAIN_ADD
 from .stream import START_FIRST, ResidualStream, release, stream_of  # noqa: F401 - error text
@@ -109,7 +109,7 @@ def _fold_token_rows(stream: ResidualStream, facts, forward_batch: ForwardBatch)
     consumer's input applies it: the exit applies an update on the residual's rows, which
     ``to_pp`` scatters under rs/rsv. Whatever layer ends the stack or a pipeline stage."""
     c = stream.contribution
-    if c is not None and declared(c.update, "token_rows", False):
+    if c is not None and c.update is not PLAIN_ADD and needs_token_rows(c.update):
         fold_stream(stream, facts, forward_batch)
 
 
