@@ -200,9 +200,12 @@ class GatedMLP(nn.Module):
 
     def take_fusions(self, provider) -> None:
         """Take ``provider``'s fused ``silu(gate) * up`` (``silu_mul``, the Triton
-        provider's), one launch for the two ops; a provider without it leaves them as they
+        provider's), one launch for the two ops, where this module computes through
+        ``GatedMLP.forward`` (a subclass with its own forward, a GELU gate or a clamped
+        SwiGLU, takes nothing it would not run); a provider without it leaves them as they
         are."""
-        self.silu_mul = getattr(provider, "silu_mul", None)
+        fits = type(self).forward is GatedMLP.forward
+        self.silu_mul = getattr(provider, "silu_mul", None) if fits else None
         self.silu_mul_dtypes = getattr(provider, "kernel_dtypes", ()) if self.silu_mul else ()
 
     def forward(self, x):

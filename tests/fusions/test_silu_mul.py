@@ -46,3 +46,18 @@ def test_a_llama_takes_it_and_gives_the_same_logits(tmp_path):
         assert taken == [fused] * len(taken)
         logits.append(prefill_then_step(model, prompts))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_gated_mlp_with_its_own_forward_takes_nothing():
+    """A GELU gate (Gemma-3's) computes through its own forward: it never holds the kernel."""
+    from oracle import world1
+
+    from layer_boundary.fusions.triton_provider import TritonFusions
+    from layer_boundary.models.gemma3_text import GeluGatedMLP
+    from layer_boundary.models.layers import GatedMLP
+
+    provider = TritonFusions()
+    plain, gelu = (cls(32, 64, world1(), torch.float32) for cls in (GatedMLP, GeluGatedMLP))
+    for mlp in (plain, gelu):
+        mlp.take_fusions(provider)
+    assert plain.silu_mul is not None and gelu.silu_mul is None
