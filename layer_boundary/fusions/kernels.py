@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..runtime.kernel_ops import compiled_as_op
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp32 accumulation suffices
 
 
@@ -108,8 +110,17 @@ def _add_rms_norm_fp8(value_ptr, residual_ptr, weight_ptr, values_ptr, scales_pt
     tl.store(scales_ptr + row * n_groups + groups, scales, mask=groups < n_groups)
 
 
+def _quantized_shapes(value, residual, weight, eps, group, zero_centered=False):
+    rows, width = residual.shape
+    return (residual.new_empty((rows, width), dtype=torch.float8_e4m3fn),
+            residual.new_empty((rows, -(-width // group)), dtype=torch.float32),
+            torch.empty_like(residual, memory_format=torch.contiguous_format))
+
+
+@compiled_as_op("add_rms_norm_fp8", _quantized_shapes)
 def add_rms_norm_fp8(value: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, group: int, zero_centered: bool = False):
+                     eps: float, group: int, zero_centered: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` with its normalized output quantized to FP8 per token and ``group``
     channels, as ``runtime.quant.quantize_groups`` does: ``(values [T, D] float8_e4m3fn,
     scales [T, ceil(D / group)] float32, new residual)``. ``group`` is a power of two."""
@@ -132,6 +143,12 @@ def add_rms_norm_fp8(value: torch.Tensor, residual: torch.Tensor, weight: torch.
     return values, scales, new_residual
 
 
+def _normed_shapes(value, residual, weight, eps, zero_centered=False):
+    normed = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    return normed, torch.empty_like(normed)
+
+
+@compiled_as_op("add_rms_norm", _normed_shapes)
 def add_rms_norm(value: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(value + residual), value + residual)``, the sum formed in fp32, both outputs in
@@ -188,6 +205,11 @@ def _head_norm_rope(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, x_row, x_head,
     tl.store(out_ptr + t * out_row + h * out_head + dims, _rounded(a + b, out_ty, BF16))
 
 
+def _head_shape(x, weight, eps, cos, sin):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@compiled_as_op("head_norm_rope", _head_shape)
 def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
     """``rotate_half(RMSNorm(x), cos, sin)`` per head in one launch: x [T, H, D] (rows may be
@@ -220,6 +242,11 @@ def _silu_mul(gate_ptr, up_ptr, out_ptr, gate_row, up_row, out_row, n_cols,
     tl.store(out_ptr + t * out_row + cols, _rounded(act * u, out_ty, BF16), mask=inside)
 
 
+def _product_shape(gate, up):
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@compiled_as_op("silu_mul", _product_shape)
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` in one launch: gate and up [T, I] of one dtype (rows may be
     strided, each row contiguous). Returns a new [T, I]."""

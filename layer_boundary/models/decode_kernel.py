@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..runtime.kernel_ops import compiled_as_op
+
 SPLITS = 4  # key blocks walked in parallel per (row, kv head): enough to fill a GPU at B=1
 BLOCK_N = 32  # keys a step
 
@@ -134,8 +136,14 @@ def launch(kernel, grid, *args, **meta) -> None:
     kernel[grid](*args, **meta)
 
 
+def _attention_shape(q, k_cache, v_cache, slots, lengths, scaling, window=None, ring=False,
+                     sinks=None, softcap=None):
+    return q.new_empty((*q.shape[:2], v_cache.shape[-1]))
+
+
+@compiled_as_op("decode_attention", _attention_shape)
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slots: torch.Tensor, lengths: torch.Tensor, scaling: float, *,
+                     slots: torch.Tensor, lengths: torch.Tensor, scaling: float,
                      window: int | None = None, ring: bool = False,
                      sinks: torch.Tensor | None = None,
                      softcap: float | None = None) -> torch.Tensor:
@@ -184,6 +192,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def _stored(k_cache, v_cache, slots, rows, k, v) -> None:
+    return None
+
+
+@compiled_as_op("store_kv", _stored, mutates_args=("k_cache", "v_cache"))
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, slots: torch.Tensor,
              rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Each row's new key and value written to its slot's cache row, one launch (the two

@@ -1,0 +1,118 @@
+"""The Triton launches under ``torch.compile`` (``runtime.kernel_ops``): each kernel wrapper of
+the Triton provider and of the in-place decode attention is a ``layer_boundary::`` custom op
+while dynamo traces, its fake and its declared writes checked by ``torch.library.opcheck``;
+a Qwen3 with the Triton provider decoding in place compiles whole (fullgraph) with the ops in
+its graph, and its compiled padded step gives the eager step's logits (the kernels run under
+the interpreter here; on a GPU the same graph is what ``run --device cuda`` captures)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from layer_boundary.fusions import kernels  # noqa: E402 - after the interpreter is chosen
+from layer_boundary.models import decode_kernel  # noqa: E402
+
+
+def _cache(dtype=torch.float32, dv=16):
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(3, 2, 8, 16, generator=gen).to(dtype),
+            torch.randn(3, 2, 8, dv, generator=gen).to(dtype))
+
+
+def _cases():
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    k_cache, v_cache = _cache()
+    slots, rows = torch.tensor([2, 0]), torch.tensor([5, 1])
+    return {
+        "add_rms_norm": (kernels.add_rms_norm, (rand(3, 48), rand(3, 48), rand(48), 1e-6)),
+        "add_rms_norm zero-centered": (kernels.add_rms_norm,
+                                       (rand(3, 48), rand(3, 48), rand(48), 1e-6, True)),
+        "add_rms_norm_fp8": (kernels.add_rms_norm_fp8,
+                             (rand(3, 64), rand(3, 64), rand(64), 1e-6, 16)),
+        "head_norm_rope": (kernels.head_norm_rope,
+                           (rand(3, 4, 16), rand(16), 1e-6, rand(3, 16), rand(3, 16))),
+        "silu_mul": (kernels.silu_mul, (rand(3, 40), rand(3, 40))),
+        "decode_attention": (decode_kernel.decode_attention,
+                             (rand(2, 4, 16), k_cache, v_cache, slots, rows + 1, 0.25)),
+        "decode_attention ring, sinks, softcap": (
+            decode_kernel.decode_attention,
+            (rand(2, 4, 16), k_cache, v_cache, slots, torch.tensor([13, 3]), 0.25, 6, True,
+             rand(4), 2.5)),
+        "store_kv": (decode_kernel.store_kv,
+                     (k_cache, v_cache, slots, rows, rand(2, 2, 16), rand(2, 2, 16))),
+        "store_kv, keys are values": (decode_kernel.store_kv, (k_cache, None, slots, rows,
+                                                               rand(2, 2, 16), rand(2, 2, 16))),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_each_launch_is_a_custom_op_that_opcheck_accepts(name):
+    """The fake's shapes and dtypes are the launch's, and the schema names every tensor it
+    writes (a cache the launch stores into), as a compiled graph relies on."""
+    wrapper, args = CASES[name]
+    torch.library.opcheck(wrapper.op, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_a_keys_view_as_values_is_written_through_the_op():
+    """MLA's values are a view of its keys' first dims: both arguments alias one cache, and
+    the compiled write leaves it as the eager write does."""
+    k = torch.randn(2, 1, 8)
+    v = torch.randn(2, 1, 8)
+
+    def write(cache):
+        decode_kernel.store_kv(cache, cache[..., :4], torch.tensor([1, 0]),
+                               torch.tensor([3, 2]), k, v[..., :4])
+        return cache.sum()
+
+    eager, compiled = torch.zeros(2, 1, 6, 8), torch.zeros(2, 1, 6, 8)
+    write(eager)
+    torch.compile(write, fullgraph=True, backend="aot_eager")(compiled)
+    assert torch.equal(compiled, eager) and eager.abs().sum() > 0
+
+
+def test_a_compiled_qwen3_step_with_the_triton_provider_in_place_is_the_eager_step(tmp_path):
+    from checkpoints import hf_qwen3
+    from oracle import world1
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from layer_boundary.engine.compiled import compile_forward
+    from layer_boundary.fusions.triton_provider import TritonFusions
+    from layer_boundary.models import load_model
+    from layer_boundary.runtime import ForwardBatch, ForwardMode
+
+    seen = set()
+
+    def recording(gm, example_inputs):
+        seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    path, prompts = hf_qwen3(tmp_path / "qwen3"), [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
+    logits = []
+    for compiled in (False, True):
+        model = load_model(str(path), world1())
+        model.install_fusion(TritonFusions())
+        cache = model.make_kv_cache(len(prompts) + 1, 16)
+        cache.decode_in_place = True
+        with torch.no_grad():
+            model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * 3, kv_cache=cache))
+            step = ForwardBatch.build(ForwardMode.DECODE, [[7], [8], [9]], [3, 2, 4],
+                                      kv_cache=cache).padded(4, scratch_slot=3)
+            torch._dynamo.reset()
+            forward = compile_forward(model, recording, padded=True) if compiled else model
+            logits.append(forward(step)[:3].clone())
+            # the step's keys and values went into the cache: the next step reads them
+            later = ForwardBatch.build(ForwardMode.DECODE, [[5], [6], [2]], [4, 3, 5],
+                                       kv_cache=cache).padded(4, scratch_slot=3)
+            logits.append(model(later)[:3].clone())
+    torch._dynamo.reset()
+    ops = {name.split(".")[1] for name in seen if name.startswith("layer_boundary.")}
+    assert {"decode_attention", "store_kv", "add_rms_norm", "head_norm_rope",
+            "silu_mul"} <= ops, sorted(seen)
+    assert torch.equal(logits[2], logits[0]) and torch.equal(logits[3], logits[1])
