@@ -13,7 +13,8 @@ embedding, the final norm and the LM head drop out:
 
 Rows: ours eager, ours with ``--fusions triton`` (and with the decode attention in place,
 ``KVCache.decode_in_place``: one Triton launch where the gather and SDPA were), ours compiled
-by inductor (CUDA only), and transformers eager (its ``generate``'s step: a DynamicCache
+by inductor (CUDA only; and with the Triton provider in place, its launches custom ops in the
+graph: ``runtime.kernel_ops``), and transformers eager (its ``generate``'s step: a DynamicCache
 decode of the same requests).
 """
 
@@ -197,7 +198,7 @@ def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transf
 
 
 ROWS = ("ours", "ours, triton fusions", "ours, triton fusions, decode in place",
-        "transformers", "ours, inductor")
+        "transformers", "ours, inductor", "ours, inductor, triton fusions, decode in place")
 
 
 def main(argv=None) -> int:
@@ -219,8 +220,9 @@ def main(argv=None) -> int:
         return 2
     rows = tuple(args.row or (r for r in ROWS if args.device == "cuda" or "inductor" not in r))
     if args.device == "cpu":
-        if "ours, inductor" in rows:
-            parser.error("the row 'ours, inductor' counts CUDA kernels: add --device cuda")
+        compiled = [r for r in rows if "inductor" in r]
+        if compiled:
+            parser.error(f"the row '{compiled[0]}' counts CUDA kernels: add --device cuda")
         from layer_boundary.fusions.triton_provider import use_interpreter  # imports no triton
 
         use_interpreter()

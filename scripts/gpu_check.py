@@ -335,10 +335,9 @@ RESULTS: dict = {"rows": ROWS, "counts": [], "perf": []}
 def kernel_counts(work: Path) -> None:
     """benchmarks/kernel_count.py on CUDA: each row's kernels per decode layer."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from kernel_count import per_layer
+    from kernel_count import ROWS, per_layer
 
-    rows = ("ours", "ours, triton fusions", "ours, inductor", "transformers")
-    for record in per_layer("cuda", rows, work / "counts"):
+    for record in per_layer("cuda", ROWS, work / "counts"):
         RESULTS["counts"].append(record)
         print(f"  kernels per layer, {record['row']}: cuda {record.get('cuda')}, dispatcher "
               f"{record.get('dispatcher')}", flush=True)

@@ -312,17 +312,6 @@ def test_a_library_load_refuses_the_lying_config_before_allocating(qwen3_dir, tm
 
 
 
-def test_triton_kernels_under_compile_on_the_cpu_are_refused_before_any_rank(
-        qwen3_dir, capsys, restore_logger):
-    """On the CPU the Triton provider's kernels run under the interpreter, which dynamo cannot
-    trace: every rank failed with its own traceback; now one line before any rank starts."""
-    _one_line_error(capsys, ["--model", qwen3_dir, "--tp", 2, "--fusions", "triton",
-                             "--compile"],
-                    "--fusions triton does not combine with --compile inductor on the CPU: its "
-                    "kernels run under the Triton interpreter there, which torch's compiler "
-                    "cannot trace (drop one of them, or run --device cuda)")
-
-
 def test_a_missing_triton_is_named_before_any_rank(qwen3_dir, capsys, restore_logger,
                                                    monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # what an import of it then raises

@@ -90,19 +90,14 @@ def _installed(package: str) -> bool:
 
 
 def _check_triton(spec) -> None:
-    """The Triton provider's needs, before any rank imports it: the triton package, and on the
-    CPU no compiled forward (its kernels run under the Triton interpreter there, a Python
-    function torch's compiler refuses to trace)."""
+    """The Triton provider's needs, before any rank imports it: the triton package. (A compiled
+    forward calls its kernels as custom ops, ``runtime.kernel_ops``, so under the Triton
+    interpreter on the CPU too.)"""
     if spec.fusions != "triton":
         return
     if not _installed("triton"):
         raise CapabilityError("--fusions triton needs the triton package, which is not "
                               "installed (pip install triton)")
-    if spec.compile is not None and spec.device == "cpu":
-        raise CapabilityError(f"--fusions triton does not combine with --compile "
-                              f"{spec.compile} on the CPU: its kernels run under the Triton "
-                              "interpreter there, which torch's compiler cannot trace (drop "
-                              "one of them, or run --device cuda)")
 
 
 def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:

@@ -116,3 +116,14 @@ def test_a_compiled_qwen3_step_with_the_triton_provider_in_place_is_the_eager_st
     assert {"decode_attention", "store_kv", "add_rms_norm", "head_norm_rope",
             "silu_mul"} <= ops, sorted(seen)
     assert torch.equal(logits[2], logits[0]) and torch.equal(logits[3], logits[1])
+
+
+def test_run_compiles_the_triton_provider_on_the_cpu_and_passes_parity(qwen3_dir, capsys):
+    """``run --fusions triton --compile`` on the CPU was refused (dynamo could not trace the
+    interpreter); its ranks now compile the kernels' ops, and the run matches eager world 1
+    with the fused inputs completed (``--require-fusions`` fails a run that fused none)."""
+    from distributed.checks import cli_ok
+
+    out = cli_ok(["run", "--model", str(qwen3_dir), "--tp", "2", "--fusions", "triton",
+                  "--compile-backend", "aot_eager", "--require-fusions"], capsys)
+    assert "parity vs world 1: PASS" in out and "completed fused" in out, out
