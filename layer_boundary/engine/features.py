@@ -5,9 +5,11 @@ line both make before anything is built, loaded or sent."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from ..adapters.tbo import TboPolicy
 from ..capabilities import CapabilityError, Feature, Setup, check
@@ -79,6 +81,7 @@ def check_spec(spec) -> None:
     if spec.speculative and spec.speculative_steps < 1:
         raise ValueError(f"--speculative-steps must be at least 1, got {spec.speculative_steps}")
     _check_triton(spec)
+    _check_compiled_transport(spec)
     check(setup_of(spec))
 
 
@@ -98,6 +101,29 @@ def _check_triton(spec) -> None:
     if not _installed("triton"):
         raise CapabilityError("--fusions triton needs the triton package, which is not "
                               "installed (pip install triton)")
+
+
+def _shares_gpus(spec) -> bool:
+    """Whether ``spec``'s CUDA ranks run over gloo (``runner.backend_for``: fewer GPUs on the
+    host than ranks on it): the backend the ranks joined with where they have."""
+    if dist.is_initialized():
+        return dist.get_backend() == "gloo"
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", spec.world_size))
+    return torch.cuda.device_count() < ranks_here
+
+
+def _check_compiled_transport(spec) -> None:
+    """A compiled forward on CUDA tensors whose collectives run over gloo: on an H200 (torch
+    2.11) ``run --device cuda --tp 2 --compile`` and ``... --dp 2 rsv --compile`` ended
+    without a reason the command kept (scripts/gpu_check.py's "compiled over gloo" row runs
+    it through the library, to read one); refused by name until a GPU run shows it works."""
+    if spec.device != "cuda" or spec.compile is None or spec.world_size == 1:
+        return
+    if _shares_gpus(spec):
+        raise CapabilityError(
+            f"--compile with --device cuda over gloo ({spec.world_size} ranks sharing "
+            f"{torch.cuda.device_count()} GPU(s)) is not run yet: its compiled collectives on "
+            "CUDA tensors failed on a GPU; give each rank its own GPU (NCCL) or drop --compile")
 
 
 def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:

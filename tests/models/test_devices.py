@@ -8,6 +8,8 @@ MoE's routing counts) the same way."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from distributed.pool import get_pool
@@ -208,3 +210,25 @@ TRACED_ELSEWHERE = {"qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5_text", "qwen3_
 @pytest.mark.parametrize("model_type", sorted(set(CONFIGS) - TRACED_ELSEWHERE))
 def test_every_model_decodes_whole_with_nothing_that_syncs_with_the_host(model_type):
     assert compiled_decode_matches_eager(model_type)
+
+
+@pytest.mark.parametrize("gpus,refused", [(1, True), (2, False)], ids=["shared", "one each"])
+def test_compiled_cuda_ranks_over_gloo_are_refused_before_any_rank(monkeypatch, qwen3_dir,
+                                                                    gpus, refused):
+    """Two ranks sharing one GPU run their collectives over gloo, where a compiled forward
+    failed on a GPU: refused by name at the check the command line and ``run_rank`` make;
+    with a GPU a rank (NCCL) the same spec passes that check."""
+    from layer_boundary.capabilities import CapabilityError
+    from layer_boundary.engine.features import check_spec
+    from layer_boundary.engine.runner import RunSpec, with_checkpoints
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    spec = with_checkpoints(RunSpec(str(qwen3_dir), tp=2, device="cuda", compile="inductor"))
+    if refused:
+        with pytest.raises(CapabilityError, match=r"^--compile with --device cuda over gloo "
+                                                  r"\(2 ranks sharing 1 GPU\(s\)\) is not run"):
+            check_spec(spec)
+    else:
+        check_spec(spec)
+    check_spec(replace(spec, compile=None))  # eager over gloo on CUDA ran on the GPU
