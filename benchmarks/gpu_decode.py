@@ -72,10 +72,13 @@ LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
             max_position_embeddings=256, tie_word_embeddings=False)
+# each inductor-compiled system compiles a graph a decode workload (about a minute on a GPU,
+# caches cold): a shape times those it needs within one device call
 SHAPES = {
-    "qwen3-2048x16": Shape("qwen3", QWEN3_2048, 512, (4, 512), (1, 16, 64), SYSTEMS, True),
+    "qwen3-2048x16": Shape("qwen3", QWEN3_2048, 512, (4, 512), (1, 16, 64),
+                           tuple(s for s in SYSTEMS if s != "ours captured, eager step"), True),
     "llama-7b": Shape("llama", LLAMA_7B, 512, None, (1, 16),
-                      ("ours captured, inductor step", f"ours captured, eager step, {IN_PLACE}",
+                      (f"ours captured, eager step, {IN_PLACE}",
                        f"ours captured, inductor step, {IN_PLACE}", PEER)),
     "tiny": Shape("qwen3", TINY, 8, (2, 8), (1, 3), SYSTEMS),
 }
