@@ -11,11 +11,11 @@ embedding, the final norm and the LM head drop out:
   provider (the ops its interpreter runs on the CPU are not counted);
 - ``cuda`` (on a GPU): the kernels the profiler saw run, memory copies and sets included.
 
-Rows: ours eager, ours with ``--fusions triton`` (and with the decode attention in place,
-``KVCache.decode_in_place``: one Triton launch where the gather and SDPA were), ours compiled
-by inductor (CUDA only; and with the Triton provider in place, its launches custom ops in the
-graph: ``runtime.kernel_ops``), and transformers eager (its ``generate``'s step: a DynamicCache
-decode of the same requests).
+Rows: ours eager, ours with ``--fusions triton`` (whose caches decode attention in place,
+``KVCache.decode_in_place``: Triton launches where the gather and SDPA were; and the same with
+the gathering path), ours compiled by inductor (CUDA only; and with the Triton provider, its
+launches custom ops in the graph: ``runtime.kernel_ops``), and transformers eager (its
+``generate``'s step: a DynamicCache decode of the same requests).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _checkpoint(folder: Path, layers: int) -> Path:
 
 
 def _ours(path: Path, device: str, fusions: str | None, backend: str | None,
-          in_place: bool = False):
+          in_place: bool | None = None):
     """A decode step of ours after a prefill: the callable and the step's batch."""
     from layer_boundary.engine.compiled import compile_forward
     from layer_boundary.engine.runner import make_fusions
@@ -110,7 +110,8 @@ def _ours(path: Path, device: str, fusions: str | None, backend: str | None,
         model.install_fusion(make_fusions(fusions))
     slots = len(PROMPTS) + 1
     cache = model.make_kv_cache(slots, 32)
-    cache.decode_in_place = in_place  # models/decode_kernel.py: attention without the gather
+    if in_place is not None:  # else the model's choice (the Triton provider's: in place)
+        cache.decode_in_place = in_place
     with torch.no_grad():
         model(ForwardBatch.build(ForwardMode.EXTEND, PROMPTS, [0] * len(PROMPTS),
                                  kv_cache=cache, device=device))
@@ -184,7 +185,7 @@ def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transf
                 forward, batch = _ours(paths[n], device,
                                        "triton" if "triton" in row else None,
                                        "inductor" if "inductor" in row else None,
-                                       in_place="in place" in row)
+                                       in_place=False if "gathering" in row else None)
             if "inductor" not in row:  # a compiled forward dispatches its graph, not ops
                 counts["dispatcher"].append(sum(dispatched(forward, batch,
                                                            "triton" in row).values()))
@@ -197,8 +198,8 @@ def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transf
     return out
 
 
-ROWS = ("ours", "ours, triton fusions", "ours, triton fusions, decode in place",
-        "transformers", "ours, inductor", "ours, inductor, triton fusions, decode in place")
+ROWS = ("ours", "ours, triton fusions", "ours, triton fusions, gathering", "transformers",
+        "ours, inductor", "ours, inductor, triton fusions")
 
 
 def main(argv=None) -> int:

@@ -149,6 +149,11 @@ class TritonFusions(ReferenceFusions):
 
     can_defer_finalize = ReferenceFusions.can_defer_finalize
     can_defer_all_reduce = ReferenceFusions.can_defer_all_reduce
+    # a model with this provider decodes attention in place (``CausalLM.install_fusion``:
+    # its caches' ``KVCache.decode_in_place``): the padded and ring decode steps of
+    # ``cached_attention`` read each request's keys and values where they lie
+    # (``models.decode_kernel``, one Triton launch for the write, two for the attention)
+    decode_attention_in_place = True
 
     def __init__(self, defer_finalize: bool = True, terminal_finalize: bool = False,
                  defer_all_reduce: bool = False) -> None:

@@ -174,6 +174,10 @@ class CausalLM(nn.Module):
     # capability table names each): the Transformers backend's
     refused_features: dict = {}
     impl = "native"  # which implementation it is (``--model-impl``): our own model file
+    # the caches ``make_kv_cache`` builds decode in place (``KVCache.decode_in_place``): set by
+    # ``install_fusion`` where the provider declares ``decode_attention_in_place`` (its
+    # Triton decode attention), else the gathering path
+    decode_in_place: bool = False
 
     @staticmethod
     def nextn_layers(cfg) -> int:
@@ -236,12 +240,18 @@ class CausalLM(nn.Module):
         """The cache of ``slots`` requests of up to ``max_len`` positions on this stage, as
         ``cache_layout`` and ``cache_state`` declare it."""
         kv = self.cache_layout().build(slots, max_len, self.dtype, self.device)
-        return self.cache_state(kv, slots, max_len)
+        cache = self.cache_state(kv, slots, max_len)
+        if self.decode_in_place:
+            cache.decode_in_place = True
+        return cache
 
     def install_fusion(self, provider):
         """Install a fusion provider on this built model (``install_fusion``: every
         decoder layer's stages, their plans rebuilt once) and take its terminal service, if
-        it offers one, for the final norm. Before the first forward.
+        it offers one, for the final norm; each module takes the model compute it fuses
+        (``take_fusions``), and the caches made after decode in place where the provider
+        declares ``decode_attention_in_place``. Before the first forward and the first
+        ``make_kv_cache``.
 
         Args:
             provider: the fusion provider.
@@ -250,6 +260,7 @@ class CausalLM(nn.Module):
         """
         install_fusion(self, provider)
         self.model.take_handoff_norm(provider)
+        self.decode_in_place = bool(getattr(provider, "decode_attention_in_place", False))
         for module in self.modules():  # the model compute a provider fuses (q/k norm + rope)
             take = getattr(module, "take_fusions", None)
             if take is not None:

@@ -27,9 +27,11 @@ class KVCache:
     window: int | None = None
     shared_kv: bool = False
     # a decode step (one query row a request) reads each request's keys and values where they
-    # lie, up to its own length (``decode_kernel``, Triton), instead of gathering whole slots.
-    # Off unless set: the kernel is proven under the interpreter; its compiled form waits for
-    # a GPU run (scripts/gpu_check.py, "decode in place") before it becomes CUDA's default
+    # lie, up to its own length (``decode_kernel``, Triton), instead of gathering whole slots:
+    # in ``cached_attention``'s padded and ring decode paths. Off unless set (a model with the
+    # Triton provider sets it on the caches it makes, ``CausalLM.install_fusion``): the
+    # kernel is proven under the interpreter; its compiled form waits for a GPU run
+    # (scripts/gpu_check.py, "captured decode ... in place") before it becomes CUDA's default
     decode_in_place: bool = False
 
     def __init__(self, layers, slots: int, max_len: int, kv_heads: int | dict,

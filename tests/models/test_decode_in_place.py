@@ -152,6 +152,24 @@ def test_the_cache_write_is_the_two_index_writes(dtype, layout):
         assert torch.equal(fused, indexed) and fused.abs().sum() > 0
 
 
+def test_the_triton_provider_makes_the_caches_decode_in_place(qwen3_dir):
+    """A provider declares the in-place decode attention (the Triton one does, the reference
+    one does not); the caches a model makes after it is installed follow it."""
+    from oracle import world1
+
+    from layer_boundary.fusions.reference import ReferenceFusions
+    from layer_boundary.fusions.triton_provider import TritonFusions
+    from layer_boundary.models import load_model
+
+    made = []
+    for provider in (None, ReferenceFusions(), TritonFusions()):
+        model = load_model(qwen3_dir, world1())
+        if provider is not None:
+            model.install_fusion(provider)
+        made.append(model.make_kv_cache(2, 8).decode_in_place)
+    assert made == [False, False, True]
+
+
 def test_a_model_decodes_the_same_logits_in_place(tmp_path):
     """A tiny Qwen3's padded decode step through every layer: the same logits either way."""
     from checkpoints import hf_qwen3
@@ -174,8 +192,9 @@ def test_a_model_decodes_the_same_logits_in_place(tmp_path):
 
 
 def test_in_place_a_decode_layer_dispatches_fewer_ops(tmp_path):
-    """benchmarks/kernel_count.py's rows with the Triton provider: the decode attention in
-    place (two launches) takes fewer ops a layer than the gather and SDPA it replaces."""
+    """benchmarks/kernel_count.py's rows with the Triton provider, whose caches decode in
+    place: the decode attention (two launches) and its cache write (one) take fewer ops a
+    layer than the gathering path, and the layer's whole step at most 20 (issue 65)."""
     import importlib.util
     from pathlib import Path
 
@@ -184,5 +203,6 @@ def test_in_place_a_decode_layer_dispatches_fewer_ops(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     rows = {r["row"]: r["dispatcher"] for r in module.per_layer(
-        "cpu", ("ours, triton fusions", "ours, triton fusions, decode in place"), tmp_path)}
-    assert rows["ours, triton fusions, decode in place"] < rows["ours, triton fusions"], rows
+        "cpu", ("ours, triton fusions", "ours, triton fusions, gathering"), tmp_path)}
+    assert rows["ours, triton fusions"] < rows["ours, triton fusions, gathering"], rows
+    assert rows["ours, triton fusions"] <= 20, rows

@@ -188,9 +188,15 @@ DELAY = textwrap.dedent("""
 
 
 def _restart_fork_server() -> None:
-    """The next job starts a fork server of its own, with this process's environment now."""
+    """The next job starts a fork server of its own, with this process's environment now.
+    The server lives until the last process it forked has exited (each holds its "alive"
+    pipe): the rank pools' workers, forked by the same server where this file runs beside
+    the pool's tests in one pytest, are stopped first, or stopping it waits forever."""
     from multiprocessing import forkserver
 
+    from distributed.pool import close_all_pools
+
+    close_all_pools()
     forkserver._forkserver._stop()
 
 
