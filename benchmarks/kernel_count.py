@@ -171,14 +171,15 @@ def cuda_kernels(forward, batch) -> int:
 
 
 def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transformers"),
-              folder: Path | None = None) -> list[dict]:
-    """Each row's per-layer count: ``dispatcher`` always, ``cuda`` on a CUDA device."""
+              folder: Path | None = None, layers: tuple[int, int] = LAYERS) -> list[dict]:
+    """Each row's per-layer count: ``dispatcher`` always, ``cuda`` on a CUDA device; the
+    difference of two models' counts (``layers``) over their difference in layers."""
     folder = Path(folder or tempfile.mkdtemp(prefix="kernel_count_"))
-    paths = {n: _checkpoint(folder, n) for n in LAYERS}
+    paths = {n: _checkpoint(folder, n) for n in layers}
     out = []
     for row in rows:
         counts = {"dispatcher": [], "cuda": []}
-        for n in LAYERS:
+        for n in layers:
             if row == "transformers":
                 forward, batch = _transformers(paths[n], device)
             else:
@@ -193,7 +194,7 @@ def per_layer(device: str = "cpu", rows=("ours", "ours, triton fusions", "transf
                 counts["cuda"].append(cuda_kernels(forward, batch))
         record = {"row": row, "device": device}
         for kind, (two, four) in ((k, v) for k, v in counts.items() if v):
-            record[kind] = (four - two) / (LAYERS[1] - LAYERS[0])
+            record[kind] = (four - two) / (layers[1] - layers[0])
         out.append(record)
     return out
 
