@@ -207,3 +207,30 @@ def test_in_place_a_decode_layer_dispatches_fewer_ops(tmp_path):
         layers=(1, 2))}
     assert rows["ours, triton fusions"] < rows["ours, triton fusions, gathering"], rows
     assert rows["ours, triton fusions"] <= 20, rows
+
+
+def test_a_mistral_with_the_triton_provider_decodes_its_ring_in_place(tmp_path):
+    """A sliding-window ring (Mistral's cache) decodes unpadded through the in-place path
+    once the Triton provider is installed: its greedy steps, past the ring's wrap, give the
+    logits and tokens of the model without a provider."""
+    from checkpoints.llama import hf_mistral
+    from oracle import world1
+
+    from layer_boundary.engine.generate import greedy_generate
+    from layer_boundary.fusions.triton_provider import TritonFusions
+    from layer_boundary.models import load_model
+
+    path = hf_mistral(tmp_path / "mistral", sliding_window=4)
+    prompts = [[3, 1, 4, 1, 5, 9], [2, 6]]  # the first past its ring of 4 rows already
+    runs = []
+    for fused in (False, True):
+        model = load_model(path, world1())
+        if fused:
+            model.install_fusion(TritonFusions())
+        assert model.make_kv_cache(1, 8).decode_in_place is fused
+        with torch.no_grad():
+            runs.append(greedy_generate(model, prompts, 3, keep_logits=True))
+    assert runs[1].generated == runs[0].generated
+    for ours, plain in zip(runs[1].logits, runs[0].logits):
+        for a, b in zip(ours, plain):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
