@@ -215,7 +215,13 @@ def main(argv=None) -> int:
     parser.add_argument("--row", action="append", choices=ROWS, default=None,
                         help="a row to count (repeatable; default: every row the device runs; "
                              "ours, inductor needs CUDA)")
+    parser.add_argument("--layers", nargs=2, type=int, default=LAYERS, metavar=("FEWER", "MORE"),
+                        help="the two layer counts whose difference gives a layer's count "
+                             f"(default: {LAYERS[0]} {LAYERS[1]})")
     args = parser.parse_args(argv)
+    if not 1 <= args.layers[0] < args.layers[1]:
+        parser.error(f"--layers {args.layers[0]} {args.layers[1]}: two counts, the first at "
+                     "least 1 and below the second")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("kernel_count: error: --device cuda, but torch sees no CUDA device here (count "
               "on the CPU: leave --device out)", file=sys.stderr)
@@ -228,7 +234,7 @@ def main(argv=None) -> int:
         from layer_boundary.fusions.triton_provider import use_interpreter  # imports no triton
 
         use_interpreter()
-    for record in per_layer(args.device, rows):
+    for record in per_layer(args.device, rows, layers=tuple(args.layers)):
         print(json.dumps(record), flush=True)
     return 0
 

@@ -412,6 +412,38 @@ def captured_decode(path: Path) -> None:
             one()
 
 
+@guarded("inductor writes the cache in place")
+@torch.no_grad()
+def inductor_writes_in_place(path: Path) -> None:
+    """The inductor step with the Triton provider decoding in place: its generated code calls
+    ``layer_boundary.store_kv`` once a layer on the cache itself (inductor reinplaced the
+    functionalized write; a clone would copy the whole cache every step). On this CPU the same
+    code calls it on its inputs with no clone or copy (Qwen3 tiny, 3 layers)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from layer_boundary.engine.compiled import compile_forward
+    from layer_boundary.engine.runner import make_fusions
+    from layer_boundary.models import load_model
+    from layer_boundary.runtime import BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims
+    from layer_boundary.runtime.parallel import build_parallel
+
+    runtime = BoundaryRuntime(build_parallel(ParallelDims()), boundary_reduction="ar")
+    model = load_model(str(path), runtime, device="cuda")
+    model.install_fusion(make_fusions("triton"))
+    cache = model.make_kv_cache(4, 16)
+    prompts = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
+    model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * 3, kv_cache=cache,
+                             device="cuda"))
+    step = ForwardBatch.build(ForwardMode.DECODE, [[7], [8], [9]], [3, 2, 4], kv_cache=cache,
+                              device="cuda").padded(4, scratch_slot=3)
+    _, code = run_and_get_code(compile_forward(model, "inductor", padded=True), step)
+    src = "\n".join(code)
+    writes, layers = src.count("layer_boundary.store_kv.default("), len(cache.k)
+    clones, copies = src.count("clone"), src.count(".copy_(")
+    row("inductor writes the cache in place", writes == layers and clones == 0,
+        f"store_kv {writes} calls for {layers} layers, {clones} clones, {copies} copies")
+
+
 SECTIONS = ("parity", "cli", "kernels", "captured", "counts", "perf", "perf7b")
 RESULTS: dict = {"rows": ROWS, "counts": [], "perf": []}
 
@@ -495,7 +527,8 @@ def main() -> int:
              "cli": lambda: cli_rows(paths, gpus),
              "kernels": lambda: (kernels_against_interpreter(work), kernel_bandwidth(),
                                  decode_in_place()),
-             "captured": lambda: captured_decode(paths["qwen3"]),
+             "captured": lambda: (captured_decode(paths["qwen3"]),
+                                  inductor_writes_in_place(paths["qwen3"])),
              "counts": lambda: kernel_counts(work),
              "perf": lambda: performance(work, "qwen3-2048x16"),
              "perf7b": lambda: performance(work, "llama-7b")}
