@@ -234,3 +234,20 @@ def test_a_mistral_with_the_triton_provider_decodes_its_ring_in_place(tmp_path):
     for ours, plain in zip(runs[1].logits, runs[0].logits):
         for a, b in zip(ours, plain):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rank_with_no_rows_writes_nothing_and_attends_to_nothing():
+    """An idle attention-DP rank's decode step (a ring's unpadded step can have no rows):
+    the write launches nothing and the attention returns its empty output."""
+    pytest.importorskip("triton")
+    from layer_boundary.models import decode_kernel
+
+    k_cache, v_cache = torch.randn(2, KVH, 8, D), torch.randn(2, KVH, 8, D)
+    before = (k_cache.clone(), v_cache.clone())
+    none = torch.zeros(0, dtype=torch.long)
+    decode_kernel.store_kv(k_cache, v_cache, none, none, torch.zeros(0, KVH, D),
+                           torch.zeros(0, KVH, D))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    out = decode_kernel.decode_attention(torch.zeros(0, H, D), k_cache, v_cache, none, none,
+                                         D ** -0.5, window=4, ring=True)
+    assert out.shape == (0, H, D)
