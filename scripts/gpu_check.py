@@ -359,6 +359,29 @@ def kernel_bandwidth() -> None:
          f"{kernels._fp8_warps(width)})", ", ".join(seen))
 
 
+def _stepped(path: Path, fused: bool, in_place: bool):
+    """A tiny Qwen3 on CUDA (with the Triton provider where ``fused``) after a prefill of
+    three requests, and its next decode step padded to 4 rows (the scratch slot the fifth):
+    ``(model, step)``; ``in_place``: its cache decodes in place."""
+    from layer_boundary.engine.runner import make_fusions
+    from layer_boundary.models import load_model
+    from layer_boundary.runtime import BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims
+    from layer_boundary.runtime.parallel import build_parallel
+
+    runtime = BoundaryRuntime(build_parallel(ParallelDims()), boundary_reduction="ar")
+    model = load_model(str(path), runtime, device="cuda")
+    if fused:
+        model.install_fusion(make_fusions("triton"))
+    cache = model.make_kv_cache(5, 32)
+    cache.decode_in_place = in_place
+    prompts = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
+    model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0, 0, 0], kv_cache=cache,
+                             device="cuda"))
+    step = ForwardBatch.build(ForwardMode.DECODE, [[7], [8], [9]], [3, 2, 4],
+                              kv_cache=cache, device="cuda").padded(4, scratch_slot=4)
+    return model, step
+
+
 @torch.no_grad()
 def captured_decode(path: Path) -> None:
     """A padded decode step captured as a CUDA graph and replayed, against the eager step
@@ -366,26 +389,8 @@ def captured_decode(path: Path) -> None:
     each plain and with the Triton provider decoding in place (``KVCache.decode_in_place``:
     where these pass, it may become CUDA's default)."""
     from layer_boundary.engine.compiled import compile_forward
-    from layer_boundary.engine.runner import make_fusions
-    from layer_boundary.models import load_model
-    from layer_boundary.runtime import BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims
-    from layer_boundary.runtime.parallel import build_parallel
 
-    def stepped(fused: bool, in_place: bool):
-        runtime = BoundaryRuntime(build_parallel(ParallelDims()), boundary_reduction="ar")
-        model = load_model(str(path), runtime, device="cuda")
-        if fused:
-            model.install_fusion(make_fusions("triton"))
-        cache = model.make_kv_cache(5, 32)
-        cache.decode_in_place = in_place
-        prompts = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
-        model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0, 0, 0], kv_cache=cache,
-                                 device="cuda"))
-        step = ForwardBatch.build(ForwardMode.DECODE, [[7], [8], [9]], [3, 2, 4],
-                                  kv_cache=cache, device="cuda").padded(4, scratch_slot=4)
-        return model, step
-
-    model, step = stepped(False, False)
+    model, step = _stepped(path, False, False)
     eager = model(step)[:3].clone()
     for held in ("eager step", "inductor step"):
         for fused in (False, True):
@@ -394,7 +399,7 @@ def captured_decode(path: Path) -> None:
 
             @guarded(check)
             def one():
-                model, step = stepped(fused, fused)
+                model, step = _stepped(path, fused, fused)
                 forward = (compile_forward(model, "inductor", padded=True)
                            if held == "inductor step" else model)
                 stream = torch.cuda.Stream()
@@ -423,23 +428,11 @@ def inductor_writes_in_place(path: Path) -> None:
     from torch._inductor.utils import run_and_get_code
 
     from layer_boundary.engine.compiled import compile_forward
-    from layer_boundary.engine.runner import make_fusions
-    from layer_boundary.models import load_model
-    from layer_boundary.runtime import BoundaryRuntime, ForwardBatch, ForwardMode, ParallelDims
-    from layer_boundary.runtime.parallel import build_parallel
 
-    runtime = BoundaryRuntime(build_parallel(ParallelDims()), boundary_reduction="ar")
-    model = load_model(str(path), runtime, device="cuda")
-    model.install_fusion(make_fusions("triton"))
-    cache = model.make_kv_cache(4, 16)
-    prompts = [[3, 1, 4], [1, 5], [9, 2, 6, 5]]
-    model(ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * 3, kv_cache=cache,
-                             device="cuda"))
-    step = ForwardBatch.build(ForwardMode.DECODE, [[7], [8], [9]], [3, 2, 4], kv_cache=cache,
-                              device="cuda").padded(4, scratch_slot=3)
+    model, step = _stepped(path, True, True)
     _, code = run_and_get_code(compile_forward(model, "inductor", padded=True), step)
     src = "\n".join(code)
-    writes, layers = src.count("layer_boundary.store_kv.default("), len(cache.k)
+    writes, layers = src.count("layer_boundary.store_kv.default("), len(model.model.layers)
     clones, copies = src.count("clone"), src.count(".copy_(")
     row("inductor writes the cache in place", writes == layers and clones == 0,
         f"store_kv {writes} calls for {layers} layers, {clones} clones, {copies} copies")

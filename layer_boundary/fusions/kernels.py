@@ -126,9 +126,7 @@ def add_rms_norm_fp8(value: torch.Tensor, residual: torch.Tensor, weight: torch.
     scales [T, ceil(D / group)] float32, new residual)``. ``group`` is a power of two."""
     rows, width = residual.shape
     n_groups = -(-width // group)
-    values = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=residual.device)
-    scales = torch.empty((rows, n_groups), dtype=torch.float32, device=residual.device)
-    new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    values, scales, new_residual = _quantized_shapes(value, residual, weight, eps, group)
     if rows == 0:
         return values, scales, new_residual
     if value.stride(-1) != 1:
@@ -173,8 +171,7 @@ def add_rms_norm(value: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
         zero_centered: the Gemma form (scale by ``1 + w`` in fp32, round once).
     """
     rows, width = residual.shape
-    normed = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    new_residual = torch.empty_like(normed)
+    normed, new_residual = _normed_shapes(value, residual, weight, eps)
     if rows == 0:
         return normed, new_residual
     if value.stride(-1) != 1:
@@ -226,7 +223,7 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
     strided, each head's dims contiguous; D a power of two), weight [D], cos/sin [T, D] in
     x's dtype. Returns a new [T, H, D]."""
     tokens, heads, dim = x.shape
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    out = _head_shape(x, weight, eps, cos, sin)
     if tokens and heads:
         cos, sin = cos.contiguous(), sin.contiguous()
         _head_norm_rope[(tokens, heads)](x, weight.contiguous(), cos, sin, out, x.stride(0),
@@ -261,7 +258,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` in one launch: gate and up [T, I] of one dtype (rows may be
     strided, each row contiguous). Returns a new [T, I]."""
     tokens, width = gate.shape
-    out = torch.empty((tokens, width), dtype=gate.dtype, device=gate.device)
+    out = _product_shape(gate, up)
     if tokens and width:
         if gate.stride(-1) != 1:
             gate = gate.contiguous()

@@ -278,8 +278,8 @@ def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
     tuples, so the work and the graph depend on the row count alone."""
     slots, positions = forward_batch.token_slots, forward_batch.positions
     if cache.decode_in_place:  # each row reads its own slot up to its length, no copy
-        _store_in_place(cache, layer, slots, positions, k, v)
-        return _in_place(cache, layer, q, slots, positions, scaling, scores, window)
+        return _in_place(cache, layer, q, k, v, slots, positions, positions, scaling, scores,
+                         window)
     cache.k[layer][slots, :, positions] = k  # each (slot, position) pair takes [KVH, D]
     if not cache.shared_kv:
         cache.v[layer][slots, :, positions] = v
@@ -290,19 +290,14 @@ def _slot_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
                          False, window)[:, 0]
 
 
-def _store_in_place(cache, layer: int, slots, rows, k, v) -> None:
-    """Each row's new key and value written at (its slot, its cache row), one launch
-    (``decode_kernel.store_kv``)."""
-    from .decode_kernel import store_kv
+def _in_place(cache, layer: int, q, k, v, slots, rows, positions, scaling: float, scores,
+              window, ring: bool = False):
+    """Each row's new key and value written at (its slot, its cache row ``rows``), one launch
+    (``decode_kernel.store_kv``); then one query row a request over its own slot up to its
+    position, read where it lies (``decode_kernel.decode_attention``)."""
+    from .decode_kernel import decode_attention, store_kv
 
     store_kv(cache.k[layer], None if cache.shared_kv else cache.v[layer], slots, rows, k, v)
-
-
-def _in_place(cache, layer: int, q, slots, positions, scaling: float, scores, window,
-              ring: bool = False):
-    """One query row a request over its own slot, read where it lies (``decode_kernel``)."""
-    from .decode_kernel import decode_attention
-
     return decode_attention(q, cache.k[layer], cache.v[layer], slots, positions + 1, scaling,
                             window=window, ring=ring,
                             sinks=None if scores is None else scores.sinks,
@@ -321,9 +316,8 @@ def _ring_attention(cache, layer: int, q, k, v, forward_batch, scaling: float, s
         positions = forward_batch.positions  # [B], one per request
         ring = positions % rows
         if cache.decode_in_place:
-            _store_in_place(cache, layer, slots, ring, k, v)
-            return _in_place(cache, layer, q, slots, positions, scaling, scores, cache.window,
-                             ring=True)
+            return _in_place(cache, layer, q, k, v, slots, ring, positions, scaling, scores,
+                             cache.window, ring=True)
         cache.k[layer][slots, :, ring] = k  # each (slot, ring row) pair takes [KVH, D]
         if not cache.shared_kv:
             cache.v[layer][slots, :, ring] = v

@@ -183,7 +183,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             BLOCK_G=triton.next_power_of_2(group), D=dim, BLOCK_D=triton.next_power_of_2(dim),
             DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_N=BLOCK_N, SPLITS=SPLITS,
             RING=ring, SOFTCAP=softcap is not None)
-    out = q.new_empty((tokens, heads, dv))
+    out = _attention_shape(q, k_cache, v_cache, slots, lengths, scaling)
     if tokens:
         launch(_merge_splits, (tokens, heads), m, den, acc, m if sinks is None else sinks, out,
                m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),

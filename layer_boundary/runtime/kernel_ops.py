@@ -25,7 +25,8 @@ def compiled_as_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()
     Args:
         name: the op's name in the ``layer_boundary`` namespace (unique).
         fake: the op's fake implementation (same signature): new outputs of the right
-            shapes and dtypes, nothing launched.
+            shapes and dtypes, nothing launched (the wrapper allocates the outputs its
+            launch fills with it too, so the two cannot disagree).
         mutates_args: the parameters whose storage the launch writes (a cache the kernel
             stores into); every output must be new storage (a custom op returns no alias).
     """
