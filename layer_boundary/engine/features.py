@@ -103,13 +103,21 @@ def _check_triton(spec) -> None:
                               "installed (pip install triton)")
 
 
+def backend_for(device: str, ranks_here: int) -> str:
+    """The ranks' backend: NCCL where each of this host's ``ranks_here`` ranks has a GPU of
+    its own, else gloo (CPU tensors, or CUDA tensors of ranks that share a GPU)."""
+    if device == "cuda" and torch.cuda.device_count() >= ranks_here:
+        return "nccl"
+    return "gloo"
+
+
 def _shares_gpus(spec) -> bool:
-    """Whether ``spec``'s CUDA ranks run over gloo (``runner.backend_for``: fewer GPUs on the
-    host than ranks on it): the backend the ranks joined with where they have."""
+    """Whether ``spec``'s CUDA ranks run over gloo: the backend the ranks joined with where
+    they have, else the one ``backend_for`` gives the ranks on this host."""
     if dist.is_initialized():
         return dist.get_backend() == "gloo"
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", spec.world_size))
-    return torch.cuda.device_count() < ranks_here
+    return backend_for(spec.device, int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                       spec.world_size))) == "gloo"
 
 
 def _check_compiled_transport(spec) -> None:
@@ -139,4 +147,5 @@ def check_draft(target_cfg, draft_cfg, draft_cls, dims) -> None:
                 draft=draft_cls, draft_config=draft_cfg))
 
 
-__all__ = ["CapabilityError", "check_draft", "check_spec", "features_of", "setup_of"]
+__all__ = ["CapabilityError", "backend_for", "check_draft", "check_spec", "features_of",
+           "setup_of"]

@@ -26,7 +26,7 @@ from ..runtime.shards import ReadBytes
 from .audit import STRICT_ENV, AuditError, audit, not_audited
 from .compiled import compile_forward, compiled_graphs
 from .describe import plan_rows
-from .features import check_draft, check_spec  # noqa: F401 - check_draft: the public name
+from .features import backend_for, check_draft, check_spec  # noqa: F401 - public names
 from .fusion_providers import make_fusions
 from .generate import Generation, greedy_generate, takes_padded_batches
 from .graphs import (CapturedDecode, GraphDecision, Graphs, InductorSkips, decide_graphs,
@@ -176,14 +176,6 @@ def rank_device(spec: RunSpec) -> torch.device:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
-
-
-def backend_for(device: str, ranks_here: int) -> str:
-    """The ranks' backend: NCCL where each of this host's ``ranks_here`` ranks has a GPU of
-    its own, else gloo (CPU tensors, or CUDA tensors of ranks that share a GPU)."""
-    if device == "cuda" and torch.cuda.device_count() >= ranks_here:
-        return "nccl"
-    return "gloo"
 
 
 def make_runtime(spec: RunSpec, world_size: int | None = None) -> BoundaryRuntime:
