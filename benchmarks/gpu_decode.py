@@ -42,11 +42,31 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 ROUNDS, PER_ROUND, WARMUP = 7, 5, 3
-PEER = "transformers compiled"
-IN_PLACE = "triton + in place"  # the suffix of the systems with the provider, in place
-SYSTEMS = ("ours eager", "ours captured, eager step", "ours captured, inductor step",
-           f"ours captured, eager step, {IN_PLACE}", f"ours captured, inductor step, {IN_PLACE}",
-           "transformers eager", PEER)
+
+
+@dataclass(frozen=True)
+class System:
+    """What a row times: ours (``captured`` None: the eager step; "eager" or "inductor": the
+    padded step replayed from its graph, holding that step; ``in_place``: with the Triton
+    provider, its caches decoding in place) or transformers (``compiled`` or eager)."""
+
+    name: str
+    ours: bool
+    captured: str | None = None
+    in_place: bool = False
+    compiled: bool = False
+
+
+OURS_EAGER = System("ours eager", True)
+CAPTURED_EAGER = System("ours captured, eager step", True, "eager")
+CAPTURED_INDUCTOR = System("ours captured, inductor step", True, "inductor")
+IN_PLACE_EAGER = System("ours captured, eager step, triton + in place", True, "eager", True)
+IN_PLACE_INDUCTOR = System("ours captured, inductor step, triton + in place", True, "inductor",
+                           True)
+THEIRS_EAGER = System("transformers eager", False)
+PEER = System("transformers compiled", False, compiled=True)  # what each row is a ratio of
+SYSTEMS = (OURS_EAGER, CAPTURED_EAGER, CAPTURED_INDUCTOR, IN_PLACE_EAGER, IN_PLACE_INDUCTOR,
+           THEIRS_EAGER, PEER)
 
 
 @dataclass(frozen=True)
@@ -58,7 +78,7 @@ class Shape:
     prefix: int  # cached tokens before each decode step
     prefill: tuple[int, int] | None  # (requests, tokens), or None
     decodes: tuple[int, ...]  # requests a decode step
-    systems: tuple[str, ...]
+    systems: tuple[System, ...]
     multi_rank: bool = False  # then ours at tp 2
 
 
@@ -76,10 +96,9 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 # caches cold): a shape times those it needs within one device call
 SHAPES = {
     "qwen3-2048x16": Shape("qwen3", QWEN3_2048, 512, (4, 512), (1, 16, 64),
-                           tuple(s for s in SYSTEMS if s != "ours captured, eager step"), True),
+                           tuple(s for s in SYSTEMS if s != CAPTURED_EAGER), True),
     "llama-7b": Shape("llama", LLAMA_7B, 512, None, (1, 16),
-                      (f"ours captured, eager step, {IN_PLACE}",
-                       f"ours captured, inductor step, {IN_PLACE}", PEER)),
+                      (IN_PLACE_EAGER, IN_PLACE_INDUCTOR, PEER)),
     "tiny": Shape("qwen3", TINY, 8, (2, 8), (1, 3), SYSTEMS),
 }
 
@@ -281,9 +300,9 @@ def _build(systems, make, log, workload: str, rows: list) -> dict:
                     step()
             steps[system] = step
         except Exception as exc:  # named in the table; the other rows stand
-            log(f"  {workload:<18} {system:<46} failed: {type(exc).__name__}: "
+            log(f"  {workload:<18} {system.name:<46} failed: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''}")
-            rows.append({"workload": workload, "system": system, "error": str(exc)[:300]})
+            rows.append({"workload": workload, "system": system.name, "error": str(exc)[:300]})
     return steps
 
 
@@ -293,37 +312,31 @@ def _timed_rows(workload: str, steps: dict, device: str, log, roof: float | None
     rows = []
     for system, ms_list in times.items():
         ms = statistics.median(ms_list)
-        row = {"workload": workload, "system": system, "ms": ms}
+        row = {"workload": workload, "system": system.name, "ms": ms}
         detail = ""
         if roof is not None:
             row.update(roofline_ms=roof, over_roofline=ms / roof)
             detail += f"  roofline {roof:.3f} ms ({ms / roof:.2f}x)"
         if PEER in times and system != PEER:
             row["vs_peer"] = statistics.median(a / b for a, b in zip(ms_list, times[PEER]))
-            detail += f"  {row['vs_peer']:.2f} of {PEER}"
+            detail += f"  {row['vs_peer']:.2f} of {PEER.name}"
         rows.append(row)
-        log(f"  {workload:<18} {system:<46} {ms:8.3f} ms{detail}")
+        log(f"  {workload:<18} {system.name:<46} {ms:8.3f} ms{detail}")
     return rows
 
 
-def _system_step(system: str, requests: int, ours: dict, theirs: _Transformers):
-    if system == "transformers eager":
-        return theirs.decode(requests, False)
-    if system == PEER:
-        return theirs.decode(requests, True)
-    in_place = system.endswith(IN_PLACE)
-    model = ours["fused" if in_place else "plain"]
-    captured = None if system == "ours eager" else (
-        "inductor" if "inductor step" in system else "eager")
-    return model.decode(requests, captured, in_place=in_place)
+def _system_step(system: System, requests: int, ours: dict, theirs: _Transformers):
+    if not system.ours:
+        return theirs.decode(requests, system.compiled)
+    model = ours["fused" if system.in_place else "plain"]
+    return model.decode(requests, system.captured, in_place=system.in_place)
 
 
 def world1_rows(path: Path, hf, shape: Shape, bandwidth: float, device: str, log) -> list:
     """The shape's world-1 rows: its prefill (ours and transformers eager), then each decode
     workload's systems, interleaved."""
     ours = {"plain": None, "fused": None}
-    needs = {"fused" if s.endswith(IN_PLACE) else "plain" for s in shape.systems
-             if s.startswith("ours")}
+    needs = {"fused" if s.in_place else "plain" for s in shape.systems if s.ours}
     for kind in needs:
         ours[kind] = _Ours(path, shape, device, fused=kind == "fused")
     theirs = _Transformers(hf, shape, device)
@@ -332,8 +345,8 @@ def world1_rows(path: Path, hf, shape: Shape, bandwidth: float, device: str, log
     if shape.prefill is not None and ours["plain"] is not None:
         n, length = shape.prefill
         workload = f"prefill {n}x{length}"
-        steps = _build(("ours eager", "transformers eager"),
-                       lambda s: (ours["plain"].prefill(n, length)[0] if s == "ours eager"
+        steps = _build((OURS_EAGER, THEIRS_EAGER),
+                       lambda s: (ours["plain"].prefill(n, length)[0] if s.ours
                                   else theirs.prefill(n, length)), log, workload, rows)
         rows += _timed_rows(workload, steps, device, log, None)
     for requests in shape.decodes:
