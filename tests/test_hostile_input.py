@@ -311,6 +311,23 @@ def test_a_library_load_refuses_the_lying_config_before_allocating(qwen3_dir, tm
         load_model(model, BoundaryRuntime(build_parallel(ParallelDims(world_size=1))))
 
 
+def test_a_folder_loaded_once_then_rewritten_to_lie_is_refused(qwen3_dir, tmp_path):
+    """The size check is remembered for what a folder holds, not for its path: after a load
+    of it passed, the same folder with a lying config.json is refused in the same process."""
+    from layer_boundary.models import CheckpointError, load_model
+    from layer_boundary.runtime.args import BoundaryRuntime
+    from layer_boundary.runtime.parallel import ParallelDims, build_parallel
+
+    model = _copy(qwen3_dir, tmp_path / "m")
+    runtime = BoundaryRuntime(build_parallel(ParallelDims(world_size=1)))
+    load_model(model, runtime)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 100_000_000}))
+    with pytest.raises(CheckpointError, match="^config.json asks for .* parameters, and the "
+                                              "checkpoint's tensors hold "):
+        load_model(model, runtime)
+
+
 
 def test_a_missing_triton_is_named_before_any_rank(qwen3_dir, capsys, restore_logger,
                                                    monkeypatch):

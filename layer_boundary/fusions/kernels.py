@@ -16,6 +16,8 @@ the Triton provider imports it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,26 @@ from ..runtime.kernel_ops import compiled_as_op
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp32 accumulation suffices
 
 
-@triton.jit
+def _device(fn):
+    """``triton.jit`` for a function the kernels call (never launched). Under the interpreter
+    each call of a jitted function patches ``triton.language`` again, which the launch has
+    done already for the whole grid: with ``_rounded`` called seven times a program, that
+    patching was a third of the interpreted kernels' time (a twentieth of the test suite's).
+    There the kernels call the interpreter's own rewrite of the function instead, patched once
+    by their launch; compiled, this is ``triton.jit``."""
+    jitted = triton.jit(fn)
+    rewrite = getattr(jitted, "rewrite", None)  # the interpreter's InterpretedFunction
+    if rewrite is None:
+        return jitted
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return rewrite()(*args, **kwargs)  # rewritten once, then a dict lookup
+
+    return call
+
+
+@_device
 def _rounded(x, out_ty: tl.constexpr, BF16: tl.constexpr):
     """fp32 ``x`` rounded to nearest-even in ``out_ty``, as torch rounds. For bf16 the bits
     are rounded by hand: the Triton interpreter's bf16 cast truncates (compiled kernels
@@ -37,7 +58,7 @@ def _rounded(x, out_ty: tl.constexpr, BF16: tl.constexpr):
     return x.to(out_ty)
 
 
-@triton.jit
+@_device
 def _add_and_norm(value_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, cols, n_cols,
                   value_stride, residual_stride, eps, ZERO_CENTERED: tl.constexpr,
                   BF16: tl.constexpr):
@@ -72,7 +93,7 @@ def _add_rms_norm(value_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_
              mask=cols < n_cols)
 
 
-@triton.jit
+@_device
 def _rounded_e4m3(x):
     """fp32 ``x`` (|x| <= 448) rounded to nearest-even among float8_e4m3fn values, still in
     fp32 (the cast that follows is exact). By hand: the interpreter's fp8 cast does not

@@ -22,6 +22,8 @@ an estimate for a refusal and for ``plan``, not an accounting of the allocator.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
@@ -271,9 +273,22 @@ def check_sizes(checkpoint, facts: dict | None = None) -> None:
     if checkpoint.memo.get("sizes_checked"):
         return
     facts = checkpoint.tensor_facts() if facts is None else facts
-    check_layers(checkpoint.config, facts)
-    check_elements(meta_model(checkpoint, _world1_runtime()), facts)
+    # the check is a function of what the folder holds (the parsed config follows from
+    # config.json, the serving class and the stored tensors): a process that opens the same
+    # contents again (a rank handed the folder's path, case after case) builds no meta
+    # model for it again
+    held = hashlib.sha256(repr((checkpoint.model_class.__module__,
+                                checkpoint.model_class.__qualname__,
+                                json.dumps(checkpoint.raw, sort_keys=True, default=repr),
+                                sorted(facts.items()))).encode()).hexdigest()
+    if held not in _SIZES_CHECKED:
+        check_layers(checkpoint.config, facts)
+        check_elements(meta_model(checkpoint, _world1_runtime()), facts)
+        _SIZES_CHECKED.add(held)
     checkpoint.memo["sizes_checked"] = True
+
+
+_SIZES_CHECKED: set[str] = set()  # digests of the contents check_sizes passed
 
 
 def _world1_runtime():

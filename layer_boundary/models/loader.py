@@ -9,7 +9,8 @@ import torch
 from ..runtime.quant import FP8, check_block_scales, check_scale_dtype, dequantize_blocks
 from ..runtime.safetensors_files import (header_facts, open_file,  # noqa: F401
                                          safetensors_files)
-from ..runtime.shards import CheckpointSlice, ReadBytes, TensorFile, whole
+from ..runtime.shards import (CheckpointSlice, ReadBytes, TensorFile, columns_read_together,
+                              whole)
 from .config import (CheckpointError, check_divisible, check_unquantized_silu,  # noqa: F401
                      read_config, require)
 
@@ -146,52 +147,12 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
             if f".{fused}." in f".{n}.":
                 shards_needed.setdefault(n, set()).add(shard)
     loaded: dict[str, set] = {}
-    for name, tensor in weights:
-        if any(name.startswith(s) or name.endswith(s) for s in skip):
-            continue
-        local = name if locate is None else locate(name)
-        if local is None:
-            continue
-        target, shard = local, None
-        for fused, part, shard_id in stacked:
-            if f".{part}." in f".{local}.":
-                target, shard = f".{local}.".replace(f".{part}.", f".{fused}.")[1:-1], shard_id
-                break
-        param = params.get(target)
-        if param is None:
-            raise CheckpointError(f"checkpoint tensor {name} matches no model parameter")
-        if param.is_floating_point() and not tensor.is_floating_point():
-            raise CheckpointError(f"checkpoint tensor {name} has dtype {tensor.dtype}; parameter "
-                                  f"{target} needs a floating-point tensor")
-        if tensor.dtype == FP8:  # a reader that skipped dequantized()
-            raise CheckpointError(f"checkpoint tensor {name} is FP8: load it through "
-                                  "loader.dequantized() with the checkpoint's weight blocks")
-        if (not isinstance(tensor, CheckpointSlice) and tensor.is_floating_point()
-                and not bool(torch.isfinite(tensor).all())):  # a slice checks what it reads
-            raise CheckpointError(f"checkpoint tensor {name} holds non-finite values (NaN or "
-                                  "Inf)")
-        loader = getattr(param, "weight_loader", None)
-        if loader is None or not getattr(loader, "reads_slices", False):
-            tensor = whole(tensor)  # a loader that takes whole tensors
-        try:
-            with torch.no_grad():
-                if loader is None:
-                    if param.shape != tensor.shape:
-                        raise RuntimeError(f"shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                    param.data.copy_(tensor)
-                elif shard is None:
-                    loader(param, tensor if isinstance(tensor, CheckpointSlice)
-                           else tensor.to(param.dtype))
-                else:
-                    loader(param, tensor if isinstance(tensor, CheckpointSlice)
-                           else tensor.to(param.dtype), shard)
-        except CheckpointError:
-            raise  # a read that names its tensor already (a non-finite block)
-        except (RuntimeError, IndexError, ValueError) as exc:
-            raise CheckpointError(
-                f"checkpoint tensor {name} (shape {tuple(tensor.shape)}) does not fit parameter "
-                f"{target} (local shape {tuple(param.shape)}): {exc}") from None
-        loaded.setdefault(target, set()).add(shard)
+    # the row-parallel weights' column reads: one exchange per group for the whole walk
+    with columns_read_together():
+        for name, tensor in weights:
+            landed = _load_tensor(params, name, tensor, stacked, skip, locate)
+            if landed is not None:
+                loaded.setdefault(landed[0], set()).add(landed[1])
     if not complete:
         return
     missing = sorted(n for n in expected if n not in loaded)
@@ -199,3 +160,53 @@ def load_weights(module: torch.nn.Module, weights, stacked=(), skip=(), locate=N
                      if n in loaded and not need <= loaded[n])
     if missing or partial:
         raise CheckpointError(f"checkpoint lacks tensors for parameters {missing + partial}")
+
+
+def _load_tensor(params: dict, name: str, tensor, stacked, skip, locate):
+    """Checkpoint tensor ``name`` into its parameter (``load_weights``' arguments): the
+    (parameter, shard) it went to, None where this rank skips it."""
+    if any(name.startswith(s) or name.endswith(s) for s in skip):
+        return None
+    local = name if locate is None else locate(name)
+    if local is None:
+        return None
+    target, shard = local, None
+    for fused, part, shard_id in stacked:
+        if f".{part}." in f".{local}.":
+            target, shard = f".{local}.".replace(f".{part}.", f".{fused}.")[1:-1], shard_id
+            break
+    param = params.get(target)
+    if param is None:
+        raise CheckpointError(f"checkpoint tensor {name} matches no model parameter")
+    if param.is_floating_point() and not tensor.is_floating_point():
+        raise CheckpointError(f"checkpoint tensor {name} has dtype {tensor.dtype}; parameter "
+                              f"{target} needs a floating-point tensor")
+    if tensor.dtype == FP8:  # a reader that skipped dequantized()
+        raise CheckpointError(f"checkpoint tensor {name} is FP8: load it through "
+                              "loader.dequantized() with the checkpoint's weight blocks")
+    if (not isinstance(tensor, CheckpointSlice) and tensor.is_floating_point()
+            and not bool(torch.isfinite(tensor).all())):  # a slice checks what it reads
+        raise CheckpointError(f"checkpoint tensor {name} holds non-finite values (NaN or "
+                              "Inf)")
+    loader = getattr(param, "weight_loader", None)
+    if loader is None or not getattr(loader, "reads_slices", False):
+        tensor = whole(tensor)  # a loader that takes whole tensors
+    try:
+        with torch.no_grad():
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise RuntimeError(f"shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            elif shard is None:
+                loader(param, tensor if isinstance(tensor, CheckpointSlice)
+                       else tensor.to(param.dtype))
+            else:
+                loader(param, tensor if isinstance(tensor, CheckpointSlice)
+                       else tensor.to(param.dtype), shard)
+    except CheckpointError:
+        raise  # a read that names its tensor already (a non-finite block)
+    except (RuntimeError, IndexError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint tensor {name} (shape {tuple(tensor.shape)}) does not fit parameter "
+            f"{target} (local shape {tuple(param.shape)}): {exc}") from None
+    return target, shard

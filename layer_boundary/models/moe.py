@@ -25,7 +25,7 @@ from torch import nn
 from .. import HandoffOutput
 from ..runtime import Parallel, all_reduce_rows, all_to_all_rows, exchange_counts, get_forward
 from ..runtime.linear import expect_shape
-from ..runtime.shards import take, take_columns
+from ..runtime.shards import read_columns, take
 from ..runtime.parallel import Group
 from .config import quantized_read
 
@@ -198,14 +198,13 @@ class FusedMoE(nn.Module):
         expect_shape(loaded, *((hidden, inter) if which == "down" else (inter, hidden)))
         e = expert - self.first
         if which == "down":
-            # the TP group reads each down projection together (shards.take_columns): the
+            # the TP group reads each down projection together (shards.read_columns): the
             # moe_tp ranks of the expert's EP shard want their columns, the others none
             owner = expert // self.local
             wants = [((j % self.moe_tp) * self.shard, self.shard) if j // self.moe_tp == owner
                      else (0, 0) for j in range(self.group.size)]
-            columns = take_columns(loaded, self.group, wants)
-            if 0 <= e < self.local:
-                self.w2.data[e].copy_(columns)
+            read_columns(loaded, self.group, wants,
+                         self.w2.data[e] if 0 <= e < self.local else None)
             return
         if not 0 <= e < self.local:
             return  # another expert-parallel rank's expert

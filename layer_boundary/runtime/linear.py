@@ -13,7 +13,7 @@ from .arguments import flag
 from .collectives import all_reduce_rows, gather_last_dim
 from .context import get_forward, sequence_parallel_scope
 from .quant import QuantizedInput, as_activations
-from .shards import take, take_columns, whole
+from .shards import read_columns, take, whole
 from .packed import linear
 from .parallel import Group
 
@@ -160,9 +160,9 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         expect_shape(loaded, param.shape[0], self.in_per_rank * self.group.size)
-        n = self.in_per_rank  # the group reads the tensor together (shards.take_columns)
-        param.data.copy_(take_columns(loaded, self.group, [(r * n, n) for r in
-                                                          range(self.group.size)]))
+        n = self.in_per_rank  # the group reads the tensor together (shards.read_columns)
+        read_columns(loaded, self.group, [(r * n, n) for r in range(self.group.size)],
+                     param.data)
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         expect_shape(loaded, *param.shape)

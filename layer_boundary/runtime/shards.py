@@ -3,7 +3,7 @@
 The loader hands each parameter's ``weight_loader`` a ``CheckpointSlice``: the tensor's
 full shape and dtype from the safetensors header, and a reader of any block of it, so a
 sharded layer reads its shard and nothing else. A loader takes what it keeps with
-``take(loaded, dim, start, length)``, ``take_columns(loaded, group, wants)`` or
+``take(loaded, dim, start, length)``, ``read_columns(loaded, group, wants, into)`` or
 ``whole(loaded)``; each accepts a plain tensor as well. Every block read is checked finite
 and its bytes counted, so a run can report what each rank read.
 
@@ -18,13 +18,14 @@ rows, and one all-to-all hands every rank its columns of all of them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 
 import torch
 
-from .collectives import all_to_all_rows, exchange_counts
+from .collectives import all_to_all_rows
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64,
@@ -149,7 +150,7 @@ def check_finite(block: torch.Tensor, name: str) -> None:
 def take(loaded, dim: int, start: int, length: int) -> torch.Tensor:
     """Rows (``dim`` 0) or columns (``dim`` 1) [start, start + length) of a checkpoint
     tensor, reading only those rows from a ``CheckpointSlice`` (a column block reads every
-    row: ``take_columns`` reads it together with the other ranks that shard it)."""
+    row: ``read_columns`` reads it together with the other ranks that shard it)."""
     if isinstance(loaded, CheckpointSlice):
         index = [slice(None)] * len(loaded.shape)
         index[dim] = slice(start, start + length)
@@ -157,33 +158,124 @@ def take(loaded, dim: int, start: int, length: int) -> torch.Tensor:
     return loaded.narrow(dim, start, length)
 
 
-def take_columns(loaded, group, wants: list[tuple[int, int]]) -> torch.Tensor:
+def read_columns(loaded, group, wants: list[tuple[int, int]], into: torch.Tensor | None) -> None:
     """This rank's columns of a 2-d checkpoint tensor that the members of ``group`` read
-    together: member j wants columns ``wants[j]`` = (start, length), possibly none.
+    together, copied into ``into`` (None: this member keeps none, and still takes part):
+    member j wants columns ``wants[j]`` = (start, length), possibly none.
 
     Every member must call it for the same tensor at the same point of the load (the loaders
     do: every rank of a stage walks the same checkpoint in the same order). Each reads a
     contiguous block of rows and an all-to-all hands every member its columns of every
     block, so each reads about 1/size of the tensor however it is sharded. A non-finite
-    value anywhere is reported by every member (they agree first), so no member waits on
-    one that stopped.
+    value anywhere is reported by every member: each block travels behind a flag byte that
+    says whether its sender's rows were finite, so the collective that moves the columns
+    carries the verdict, and no member waits on one that stopped. Inside
+    ``columns_read_together()`` the copy waits for the block's end, where the group exchanges
+    every tensor it read there in one all-to-all; outside, it is now.
     """
-    start, length = wants[group.rank]
-    if not isinstance(loaded, CheckpointSlice) or group.size == 1 or len(loaded.shape) != 2:
-        return take(loaded, 1, start, length)
-    rows, size = loaded.shape[0], group.size
-    bounds = [rows * m // size for m in range(size + 1)]
-    mine = loaded.rows(bounds[group.rank], bounds[group.rank + 1])
-    if any(exchange_counts([int(_non_finite(mine))] * size, group)):
-        raise _non_finite_error(loaded.name)
-    # bytes, so any dtype crosses gloo: block m's columns for member j, members in order
-    send = torch.cat([mine[:, s:s + n].contiguous().view(torch.uint8).reshape(-1)
-                      for s, n in wants])
-    item = loaded.dtype.itemsize
-    sent = [(bounds[group.rank + 1] - bounds[group.rank]) * n * item for _, n in wants]
-    got = [(bounds[m + 1] - bounds[m]) * length * item for m in range(size)]
+    if not _read_together(loaded, group):
+        if into is not None:
+            into.copy_(take(loaded, 1, *wants[group.rank]))
+        return
+    read = _ColumnRead(loaded, group, wants, into)
+    if _PENDING is None:
+        _exchange(group, [read])
+        return
+    pending = _PENDING.setdefault(group.key, [])
+    pending.append(read)
+    if sum(r.bytes for r in pending) >= READ_BATCH_BYTES:  # the same sum on every member
+        _exchange(group, _PENDING.pop(group.key))
+
+
+# a group exchanges its pending column reads once they total this many bytes of checkpoint
+# (each member holds about 1/size of them meanwhile), else at the end of the load
+READ_BATCH_BYTES = 256 << 20
+_PENDING: dict | None = None  # group key -> its reads waiting, inside columns_read_together()
+
+
+@contextlib.contextmanager
+def columns_read_together():
+    """``read_columns`` inside the block is exchanged per group at its end (or whenever a
+    group's reads pass ``READ_BATCH_BYTES``): one all-to-all for a checkpoint's row-parallel
+    weights and experts' down projections instead of one a tensor. Groups exchange in the
+    order they first read, the same on every member (every rank walks the checkpoint alike).
+    A block that raises exchanges nothing (its members raise too, or a collective timeout
+    ends the job, as a rank that stops mid-load always did). Nested, the outer block's end."""
+    global _PENDING
+    if _PENDING is not None:
+        yield
+        return
+    _PENDING = {}
+    try:
+        yield
+        while _PENDING:
+            key = next(iter(_PENDING))
+            _exchange(_PENDING[key][0].group, _PENDING.pop(key))
+    finally:
+        _PENDING = None
+
+
+def _read_together(loaded, group) -> bool:
+    return isinstance(loaded, CheckpointSlice) and group.size > 1 and len(loaded.shape) == 2
+
+
+class _ColumnRead:
+    """One tensor of a column exchange: this member's block of its rows (read now, in the
+    walk's order), whether it is finite, and where this member's columns go."""
+
+    __slots__ = ("loaded", "group", "wants", "into", "bounds", "mine", "bad", "bytes")
+
+    def __init__(self, loaded, group, wants, into) -> None:
+        self.loaded, self.group, self.wants, self.into = loaded, group, wants, into
+        rows, size = loaded.shape[0], group.size
+        self.bounds = [rows * m // size for m in range(size + 1)]
+        self.mine = loaded.rows(self.bounds[group.rank], self.bounds[group.rank + 1])
+        self.bad = _non_finite(self.mine)
+        self.bytes = math.prod(loaded.shape) * loaded.dtype.itemsize
+
+    def block_rows(self, member: int) -> int:
+        return self.bounds[member + 1] - self.bounds[member]
+
+    def columns(self, member: int) -> torch.Tensor:
+        """This member's rows of ``member``'s columns, as bytes (any dtype crosses gloo)."""
+        s, n = self.wants[member]
+        return self.mine[:, s:s + n].contiguous().view(torch.uint8).reshape(-1)
+
+
+def _exchange(group, reads: list[_ColumnRead]) -> None:
+    """One all-to-all of ``reads`` over ``group``: each read's columns (this member's)
+    copied into its ``into`` where it has one. Raises, on every member alike, for the
+    first read with a non-finite block on any member."""
+    me, size = group.rank, group.size
+    lengths = [r.wants[me][1] for r in reads]
+    # to each member: every read's flag (its rows finite or not), then each read's columns
+    flags = torch.tensor([int(r.bad) for r in reads], dtype=torch.uint8,
+                         device=reads[0].mine.device)
+    send = torch.cat([t for j in range(size)
+                      for t in (flags, *(r.columns(j) for r in reads if r.wants[j][1]))])
+    sent = [len(reads) + sum(r.block_rows(me) * r.wants[j][1] * r.loaded.dtype.itemsize
+                             for r in reads) for j in range(size)]
+    got = [len(reads) + sum(r.block_rows(m) * n * r.loaded.dtype.itemsize
+                            for r, n in zip(reads, lengths)) for m in range(size)]
     out = all_to_all_rows(send, group, sent, got)
-    return out.view(loaded.dtype).view(rows, length)
+    blocks: list[list[torch.Tensor]] = [[] for _ in reads]
+    bad = [False] * len(reads)
+    at = 0
+    for m in range(size):  # sender m's part
+        bad = [b or bool(f) for b, f in zip(bad, out[at:at + len(reads)].tolist())]
+        at += len(reads)
+        for i, (r, n) in enumerate(zip(reads, lengths)):
+            nbytes = r.block_rows(m) * n * r.loaded.dtype.itemsize
+            if r.into is not None and n:  # else it keeps none (and sent its rows all the same)
+                # a copy: the flags leave the block's bytes unaligned for a wider dtype's view
+                blocks[i].append(out[at:at + nbytes].clone().view(r.loaded.dtype)
+                                 .view(r.block_rows(m), n))
+            at += nbytes
+    if any(bad):
+        raise _non_finite_error(reads[bad.index(True)].loaded.name)
+    for r, b in zip(reads, blocks):
+        if b:
+            r.into.copy_(torch.cat(b))
 
 
 def whole(loaded) -> torch.Tensor:

@@ -97,3 +97,42 @@ def kept_slices(model_dir: str, tp: int, dp: int) -> dict:
     pick = {k: next(v for n, v in params.items() if n.endswith(f"layers.0.{p}.weight"))
             for k, p in (("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj"))}
     return {k: v.detach().clone() for k, v in pick.items()}
+
+
+def exchanges_and_slices(model_dir: str, tp: int, dp: int, batch_bytes: int | None) -> dict:
+    """``kept_slices`` with each column exchange of the load counted (per group), with
+    ``shards.READ_BATCH_BYTES`` set to ``batch_bytes`` (None: as it is)."""
+    from layer_boundary.runtime import shards
+
+    counts: dict[str, int] = {}
+    exchange, budget = shards.all_to_all_rows, shards.READ_BATCH_BYTES
+
+    def counted(x, group, send, recv):
+        counts[group.name] = counts.get(group.name, 0) + 1
+        return exchange(x, group, send, recv)
+
+    shards.all_to_all_rows = counted
+    shards.READ_BATCH_BYTES = budget if batch_bytes is None else batch_bytes
+    try:
+        return {"exchanges": counts, **kept_slices(model_dir, tp, dp)}
+    finally:
+        shards.all_to_all_rows, shards.READ_BATCH_BYTES = exchange, budget
+
+
+@pytest.mark.timeout(120)
+def test_a_load_exchanges_its_column_reads_once_per_group(qwen3_dir):
+    """A load's row-parallel weights are read together in one all-to-all per group (the
+    attention TP group's o_proj, the TP group's down_proj), not one a tensor; with a budget
+    of one byte each tensor is exchanged as it is read. Both keep world 1's slices."""
+    from layer_boundary.models.checkpoint import open_checkpoint
+
+    layers = open_checkpoint(str(qwen3_dir)).config.num_hidden_layers
+    whole = kept_slices(str(qwen3_dir), 1, 1)
+    for batch_bytes, per_group in ((None, 1), (1, layers)):
+        for rank, got in enumerate(get_pool(4).run(exchanges_and_slices, str(qwen3_dir), 4, 2,
+                                                   batch_bytes)):
+            assert got["exchanges"] == {"attn_tp": per_group, "tp": per_group}, (rank, got)
+            o, d = whole["o_proj"].shape[1] // 2, whole["down_proj"].shape[1] // 4
+            assert torch.equal(got["o_proj"], whole["o_proj"][:, rank % 2 * o:][:, :o])
+            assert torch.equal(got["down_proj"], whole["down_proj"][:, rank * d:][:, :d])
+

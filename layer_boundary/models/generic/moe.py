@@ -33,7 +33,7 @@ from ...runtime.collectives import all_reduce_rows
 from ...runtime.context import get_forward
 from ...runtime.hf_names import Rename, StackExperts, renamed
 from ...runtime.linear import RowParallelLinear, expect_shape
-from ...runtime.shards import CheckpointError, CheckpointSlice, take, take_columns
+from ...runtime.shards import CheckpointError, CheckpointSlice, read_columns, take
 from .config import refuse
 
 # transformers' stacked weights of an experts module, the tp_plan style each must carry (None:
@@ -82,14 +82,12 @@ class ExpertShard:
         e = expert - self.first
         if self.kind == "down_proj":  # [hidden, inter]: this rank's columns
             expect_shape(loaded, self.hidden, self.inter)
-            # the TP group reads each down projection together (shards.take_columns): the
+            # the TP group reads each down projection together (shards.read_columns): the
             # moe_tp ranks of the expert's EP rank want their columns, the others none
             owner = expert // self.local
             wants = [((j % self.moe_tp) * self.size, self.size) if j // self.moe_tp == owner
                      else (0, 0) for j in range(self.group.size)]
-            columns = take_columns(loaded, self.group, wants)
-            if 0 <= e < self.local:
-                param.data[e].copy_(columns)
+            read_columns(loaded, self.group, wants, param.data[e] if 0 <= e < self.local else None)
             return
         expect_shape(loaded, self.inter, self.hidden)
         if 0 <= e < self.local:  # else another EP rank's expert
