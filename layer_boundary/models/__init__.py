@@ -86,7 +86,7 @@ def load_model(path, runtime, dtype=torch.float32, fusions=None, options=(), rea
         raise ValueError(f"model options {sorted(dict(options))} do not apply to "
                          f"{cfg.model_type}") from None
     # a config.json asking for more than its checkpoint holds is refused before any memory
-    # is allocated (a meta build and the safetensors headers; once per Checkpoint)
+    # is allocated (a meta build and the safetensors headers; once per contents)
     check_sizes(checkpoint)
     with building_on(device):
         model = model_cls(cfg, runtime, dtype=dtype, **kwargs)

@@ -264,7 +264,8 @@ def meta_model(checkpoint, runtime, dtype=torch.float32):
 def check_sizes(checkpoint, facts: dict | None = None) -> None:
     """Refuse a config.json that asks for more layers or parameter elements than the
     checkpoint's tensors hold, from the safetensors headers and a world-1 meta build (no
-    memory). Checked once per ``Checkpoint`` (the ranks it is handed to do not again).
+    memory). Checked once per ``Checkpoint`` (the ranks it is handed to do not again), and
+    once a process for the same contents (another ``Checkpoint`` of the same folder).
 
     Args:
         checkpoint: a ``Checkpoint``.

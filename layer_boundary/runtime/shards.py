@@ -189,7 +189,7 @@ def read_columns(loaded, group, wants: list[tuple[int, int]], into: torch.Tensor
 
 # a group exchanges its pending column reads once they total this many bytes of checkpoint
 # (each member holds about 1/size of them meanwhile), else at the end of the load
-READ_BATCH_BYTES = 256 << 20
+READ_BATCH_BYTES = 32 << 20
 _PENDING: dict | None = None  # group key -> its reads waiting, inside columns_read_together()
 
 
@@ -253,6 +253,8 @@ def _exchange(group, reads: list[_ColumnRead]) -> None:
                          device=reads[0].mine.device)
     send = torch.cat([t for j in range(size)
                       for t in (flags, *(r.columns(j) for r in reads if r.wants[j][1]))])
+    for r in reads:
+        r.mine = None  # sent: the rows need not outlive the exchange's buffers
     sent = [len(reads) + sum(r.block_rows(me) * r.wants[j][1] * r.loaded.dtype.itemsize
                              for r in reads) for j in range(size)]
     got = [len(reads) + sum(r.block_rows(m) * n * r.loaded.dtype.itemsize
