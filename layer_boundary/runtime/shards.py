@@ -179,12 +179,12 @@ def read_columns(loaded, group, wants: list[tuple[int, int]], into: torch.Tensor
         return
     read = _ColumnRead(loaded, group, wants, into)
     if _PENDING is None:
-        _exchange(group, [read])
+        _exchange([read])
         return
     pending = _PENDING.setdefault(group.key, [])
     pending.append(read)
     if sum(r.bytes for r in pending) >= READ_BATCH_BYTES:  # the same sum on every member
-        _exchange(group, _PENDING.pop(group.key))
+        _exchange(_PENDING.pop(group.key))
 
 
 # a group exchanges its pending column reads once they total this many bytes of checkpoint
@@ -209,8 +209,7 @@ def columns_read_together():
     try:
         yield
         while _PENDING:
-            key = next(iter(_PENDING))
-            _exchange(_PENDING[key][0].group, _PENDING.pop(key))
+            _exchange(_PENDING.pop(next(iter(_PENDING))))
     finally:
         _PENDING = None
 
@@ -242,24 +241,25 @@ class _ColumnRead:
         return self.mine[:, s:s + n].contiguous().view(torch.uint8).reshape(-1)
 
 
-def _exchange(group, reads: list[_ColumnRead]) -> None:
-    """One all-to-all of ``reads`` over ``group``: each read's columns (this member's)
-    copied into its ``into`` where it has one. Raises, on every member alike, for the
-    first read with a non-finite block on any member."""
+def _exchange(reads: list[_ColumnRead]) -> None:
+    """One all-to-all of ``reads`` (of one group) over their group: each read's columns (this
+    member's) copied into its ``into`` where it has one. Raises, on every member alike, for
+    the first read with a non-finite block on any member."""
+    group = reads[0].group
     me, size = group.rank, group.size
-    lengths = [r.wants[me][1] for r in reads]
     # to each member: every read's flag (its rows finite or not), then each read's columns
     flags = torch.tensor([int(r.bad) for r in reads], dtype=torch.uint8,
                          device=reads[0].mine.device)
-    send = torch.cat([t for j in range(size)
-                      for t in (flags, *(r.columns(j) for r in reads if r.wants[j][1]))])
+    parts = [torch.cat([flags, *(r.columns(j) for r in reads if r.wants[j][1])])
+             for j in range(size)]
     for r in reads:
         r.mine = None  # sent: the rows need not outlive the exchange's buffers
-    sent = [len(reads) + sum(r.block_rows(me) * r.wants[j][1] * r.loaded.dtype.itemsize
-                             for r in reads) for j in range(size)]
-    got = [len(reads) + sum(r.block_rows(m) * n * r.loaded.dtype.itemsize
-                            for r, n in zip(reads, lengths)) for m in range(size)]
-    out = all_to_all_rows(send, group, sent, got)
+    # what member m sends this one of each read: its block's rows of this member's columns
+    lengths = [r.wants[me][1] for r in reads]
+    nbytes = [[r.block_rows(m) * n * r.loaded.dtype.itemsize for r, n in zip(reads, lengths)]
+              for m in range(size)]
+    out = all_to_all_rows(torch.cat(parts), group, [p.numel() for p in parts],
+                          [len(reads) + sum(row) for row in nbytes])
     blocks: list[list[torch.Tensor]] = [[] for _ in reads]
     bad = [False] * len(reads)
     at = 0
@@ -267,12 +267,11 @@ def _exchange(group, reads: list[_ColumnRead]) -> None:
         bad = [b or bool(f) for b, f in zip(bad, out[at:at + len(reads)].tolist())]
         at += len(reads)
         for i, (r, n) in enumerate(zip(reads, lengths)):
-            nbytes = r.block_rows(m) * n * r.loaded.dtype.itemsize
             if r.into is not None and n:  # else it keeps none (and sent its rows all the same)
                 # a copy: the flags leave the block's bytes unaligned for a wider dtype's view
-                blocks[i].append(out[at:at + nbytes].clone().view(r.loaded.dtype)
+                blocks[i].append(out[at:at + nbytes[m][i]].clone().view(r.loaded.dtype)
                                  .view(r.block_rows(m), n))
-            at += nbytes
+            at += nbytes[m][i]
     if any(bad):
         raise _non_finite_error(reads[bad.index(True)].loaded.name)
     for r, b in zip(reads, blocks):
