@@ -189,7 +189,7 @@ def read_columns(loaded, group, wants: list[tuple[int, int]], into: torch.Tensor
 
 # a group exchanges its pending column reads once they total this many bytes of checkpoint
 # (each member holds about 1/size of them meanwhile), else at the end of the load
-READ_BATCH_BYTES = 32 << 20
+READ_BATCH_BYTES = 16 << 20
 _PENDING: dict | None = None  # group key -> its reads waiting, inside columns_read_together()
 
 
@@ -232,51 +232,73 @@ class _ColumnRead:
         self.bad = _non_finite(self.mine)
         self.bytes = math.prod(loaded.shape) * loaded.dtype.itemsize
 
-    def block_rows(self, member: int) -> int:
-        return self.bounds[member + 1] - self.bounds[member]
+    def block_bytes(self, sender: int, member: int) -> int:
+        """The bytes ``sender``'s block carries of ``member``'s columns."""
+        rows = self.bounds[sender + 1] - self.bounds[sender]
+        return rows * self.wants[member][1] * self.loaded.dtype.itemsize
 
-    def columns(self, member: int) -> torch.Tensor:
-        """This member's rows of ``member``'s columns, as bytes (any dtype crosses gloo)."""
+    def send(self, member: int, into: torch.Tensor) -> None:
+        """This member's rows of ``member``'s columns into ``into`` (bytes: any dtype crosses
+        gloo)."""
         s, n = self.wants[member]
-        return self.mine[:, s:s + n].contiguous().view(torch.uint8).reshape(-1)
+        into.view(self.mine.shape[0], -1).copy_(_as_bytes(self.mine[:, s:s + n]))
+
+    def receive(self, sender: int, block: torch.Tensor) -> None:
+        """``sender``'s rows of this member's columns (bytes) into their rows of ``into``."""
+        rows = self.into[self.bounds[sender]:self.bounds[sender + 1]]
+        block = block.view(rows.shape[0], -1)
+        if rows.dtype == self.loaded.dtype and rows.stride(-1) == 1:
+            _as_bytes(rows).copy_(block)  # no staging copy: the bytes land where they stay
+        else:  # another dtype (or layout) to convert to: stage the block in the checkpoint's
+            staged = torch.empty(rows.shape, dtype=self.loaded.dtype, device=block.device)
+            _as_bytes(staged).copy_(block)
+            rows.copy_(staged)
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """A 2-d tensor whose rows are contiguous, viewed as its bytes (its last dim scaled by the
+    element size); a byte view of a wider dtype, so any offset of it is allowed."""
+    return x.view(torch.uint8)
 
 
 def _exchange(reads: list[_ColumnRead]) -> None:
     """One all-to-all of ``reads`` (of one group) over their group: each read's columns (this
     member's) copied into its ``into`` where it has one. Raises, on every member alike, for
-    the first read with a non-finite block on any member."""
+    the first read with a non-finite block on any member, before any ``into`` is written."""
     group = reads[0].group
-    me, size = group.rank, group.size
-    # to each member: every read's flag (its rows finite or not), then each read's columns
-    flags = torch.tensor([int(r.bad) for r in reads], dtype=torch.uint8,
-                         device=reads[0].mine.device)
-    parts = [torch.cat([flags, *(r.columns(j) for r in reads if r.wants[j][1])])
-             for j in range(size)]
+    me, size, k = group.rank, group.size, len(reads)
+    # to each member, one part: every read's flag (its rows finite or not), then each read's
+    # columns, built in place in one buffer (the parts' sizes are what the collective sends)
+    send = [k + sum(r.block_bytes(me, j) for r in reads) for j in range(size)]
+    recv = [k + sum(r.block_bytes(m, me) for r in reads) for m in range(size)]
+    buffer = torch.empty(sum(send), dtype=torch.uint8, device=reads[0].mine.device)
+    flags = torch.tensor([int(r.bad) for r in reads], dtype=torch.uint8, device=buffer.device)
+    at = 0
+    for j in range(size):
+        buffer[at:at + k] = flags
+        at += k
+        for r in reads:
+            n = r.block_bytes(me, j)
+            if n:
+                r.send(j, buffer[at:at + n])
+            at += n
     for r in reads:
         r.mine = None  # sent: the rows need not outlive the exchange's buffers
-    # what member m sends this one of each read: its block's rows of this member's columns
-    lengths = [r.wants[me][1] for r in reads]
-    nbytes = [[r.block_rows(m) * n * r.loaded.dtype.itemsize for r, n in zip(reads, lengths)]
-              for m in range(size)]
-    out = all_to_all_rows(torch.cat(parts), group, [p.numel() for p in parts],
-                          [len(reads) + sum(row) for row in nbytes])
-    blocks: list[list[torch.Tensor]] = [[] for _ in reads]
-    bad = [False] * len(reads)
-    at = 0
+    out = all_to_all_rows(buffer, group, send, recv)
+    del buffer
+    blocks, bad, at = [], [False] * k, 0
     for m in range(size):  # sender m's part
-        bad = [b or bool(f) for b, f in zip(bad, out[at:at + len(reads)].tolist())]
-        at += len(reads)
-        for i, (r, n) in enumerate(zip(reads, lengths)):
-            if r.into is not None and n:  # else it keeps none (and sent its rows all the same)
-                # a copy: the flags leave the block's bytes unaligned for a wider dtype's view
-                blocks[i].append(out[at:at + nbytes[m][i]].clone().view(r.loaded.dtype)
-                                 .view(r.block_rows(m), n))
-            at += nbytes[m][i]
+        bad = [b or bool(f) for b, f in zip(bad, out[at:at + k].tolist())]
+        at += k
+        for r in reads:
+            n = r.block_bytes(m, me)
+            if n and r.into is not None:  # else it keeps none (and sent its rows all the same)
+                blocks.append((r, m, out[at:at + n]))
+            at += n
     if any(bad):
         raise _non_finite_error(reads[bad.index(True)].loaded.name)
-    for r, b in zip(reads, blocks):
-        if b:
-            r.into.copy_(torch.cat(b))
+    for r, m, block in blocks:
+        r.receive(m, block)
 
 
 def whole(loaded) -> torch.Tensor:
