@@ -237,11 +237,11 @@ class _ColumnRead:
         rows = self.bounds[sender + 1] - self.bounds[sender]
         return rows * self.wants[member][1] * self.loaded.dtype.itemsize
 
-    def send(self, member: int, into: torch.Tensor) -> None:
-        """This member's rows of ``member``'s columns into ``into`` (bytes: any dtype crosses
-        gloo)."""
+    def send(self, member: int, part: torch.Tensor) -> None:
+        """This member's rows of ``member``'s columns written into ``part``, the bytes of the
+        send buffer they take (bytes: any dtype crosses gloo)."""
         s, n = self.wants[member]
-        into.view(self.mine.shape[0], -1).copy_(_as_bytes(self.mine[:, s:s + n]))
+        part.view(self.mine.shape[0], -1).copy_(_as_bytes(self.mine[:, s:s + n]))
 
     def receive(self, sender: int, block: torch.Tensor) -> None:
         """``sender``'s rows of this member's columns (bytes) into their rows of ``into``."""
@@ -256,8 +256,9 @@ class _ColumnRead:
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    """A 2-d tensor whose rows are contiguous, viewed as its bytes (its last dim scaled by the
-    element size); a byte view of a wider dtype, so any offset of it is allowed."""
+    """A 2-d tensor whose last dim is contiguous, viewed as its bytes (that dim scaled by the
+    element size). Received blocks follow the flag bytes at any offset, which a view as a
+    wider dtype would refuse; as bytes the copy needs no alignment."""
     return x.view(torch.uint8)
 
 
